@@ -1,0 +1,23 @@
+"""Errors the service facade raises; the API maps them to HTTP status codes."""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    """Base: `str(e)` is a message safe to show the caller."""
+
+    status = 500
+
+
+class NotFound(ServiceError):
+    status = 404
+
+
+class Conflict(ServiceError):
+    """The request is valid but the current state forbids it (e.g. drain below min nodes)."""
+
+    status = 409
+
+
+class BadRequest(ServiceError):
+    status = 400

@@ -1,0 +1,75 @@
+"""The controller's facade: everything the REST API (and so agentctl) can ask of it.
+
+The API layer depends only on this Protocol; `controller.core.Controller` implements it.
+Every mutating call takes `actor` (the token's name) for the audit log.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from agent.protocol import FaultSpec, Report, ReportResponse
+from controller.views import (
+    AuditEntry,
+    IncidentDetail,
+    IncidentView,
+    JobView,
+    NodeRole,
+    NodeView,
+    SilenceView,
+)
+
+
+class ControllerService(Protocol):
+    def ingest_report(self, report: Report, *, actor: str) -> ReportResponse:
+        """Store a node's report; return acknowledged event id + pending commands."""
+
+    def list_nodes(self) -> list[NodeView]: ...
+
+    def get_node(self, name: str) -> NodeView:
+        """Raises NotFound."""
+
+    def set_role(self, name: str, *, role: NodeRole, actor: str) -> NodeView:
+        """Mark a node active or hot spare. Raises NotFound."""
+
+    def drain(self, name: str, *, reason: str, actor: str) -> NodeView:
+        """Drain a node (stop its job processes, keep it out of scheduling). Raises NotFound,
+        Conflict (already drained is NOT a conflict: idempotent)."""
+
+    def undrain(self, name: str, *, actor: str) -> NodeView: ...
+
+    def list_spares(self) -> list[NodeView]: ...
+
+    def list_incidents(
+        self, *, state: str | None = None, node: str | None = None, limit: int = 100
+    ) -> list[IncidentView]: ...
+
+    def get_incident(self, incident_id: int) -> IncidentDetail: ...
+
+    def list_jobs(self) -> list[JobView]: ...
+
+    def get_job(self, name: str) -> JobView: ...
+
+    def create_silence(
+        self,
+        *,
+        rule: str | None,
+        node: str | None,
+        duration_s: float,
+        comment: str,
+        actor: str,
+    ) -> SilenceView:
+        """Raises BadRequest if neither rule nor node is given or duration_s <= 0."""
+
+    def list_silences(self, *, include_expired: bool = False) -> list[SilenceView]: ...
+
+    def delete_silence(self, silence_id: int, *, actor: str) -> None: ...
+
+    def inject_fault(self, node: str, spec: FaultSpec, *, actor: str) -> str:
+        """Queue an inject_fault command for the node's agent; returns the command id."""
+
+    def audit_log(self, *, limit: int = 100) -> list[AuditEntry]: ...
+
+    def reload_rules(self, *, actor: str) -> int:
+        """Reload rule files; returns the number of rules. Raises BadRequest (keeps the old
+        rules) when a file is bad."""

@@ -1,0 +1,110 @@
+"""Read models the API and agentctl show: plain frozen dataclasses, JSON-ready via
+`agent.protocol.to_wire`. The service facade returns these; the store never leaks rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+NodeRole = Literal["active", "spare"]
+NodeState = Literal["active", "draining", "drained"]
+IncidentState = Literal["open", "acting", "mitigated", "resolved", "suppressed"]
+ActionState = Literal["pending", "running", "succeeded", "failed", "skipped"]
+
+
+@dataclass(frozen=True)
+class NodeView:
+    name: str
+    role: NodeRole
+    state: NodeState
+    labels: dict[str, str] = field(default_factory=dict)
+    last_report_at: float | None = None  # unix s
+    report_age_s: float | None = None
+    reporting: bool = False  # fresh report within the silence threshold
+    gpus: int = 0
+    ib_ports: int = 0
+    job: str | None = None  # job this node is assigned to
+    open_incidents: int = 0
+    drain_reason: str | None = None
+    agent_version: str = ""
+
+
+@dataclass(frozen=True)
+class TimelineEntry:
+    ts: float
+    kind: str  # "opened", "notified", "action_started", "action_succeeded", "resolved", ...
+    message: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ActionView:
+    id: int
+    incident_id: int | None
+    kind: str  # "notify", "drain", "undrain", "checkpoint", "replace", "restart", ...
+    target: str  # target key or node/job name
+    state: ActionState
+    attempts: int
+    idempotency_key: str
+    created_at: float
+    updated_at: float
+    result: str = ""
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class IncidentView:
+    id: int
+    rule: str
+    target: str  # Target.key
+    target_text: str  # Target.describe()
+    severity: str
+    state: IncidentState
+    opened_at: float
+    updated_at: float
+    resolved_at: float | None = None
+    summary: str = ""
+    node: str | None = None
+    job: str | None = None
+
+
+@dataclass(frozen=True)
+class IncidentDetail:
+    incident: IncidentView
+    timeline: tuple[TimelineEntry, ...] = ()
+    actions: tuple[ActionView, ...] = ()
+
+
+@dataclass(frozen=True)
+class JobView:
+    name: str
+    state: str  # "pending", "running", "restarting", "stopped", "failed", ...
+    nodes: tuple[str, ...] = ()
+    attempt: int = 0
+    last_step: int | None = None
+    ckpt_step: int | None = None  # newest committed checkpoint step reported by the ranks
+    restarts: int = 0
+    ettr: float | None = None  # effective training time ratio, 0..1
+    ranks: int = 0
+
+
+@dataclass(frozen=True)
+class SilenceView:
+    id: int
+    rule: str | None
+    node: str | None
+    created_by: str
+    created_at: float
+    expires_at: float
+    comment: str = ""
+    active: bool = True
+
+
+@dataclass(frozen=True)
+class AuditEntry:
+    id: int
+    ts: float
+    actor: str  # token name (never the token itself)
+    action: str
+    target: str
+    detail: dict[str, Any] = field(default_factory=dict)
