@@ -1,0 +1,144 @@
+"""Executing controller Commands on this node: one handler per command kind.
+
+A handler takes the Command and returns a CommandResult; the executor turns every outcome,
+exceptions included, into a result (which the agent spools as a `command_result` event).
+Supporting a new kind (the torchrun job backend's `start_job`/`stop_job`) is registering a
+handler, nothing more.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from agent.protocol import Command, Control, FaultSpec, ProtocolError, from_wire
+
+log = logging.getLogger("trainguard.agent.commands")
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    ok: bool
+    message: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+Handler = Callable[[Command], CommandResult]
+
+
+class ControlSender(Protocol):
+    def send_control(self, job: str, control: Control) -> tuple[int, int]: ...
+
+
+class FaultTarget(Protocol):
+    def inject(self, spec: FaultSpec) -> None: ...
+
+
+class CommandError(ValueError):
+    """A command whose arguments are wrong; becomes ok=false with this message."""
+
+
+class CommandExecutor:
+    """Dispatches Commands to handlers by kind."""
+
+    def __init__(self, handlers: Mapping[str, Handler] | None = None) -> None:
+        self._handlers: dict[str, Handler] = dict(handlers or {})
+
+    def register(self, kind: str, handler: Handler) -> None:
+        self._handlers[kind] = handler
+
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(sorted(self._handlers))
+
+    def execute(self, cmd: Command) -> CommandResult:
+        handler = self._handlers.get(cmd.kind)
+        if handler is None:
+            result = CommandResult(ok=False, message=f"unknown command kind {cmd.kind!r}")
+        else:
+            try:
+                result = handler(cmd)
+            except (CommandError, ProtocolError, ValueError) as e:
+                result = CommandResult(ok=False, message=str(e))
+            except Exception as e:  # a handler bug answers the controller, never kills us
+                log.exception("event=command_handler_error command_id=%s kind=%s", cmd.id, cmd.kind)
+                result = CommandResult(ok=False, message=f"internal error: {type(e).__name__}")
+        log.info(
+            "event=command_executed command_id=%s kind=%s ok=%s message=%r",
+            cmd.id,
+            cmd.kind,
+            result.ok,
+            result.message,
+        )
+        return result
+
+
+def _str_arg(cmd: Command, name: str) -> str:
+    value = cmd.args.get(name)
+    if not isinstance(value, str) or not value:
+        raise CommandError(f"args.{name}: required non-empty string")
+    return value
+
+
+def control_handlers(sender: ControlSender) -> dict[str, Handler]:
+    """`checkpoint` and `stop_ranks`: relay a Control datagram to the job's local ranks."""
+
+    def relay(cmd: Command, control: Control) -> CommandResult:
+        sent, failed = sender.send_control(control.job, control)
+        data = {"job": control.job, "ranks_sent": sent, "ranks_failed": failed}
+        if sent == 0:
+            return CommandResult(
+                ok=False,
+                message=f"no reachable rank of job {control.job!r} on this node",
+                data=data,
+            )
+        return CommandResult(ok=failed == 0, message=f"sent to {sent} rank(s)", data=data)
+
+    def checkpoint(cmd: Command) -> CommandResult:
+        job = _str_arg(cmd, "job")
+        request_id = cmd.args.get("request_id") or cmd.id
+        return relay(cmd, Control(action="checkpoint", request_id=str(request_id), job=job))
+
+    def stop_ranks(cmd: Command) -> CommandResult:
+        job = _str_arg(cmd, "job")
+        request_id = cmd.args.get("request_id") or cmd.id
+        with_ckpt = cmd.args.get("checkpoint", False)
+        if not isinstance(with_ckpt, bool):
+            raise CommandError("args.checkpoint: expected true or false")
+        control = Control(
+            action="checkpoint_stop" if with_ckpt else "stop", request_id=str(request_id), job=job
+        )
+        return relay(cmd, control)
+
+    return {"checkpoint": checkpoint, "stop_ranks": stop_ranks}
+
+
+def fault_handlers(target: FaultTarget | None) -> dict[str, Handler]:
+    """`inject_fault`: apply a FaultSpec to the simulated hardware (sim backend only)."""
+
+    def inject_fault(cmd: Command) -> CommandResult:
+        if target is None:
+            return CommandResult(ok=False, message="inject_fault needs the sim GPU backend")
+        spec = from_wire(FaultSpec, cmd.args)
+        target.inject(spec)
+        return CommandResult(ok=True, message=f"injected {spec.kind}", data={"fault": spec.kind})
+
+    return {"inject_fault": inject_fault}
+
+
+def unsupported_job_handlers() -> dict[str, Handler]:
+    """Placeholders until a job backend registers real `start_job`/`stop_job` handlers."""
+
+    def not_supported(cmd: Command) -> CommandResult:
+        return CommandResult(ok=False, message=f"{cmd.kind}: not supported yet on this agent")
+
+    return {"start_job": not_supported, "stop_job": not_supported}
+
+
+def default_executor(*, sender: ControlSender, fault_target: FaultTarget | None) -> CommandExecutor:
+    handlers: dict[str, Handler] = {}
+    handlers.update(unsupported_job_handlers())
+    handlers.update(control_handlers(sender))
+    handlers.update(fault_handlers(fault_target))
+    return CommandExecutor(handlers)

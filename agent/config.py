@@ -1,0 +1,228 @@
+"""The agent's configuration: nested frozen dataclasses, loaded strictly from YAML and flags.
+
+Every field states its unit and why its default. Invariants are checked at load, so a bad
+file fails with `FILE: key: reason` instead of misbehaving at 3 a.m.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from agent.strict import ConfigError, Invalid, apply_overrides, build, load_file
+
+DEFAULT_CONFIG_PATH = "/etc/trainguard/agent.yaml"
+DEFAULT_HEARTBEAT_SOCKET = "/run/trainguard/heartbeat.sock"
+
+GpuBackend = Literal["nvml", "sim"]
+
+
+def _check_port(key: str, port: int) -> None:
+    if not 0 <= port <= 65535:
+        raise Invalid(key, f"must be within 0..65535, got {port}")
+
+
+def _check_positive(key: str, value: float) -> None:
+    if not value > 0:
+        raise Invalid(key, f"must be > 0, got {value}")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    # Empty means the host name: the controller keys nodes by it, and on a cluster the host
+    # name is already unique and known to the scheduler.
+    name: str = ""
+    # Free-form labels sent with every report (rack, zone, ...); never metric labels.
+    labels: dict[str, str] = field(default_factory=dict)
+    # A hint for the controller's spare pool; None leaves the decision to the controller.
+    role_hint: Literal["active", "spare"] | None = None
+
+    def resolved_name(self) -> str:
+        return self.name or socket.gethostname()
+
+
+@dataclass(frozen=True)
+class HardwareConfig:
+    # "nvml" on real GPU nodes; "sim" for demos, CI and chaos tests (same interfaces).
+    gpu_backend: GpuBackend = "nvml"
+    # How often the collectors run, seconds. 1 s matches the report interval: a lost GPU
+    # is seen within a second without NVML polling costing more than ~1 % of a core.
+    collect_interval_s: float = 1.0
+    # sim backend only: number of GPUs / IB ports (8 + 8 is one HGX H100 node).
+    sim_gpus: int = 8
+    sim_ib_ports: int = 8
+    # sim backend only: seed, so a demo or test run is reproducible.
+    sim_seed: int = 0
+    # Root of the InfiniBand sysfs tree; configurable so tests use fixture trees.
+    ib_sysfs_root: str = "/sys/class/infiniband"
+    # Kernel log to read XIDs from; empty disables XID collection (e.g. no CAP_SYSLOG).
+    kmsg_path: str = "/dev/kmsg"
+
+    def __post_init__(self) -> None:
+        _check_positive("collect_interval_s", self.collect_interval_s)
+        if self.sim_gpus < 0:
+            raise Invalid("sim_gpus", f"must be >= 0, got {self.sim_gpus}")
+        if self.sim_ib_ports < 0:
+            raise Invalid("sim_ib_ports", f"must be >= 0, got {self.sim_ib_ports}")
+
+
+@dataclass(frozen=True)
+class HeartbeatConfig:
+    # Unix datagram socket the trainer ranks send to; /run is tmpfs and cleaned at boot.
+    socket_path: str = DEFAULT_HEARTBEAT_SOCKET
+    # File mode of the socket, octal string: 0666 lets unprivileged trainers send to a
+    # root agent (the socket only accepts heartbeats; nothing is executed from them).
+    socket_mode: str = "0666"
+    # A rank silent this long, seconds, is forgotten (its metrics disappear). Long enough
+    # that a rank inside a multi-minute checkpoint or eval is still reported as silent
+    # (heartbeat_age_s grows) so the controller's rank-silent rule can fire first.
+    rank_timeout_s: float = 600.0
+    # At most this many (job, rank) pairs are tracked: bounds memory against a flood of
+    # invented ranks. 8 GPUs rarely run more than 8 ranks; 256 leaves room for CPU ranks.
+    max_ranks: int = 256
+    # Per sending process, datagrams per second accepted before decoding (token bucket);
+    # a rank sends once per step, so 200/s allows 5 ms steps and stops a runaway loop.
+    per_sender_rate_hz: float = 200.0
+    # All senders together, datagrams per second read from the socket; above it the
+    # kernel buffer fills and senders (non-blocking) drop: bounded CPU under any flood.
+    max_rate_hz: float = 5000.0
+
+    def __post_init__(self) -> None:
+        if not self.socket_path:
+            raise Invalid("socket_path", "must not be empty")
+        try:
+            mode = int(self.socket_mode, 8)
+        except ValueError:
+            raise Invalid(
+                "socket_mode", f"must be an octal string like '0666', got {self.socket_mode!r}"
+            ) from None
+        if not 0 <= mode <= 0o777:
+            raise Invalid("socket_mode", f"must be within 0000..0777, got {self.socket_mode!r}")
+        _check_positive("rank_timeout_s", self.rank_timeout_s)
+        if self.max_ranks < 1:
+            raise Invalid("max_ranks", f"must be >= 1, got {self.max_ranks}")
+        _check_positive("per_sender_rate_hz", self.per_sender_rate_hz)
+        _check_positive("max_rate_hz", self.max_rate_hz)
+
+    @property
+    def mode(self) -> int:
+        return int(self.socket_mode, 8)
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    # Prometheus scrapes /metrics here. 0.0.0.0 because Prometheus runs on another host;
+    # the fault endpoint on the same server accepts loopback clients only.
+    address: str = "0.0.0.0"
+    # 9500: clear of node_exporter (9100) and dcgm-exporter (9400). 0 picks a free port.
+    port: int = 9500
+
+    def __post_init__(self) -> None:
+        _check_port("port", self.port)
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    # Controller base URL; empty = export-only mode (no reports, no commands).
+    url: str = ""
+    # File holding the bearer token (mode 0600); required when `url` is set.
+    token_file: str = ""
+    # Seconds between reports. 1 s keeps command delivery and fault detection within the
+    # 2 s detection target while 2,000 nodes stay well inside the controller's budget.
+    report_interval_s: float = 1.0
+    # Seconds for one POST (connect + response). Short, so a hung controller costs one
+    # report, not the loop; reports are retried anyway.
+    timeout_s: float = 5.0
+    # Cap on the retry back-off while the controller is down, seconds: a controller coming
+    # back is told about the node within ~30 s even after a long outage.
+    backoff_max_s: float = 30.0
+    # Events carried by one report; the rest ride on the next ones (bounds body size).
+    max_events_per_report: int = 500
+    # Events kept while unacknowledged; when full the oldest are dropped and counted.
+    # 10,000 is hours of XIDs from a sick node and a few MB of memory at most.
+    spool_max_events: int = 10_000
+    # CA bundle to verify the controller's TLS certificate; empty = system store.
+    ca_file: str = ""
+
+    def __post_init__(self) -> None:
+        if self.url and not self.url.startswith(("http://", "https://")):
+            raise Invalid("url", f"must start with http:// or https://, got {self.url!r}")
+        if self.url and not self.token_file:
+            raise Invalid("token_file", "is required when controller.url is set")
+        _check_positive("report_interval_s", self.report_interval_s)
+        _check_positive("timeout_s", self.timeout_s)
+        if self.backoff_max_s < self.report_interval_s:
+            raise Invalid(
+                "backoff_max_s",
+                f"must be >= controller.report_interval_s ({self.report_interval_s})",
+            )
+        if self.max_events_per_report < 1:
+            raise Invalid("max_events_per_report", "must be >= 1")
+        if self.spool_max_events < 1:
+            raise Invalid("spool_max_events", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    # "debug" adds one line per report; "info" logs state changes only.
+    level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    node: NodeConfig = field(default_factory=NodeConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    heartbeat: HeartbeatConfig = field(default_factory=HeartbeatConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        if self.heartbeat.rank_timeout_s <= self.hardware.collect_interval_s:
+            raise Invalid(
+                "heartbeat.rank_timeout_s",
+                f"must exceed hardware.collect_interval_s ({self.hardware.collect_interval_s})",
+            )
+        if self.heartbeat.rank_timeout_s <= self.controller.report_interval_s:
+            raise Invalid(
+                "heartbeat.rank_timeout_s",
+                f"must exceed controller.report_interval_s ({self.controller.report_interval_s})",
+            )
+
+
+def load_config(
+    path: str | None, *, overrides: dict[str, Any] | None = None
+) -> tuple[AgentConfig, str]:
+    """Load the config and apply flag overrides; returns (config, source it came from).
+
+    `path=None` means the default path, which may be absent (then defaults + flags apply);
+    an explicitly given path that does not exist is an error.
+    """
+    overrides = overrides or {}
+    if path is None:
+        if Path(DEFAULT_CONFIG_PATH).exists():
+            return load_file(AgentConfig, DEFAULT_CONFIG_PATH, overrides=overrides), (
+                DEFAULT_CONFIG_PATH
+            )
+        source = "(flags)"
+        return build(AgentConfig, apply_overrides({}, overrides, source=source), source=source), (
+            source
+        )
+    return load_file(AgentConfig, path, overrides=overrides), path
+
+
+__all__ = [
+    "DEFAULT_CONFIG_PATH",
+    "DEFAULT_HEARTBEAT_SOCKET",
+    "AgentConfig",
+    "ConfigError",
+    "ControllerConfig",
+    "HardwareConfig",
+    "HeartbeatConfig",
+    "LogConfig",
+    "MetricsConfig",
+    "NodeConfig",
+    "load_config",
+]

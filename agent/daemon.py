@@ -1,0 +1,523 @@
+"""The agent daemon: builds the backends, runs the collect loop, serves, reports, executes.
+
+`Agent.tick()` is one collect iteration (testable on a FakeClock); `Agent.run()` is the loop
+that also executes controller commands as they arrive. Threads: heartbeat reader, HTTP
+server, reporter (only with a controller); everything they share is an immutable snapshot
+or guarded by a lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import random
+import tempfile
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agent import __version__
+from agent.clock import SYSTEM_CLOCK, Clock
+from agent.commands import CommandExecutor, default_executor
+from agent.config import DEFAULT_HEARTBEAT_SOCKET, AgentConfig
+from agent.heartbeat import HeartbeatServer
+from agent.metrics import AgentHttpServer, AgentSnapshot, SnapshotCollector
+from agent.model import EventSource, GpuCollector, GpuSample, HardwareEvent, IbCollector
+from agent.protocol import Command, Event, FaultSpec, Report
+from agent.reporter import EventSpool, Reporter, read_token
+from agent.sim import SimHardware
+from agent.systemd import SystemdNotifier
+
+log = logging.getLogger("trainguard.agent")
+
+MAX_XID_SERIES = 1024  # (gpu, xid) pairs counted; a garbled kernel log cannot grow it further
+COMMAND_QUEUE_MAX = 1000
+
+
+class StartupError(RuntimeError):
+    """The agent cannot start (message says what and where); main() exits 1."""
+
+
+@dataclass
+class Backends:
+    """The hardware side: collectors and event sources (sim or real), and how to close them."""
+
+    gpu: GpuCollector | None
+    ib: IbCollector | None
+    event_sources: list[tuple[str, EventSource]] = field(default_factory=list)
+    sim: SimHardware | None = None
+    closers: list[Callable[[], None]] = field(default_factory=list)
+
+    def close(self) -> None:
+        for close in self.closers:
+            try:
+                close()
+            except Exception:
+                log.exception("event=backend_close_failed")
+
+
+def build_backends(config: AgentConfig, *, node: str, clock: Clock) -> Backends:
+    """The sim backend, or the real NVML/kmsg/sysfs collectors (imported only here)."""
+    hw = config.hardware
+    if hw.gpu_backend == "sim":
+        sim = SimHardware(
+            gpus=hw.sim_gpus,
+            ib_ports=hw.sim_ib_ports,
+            node_name=node,
+            seed=hw.sim_seed,
+            clock=clock,
+        )
+        return Backends(
+            gpu=sim, ib=sim.ib, event_sources=[("xid", sim)], sim=sim, closers=[sim.close]
+        )
+    try:
+        from agent.collectors.infiniband import SysfsIbCollector  # noqa: PLC0415
+        from agent.collectors.nvml import NvmlGpuCollector  # noqa: PLC0415
+    except ImportError as e:
+        raise StartupError(f"nvml backend unavailable: {e}") from None
+    try:
+        gpu = NvmlGpuCollector(clock=clock)
+    except Exception as e:
+        raise StartupError(f"cannot initialise NVML: {type(e).__name__}: {e}") from None
+    backends = Backends(gpu=gpu, ib=SysfsIbCollector(root=hw.ib_sysfs_root), closers=[gpu.close])
+    if hw.kmsg_path:
+        try:
+            from agent.collectors.xid import KmsgXidSource  # noqa: PLC0415
+
+            xid = KmsgXidSource(path=hw.kmsg_path, bus_to_index=gpu.bus_id_to_index, clock=clock)
+            backends.event_sources.append(("xid", xid))
+            close = getattr(xid, "close", None)
+            if callable(close):
+                backends.closers.append(close)
+        except Exception as e:  # XIDs are lost, GPUs and IB are still watched: say so loudly
+            log.error(
+                "event=xid_source_unavailable path=%s error=%r",
+                hw.kmsg_path,
+                f"{type(e).__name__}: {e}",
+            )
+    return backends
+
+
+def _xid_severity() -> Callable[[int], str] | None:
+    """The optional `severity` label for XID counters, if the XID catalog is available."""
+    try:
+        from agent.xid_catalog import XidCatalog  # noqa: PLC0415
+
+        catalog = XidCatalog.load()
+    except Exception:
+        return None
+
+    def severity(code: int) -> str:
+        try:
+            info = catalog.get(code)
+        except Exception:
+            return "unknown"
+        return str(getattr(info, "severity", None) or "unknown")
+
+    return severity
+
+
+def _fallback_socket_path() -> Path:
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    return Path(base) / f"trainguard-{os.getuid()}" / "heartbeat.sock"
+
+
+class Agent:
+    """One node agent. `start()`, then `run()` until `stop()` (signal-safe)."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        backends: Backends | None = None,
+        notifier: SystemdNotifier | None = None,
+        serve_http: bool = True,
+    ) -> None:
+        self.config = config
+        self.node = config.node.resolved_name()
+        self.instance = uuid.uuid4().hex[:16]
+        self._clock = clock
+        self._backends = backends or build_backends(config, node=self.node, clock=clock)
+        self._notifier = notifier or SystemdNotifier()
+        self._serve_http = serve_http
+        self._stop = threading.Event()
+        self._commands: queue.Queue[Command] = queue.Queue(maxsize=COMMAND_QUEUE_MAX)
+        self._snapshot: AgentSnapshot | None = None
+        self._gpus: tuple[GpuSample, ...] = ()
+        self._xid_total: dict[tuple[int, int], int] = {}
+        self._collect_duration_s: dict[str, float] = {}
+        self._collect_errors_total: dict[str, int] = {}
+        self._collector_failing: set[str] = set()
+        self._events_total: dict[str, int] = {}
+        self._commands_total: dict[tuple[str, str], int] = {}
+        self._loops = 0
+        self._last_tick_mono: float | None = None
+        self._started_mono = clock.monotonic()
+        self.spool = EventSpool(max_events=config.controller.spool_max_events)
+        self.heartbeat: HeartbeatServer | None = None
+        self.http: AgentHttpServer | None = None
+        self.reporter: Reporter | None = None
+        self._reporter_thread: threading.Thread | None = None
+        self.executor: CommandExecutor | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Bind sockets, start threads, take a first sample; raises StartupError."""
+        self.heartbeat = self._open_heartbeat()
+        self.heartbeat.start()
+        self.executor = default_executor(sender=self.heartbeat, fault_target=self._backends.sim)
+        self.tick()
+        if self._serve_http:
+            m = self.config.metrics
+            try:
+                self.http = AgentHttpServer(
+                    address=m.address,
+                    port=m.port,
+                    collector=SnapshotCollector(
+                        lambda: self._snapshot, xid_severity=_xid_severity()
+                    ),
+                    health=self.health,
+                    inject=self.inject_fault if self._backends.sim is not None else None,
+                )
+            except OSError as e:
+                raise StartupError(
+                    f"cannot listen on {m.address}:{m.port} for /metrics: {e.strerror or e}"
+                ) from None
+            self.http.start()
+        c = self.config.controller
+        if c.url:
+            try:
+                token = read_token(c.token_file)
+            except ValueError as e:
+                raise StartupError(str(e)) from None
+            self.reporter = Reporter(
+                url=c.url,
+                token=token,
+                spool=self.spool,
+                build_report=self.build_report,
+                clock=self._clock,
+                interval_s=c.report_interval_s,
+                timeout_s=c.timeout_s,
+                backoff_max_s=c.backoff_max_s,
+                max_events_per_report=c.max_events_per_report,
+                verify=c.ca_file or True,
+                rng=random.Random(),
+            )
+            self._reporter_thread = threading.Thread(
+                target=self.reporter.run,
+                args=(self._stop, self._enqueue_commands),
+                name="reporter",
+                daemon=True,
+            )
+            self._reporter_thread.start()
+        log.info(
+            "event=agent_started version=%s instance=%s backend=%s gpus=%d ib_ports=%d "
+            "metrics_port=%s heartbeat_socket=%s controller=%s",
+            __version__,
+            self.instance,
+            self.config.hardware.gpu_backend,
+            len(self._gpus),
+            len(self._snapshot.ib_ports) if self._snapshot else 0,
+            self.http.port if self.http else "none",
+            self.heartbeat.path,
+            c.url or "none",
+        )
+        self._notifier.ready(status=f"serving node={self.node}")
+
+    def _open_heartbeat(self) -> HeartbeatServer:
+        hb = self.config.heartbeat
+        kwargs: dict[str, Any] = {
+            "clock": self._clock,
+            "max_ranks": hb.max_ranks,
+            "rank_timeout_s": hb.rank_timeout_s,
+            "mode": hb.mode,
+            "per_sender_rate_hz": hb.per_sender_rate_hz,
+            "max_rate_hz": hb.max_rate_hz,
+        }
+        try:
+            return HeartbeatServer(path=hb.socket_path, **kwargs)
+        except PermissionError as e:
+            if hb.socket_path != DEFAULT_HEARTBEAT_SOCKET:
+                raise StartupError(
+                    f"{hb.socket_path}: cannot create heartbeat socket: {e.strerror}"
+                ) from None
+            fallback = _fallback_socket_path()
+            log.warning(
+                "event=heartbeat_socket_fallback wanted=%s using=%s reason=%r "
+                "hint=trainers_must_send_to_the_used_path",
+                hb.socket_path,
+                fallback,
+                e.strerror,
+            )
+        except OSError as e:
+            raise StartupError(
+                f"{hb.socket_path}: cannot create heartbeat socket: {e.strerror or e}"
+            ) from None
+        try:
+            return HeartbeatServer(path=fallback, **kwargs)
+        except OSError as e:
+            raise StartupError(
+                f"{fallback}: cannot create heartbeat socket: {e.strerror or e}"
+            ) from None
+
+    def stop(self) -> None:
+        """Ask the loop to end (safe from a signal handler: sets a flag only)."""
+        self._stop.set()
+
+    def close(self) -> None:
+        self._notifier.stopping()
+        self._stop.set()
+        if self._reporter_thread is not None:
+            self._reporter_thread.join(timeout=10.0)
+        if self.reporter is not None:
+            self.reporter.close()
+        if self.http is not None:
+            self.http.close()
+        if self.heartbeat is not None:
+            self.heartbeat.close()
+        self._backends.close()
+        self._notifier.close()
+        log.info("event=agent_stopped instance=%s", self.instance)
+
+    def run(self) -> None:
+        """The collect loop; executes queued commands between ticks. Returns after stop()."""
+        interval = self.config.hardware.collect_interval_s
+        next_mono = self._clock.monotonic() + interval
+        while not self._stop.is_set():
+            now = self._clock.monotonic()
+            if now >= next_mono:
+                self.tick()
+                # keep the cadence; after a long stall start afresh instead of bursting
+                next_mono = max(next_mono + interval, self._clock.monotonic())
+                continue
+            try:
+                # short waits so a signal's stop() is seen promptly
+                cmd = self._commands.get(timeout=min(0.25, next_mono - now))
+            except queue.Empty:
+                continue
+            self.execute(cmd)
+
+    # -- the loop's work -------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Collect everything once, spool new events, publish a snapshot, pet the watchdog."""
+        hw_events: list[HardwareEvent] = []
+        gpus = self._gpus
+        if self._backends.gpu is not None:
+            coll = self._timed("gpu", self._backends.gpu.collect)
+            if coll is not None:
+                gpus = coll.gpus
+                hw_events.extend(coll.events)
+                if coll.errors:
+                    self._collect_errors_total["gpu"] = self._collect_errors_total.get(
+                        "gpu", 0
+                    ) + len(coll.errors)
+        self._gpus = gpus
+        ib_ports = self._snapshot.ib_ports if self._snapshot else ()
+        if self._backends.ib is not None:
+            ports = self._timed("ib", self._backends.ib.collect)
+            if ports is not None:
+                ib_ports = ports
+        for name, source in self._backends.event_sources:
+            polled = self._timed(name, source.poll)
+            if polled:
+                hw_events.extend(polled)
+        for ev in hw_events:
+            self._on_hardware_event(ev)
+        assert self.heartbeat is not None, "start() binds the heartbeat socket first"
+        for tev in self.heartbeat.drain_events():
+            log.info(
+                "event=trainer_event kind=%s job=%s rank=%d step=%s",
+                tev.kind,
+                tev.job,
+                tev.rank,
+                tev.data.get("step"),
+            )
+            self._spool_event(
+                kind=tev.kind,
+                ts=tev.ts,
+                job=tev.job,
+                rank=tev.rank,
+                message=tev.message,
+                data=tev.data,
+            )
+        ranks = self.heartbeat.ranks()
+        self._loops += 1
+        hb = self.heartbeat.stats()
+        rep = self.reporter
+        self._snapshot = AgentSnapshot(
+            node=self.node,
+            version=__version__,
+            gpus=gpus,
+            ib_ports=ib_ports,
+            ranks=ranks,
+            xid_total=dict(self._xid_total),
+            collect_duration_s=dict(self._collect_duration_s),
+            collect_errors_total=dict(self._collect_errors_total),
+            reports_total=dict(rep.results_total) if rep else {},
+            heartbeats_received_total=hb["received_total"],
+            heartbeats_dropped_total=hb["dropped_total"],
+            control_sent_total=hb["control_sent_total"],
+            control_errors_total=hb["control_errors_total"],
+            spool_events=len(self.spool),
+            spool_dropped_total=self.spool.dropped_total,
+            events_total=dict(self._events_total),
+            commands_total=dict(self._commands_total),
+            loop_iterations_total=self._loops,
+        )
+        self._last_tick_mono = self._clock.monotonic()
+        self._notifier.watchdog()
+
+    def _timed(self, name: str, fn: Callable[[], Any]) -> Any:
+        t0 = self._clock.monotonic()
+        try:
+            result = fn()
+        except Exception as e:
+            self._collect_errors_total[name] = self._collect_errors_total.get(name, 0) + 1
+            if name not in self._collector_failing:  # log the edge, count every failure
+                log.error(
+                    "event=collector_failed collector=%s error=%r", name, f"{type(e).__name__}: {e}"
+                )
+                self._collector_failing.add(name)
+            return None
+        finally:
+            self._collect_duration_s[name] = self._clock.monotonic() - t0
+        if name in self._collector_failing:
+            log.info("event=collector_recovered collector=%s", name)
+            self._collector_failing.discard(name)
+        return result
+
+    def _on_hardware_event(self, ev: HardwareEvent) -> None:
+        if ev.kind == "xid" and ev.gpu is not None and ev.code is not None:
+            key = (ev.gpu, ev.code)
+            if key in self._xid_total or len(self._xid_total) < MAX_XID_SERIES:
+                self._xid_total[key] = self._xid_total.get(key, 0) + 1
+        log.warning(
+            "event=hardware_event kind=%s gpu=%s code=%s pci_bus_id=%s",
+            ev.kind,
+            ev.gpu,
+            ev.code,
+            ev.pci_bus_id,
+        )
+        self._spool_event(
+            kind=ev.kind,
+            ts=ev.ts,
+            gpu=ev.gpu,
+            code=ev.code,
+            message=ev.message,
+            data={"pci_bus_id": ev.pci_bus_id} if ev.pci_bus_id else {},
+        )
+
+    def _spool_event(self, *, kind: str, ts: float, **kwargs: Any) -> Event | None:
+        """Count the event; spool it only when a controller will ever read the spool."""
+        self._events_total[kind] = self._events_total.get(kind, 0) + 1
+        if not self.config.controller.url:
+            return None
+        return self.spool.add(kind=kind, ts=ts, **kwargs)
+
+    # -- commands, faults, reports ---------------------------------------------------------
+
+    def _enqueue_commands(self, commands: tuple[Command, ...]) -> None:
+        for cmd in commands:
+            try:
+                self._commands.put_nowait(cmd)
+            except queue.Full:
+                log.error(
+                    "event=command_dropped command_id=%s kind=%s reason=queue_full",
+                    cmd.id,
+                    cmd.kind,
+                )
+
+    def execute(self, cmd: Command) -> None:
+        assert self.executor is not None, "start() creates the executor"
+        result = self.executor.execute(cmd)
+        key = (cmd.kind, "ok" if result.ok else "failed")
+        self._commands_total[key] = self._commands_total.get(key, 0) + 1
+        self._spool_event(
+            kind="command_result",
+            ts=self._clock.now(),
+            job=cmd.args.get("job") if isinstance(cmd.args.get("job"), str) else None,
+            message=result.message,
+            data={
+                "command_id": cmd.id,
+                "kind": cmd.kind,
+                "ok": result.ok,
+                "message": result.message,
+                **result.data,
+            },
+        )
+
+    def inject_fault(self, spec: FaultSpec) -> dict[str, Any]:
+        """Local fault injection (sim only); raises ValueError for a bad target."""
+        sim = self._backends.sim
+        if sim is None:
+            raise ValueError("fault injection needs the sim GPU backend")
+        sim.inject(spec)
+        log.warning(
+            "event=fault_injected kind=%s gpu=%d link=%d device=%s port=%d code=%d duration_s=%s",
+            spec.kind,
+            spec.gpu,
+            spec.link,
+            spec.device,
+            spec.port,
+            spec.code,
+            spec.duration_s,
+        )
+        ev = self._spool_event(
+            kind="fault_injected",
+            ts=self._clock.now(),
+            gpu=spec.gpu,
+            message=spec.kind,
+            data={"fault": spec.kind},
+        )
+        return {"fault": spec.kind, **({"event_id": ev.id} if ev else {})}
+
+    def build_report(self, seq: int, events: tuple[Event, ...]) -> Report:
+        snap = self._snapshot
+        hb = self.heartbeat.stats() if self.heartbeat else {}
+        return Report(
+            node=self.node,
+            instance=self.instance,
+            seq=seq,
+            sent_at=self._clock.now(),
+            agent_version=__version__,
+            role_hint=self.config.node.role_hint,
+            labels=dict(self.config.node.labels),
+            gpus=snap.gpus if snap else (),
+            ib_ports=snap.ib_ports if snap else (),
+            ranks=self.heartbeat.ranks() if self.heartbeat else (),
+            events=events,
+            health={
+                "spool_events": float(len(self.spool)),
+                "spool_dropped_total": float(self.spool.dropped_total),
+                "heartbeats_dropped_total": float(sum(hb.get("dropped_total", {}).values())),
+                "collect_errors_total": float(sum(self._collect_errors_total.values())),
+                "loop_age_s": self._loop_age_s(),
+            },
+        )
+
+    def _loop_age_s(self) -> float:
+        last = self._last_tick_mono if self._last_tick_mono is not None else self._started_mono
+        return max(0.0, self._clock.monotonic() - last)
+
+    def health(self) -> tuple[bool, str]:
+        """Healthy while the collect loop is making progress."""
+        limit_s = max(3 * self.config.hardware.collect_interval_s, 5.0)
+        age = self._loop_age_s()
+        if self._last_tick_mono is None or age > limit_s:
+            return False, f"stale: last collect {age:.1f}s ago (limit {limit_s:.1f}s)"
+        return True, "ok"
+
+    @property
+    def snapshot(self) -> AgentSnapshot | None:
+        return self._snapshot
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.http.port if self.http else None

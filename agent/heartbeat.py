@@ -1,0 +1,379 @@
+"""Trainer heartbeats in, Control requests out, over unix datagram sockets.
+
+`HeartbeatServer` owns the agent's heartbeat socket: it keeps the last heartbeat per
+(job, rank), derives heartbeat and step ages on the agent's monotonic clock, turns edge
+events into spoolable records, and sends Control datagrams to a job's ranks. A flood cannot
+cost unbounded memory or CPU: reads are rate limited in total and per sending process
+(identified by kernel-supplied credentials), tracked ranks are capped, silent ones forgotten.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import socket
+import stat
+import struct
+import threading
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agent.clock import Clock
+from agent.protocol import (
+    HEARTBEAT_MAX_BYTES,
+    Control,
+    Heartbeat,
+    ProtocolError,
+    RankState,
+    decode_json,
+    encode_json,
+)
+
+log = logging.getLogger("trainguard.agent.heartbeat")
+
+DROP_REASONS = (
+    "oversized",
+    "malformed",
+    "unsupported_version",
+    "rate_limited",
+    "too_many_ranks",
+)
+# heartbeat `event` names that map to their own Event kind; others become "trainer_event"
+KNOWN_EVENTS = {
+    "nan_loss": "nan_loss",
+    "checkpoint_committed": "checkpoint_committed",
+    "checkpoint_failed": "checkpoint_failed",
+    "exit": "trainer_exit",
+    "stop": "trainer_stop",
+}
+MAX_PENDING_EVENTS = 1000  # between two drains (one collect tick); a flood is capped here
+MAX_SENDERS = 1024  # token buckets kept, least recently used evicted
+_CRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
+
+
+@dataclass(frozen=True)
+class TrainerEvent:
+    """A heartbeat's edge event, waiting to be turned into a spooled Event."""
+
+    kind: str
+    ts: float
+    job: str
+    rank: int
+    message: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Track:
+    hb: Heartbeat
+    seen_mono: float
+    step_changed_mono: float
+
+
+class _Bucket:
+    """A token bucket on the monotonic clock: `take()` is False once `rate_hz` is exceeded."""
+
+    __slots__ = ("burst", "last", "rate", "tokens")
+
+    def __init__(self, rate_hz: float, now_mono: float) -> None:
+        self.rate = rate_hz
+        self.burst = max(1.0, rate_hz)  # one second's worth
+        self.tokens = self.burst
+        self.last = now_mono
+
+    def take(self, now_mono: float) -> bool:
+        self.tokens = min(self.burst, self.tokens + (now_mono - self.last) * self.rate)
+        self.last = now_mono
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
+
+    def wait_s(self) -> float:
+        return max(0.0, (1.0 - self.tokens) / self.rate)
+
+
+class HeartbeatServer:
+    """Receives Heartbeat datagrams on `path`; call `start()` for the reader thread."""
+
+    def __init__(
+        self,
+        *,
+        path: str | Path,
+        clock: Clock,
+        max_ranks: int = 256,
+        rank_timeout_s: float = 600.0,
+        mode: int = 0o666,
+        per_sender_rate_hz: float = 200.0,
+        max_rate_hz: float = 5000.0,
+    ) -> None:
+        self.path = Path(path)
+        self._clock = clock
+        self._max_ranks = max_ranks
+        self._rank_timeout_s = rank_timeout_s
+        self._per_sender_rate_hz = per_sender_rate_hz
+        self._lock = threading.Lock()
+        self._ranks: dict[tuple[str, int], _Track] = {}
+        self._events: deque[TrainerEvent] = deque(maxlen=MAX_PENDING_EVENTS)
+        self._senders: OrderedDict[int, _Bucket] = OrderedDict()
+        self._total_bucket = _Bucket(max_rate_hz, clock.monotonic())
+        self.received_total = 0
+        self.dropped_total: dict[str, int] = dict.fromkeys(DROP_REASONS, 0)
+        self.events_dropped_total = 0
+        self.control_sent_total = 0
+        self.control_errors_total = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._sock = self._bind(mode)
+        self._out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._out.setblocking(False)
+
+    def _bind(self, mode: int) -> socket.socket:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            st = self.path.lstat()
+        except FileNotFoundError:
+            pass
+        else:
+            if not stat.S_ISSOCK(st.st_mode):
+                raise OSError(
+                    errno.EEXIST, "exists and is not a socket; not removing it", str(self.path)
+                )
+            self.path.unlink()  # stale socket from a previous run
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+            sock.bind(str(self.path))
+            os.chmod(self.path, mode)
+            sock.settimeout(0.2)  # the reader thread notices stop() within this
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the reader, close the sockets and remove the socket file."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+        self._sock.close()
+        self._out.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.receive_once()
+            except Exception:  # never let one bad datagram end heartbeat collection
+                log.exception("event=heartbeat_reader_error")
+
+    def receive_once(self) -> bool:
+        """Read and process at most one datagram (blocks up to the socket timeout).
+
+        Returns True if one was read. Over the total rate, waits instead of reading, so
+        the kernel buffer absorbs (and senders drop) the excess.
+        """
+        now = self._clock.monotonic()
+        with self._lock:
+            allowed = self._total_bucket.take(now)
+            wait_s = self._total_bucket.wait_s()
+        if not allowed:
+            self._stop.wait(min(0.2, max(wait_s, 0.001)))
+            return False
+        try:
+            data, anc, flags, _ = self._sock.recvmsg(
+                HEARTBEAT_MAX_BYTES + 1, socket.CMSG_SPACE(_CRED.size)
+            )
+        except TimeoutError:
+            with self._lock:
+                self._total_bucket.tokens += 1.0  # nothing read: give the token back
+            return False
+        except OSError:
+            if self._stop.is_set():
+                return False
+            raise
+        pid = -1
+        for level, kind, payload in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                pid = _CRED.unpack(payload[: _CRED.size])[0]
+        truncated = bool(flags & socket.MSG_TRUNC) or len(data) > HEARTBEAT_MAX_BYTES
+        self.handle_datagram(data, pid=pid, truncated=truncated)
+        return True
+
+    # -- processing ------------------------------------------------------------------------
+
+    def handle_datagram(self, data: bytes, *, pid: int = -1, truncated: bool = False) -> None:
+        """Process one datagram from process `pid` (the decision part, testable directly)."""
+        now_mono = self._clock.monotonic()
+        with self._lock:
+            if not self._sender_allows(pid, now_mono):
+                self._drop("rate_limited")
+                return
+            if truncated or len(data) > HEARTBEAT_MAX_BYTES:
+                self._drop("oversized")
+                return
+        try:
+            hb = decode_json(Heartbeat, data)
+        except ProtocolError as e:
+            with self._lock:
+                self._drop("unsupported_version" if e.field == "v" else "malformed")
+            return
+        with self._lock:
+            self._accept(hb, now_mono)
+
+    def _sender_allows(self, pid: int, now_mono: float) -> bool:
+        bucket = self._senders.get(pid)
+        if bucket is None:
+            bucket = _Bucket(self._per_sender_rate_hz, now_mono)
+            self._senders[pid] = bucket
+            if len(self._senders) > MAX_SENDERS:
+                self._senders.popitem(last=False)
+        else:
+            self._senders.move_to_end(pid)
+        return bucket.take(now_mono)
+
+    def _drop(self, reason: str) -> None:
+        self.dropped_total[reason] += 1
+
+    def _accept(self, hb: Heartbeat, now_mono: float) -> None:
+        key = (hb.job, hb.rank)
+        track = self._ranks.get(key)
+        if track is None:
+            if len(self._ranks) >= self._max_ranks:
+                self._expire(now_mono)
+            if len(self._ranks) >= self._max_ranks:
+                self._drop("too_many_ranks")
+                return
+            track = _Track(hb=hb, seen_mono=now_mono, step_changed_mono=now_mono)
+            self._ranks[key] = track
+        elif hb.step != track.hb.step:
+            track.step_changed_mono = now_mono
+        track.hb = hb
+        track.seen_mono = now_mono
+        self.received_total += 1
+        if hb.event:
+            if len(self._events) == self._events.maxlen:
+                self.events_dropped_total += 1
+            self._events.append(
+                TrainerEvent(
+                    kind=KNOWN_EVENTS.get(hb.event, "trainer_event"),
+                    ts=self._clock.now(),
+                    job=hb.job,
+                    rank=hb.rank,
+                    message=hb.event[:64],
+                    data={"step": hb.step, "pid": hb.pid, **_bounded(hb.event_data)},
+                )
+            )
+
+    def _expire(self, now_mono: float) -> None:
+        cutoff = now_mono - self._rank_timeout_s
+        for key in [k for k, t in self._ranks.items() if t.seen_mono < cutoff]:
+            del self._ranks[key]
+            log.info("event=rank_forgotten job=%s rank=%d", key[0], key[1])
+
+    # -- reading state ---------------------------------------------------------------------
+
+    def ranks(self) -> tuple[RankState, ...]:
+        """Every tracked rank with ages at the clock's current time; forgets silent ranks."""
+        now_mono = self._clock.monotonic()
+        with self._lock:
+            self._expire(now_mono)
+            return tuple(
+                _rank_state(t, now_mono)
+                for _, t in sorted(self._ranks.items(), key=lambda kv: kv[0])
+            )
+
+    def drain_events(self) -> list[TrainerEvent]:
+        with self._lock:
+            events = list(self._events)
+            self._events.clear()
+            return events
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "received_total": self.received_total,
+                "dropped_total": dict(self.dropped_total),
+                "events_dropped_total": self.events_dropped_total,
+                "control_sent_total": self.control_sent_total,
+                "control_errors_total": self.control_errors_total,
+                "ranks": len(self._ranks),
+            }
+
+    # -- control ---------------------------------------------------------------------------
+
+    def send_control(self, job: str, control: Control) -> tuple[int, int]:
+        """Send `control` to every tracked rank of `job` that named a control socket.
+
+        Non-blocking; a dead or full socket is counted, never raised. Returns (sent, failed).
+        """
+        with self._lock:
+            targets = sorted(
+                {
+                    t.hb.control_socket
+                    for (j, _), t in self._ranks.items()
+                    if j == job and t.hb.control_socket
+                }
+            )
+        payload = encode_json(control)
+        sent = failed = 0
+        for path in targets:
+            try:
+                self._out.sendto(payload, path)
+                sent += 1
+            except OSError as e:
+                failed += 1
+                log.warning(
+                    "event=control_send_failed job=%s path=%s action=%s request_id=%s error=%s",
+                    job,
+                    path,
+                    control.action,
+                    control.request_id,
+                    errno.errorcode.get(e.errno or 0, str(e)),
+                )
+        with self._lock:
+            self.control_sent_total += sent
+            self.control_errors_total += failed
+        return sent, failed
+
+
+def _bounded(data: dict[str, Any]) -> dict[str, Any]:
+    """At most 16 scalar entries of a trainer's event data (the datagram is already small)."""
+    out: dict[str, Any] = {}
+    for k, v in list(data.items())[:16]:
+        if isinstance(v, str | int | float | bool) or v is None:
+            out[str(k)[:64]] = v[:256] if isinstance(v, str) else v
+    return out
+
+
+def _rank_state(t: _Track, now_mono: float) -> RankState:
+    hb = t.hb
+    return RankState(
+        job=hb.job,
+        rank=hb.rank,
+        step=hb.step,
+        local_rank=hb.local_rank,
+        world_size=hb.world_size,
+        pid=hb.pid,
+        loss=hb.loss,
+        grad_norm=hb.grad_norm,
+        samples_per_s=hb.samples_per_s,
+        tokens_per_s=hb.tokens_per_s,
+        step_time_s=hb.step_time_s,
+        phase=hb.phase,
+        heartbeat_age_s=max(0.0, now_mono - t.seen_mono),
+        step_age_s=max(0.0, now_mono - t.step_changed_mono),
+        ckpt_step=hb.ckpt_step,
+        ckpt_request_id=hb.ckpt_request_id,
+    )

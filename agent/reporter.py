@@ -1,0 +1,315 @@
+"""Reporting to the controller: the bounded event spool and the POST /v1/reports loop.
+
+Events get strictly increasing ids within this agent instance and stay in the spool until the
+controller acknowledges them, so an outage loses nothing (short of the spool overflowing,
+which drops the oldest and counts it). While the controller is down the reporter backs off
+exponentially with jitter; commands from responses are handed on once each.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import stat
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+
+from agent.clock import Clock
+from agent.protocol import (
+    Command,
+    Event,
+    ProtocolError,
+    Report,
+    ReportResponse,
+    encode_json,
+    from_wire,
+)
+
+log = logging.getLogger("trainguard.agent.reporter")
+
+ReportResult = Literal["ok", "error", "rejected"]
+REPORT_RESULTS: tuple[ReportResult, ...] = ("ok", "error", "rejected")
+SEEN_COMMANDS_MAX = 4096  # command ids remembered for dedupe (the controller resends a few)
+
+
+class TokenError(ValueError):
+    """The token file is missing, unreadable or empty (message names the file)."""
+
+
+def read_token(path: str | Path) -> str:
+    """Read the bearer token; warn (without the token) if others can read the file."""
+    p = Path(path)
+    try:
+        st = p.stat()
+        token = p.read_text(encoding="utf-8").strip()
+    except OSError as e:
+        raise TokenError(f"{p}: cannot read token file: {e.strerror or e}") from None
+    if not token:
+        raise TokenError(f"{p}: token file is empty")
+    if st.st_mode & (stat.S_IRGRP | stat.S_IROTH):
+        log.warning(
+            "event=token_file_readable_by_others path=%s mode=%s hint=chmod_600",
+            p,
+            oct(stat.S_IMODE(st.st_mode)),
+        )
+    return token
+
+
+class EventSpool:
+    """Unacknowledged events, oldest first, at most `max_events` (then the oldest go)."""
+
+    def __init__(self, *, max_events: int) -> None:
+        if max_events < 1:
+            raise ValueError("max_events must be >= 1")
+        self._lock = threading.Lock()
+        self._events: deque[Event] = deque()
+        self._max = max_events
+        self._next_id = 1
+        self.dropped_total = 0
+        self.added_total = 0
+
+    def add(
+        self,
+        *,
+        kind: str,
+        ts: float,
+        gpu: int | None = None,
+        job: str | None = None,
+        rank: int | None = None,
+        code: int | None = None,
+        message: str = "",
+        data: dict[str, Any] | None = None,
+    ) -> Event:
+        with self._lock:
+            event = Event(
+                id=self._next_id,
+                kind=kind,
+                ts=ts,
+                gpu=gpu,
+                job=job,
+                rank=rank,
+                code=code,
+                message=message[:512],
+                data=data or {},
+            )
+            self._next_id += 1
+            self._events.append(event)
+            self.added_total += 1
+            while len(self._events) > self._max:
+                lost = self._events.popleft()
+                self.dropped_total += 1
+                if self.dropped_total == 1 or self.dropped_total % 1000 == 0:
+                    # first drop and every 1000th: a long outage must not flood the journal
+                    log.warning(
+                        "event=spool_full dropped_event_id=%d kind=%s dropped_total=%d",
+                        lost.id,
+                        lost.kind,
+                        self.dropped_total,
+                    )
+            return event
+
+    def pending(self, limit: int) -> tuple[Event, ...]:
+        with self._lock:
+            return tuple(e for _, e in zip(range(limit), self._events, strict=False))
+
+    def ack(self, event_id: int) -> int:
+        """Drop every event with id <= `event_id`; returns how many were dropped."""
+        n = 0
+        with self._lock:
+            while self._events and self._events[0].id <= event_id:
+                self._events.popleft()
+                n += 1
+        return n
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._events)
+
+
+def backoff_delay_s(failures: int, *, base_s: float, cap_s: float, rng: random.Random) -> float:
+    """Delay before the next try after `failures` consecutive failures (>= 1).
+
+    Exponential from `base_s`, capped at `cap_s`, with jitter in [50 %, 100 %] so 2,000
+    agents that lost the controller together do not come back in lockstep.
+    """
+    delay = min(cap_s, base_s * (2.0 ** max(0, failures - 1)))
+    return delay * rng.uniform(0.5, 1.0)
+
+
+@dataclass(frozen=True)
+class ReportOutcome:
+    result: ReportResult
+    retry_in_s: float  # when the next report should go, from now
+    status: int | None = None
+    commands: tuple[Command, ...] = ()  # new ones only (already-seen ids removed)
+    acked: int = 0  # events dropped from the spool
+
+
+BuildReport = Callable[[int, tuple[Event, ...]], Report]
+
+
+class Reporter:
+    """POSTs one Report per `interval_s` to `<url>/v1/reports`; see `report_once` and `run`."""
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        token: str,
+        spool: EventSpool,
+        build_report: BuildReport,
+        clock: Clock,
+        interval_s: float = 1.0,
+        timeout_s: float = 5.0,
+        backoff_max_s: float = 30.0,
+        max_events_per_report: int = 500,
+        verify: bool | str = True,
+        rng: random.Random | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.endpoint = url.rstrip("/") + "/v1/reports"
+        self._spool = spool
+        self._build = build_report
+        self._clock = clock
+        self._interval_s = interval_s
+        self._backoff_max_s = backoff_max_s
+        self._max_events = max_events_per_report
+        self._rng = rng or random.Random()
+        self._client = httpx.Client(
+            headers={
+                "Authorization": f"Bearer {token}",
+                "Content-Type": "application/json",
+            },
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0)),
+            verify=verify,
+            transport=transport,
+        )
+        self._seq = 0
+        self._failures = 0
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._down_logged = False
+        self.results_total: dict[str, int] = dict.fromkeys(REPORT_RESULTS, 0)
+        self.last_ok_mono: float | None = None
+
+    def close(self) -> None:
+        self._client.close()
+
+    def report_once(self) -> ReportOutcome:
+        """Build and send one report now; handles ack, dedupe and back-off bookkeeping."""
+        self._seq += 1
+        events = self._spool.pending(self._max_events)
+        report = self._build(self._seq, events)
+        body = encode_json(report)
+        try:
+            resp = self._client.post(self.endpoint, content=body)
+        except httpx.HTTPError as e:
+            return self._failed("error", None, f"{type(e).__name__}: {e}")
+        if resp.status_code == 200:
+            try:
+                answer = from_wire(ReportResponse, json.loads(resp.content))
+            except (ValueError, ProtocolError) as e:
+                return self._failed("error", 200, f"bad response body: {e}")
+            return self._succeeded(answer)
+        reason = _short_reason(resp)
+        if resp.status_code == 413 and self._max_events > 1:
+            # the body was too large: carry fewer events per report from now on
+            self._max_events = max(1, self._max_events // 2)
+        if 400 <= resp.status_code < 500 and resp.status_code != 429:
+            return self._failed("rejected", resp.status_code, reason)
+        return self._failed("error", resp.status_code, reason)
+
+    def _succeeded(self, answer: ReportResponse) -> ReportOutcome:
+        self.results_total["ok"] += 1
+        self.last_ok_mono = self._clock.monotonic()
+        if self._down_logged:
+            log.info(
+                "event=controller_reachable url=%s after_failures=%d", self.endpoint, self._failures
+            )
+        self._down_logged = False
+        self._failures = 0
+        acked = self._spool.ack(answer.ack_event_id)
+        fresh = []
+        for cmd in answer.commands:
+            if cmd.id in self._seen:
+                continue
+            self._seen[cmd.id] = None
+            if len(self._seen) > SEEN_COMMANDS_MAX:
+                self._seen.popitem(last=False)
+            fresh.append(cmd)
+        return ReportOutcome(
+            result="ok",
+            retry_in_s=self._interval_s,
+            status=200,
+            commands=tuple(fresh),
+            acked=acked,
+        )
+
+    def _failed(self, result: ReportResult, status: int | None, reason: str) -> ReportOutcome:
+        self.results_total[result] += 1
+        self._failures += 1
+        delay = backoff_delay_s(
+            self._failures, base_s=self._interval_s, cap_s=self._backoff_max_s, rng=self._rng
+        )
+        if result == "rejected":
+            # permanent for this report: say so every time, the back-off keeps it rare
+            log.error(
+                "event=report_rejected url=%s status=%s reason=%r seq=%d retry_in_s=%.1f",
+                self.endpoint,
+                status,
+                reason,
+                self._seq,
+                delay,
+            )
+        elif not self._down_logged:
+            log.warning(
+                "event=controller_unreachable url=%s status=%s reason=%r spool=%d",
+                self.endpoint,
+                status,
+                reason,
+                len(self._spool),
+            )
+            self._down_logged = True
+        else:
+            log.debug(
+                "event=report_failed status=%s reason=%r retry_in_s=%.1f", status, reason, delay
+            )
+        return ReportOutcome(result=result, retry_in_s=delay, status=status)
+
+    def run(
+        self, stop: threading.Event, on_commands: Callable[[tuple[Command, ...]], None]
+    ) -> None:
+        """Report until `stop` is set; new commands go to `on_commands` (must not block)."""
+        next_mono = self._clock.monotonic()
+        while not stop.wait(max(0.0, next_mono - self._clock.monotonic())):
+            started = self._clock.monotonic()
+            try:
+                outcome = self.report_once()
+            except Exception:  # a bug here must not end reporting for good
+                log.exception("event=reporter_error")
+                outcome = ReportOutcome(result="error", retry_in_s=self._backoff_max_s)
+            if outcome.commands:
+                on_commands(outcome.commands)
+            if outcome.result == "ok":
+                # keep the cadence (interval from the previous start) unless we fell behind
+                next_mono = max(next_mono + self._interval_s, started)
+            else:
+                next_mono = self._clock.monotonic() + outcome.retry_in_s
+
+
+def _short_reason(resp: httpx.Response) -> str:
+    """A bounded, single-line reason from an error response (JSON `detail` if present)."""
+    text = resp.text[:300]
+    try:
+        detail = json.loads(text).get("detail")
+        if detail:
+            text = str(detail)[:300]
+    except (ValueError, AttributeError):
+        pass
+    return " ".join(text.split()) or resp.reason_phrase
