@@ -1,0 +1,637 @@
+"""The controller's REST API (`/v1`): routes, bearer auth by role, body limits, error shape.
+
+The API calls only `ControllerService`. Every body is decoded by the wire decoders of
+`controller.fastwire` (strict, field paths in errors) and every answer is encoded with
+`agent.protocol.to_wire` (non-finite floats as strings), so no NaN ever reaches JSON. The
+OpenAPI document at `/v1/openapi.json` is generated from the same wire schemas.
+Errors are always `{"error": "...", "detail": ...}`; bad input gets a 4xx, never a 5xx.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from agent.protocol import FaultSpec, ProtocolError, Report, ReportResponse, to_wire
+from controller.auth import Permission, Principal, TokenStore
+from controller.errors import ServiceError
+from controller.fastwire import decoder, json_schema
+from controller.service import ControllerService
+from controller.views import (
+    AuditEntry,
+    IncidentDetail,
+    IncidentState,
+    IncidentView,
+    JobView,
+    NodeRole,
+    NodeView,
+    SilenceView,
+)
+
+__all__ = ["DrainRequest", "RoleRequest", "SilenceRequest", "create_app"]
+
+log = logging.getLogger("trainguard.controller.api")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class DrainRequest:
+    reason: str
+
+
+@dataclass(frozen=True)
+class RoleRequest:
+    role: NodeRole
+
+
+@dataclass(frozen=True)
+class SilenceRequest:
+    duration_s: float
+    rule: str | None = None
+    node: str | None = None
+    comment: str = ""
+
+
+@dataclass(frozen=True)
+class FaultAccepted:
+    command_id: str
+
+
+@dataclass(frozen=True)
+class RulesReloaded:
+    rules: int
+
+
+@dataclass(frozen=True)
+class Health:
+    status: str
+
+
+class ApiError(Exception):
+    def __init__(
+        self, status: int, error: str, detail: Any = None, headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(error)
+        self.status = status
+        self.error = error
+        self.detail = detail
+        self.headers = headers
+
+
+def _json_bytes(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _wire(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return [to_wire(v) for v in value]
+    return to_wire(value)
+
+
+def _ok(value: Any, status: int = 200) -> Response:
+    return Response(_json_bytes(_wire(value)), status_code=status, media_type="application/json")
+
+
+def _error_response(
+    status: int, error: str, detail: Any = None, headers: dict[str, str] | None = None
+) -> Response:
+    body = _json_bytes({"error": error, "detail": detail})
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
+
+
+_UNAUTHORIZED = {"WWW-Authenticate": "Bearer"}
+
+# --- OpenAPI helpers ---------------------------------------------------------------------------
+
+_REF = "#/components/schemas/{model}"
+_ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"error": {"type": "string"}, "detail": {}},
+    "required": ["error"],
+    "title": "Error",
+}
+
+
+class _Schemas:
+    """Component schemas for the OpenAPI document, generated from the wire dataclasses."""
+
+    def __init__(self) -> None:
+        self.components: dict[str, Any] = {"Error": _ERROR_SCHEMA}
+
+    def ref(self, cls: type) -> dict[str, Any]:
+        name = cls.__name__
+        if name not in self.components:
+            schema, defs = json_schema(cls, ref_template=_REF)
+            self.components.update(defs)
+            self.components[name] = schema
+        return {"$ref": _REF.format(model=name)}
+
+    def array(self, cls: type) -> dict[str, Any]:
+        return {"type": "array", "items": self.ref(cls)}
+
+
+def _content(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"application/json": {"schema": schema}}
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    text = {
+        400: "Bad request",
+        401: "Missing or unknown token",
+        403: "The token's role may not do this",
+        404: "Not found",
+        409: "Conflict with the current state",
+        413: "Body too large",
+        422: "Invalid input (field path and reason in detail)",
+    }
+    err = _content({"$ref": _REF.format(model="Error")})
+    return {c: {"description": text[c], "content": err} for c in codes}
+
+
+# --- the app -----------------------------------------------------------------------------------
+
+
+def create_app(
+    service: ControllerService,
+    *,
+    tokens: TokenStore,
+    max_body_bytes: int,
+    metrics_registry: Any = None,
+    report_latency: Any = None,
+    ingest_in_threadpool: bool = False,
+) -> FastAPI:
+    """Build the API over `service`.
+
+    metrics_registry: a prometheus_client CollectorRegistry served at /metrics (default: the
+    process-wide registry). report_latency: a Histogram observed (seconds) around decoding and
+    ingesting each report. ingest_in_threadpool: run `ingest_report` in the threadpool instead
+    of inline on the event loop (inline measured faster for a quick, lock-protected ingest).
+    """
+    app = FastAPI(
+        title="trainguard controller",
+        version="1",
+        openapi_url="/v1/openapi.json",
+        docs_url="/v1/docs",
+        redoc_url=None,
+    )
+    schemas = _Schemas()
+    bearer = HTTPBearer(auto_error=False, description="Bearer token from the tokens file")
+    report_decoder = decoder(Report)
+
+    def require(permission: Permission) -> Callable[..., Awaitable[Principal]]:
+        async def check(
+            creds: HTTPAuthorizationCredentials | None = Depends(bearer),
+        ) -> Principal:
+            if creds is None:
+                raise ApiError(401, "missing bearer token", headers=_UNAUTHORIZED)
+            principal = tokens.authenticate(creds.credentials)
+            if principal is None:
+                raise ApiError(401, "unknown token", headers=_UNAUTHORIZED)
+            if not principal.may(permission):
+                raise ApiError(
+                    403, f"role {principal.role} may not {permission}", {"role": principal.role}
+                )
+            return principal
+
+        return check
+
+    reader = require("read")
+    writer = require("write")
+    reporter = require("report")
+
+    async def read_body(request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+            raise ApiError(413, "body too large", {"max_bytes": max_body_bytes})
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise ApiError(413, "body too large", {"max_bytes": max_body_bytes})
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def body_of(request: Request, cls: type[T]) -> T:
+        raw = await read_body(request)
+        try:
+            return decoder(cls).decode_json(raw)
+        except ProtocolError as e:
+            raise _invalid(e) from None
+
+    def request_body(cls: type) -> dict[str, Any]:
+        return {"requestBody": {"required": True, "content": _content(schemas.ref(cls))}}
+
+    def call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return fn(*args, **kwargs)
+
+    # --- exception handlers ---
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> Response:
+        return _error_response(exc.status, exc.error, exc.detail, exc.headers)
+
+    @app.exception_handler(ServiceError)
+    async def _service_error(_: Request, exc: ServiceError) -> Response:
+        status = exc.status if 400 <= exc.status < 500 else 500
+        return _error_response(status, str(exc) or type(exc).__name__)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
+        detail = [
+            {"field": ".".join(str(p) for p in err.get("loc", ())), "reason": err.get("msg", "")}
+            for err in exc.errors()
+        ]
+        return _error_response(422, "invalid request", detail)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        headers = dict(exc.headers) if exc.headers else None
+        return _error_response(exc.status_code, str(exc.detail), None, headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        # method and path only: headers (Authorization) and bodies are never logged
+        log.error(
+            "event=api_error method=%s path=%s error=%s",
+            request.method,
+            request.url.path,
+            type(exc).__name__,
+            exc_info=exc,
+        )
+        return _error_response(500, "internal error")
+
+    # --- health and metrics (no auth: probes and Prometheus scrape them) ---
+
+    @app.get(
+        "/healthz",
+        tags=["meta"],
+        response_class=Response,
+        responses={200: {"description": "Alive", "content": _content(schemas.ref(Health))}},
+    )
+    async def healthz() -> Response:
+        return _ok(Health(status="ok"))
+
+    @app.get(
+        "/metrics",
+        tags=["meta"],
+        response_class=Response,
+        responses={
+            200: {
+                "description": "Prometheus text exposition",
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+            }
+        },
+    )
+    async def metrics() -> Response:
+        body = generate_latest(metrics_registry if metrics_registry is not None else REGISTRY)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    # --- reports (agents) ---
+
+    @app.post(
+        "/v1/reports",
+        tags=["agents"],
+        response_class=Response,
+        openapi_extra=request_body(Report),
+        responses={
+            200: {
+                "description": "Acknowledged events and commands for the node",
+                "content": _content(schemas.ref(ReportResponse)),
+            },
+            **_errors(400, 401, 403, 413, 422),
+        },
+    )
+    async def post_report(request: Request, principal: Principal = Depends(reporter)) -> Response:
+        raw = await read_body(request)
+        started = time.perf_counter()
+        try:
+            report = report_decoder.decode_json(raw)
+        except ProtocolError as e:
+            raise _invalid(e) from None
+        if ingest_in_threadpool:
+            resp = await run_in_threadpool(
+                call, service.ingest_report, report, actor=principal.name
+            )
+        else:
+            resp = service.ingest_report(report, actor=principal.name)
+        body = _json_bytes(to_wire(resp))
+        if report_latency is not None:
+            report_latency.observe(time.perf_counter() - started)
+        return Response(body, media_type="application/json")
+
+    # --- nodes ---
+
+    @app.get(
+        "/v1/nodes",
+        tags=["nodes"],
+        response_class=Response,
+        responses={
+            200: {"description": "All nodes", "content": _content(schemas.array(NodeView))},
+            **_errors(401, 403),
+        },
+    )
+    async def list_nodes(_: Principal = Depends(reader)) -> Response:
+        return _ok(await run_in_threadpool(service.list_nodes))
+
+    @app.get(
+        "/v1/nodes/{name}",
+        tags=["nodes"],
+        response_class=Response,
+        responses={
+            200: {"description": "One node", "content": _content(schemas.ref(NodeView))},
+            **_errors(401, 403, 404, 422),
+        },
+    )
+    async def get_node(name: str, _: Principal = Depends(reader)) -> Response:
+        return _ok(await run_in_threadpool(service.get_node, name))
+
+    node_changed = {
+        200: {
+            "description": "The node after the change",
+            "content": _content(schemas.ref(NodeView)),
+        },
+        **_errors(400, 401, 403, 404, 409, 413, 422),
+    }
+
+    @app.post(
+        "/v1/nodes/{name}/drain",
+        tags=["nodes"],
+        response_class=Response,
+        openapi_extra=request_body(DrainRequest),
+        responses=node_changed,
+    )
+    async def drain(request: Request, name: str, who: Principal = Depends(writer)) -> Response:
+        req = await body_of(request, DrainRequest)
+        view = await run_in_threadpool(call, service.drain, name, reason=req.reason, actor=who.name)
+        log.info("event=drain node=%s actor=%s", name, who.name)
+        return _ok(view)
+
+    @app.post(
+        "/v1/nodes/{name}/undrain",
+        tags=["nodes"],
+        response_class=Response,
+        responses=node_changed,
+    )
+    async def undrain(name: str, who: Principal = Depends(writer)) -> Response:
+        view = await run_in_threadpool(call, service.undrain, name, actor=who.name)
+        log.info("event=undrain node=%s actor=%s", name, who.name)
+        return _ok(view)
+
+    @app.put(
+        "/v1/nodes/{name}/role",
+        tags=["nodes"],
+        response_class=Response,
+        openapi_extra=request_body(RoleRequest),
+        responses=node_changed,
+    )
+    async def set_role(request: Request, name: str, who: Principal = Depends(writer)) -> Response:
+        req = await body_of(request, RoleRequest)
+        view = await run_in_threadpool(call, service.set_role, name, role=req.role, actor=who.name)
+        log.info("event=set_role node=%s role=%s actor=%s", name, req.role, who.name)
+        return _ok(view)
+
+    @app.post(
+        "/v1/nodes/{name}/faults",
+        tags=["nodes"],
+        status_code=202,
+        response_class=Response,
+        openapi_extra=request_body(FaultSpec),
+        responses={
+            202: {
+                "description": "Fault queued for the node's agent (sim backend only)",
+                "content": _content(schemas.ref(FaultAccepted)),
+            },
+            **_errors(400, 401, 403, 404, 409, 413, 422),
+        },
+    )
+    async def inject_fault(
+        request: Request, name: str, who: Principal = Depends(writer)
+    ) -> Response:
+        spec = await body_of(request, FaultSpec)
+        command_id = await run_in_threadpool(call, service.inject_fault, name, spec, actor=who.name)
+        log.info("event=inject_fault node=%s kind=%s actor=%s", name, spec.kind, who.name)
+        return _ok(FaultAccepted(command_id=command_id), status=202)
+
+    @app.get(
+        "/v1/spares",
+        tags=["nodes"],
+        response_class=Response,
+        responses={
+            200: {"description": "Hot spares", "content": _content(schemas.array(NodeView))},
+            **_errors(401, 403),
+        },
+    )
+    async def list_spares(_: Principal = Depends(reader)) -> Response:
+        return _ok(await run_in_threadpool(service.list_spares))
+
+    # --- incidents ---
+
+    @app.get(
+        "/v1/incidents",
+        tags=["incidents"],
+        response_class=Response,
+        responses={
+            200: {
+                "description": "Incidents, newest first",
+                "content": _content(schemas.array(IncidentView)),
+            },
+            **_errors(401, 403, 422),
+        },
+    )
+    async def list_incidents(
+        state: IncidentState | None = None,
+        node: str | None = None,
+        limit: int = Query(100, ge=1, le=10_000),
+        _: Principal = Depends(reader),
+    ) -> Response:
+        return _ok(
+            await run_in_threadpool(
+                call, service.list_incidents, state=state, node=node, limit=limit
+            )
+        )
+
+    @app.get(
+        "/v1/incidents/{incident_id}",
+        tags=["incidents"],
+        response_class=Response,
+        responses={
+            200: {
+                "description": "An incident with its timeline and actions",
+                "content": _content(schemas.ref(IncidentDetail)),
+            },
+            **_errors(401, 403, 404, 422),
+        },
+    )
+    async def get_incident(incident_id: int, _: Principal = Depends(reader)) -> Response:
+        return _ok(await run_in_threadpool(service.get_incident, incident_id))
+
+    # --- jobs ---
+
+    @app.get(
+        "/v1/jobs",
+        tags=["jobs"],
+        response_class=Response,
+        responses={
+            200: {"description": "All jobs", "content": _content(schemas.array(JobView))},
+            **_errors(401, 403),
+        },
+    )
+    async def list_jobs(_: Principal = Depends(reader)) -> Response:
+        return _ok(await run_in_threadpool(service.list_jobs))
+
+    @app.get(
+        "/v1/jobs/{name}",
+        tags=["jobs"],
+        response_class=Response,
+        responses={
+            200: {"description": "One job", "content": _content(schemas.ref(JobView))},
+            **_errors(401, 403, 404, 422),
+        },
+    )
+    async def get_job(name: str, _: Principal = Depends(reader)) -> Response:
+        return _ok(await run_in_threadpool(service.get_job, name))
+
+    # --- silences ---
+
+    @app.get(
+        "/v1/silences",
+        tags=["silences"],
+        response_class=Response,
+        responses={
+            200: {"description": "Silences", "content": _content(schemas.array(SilenceView))},
+            **_errors(401, 403, 422),
+        },
+    )
+    async def list_silences(
+        include_expired: bool = False, _: Principal = Depends(reader)
+    ) -> Response:
+        return _ok(
+            await run_in_threadpool(call, service.list_silences, include_expired=include_expired)
+        )
+
+    @app.post(
+        "/v1/silences",
+        tags=["silences"],
+        status_code=201,
+        response_class=Response,
+        openapi_extra=request_body(SilenceRequest),
+        responses={
+            201: {"description": "The new silence", "content": _content(schemas.ref(SilenceView))},
+            **_errors(400, 401, 403, 413, 422),
+        },
+    )
+    async def create_silence(request: Request, who: Principal = Depends(writer)) -> Response:
+        req = await body_of(request, SilenceRequest)
+        if not math.isfinite(req.duration_s) or req.duration_s <= 0:
+            raise ApiError(400, "duration_s must be a positive number", {"field": "duration_s"})
+        view = await run_in_threadpool(
+            call,
+            service.create_silence,
+            rule=req.rule,
+            node=req.node,
+            duration_s=req.duration_s,
+            comment=req.comment,
+            actor=who.name,
+        )
+        log.info("event=silence_created silence=%s actor=%s", view.id, who.name)
+        return _ok(view, status=201)
+
+    @app.delete(
+        "/v1/silences/{silence_id}",
+        tags=["silences"],
+        status_code=204,
+        response_class=Response,
+        responses={204: {"description": "Deleted"}, **_errors(401, 403, 404, 422)},
+    )
+    async def delete_silence(silence_id: int, who: Principal = Depends(writer)) -> Response:
+        await run_in_threadpool(call, service.delete_silence, silence_id, actor=who.name)
+        log.info("event=silence_deleted silence=%s actor=%s", silence_id, who.name)
+        return Response(status_code=204)
+
+    # --- audit and rules ---
+
+    @app.get(
+        "/v1/audit",
+        tags=["audit"],
+        response_class=Response,
+        responses={
+            200: {
+                "description": "Audit log, newest first",
+                "content": _content(schemas.array(AuditEntry)),
+            },
+            **_errors(401, 403, 422),
+        },
+    )
+    async def audit(
+        limit: int = Query(100, ge=1, le=10_000), _: Principal = Depends(reader)
+    ) -> Response:
+        return _ok(await run_in_threadpool(call, service.audit_log, limit=limit))
+
+    @app.post(
+        "/v1/rules/reload",
+        tags=["rules"],
+        response_class=Response,
+        responses={
+            200: {
+                "description": "Rules reloaded",
+                "content": _content(schemas.ref(RulesReloaded)),
+            },
+            **_errors(400, 401, 403),
+        },
+    )
+    async def reload_rules(who: Principal = Depends(writer)) -> Response:
+        count = await run_in_threadpool(call, service.reload_rules, actor=who.name)
+        log.info("event=rules_reloaded rules=%s actor=%s", count, who.name)
+        return _ok(RulesReloaded(rules=count))
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        doc = get_openapi(
+            title=app.title,
+            version=app.version,
+            description="trainguard controller API. Errors are JSON {error, detail}.",
+            routes=app.routes,
+        )
+        _fix_openapi(doc, schemas.components)
+        app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app
+
+
+def _invalid(e: ProtocolError) -> ApiError:
+    if e.reason.startswith("invalid JSON"):
+        return ApiError(400, "invalid JSON", {"field": e.field, "reason": e.reason})
+    return ApiError(422, "invalid body", {"field": e.field, "reason": e.reason})
+
+
+def _fix_openapi(doc: dict[str, Any], components: dict[str, Any]) -> None:
+    """Put the wire schemas in, and make FastAPI's own 422 entries describe our error shape."""
+    comps = doc.setdefault("components", {}).setdefault("schemas", {})
+    comps.pop("HTTPValidationError", None)
+    comps.pop("ValidationError", None)
+    comps.update(components)
+    error_content = _content({"$ref": _REF.format(model="Error")})
+    for path_item in doc.get("paths", {}).values():
+        for op in path_item.values():
+            responses = op.get("responses", {})
+            if "422" in responses:
+                responses["422"]["content"] = error_content

@@ -1,0 +1,257 @@
+"""An in-memory ControllerService that records every call: the API's and agentctl's test double.
+
+It keeps just enough state to answer like the real controller (nodes from reports, drain/undrain,
+roles, silences, incidents seeded by tests, an audit log) and raises the same service errors.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from agent.clock import Clock, FakeClock
+from agent.protocol import Command, FaultSpec, Report, ReportResponse
+from controller.errors import BadRequest, NotFound
+from controller.views import (
+    AuditEntry,
+    IncidentDetail,
+    IncidentView,
+    JobView,
+    NodeRole,
+    NodeView,
+    SilenceView,
+    TimelineEntry,
+)
+
+
+@dataclass
+class Call:
+    method: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+class FakeService:
+    def __init__(self, *, clock: Clock | None = None, rules_count: int = 3) -> None:
+        self.clock = clock or FakeClock()
+        self.calls: list[Call] = []
+        self.nodes: dict[str, NodeView] = {}
+        self.incidents: dict[int, IncidentDetail] = {}
+        self.jobs: dict[str, JobView] = {}
+        self.silences: dict[int, SilenceView] = {}
+        self.audit: list[AuditEntry] = []
+        self.pending: dict[str, list[Command]] = {}
+        self.acked: dict[tuple[str, str], int] = {}
+        self.rules_count = rules_count
+        self.reload_error: str | None = None
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    # --- seeding helpers for tests ---
+
+    def add_node(self, name: str, **kw: Any) -> NodeView:
+        view = NodeView(name=name, role=kw.pop("role", "active"), state="active", **kw)
+        self.nodes[name] = view
+        return view
+
+    def add_incident(self, **kw: Any) -> IncidentView:
+        now = self.clock.now()
+        iid = kw.pop("id", next(self._ids))
+        view = IncidentView(
+            id=iid,
+            rule=kw.pop("rule", "gpu_dbe"),
+            target=kw.pop("target", "gpu:node-1:2"),
+            target_text=kw.pop("target_text", "node-1 gpu 2"),
+            severity=kw.pop("severity", "critical"),
+            state=kw.pop("state", "open"),
+            opened_at=kw.pop("opened_at", now),
+            updated_at=kw.pop("updated_at", now),
+            **kw,
+        )
+        timeline = (TimelineEntry(ts=now, kind="opened", message="incident opened"),)
+        self.incidents[iid] = IncidentDetail(incident=view, timeline=timeline)
+        return view
+
+    def add_job(self, name: str, **kw: Any) -> JobView:
+        view = JobView(name=name, state=kw.pop("state", "running"), **kw)
+        self.jobs[name] = view
+        return view
+
+    def methods_called(self) -> list[str]:
+        return [c.method for c in self.calls]
+
+    # --- ControllerService ---
+
+    def _record(self, method: str, *args: Any, **kwargs: Any) -> None:
+        self.calls.append(Call(method, args, kwargs))
+
+    def _audit(self, actor: str, action: str, target: str, **detail: Any) -> None:
+        self.audit.append(
+            AuditEntry(
+                id=len(self.audit) + 1,
+                ts=self.clock.now(),
+                actor=actor,
+                action=action,
+                target=target,
+                detail=detail,
+            )
+        )
+
+    def _node(self, name: str) -> NodeView:
+        try:
+            return self.nodes[name]
+        except KeyError:
+            raise NotFound(f"node {name} not found") from None
+
+    def ingest_report(self, report: Report, *, actor: str) -> ReportResponse:
+        with self._lock:
+            self._record("ingest_report", report, actor=actor)
+            now = self.clock.now()
+            old = self.nodes.get(report.node)
+            base = old or NodeView(
+                name=report.node, role=report.role_hint or "active", state="active"
+            )
+            self.nodes[report.node] = replace(
+                base,
+                labels=dict(report.labels),
+                last_report_at=now,
+                report_age_s=0.0,
+                reporting=True,
+                gpus=len(report.gpus),
+                ib_ports=len(report.ib_ports),
+                agent_version=report.agent_version,
+            )
+            key = (report.node, report.instance)
+            ack = max([self.acked.get(key, 0), *(e.id for e in report.events)])
+            self.acked[key] = ack
+            commands = tuple(self.pending.pop(report.node, []))
+            return ReportResponse(ack_event_id=ack, commands=commands, server_time=now)
+
+    def list_nodes(self) -> list[NodeView]:
+        self._record("list_nodes")
+        return sorted(self.nodes.values(), key=lambda n: n.name)
+
+    def get_node(self, name: str) -> NodeView:
+        self._record("get_node", name)
+        return self._node(name)
+
+    def set_role(self, name: str, *, role: NodeRole, actor: str) -> NodeView:
+        self._record("set_role", name, role=role, actor=actor)
+        view = replace(self._node(name), role=role)
+        self.nodes[name] = view
+        self._audit(actor, "set_role", name, role=role)
+        return view
+
+    def drain(self, name: str, *, reason: str, actor: str) -> NodeView:
+        self._record("drain", name, reason=reason, actor=actor)
+        view = replace(self._node(name), state="drained", drain_reason=reason)
+        self.nodes[name] = view
+        self._audit(actor, "drain", name, reason=reason)
+        return view
+
+    def undrain(self, name: str, *, actor: str) -> NodeView:
+        self._record("undrain", name, actor=actor)
+        view = replace(self._node(name), state="active", drain_reason=None)
+        self.nodes[name] = view
+        self._audit(actor, "undrain", name)
+        return view
+
+    def list_spares(self) -> list[NodeView]:
+        self._record("list_spares")
+        return [n for n in self.list_nodes() if n.role == "spare"]
+
+    def list_incidents(
+        self, *, state: str | None = None, node: str | None = None, limit: int = 100
+    ) -> list[IncidentView]:
+        self._record("list_incidents", state=state, node=node, limit=limit)
+        out = [d.incident for d in self.incidents.values()]
+        out = [i for i in out if (state is None or i.state == state)]
+        out = [i for i in out if (node is None or i.node == node)]
+        return sorted(out, key=lambda i: -i.id)[:limit]
+
+    def get_incident(self, incident_id: int) -> IncidentDetail:
+        self._record("get_incident", incident_id)
+        try:
+            return self.incidents[incident_id]
+        except KeyError:
+            raise NotFound(f"incident {incident_id} not found") from None
+
+    def list_jobs(self) -> list[JobView]:
+        self._record("list_jobs")
+        return sorted(self.jobs.values(), key=lambda j: j.name)
+
+    def get_job(self, name: str) -> JobView:
+        self._record("get_job", name)
+        try:
+            return self.jobs[name]
+        except KeyError:
+            raise NotFound(f"job {name} not found") from None
+
+    def create_silence(
+        self,
+        *,
+        rule: str | None,
+        node: str | None,
+        duration_s: float,
+        comment: str,
+        actor: str,
+    ) -> SilenceView:
+        self._record(
+            "create_silence",
+            rule=rule,
+            node=node,
+            duration_s=duration_s,
+            comment=comment,
+            actor=actor,
+        )
+        if rule is None and node is None:
+            raise BadRequest("a silence needs a rule or a node")
+        if duration_s <= 0:
+            raise BadRequest("duration_s must be positive")
+        now = self.clock.now()
+        sid = len(self.silences) + 1
+        view = SilenceView(
+            id=sid,
+            rule=rule,
+            node=node,
+            created_by=actor,
+            created_at=now,
+            expires_at=now + duration_s,
+            comment=comment,
+        )
+        self.silences[sid] = view
+        self._audit(actor, "silence", rule or node or "", silence=sid)
+        return view
+
+    def list_silences(self, *, include_expired: bool = False) -> list[SilenceView]:
+        self._record("list_silences", include_expired=include_expired)
+        now = self.clock.now()
+        return [s for s in self.silences.values() if include_expired or s.expires_at > now]
+
+    def delete_silence(self, silence_id: int, *, actor: str) -> None:
+        self._record("delete_silence", silence_id, actor=actor)
+        if self.silences.pop(silence_id, None) is None:
+            raise NotFound(f"silence {silence_id} not found")
+        self._audit(actor, "unsilence", str(silence_id))
+
+    def inject_fault(self, node: str, spec: FaultSpec, *, actor: str) -> str:
+        self._record("inject_fault", node, spec, actor=actor)
+        self._node(node)
+        cid = f"cmd-{next(self._ids)}"
+        args = {k: v for k, v in vars(spec).items() if v is not None}
+        self.pending.setdefault(node, []).append(Command(id=cid, kind="inject_fault", args=args))
+        self._audit(actor, "inject_fault", node, kind=spec.kind)
+        return cid
+
+    def audit_log(self, *, limit: int = 100) -> list[AuditEntry]:
+        self._record("audit_log", limit=limit)
+        return list(reversed(self.audit))[:limit]
+
+    def reload_rules(self, *, actor: str) -> int:
+        self._record("reload_rules", actor=actor)
+        if self.reload_error is not None:
+            raise BadRequest(self.reload_error)
+        self._audit(actor, "reload_rules", "rules")
+        return self.rules_count

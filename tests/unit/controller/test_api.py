@@ -1,0 +1,314 @@
+"""REST API over the recording fake service: routes, roles, errors, limits, wire encoding."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry, Histogram
+
+from agent.clock import FakeClock
+from agent.protocol import Event, RankState, Report, encode_json
+from controller.api import create_app
+from controller.auth import TokenStore
+from controller.views import JobView
+from tests.fakes.controller_service import FakeService
+
+TOKENS = {
+    "op-token": ("ops-alice", "operator"),
+    "agent-token": ("agents", "agent"),
+    "viewer-token": ("viewer-bob", "viewer"),
+}
+OP = {"Authorization": "Bearer op-token"}
+AGENT = {"Authorization": "Bearer agent-token"}
+VIEWER = {"Authorization": "Bearer viewer-token"}
+
+
+@pytest.fixture
+def svc() -> FakeService:
+    s = FakeService(clock=FakeClock())
+    s.add_node("node-1")
+    s.add_node("node-2", role="spare")
+    return s
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+@pytest.fixture
+def client(svc: FakeService, registry: CollectorRegistry) -> TestClient:
+    hist = Histogram("trainguard_test_report_seconds", "x", registry=registry)
+    app = create_app(
+        svc,
+        tokens=TokenStore.from_plaintext(TOKENS),  # type: ignore[arg-type]
+        max_body_bytes=64 * 1024,
+        metrics_registry=registry,
+        report_latency=hist,
+    )
+    return TestClient(app, raise_server_exceptions=False)
+
+
+def _report(**kw: Any) -> Report:
+    base: dict[str, Any] = {"node": "node-9", "instance": "i-1", "seq": 1, "sent_at": 1.0}
+    base.update(kw)
+    return Report(**base)
+
+
+def test_report_from_agent_is_ingested_and_answered(client: TestClient, svc: FakeService) -> None:
+    events = (Event(id=4, kind="xid", ts=1.0, code=79), Event(id=7, kind="xid", ts=2.0, code=48))
+    r = client.post("/v1/reports", content=encode_json(_report(events=events)), headers=AGENT)
+    assert r.status_code == 200, r.text
+    assert r.json()["ack_event_id"] == 7
+    call = svc.calls[-1]
+    assert call.method == "ingest_report"
+    assert call.kwargs == {"actor": "agents"}
+    assert call.args[0].events == events
+
+
+def test_report_with_nan_loss_reaches_service_as_nan(client: TestClient, svc: FakeService) -> None:
+    rank = RankState(job="j", rank=0, step=3, loss=float("nan"))
+    r = client.post("/v1/reports", content=encode_json(_report(ranks=(rank,))), headers=AGENT)
+    assert r.status_code == 200
+    loss = svc.calls[-1].args[0].ranks[0].loss
+    assert loss != loss  # NaN
+
+
+def test_report_latency_is_observed(client: TestClient, registry: CollectorRegistry) -> None:
+    client.post("/v1/reports", content=encode_json(_report()), headers=AGENT)
+    assert registry.get_sample_value("trainguard_test_report_seconds_count") == 1.0
+
+
+def test_queued_command_rides_on_report_response(client: TestClient) -> None:
+    r = client.post("/v1/nodes/node-1/faults", json={"kind": "dbe", "gpu": 2}, headers=OP)
+    assert r.status_code == 202
+    cid = r.json()["command_id"]
+    r = client.post("/v1/reports", content=encode_json(_report(node="node-1")), headers=AGENT)
+    cmds = r.json()["commands"]
+    assert [c["id"] for c in cmds] == [cid]
+    assert cmds[0]["kind"] == "inject_fault"
+    assert cmds[0]["args"]["gpu"] == 2
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "field"),
+    [
+        pytest.param(
+            b'{"node": "n", "instance": "i", "seq": "1", "sent_at": 1}',
+            422,
+            "seq",
+            id="string-for-int",
+        ),
+        pytest.param(
+            b'{"node": "n", "instance": "i", "seq": 1, "sent_at": 1, "x": 1}',
+            422,
+            "x",
+            id="unknown-key",
+        ),
+        pytest.param(
+            b'{"node": "n", "instance": "i", "seq": 1, "sent_at": 1, "gpus": [{"index": 0}]}',
+            422,
+            "gpus[0].uuid",
+            id="nested-missing",
+        ),
+        pytest.param(
+            b'{"node": "n", "instance": "i", "seq": 1, "sent_at": 1, "v": 9}',
+            422,
+            "v",
+            id="wrong-version",
+        ),
+        pytest.param(b"[1, 2]", 422, "", id="not-an-object"),
+        pytest.param(b"{not json", 400, "", id="invalid-json"),
+        pytest.param(b"", 400, "", id="empty"),
+    ],
+)
+def test_bad_report_gets_4xx_naming_the_field(
+    client: TestClient, svc: FakeService, body: bytes, status: int, field: str
+) -> None:
+    r = client.post("/v1/reports", content=body, headers=AGENT)
+    assert r.status_code == status, r.text
+    payload = r.json()
+    assert payload["error"]
+    assert payload["detail"]["field"] == field
+    assert "ingest_report" not in svc.methods_called()
+
+
+def test_oversized_body_is_413_json(client: TestClient) -> None:
+    r = client.post("/v1/reports", content=b"x" * (64 * 1024 + 1), headers=AGENT)
+    assert r.status_code == 413
+    assert r.json()["detail"] == {"max_bytes": 64 * 1024}
+
+
+def test_oversized_chunked_body_without_length_is_413(client: TestClient) -> None:
+    def chunks() -> Any:
+        for _ in range(100):
+            yield b"x" * 1024
+
+    r = client.post("/v1/reports", content=chunks(), headers=AGENT)
+    assert r.status_code == 413
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "headers", "status"),
+    [
+        pytest.param("GET", "/v1/nodes", {}, 401, id="no-token"),
+        pytest.param("GET", "/v1/nodes", {"Authorization": "Bearer nope"}, 401, id="unknown-token"),
+        pytest.param("GET", "/v1/nodes", {"Authorization": "Basic b3A6eA=="}, 401, id="not-bearer"),
+        pytest.param("GET", "/v1/nodes", AGENT, 403, id="agent-cannot-read"),
+        pytest.param("POST", "/v1/reports", VIEWER, 403, id="viewer-cannot-report"),
+        pytest.param("POST", "/v1/reports", OP, 403, id="operator-cannot-report"),
+        pytest.param("POST", "/v1/nodes/node-1/undrain", VIEWER, 403, id="viewer-cannot-undrain"),
+        pytest.param("POST", "/v1/rules/reload", AGENT, 403, id="agent-cannot-reload"),
+        pytest.param("DELETE", "/v1/silences/1", VIEWER, 403, id="viewer-cannot-unsilence"),
+        pytest.param("GET", "/v1/audit", VIEWER, 200, id="viewer-reads-audit"),
+        pytest.param("GET", "/healthz", {}, 200, id="healthz-open"),
+        pytest.param("GET", "/metrics", {}, 200, id="metrics-open"),
+    ],
+)
+def test_roles_and_tokens(
+    client: TestClient, method: str, path: str, headers: dict[str, str], status: int
+) -> None:
+    r = client.request(method, path, headers=headers)
+    assert r.status_code == status, r.text
+    if status == 401:
+        assert r.headers["www-authenticate"] == "Bearer"
+        assert "error" in r.json()
+
+
+def test_drain_and_undrain_record_actor_and_reason(client: TestClient, svc: FakeService) -> None:
+    r = client.post("/v1/nodes/node-1/drain", json={"reason": "bad gpu"}, headers=OP)
+    assert r.status_code == 200
+    assert r.json()["state"] == "drained"
+    assert r.json()["drain_reason"] == "bad gpu"
+    r = client.post("/v1/nodes/node-1/undrain", headers=OP)
+    assert r.json()["state"] == "active"
+    audit = client.get("/v1/audit", headers=VIEWER).json()
+    assert [(a["actor"], a["action"]) for a in audit] == [
+        ("ops-alice", "undrain"),
+        ("ops-alice", "drain"),
+    ]
+
+
+def test_unknown_node_is_404_json(client: TestClient) -> None:
+    r = client.post("/v1/nodes/ghost/drain", json={"reason": "x"}, headers=OP)
+    assert r.status_code == 404
+    assert r.json() == {"error": "node ghost not found", "detail": None}
+
+
+def test_role_change_validates_role(client: TestClient) -> None:
+    assert (
+        client.put("/v1/nodes/node-1/role", json={"role": "spare"}, headers=OP).json()["role"]
+        == "spare"
+    )
+    r = client.put("/v1/nodes/node-1/role", json={"role": "boss"}, headers=OP)
+    assert r.status_code == 422
+    assert r.json()["detail"]["field"] == "role"
+
+
+def test_spares_lists_only_spares(client: TestClient) -> None:
+    assert [n["name"] for n in client.get("/v1/spares", headers=VIEWER).json()] == ["node-2"]
+
+
+def test_incident_filters_pass_through(client: TestClient, svc: FakeService) -> None:
+    svc.add_incident(id=1, node="node-1", state="open")
+    svc.add_incident(id=2, node="node-2", state="resolved")
+    r = client.get("/v1/incidents?state=open&node=node-1&limit=5", headers=VIEWER)
+    assert [i["id"] for i in r.json()] == [1]
+    assert svc.calls[-1].kwargs == {"state": "open", "node": "node-1", "limit": 5}
+    detail = client.get("/v1/incidents/2", headers=VIEWER).json()
+    assert detail["incident"]["state"] == "resolved"
+    assert detail["timeline"][0]["kind"] == "opened"
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        pytest.param("state=exploded", id="bad-state"),
+        pytest.param("limit=0", id="zero-limit"),
+        pytest.param("limit=abc", id="non-int-limit"),
+    ],
+)
+def test_bad_incident_query_is_422(client: TestClient, query: str) -> None:
+    r = client.get(f"/v1/incidents?{query}", headers=VIEWER)
+    assert r.status_code == 422
+    assert r.json()["error"] == "invalid request"
+
+
+def test_job_with_nan_ettr_is_sent_as_string(client: TestClient, svc: FakeService) -> None:
+    svc.jobs["j"] = JobView(name="j", state="running", ettr=float("nan"))
+    r = client.get("/v1/jobs/j", headers=VIEWER)
+    assert r.status_code == 200
+    assert json.loads(r.content)["ettr"] == "NaN"
+    assert client.get("/v1/jobs/missing", headers=VIEWER).status_code == 404
+
+
+def test_silence_lifecycle(client: TestClient, svc: FakeService) -> None:
+    body = {"rule": "gpu_dbe", "node": "node-1", "duration_s": 7200, "comment": "rma"}
+    r = client.post("/v1/silences", json=body, headers=OP)
+    assert r.status_code == 201
+    sid = r.json()["id"]
+    assert r.json()["created_by"] == "ops-alice"
+    assert [s["id"] for s in client.get("/v1/silences", headers=VIEWER).json()] == [sid]
+    assert client.delete(f"/v1/silences/{sid}", headers=OP).status_code == 204
+    assert client.delete(f"/v1/silences/{sid}", headers=OP).status_code == 404
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param({"rule": "r", "duration_s": "NaN"}, id="nan-duration"),
+        pytest.param({"rule": "r", "duration_s": -1}, id="negative-duration"),
+        pytest.param({"duration_s": 60}, id="neither-rule-nor-node"),
+    ],
+)
+def test_bad_silence_is_400(client: TestClient, body: dict[str, Any]) -> None:
+    r = client.post("/v1/silences", json=body, headers=OP)
+    assert r.status_code == 400, r.text
+
+
+def test_rules_reload_reports_count_or_error(client: TestClient, svc: FakeService) -> None:
+    assert client.post("/v1/rules/reload", headers=OP).json() == {"rules": 3}
+    svc.reload_error = "rules/x.yaml: rule bad: unknown signal"
+    r = client.post("/v1/rules/reload", headers=OP)
+    assert r.status_code == 400
+    assert r.json()["error"] == "rules/x.yaml: rule bad: unknown signal"
+
+
+def test_unexpected_service_failure_is_500_json_and_logs_no_token(
+    client: TestClient, svc: FakeService, caplog: pytest.LogCaptureFixture
+) -> None:
+    def boom() -> None:
+        raise RuntimeError("db gone")
+
+    svc.list_jobs = boom  # type: ignore[method-assign]
+    with caplog.at_level(logging.DEBUG):
+        r = client.get("/v1/jobs", headers=VIEWER)
+    assert r.status_code == 500
+    assert r.json() == {"error": "internal error", "detail": None}
+    assert "viewer-token" not in caplog.text
+    assert "event=api_error" in caplog.text
+
+
+def test_unknown_route_is_json_404(client: TestClient) -> None:
+    r = client.get("/v1/nope", headers=VIEWER)
+    assert r.status_code == 404
+    assert "error" in r.json()
+
+
+def test_openapi_describes_report_body_and_response(client: TestClient) -> None:
+    doc = client.get("/v1/openapi.json").json()
+    op = doc["paths"]["/v1/reports"]["post"]
+    body_ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    assert body_ref.endswith("/Report")
+    report = doc["components"]["schemas"]["Report"]
+    assert report["additionalProperties"] is False
+    assert set(report["required"]) == {"node", "instance", "seq", "sent_at"}
+    temp = doc["components"]["schemas"]["GpuSample"]["properties"]["temperature_celsius"]
+    assert {"enum": ["NaN", "Infinity", "-Infinity"], "type": "string"} in temp["anyOf"]
+    resp = op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"]
+    assert resp.endswith("/ReportResponse")
+    assert "HTTPValidationError" not in doc["components"]["schemas"]

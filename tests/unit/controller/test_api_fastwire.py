@@ -1,0 +1,270 @@
+"""The fast report decoder accepts and rejects exactly what `agent.protocol.from_wire` does."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agent.model import GpuSample, IbPortSample, NvLinkSample
+from agent.protocol import (
+    Command,
+    Event,
+    FaultSpec,
+    JobProcess,
+    ProtocolError,
+    RankState,
+    Report,
+    ReportResponse,
+    decode_json,
+    encode_json,
+    to_wire,
+)
+from controller.fastwire import decoder
+
+# no surrogates: Python's json accepts lone surrogates in strings, JSON parsers need not
+text = st.text(st.characters(exclude_categories=("Cs",)), max_size=8)
+floats = st.floats(allow_nan=True, allow_infinity=True)
+opt_float = st.none() | floats
+opt_int = st.none() | st.integers(min_value=-(2**70), max_value=2**70)
+opt_bool = st.none() | st.booleans()
+
+nvlinks = st.builds(
+    NvLinkSample,
+    link=st.integers(0, 17),
+    up=opt_bool,
+    crc_flit_errors_total=opt_int,
+    replay_errors_total=opt_int,
+)
+gpus = st.builds(
+    GpuSample,
+    index=st.integers(0, 7),
+    uuid=text,
+    pci_bus_id=text,
+    name=text,
+    lost=st.booleans(),
+    temperature_celsius=opt_float,
+    power_watts=opt_float,
+    memory_used_bytes=opt_int,
+    throttle_hw_slowdown=opt_bool,
+    ecc_uncorrected_volatile_total=opt_int,
+    nvlinks=st.lists(nvlinks, max_size=3).map(tuple),
+)
+ib_ports = st.builds(
+    IbPortSample,
+    device=text,
+    port=st.integers(1, 2),
+    state=st.none() | text,
+    rate_gbps=opt_float,
+    counters=st.dictionaries(text, st.integers(0, 2**64), max_size=3),
+    unreadable=st.lists(text, max_size=2).map(tuple),
+)
+json_any = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | text,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3),
+    max_leaves=6,
+)
+events = st.builds(
+    Event,
+    id=st.integers(0, 2**40),
+    kind=text,
+    ts=floats,
+    gpu=st.none() | st.integers(0, 7),
+    code=st.none() | st.integers(0, 200),
+    data=st.dictionaries(text, json_any, max_size=3),
+)
+ranks = st.builds(
+    RankState,
+    job=text,
+    rank=st.integers(0, 100),
+    step=st.integers(0, 10**6),
+    loss=opt_float,
+    ckpt_step=st.none() | st.integers(0, 10),
+)
+jobs = st.builds(
+    JobProcess,
+    job=text,
+    attempt=st.integers(0, 5),
+    state=st.sampled_from(["starting", "running", "stopping", "exited"]),
+    exit_code=st.none() | st.integers(-9, 255),
+)
+reports = st.builds(
+    Report,
+    node=text,
+    instance=text,
+    seq=st.integers(0, 10**9),
+    sent_at=floats,
+    role_hint=st.none() | st.sampled_from(["active", "spare"]),
+    labels=st.dictionaries(text, text, max_size=3),
+    gpus=st.lists(gpus, max_size=2).map(tuple),
+    ib_ports=st.lists(ib_ports, max_size=2).map(tuple),
+    ranks=st.lists(ranks, max_size=2).map(tuple),
+    jobs=st.lists(jobs, max_size=1).map(tuple),
+    events=st.lists(events, max_size=2).map(tuple),
+    health=st.dictionaries(text, floats, max_size=2),
+)
+
+# replacement values that are wrong for some field types and right for others
+odd_values = st.sampled_from(
+    [
+        None,
+        True,
+        False,
+        0,
+        1,
+        -1,
+        1.0,
+        2.5,
+        "1",
+        "",
+        "NaN",
+        "nan",
+        "Infinity",
+        "inf",
+        [],
+        {},
+        [1],
+        {"a": 1},
+    ]
+)
+
+
+def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [prefix] if prefix else []
+    if isinstance(value, dict):
+        for k, v in value.items():
+            out += _paths(v, (*prefix, k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            out += _paths(v, (*prefix, i))
+    return out
+
+
+def _outcome(raw: bytes) -> tuple[str, Any]:
+    """("ok", canonical wire form) or ("error", None) from the reference decoder."""
+    try:
+        return "ok", to_wire(decode_json(Report, raw))
+    except ProtocolError:
+        return "error", None
+
+
+def _fast_outcome(raw: bytes) -> tuple[str, Any]:
+    try:
+        return "ok", to_wire(decoder(Report).decode_json(raw))
+    except ProtocolError:
+        return "error", None
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(report=reports)
+def test_valid_reports_decode_identically(report: Report) -> None:
+    raw = encode_json(report)
+    fast = decoder(Report).decode_json(raw)
+    assert to_wire(fast) == to_wire(decode_json(Report, raw))
+    assert type(fast.gpus) is tuple
+    assert all(type(g) is GpuSample for g in fast.gpus)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(report=reports, data=st.data())
+def test_one_mutation_is_accepted_or_rejected_identically(
+    report: Report, data: st.DataObject
+) -> None:
+    wire = to_wire(report)
+    paths = _paths(wire)
+    mutated = copy.deepcopy(wire)
+    action = data.draw(st.sampled_from(["replace", "add_key", "delete_key"]))
+    if action == "replace" and paths:
+        path = data.draw(st.sampled_from(paths))
+        target = mutated
+        for part in path[:-1]:
+            target = target[part]
+        target[path[-1]] = data.draw(odd_values)
+    else:
+        objects = [()] + [p for p in paths if isinstance(_get(mutated, p), dict)]
+        where = _get(mutated, data.draw(st.sampled_from(objects)))
+        if action == "delete_key" and where:
+            del where[data.draw(st.sampled_from(sorted(where)))]
+        else:
+            where[data.draw(st.sampled_from(["bogus", "node", "uuid", "v", "index"]))] = data.draw(
+                odd_values
+            )
+    raw = json.dumps(mutated).encode()
+    ref = _outcome(raw)
+    fast = _fast_outcome(raw)
+    assert fast == ref, raw
+
+
+def _get(value: Any, path: tuple[Any, ...]) -> Any:
+    for part in path:
+        value = value[part]
+    return value
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        pytest.param(b'{"instance":"i","seq":1,"sent_at":1}', "node", id="missing-node"),
+        pytest.param(
+            b'{"node":"n","instance":"i","seq":true,"sent_at":1}', "seq", id="bool-for-int"
+        ),
+        pytest.param(
+            b'{"node":"n","instance":"i","seq":1.0,"sent_at":1}', "seq", id="float-for-int"
+        ),
+        pytest.param(
+            b'{"node":"n","instance":"i","seq":1,"sent_at":"1"}', "sent_at", id="string-for-float"
+        ),
+        pytest.param(
+            b'{"node":"n","instance":"i","seq":1,"sent_at":"nan"}', "sent_at", id="lowercase-nan"
+        ),
+        pytest.param(b'{"node":"n","instance":"i","seq":1,"sent_at":1,"v":2}', "v", id="version"),
+        pytest.param(
+            b'{"node":"n","instance":"i","seq":1,"sent_at":1,"role_hint":"boss"}',
+            "role_hint",
+            id="literal",
+        ),
+        pytest.param(
+            b'{"node":"n","instance":"i","seq":1,"sent_at":1,"gpus":[{"index":0,"uuid":"u","pci_bus_id":"p","name":"x","nvlinks":[{"link":0,"up":1}]}]}',
+            "gpus[0].nvlinks[0].up",
+            id="nested-bool",
+        ),
+        pytest.param(
+            b'{"node":"n","instance":"i","seq":1,"sent_at":1,"ib_ports":[{"device":"d","port":1,"counters":{"a":"1"}}]}',
+            "ib_ports[0].counters.a",
+            id="mapping-value",
+        ),
+        pytest.param(
+            b'{"node":"n","instance":"i","seq":1,"sent_at":1,"zz":1}', "zz", id="unknown-key"
+        ),
+        pytest.param(b"[]", "", id="array"),
+        pytest.param(b"{", "", id="truncated"),
+    ],
+)
+def test_rejections_name_the_same_field(raw: bytes, field: str) -> None:
+    with pytest.raises(ProtocolError) as ref:
+        decode_json(Report, raw)
+    with pytest.raises(ProtocolError) as fast:
+        decoder(Report).decode_json(raw)
+    assert ref.value.field == field
+    assert fast.value.field == field
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        pytest.param(
+            ReportResponse(
+                ack_event_id=3, commands=(Command(id="c", kind="checkpoint", args={"job": "j"}),)
+            ),
+            id="report-response",
+        ),
+        pytest.param(FaultSpec(kind="dbe", gpu=2, duration_s=float("inf")), id="fault-spec"),
+    ],
+)
+def test_other_messages_round_trip(msg: Any) -> None:
+    raw = encode_json(msg)
+    assert to_wire(decoder(type(msg)).decode_json(raw)) == to_wire(decode_json(type(msg), raw))

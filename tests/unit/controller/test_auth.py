@@ -1,0 +1,100 @@
+"""Tokens file loading, hashing and role checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agent.strict import ConfigError
+from controller.auth import Principal, TokenStore, hash_token, load_tokens
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "tokens.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_hash_token_is_hex_sha256() -> None:
+    assert hash_token("abc") == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+
+
+def test_loaded_tokens_authenticate_by_hash_and_token_file(tmp_path: Path) -> None:
+    (tmp_path / "agent.token").write_text("agent-secret\n")
+    p = _write(
+        tmp_path,
+        f"tokens:\n"
+        f"  - {{name: ops-alice, role: operator, sha256: {hash_token('alice-secret').upper()}}}\n"
+        f"  - {{name: agents, role: agent, token_file: agent.token}}\n",
+    )
+    store = load_tokens(p)
+    assert store.authenticate("alice-secret") == Principal("ops-alice", "operator")
+    assert store.authenticate("agent-secret") == Principal("agents", "agent")
+    assert store.authenticate("alice-secret ") is None
+    assert store.authenticate("") is None
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        pytest.param(
+            "tokens:\n  - {name: a, role: operator, sha: x}\n", "tokens[0].sha", id="unknown-key"
+        ),
+        pytest.param(
+            "tokens:\n  - {name: a, role: root, sha256: " + "a" * 64 + "}\n",
+            "tokens[0].role",
+            id="bad-role",
+        ),
+        pytest.param(
+            "tokens:\n  - {name: a, role: viewer, sha256: abc}\n", "64 hexadecimal", id="short-hash"
+        ),
+        pytest.param("tokens:\n  - {name: a, role: viewer}\n", "exactly one of", id="no-secret"),
+        pytest.param(
+            "tokens:\n  - {name: a, role: viewer, sha256: " + "a" * 64 + "}\n"
+            "  - {name: a, role: operator, sha256: " + "b" * 64 + "}\n",
+            "duplicate name",
+            id="duplicate-name",
+        ),
+        pytest.param(
+            "tokens:\n  - {name: a, role: viewer, sha256: " + "a" * 64 + "}\n"
+            "  - {name: b, role: operator, sha256: " + "a" * 64 + "}\n",
+            "same token",
+            id="duplicate-token",
+        ),
+        pytest.param(
+            "tokens:\n  - {name: a, role: viewer, token_file: missing}\n",
+            "cannot read",
+            id="missing-token-file",
+        ),
+        pytest.param("tokns: []\n", "tokns", id="typo-top-level"),
+    ],
+)
+def test_bad_tokens_file_fails_with_file_key_and_reason(
+    tmp_path: Path, body: str, needle: str
+) -> None:
+    p = _write(tmp_path, body)
+    with pytest.raises(ConfigError) as e:
+        load_tokens(p)
+    assert str(p) in str(e.value)
+    assert needle in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("role", "allowed"),
+    [
+        pytest.param("agent", {"report"}, id="agent"),
+        pytest.param("operator", {"read", "write"}, id="operator"),
+        pytest.param("viewer", {"read"}, id="viewer"),
+    ],
+)
+def test_role_permissions(role: str, allowed: set[str]) -> None:
+    p = Principal("x", role)  # type: ignore[arg-type]
+    assert {perm for perm in ("report", "read", "write") if p.may(perm)} == allowed  # type: ignore[arg-type]
+
+
+def test_store_from_plaintext_matches_only_exact_token() -> None:
+    store = TokenStore.from_plaintext({"s3cret": ("ops", "operator")})
+    assert store.authenticate("s3cret") == Principal("ops", "operator")
+    assert store.authenticate("s3cre") is None
+    assert len(store) == 1
