@@ -1,0 +1,112 @@
+"""Chaos hooks for the trainer library: parse `TRAINGUARD_CHAOS` strictly and decide per step.
+
+Off unless the env var is set. Grammar (comma-separated rules, each optionally scoped):
+
+    slow=0.2@rank1          this rank sleeps an extra 20 % of its measured step time, every step
+    hang@step30:rank2       rank 2 blocks forever at step 30 (a stuck collective, a dead GPU)
+    raise@step25            every rank raises ChaosError at step 25
+    nan@step17:rank0        the loss at step 17 is NaN and the model's first float parameter
+                            is filled with NaN, so the state really is non-finite
+    pause_write@step20      the checkpoint writer for step 20 stops after creating its
+                            temporary directory and waits forever (a kill -9 mid-write test)
+
+A scope is `@stepK`, `@rankR`, `@stepK:rankR` (or `:rankR` after a step). Each step-scoped
+rule fires once per process. A bad spec raises ChaosSpecError at start, naming the rule.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["ChaosError", "ChaosRule", "ChaosSpecError", "parse_chaos"]
+
+ChaosKind = Literal["slow", "hang", "raise", "nan", "pause_write"]
+_KINDS: tuple[str, ...] = ("slow", "hang", "raise", "nan", "pause_write")
+_NEEDS_STEP = {"hang", "raise", "nan", "pause_write"}
+
+_RULE = re.compile(
+    r"^(?P<kind>[a-z_]+)(?:=(?P<value>[^@:]+))?"
+    r"(?:@(?P<scope>(?:step\d+|rank\d+)(?::(?:step\d+|rank\d+))?))?$"
+)
+
+
+class ChaosSpecError(ValueError):
+    """`TRAINGUARD_CHAOS` could not be parsed; the message names the rule and the reason."""
+
+
+class ChaosError(RuntimeError):
+    """Raised on purpose by a `raise@stepK` chaos rule."""
+
+
+@dataclass(frozen=True)
+class ChaosRule:
+    kind: ChaosKind
+    step: int | None = None  # None: every step (only for `slow`)
+    rank: int | None = None  # None: every rank
+    fraction: float = 0.0  # `slow`: extra sleep as a fraction of the measured step time
+
+    def applies(self, *, step: int, rank: int) -> bool:
+        if self.rank is not None and self.rank != rank:
+            return False
+        return self.step is None or self.step == step
+
+
+def parse_chaos(spec: str) -> tuple[ChaosRule, ...]:
+    """Parse a chaos spec; an empty spec means no rules."""
+    rules: list[ChaosRule] = []
+    for raw in spec.split(","):
+        text = raw.strip()
+        if not text:
+            continue
+        m = _RULE.match(text)
+        if m is None:
+            raise ChaosSpecError(
+                f"TRAINGUARD_CHAOS rule {text!r}: expected KIND[=VALUE][@stepK][:rankR], "
+                f"KIND one of {', '.join(_KINDS)}"
+            )
+        kind = m.group("kind")
+        if kind not in _KINDS:
+            raise ChaosSpecError(
+                f"TRAINGUARD_CHAOS rule {text!r}: unknown kind {kind!r} "
+                f"(expected one of {', '.join(_KINDS)})"
+            )
+        step: int | None = None
+        rank: int | None = None
+        for part in (m.group("scope") or "").split(":"):
+            if not part:
+                continue
+            name = "step" if part.startswith("step") else "rank"
+            number = int(part[4:])
+            if name == "step":
+                if step is not None:
+                    raise ChaosSpecError(f"TRAINGUARD_CHAOS rule {text!r}: step given twice")
+                step = number
+            else:
+                if rank is not None:
+                    raise ChaosSpecError(f"TRAINGUARD_CHAOS rule {text!r}: rank given twice")
+                rank = number
+        value = m.group("value")
+        fraction = 0.0
+        if kind == "slow":
+            if value is None:
+                raise ChaosSpecError(
+                    f"TRAINGUARD_CHAOS rule {text!r}: slow needs a fraction, e.g. slow=0.2"
+                )
+            try:
+                fraction = float(value)
+            except ValueError:
+                raise ChaosSpecError(
+                    f"TRAINGUARD_CHAOS rule {text!r}: slow fraction {value!r} is not a number"
+                ) from None
+            if not 0.0 < fraction <= 100.0:
+                raise ChaosSpecError(
+                    f"TRAINGUARD_CHAOS rule {text!r}: slow fraction must be in (0, 100]"
+                )
+        elif value is not None:
+            raise ChaosSpecError(f"TRAINGUARD_CHAOS rule {text!r}: {kind} takes no value")
+        if kind in _NEEDS_STEP and step is None:
+            raise ChaosSpecError(f"TRAINGUARD_CHAOS rule {text!r}: {kind} needs @stepK")
+        rules.append(ChaosRule(kind=kind, step=step, rank=rank, fraction=fraction))  # type: ignore[arg-type]
+    return tuple(rules)

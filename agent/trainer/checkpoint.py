@@ -1,0 +1,302 @@
+"""Writing and reading checkpoints: the background writer thread and the per-format loaders.
+
+A save is: snapshot in host memory (main thread, the only part the loop waits for), then in
+a background thread: write every file into `step_K.tmp-<nonce>/`, fsync, checksum, gather the
+checksums on rank 0, write the manifest, one atomic rename to `step_K/`, tell every rank the
+outcome, apply retention, upload to S3. At most one save is in flight; a new save first waits
+for the previous one. A failed save is reported and never becomes "latest".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agent.clock import SYSTEM_CLOCK, Clock
+from agent.trainer.manifest import (
+    HashingWriter,
+    Manifest,
+    apply_retention,
+    commit_dir,
+    fsync_dir,
+    hash_file,
+    step_dir_name,
+    write_manifest,
+)
+from agent.trainer.s3 import S3Store
+from agent.trainer.sync import Coordinator
+
+__all__ = ["CheckpointWriter", "SaveResult", "load_rank_file", "rank_file_name"]
+
+log = logging.getLogger("trainguard.trainer")
+_DCP_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank_{rank:05d}.pt"
+
+
+def load_rank_file(path: Path) -> dict[str, Any]:
+    """Per-rank state; tensors and primitives only (never unpickles arbitrary objects)."""
+    data = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a dict, got {type(data).__name__}")
+    return data
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    step: int
+    request_id: str | None
+    ok: bool
+    duration_s: float
+    path: str
+    bytes: int = 0
+    reason: str = ""
+
+
+class CheckpointWriter:
+    """Runs one save at a time in a daemon thread; results are collected by the main thread."""
+
+    def __init__(
+        self,
+        *,
+        ckpt_dir: Path,
+        coordinator: Coordinator,
+        keep_last: int,
+        job: str,
+        version: str,
+        run_nonce: str,
+        s3: S3Store | None = None,
+        pause_steps: frozenset[int] = frozenset(),
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self.ckpt_dir = ckpt_dir
+        self.coord = coordinator
+        self.keep_last = keep_last
+        self.job = job
+        self.version = version
+        self.run_nonce = run_nonce
+        self.s3 = s3
+        self.pause_steps = pause_steps
+        self.clock = clock
+        self._thread: threading.Thread | None = None
+        self._results: list[SaveResult] = []
+        self._lock = threading.Lock()
+        self._counter = 0
+
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait for the in-flight save; True when none is left in flight."""
+        t = self._thread
+        if t is None:
+            return True
+        t.join(timeout_s)
+        return not t.is_alive()
+
+    def take_results(self) -> list[SaveResult]:
+        with self._lock:
+            out, self._results = self._results, []
+        return out
+
+    def start(
+        self,
+        *,
+        step: int,
+        request_id: str | None,
+        rank_state: dict[str, Any],
+        dcp_tensors: dict[str, torch.Tensor] | None,
+        snapshot_bytes: int,
+    ) -> None:
+        """Start writing a snapshot (the caller has waited for any previous save)."""
+        if self.busy():
+            raise RuntimeError("a checkpoint save is already in flight")
+        self._counter += 1
+        tmp = self.ckpt_dir / f"{step_dir_name(step)}.tmp-{self.run_nonce}{self._counter:04x}"
+        self._thread = threading.Thread(
+            target=self._run,
+            name=f"trainguard-ckpt-{step}",
+            kwargs={
+                "step": step,
+                "request_id": request_id,
+                "rank_state": rank_state,
+                "dcp_tensors": dcp_tensors,
+                "tmp": tmp,
+                "snapshot_bytes": snapshot_bytes,
+            },
+            daemon=True,  # a stuck write must never keep a finished or preempted job alive
+        )
+        self._thread.start()
+
+    def _write_local(
+        self,
+        step: int,
+        rank_state: dict[str, Any],
+        dcp_tensors: dict[str, torch.Tensor] | None,
+        tmp: Path,
+    ) -> dict[str, dict[str, Any]]:
+        rank = self.coord.rank
+        tmp.mkdir(parents=True, exist_ok=True)
+        files: dict[str, dict[str, Any]] = {}
+        if dcp_tensors is not None:
+            from torch.distributed.checkpoint import FileSystemWriter, save  # noqa: PLC0415
+
+            group = getattr(self.coord, "ckpt_group", None)
+            save(
+                dcp_tensors,
+                storage_writer=FileSystemWriter(str(tmp / "dcp"), sync_files=True),
+                process_group=group,
+            )
+        name = rank_file_name(rank)
+        with open(tmp / name, "wb") as f:
+            if step in self.pause_steps:
+                # Chaos hook: stop mid-write, forever, so a test can kill -9 us right here.
+                f.write(b"PK partial")
+                f.flush()
+                log.warning("event=chaos_pause_write step=%d rank=%d dir=%s", step, rank, tmp)
+                threading.Event().wait()
+            hw = HashingWriter(f)
+            torch.save(rank_state, hw)  # type: ignore[arg-type]
+            f.flush()
+            os.fsync(f.fileno())
+        files[name] = {"size": hw.size, "sha256": hw.hexdigest()}
+        if dcp_tensors is not None:
+            for entry in sorted(os.listdir(tmp / "dcp")):
+                m = _DCP_RANK_FILE.match(entry)
+                if m and int(m.group(1)) == rank:
+                    size, digest = hash_file(tmp / "dcp" / entry)
+                    files[f"dcp/{entry}"] = {"size": size, "sha256": digest}
+        return files
+
+    def _run(
+        self,
+        *,
+        step: int,
+        request_id: str | None,
+        rank_state: dict[str, Any],
+        dcp_tensors: dict[str, torch.Tensor] | None,
+        tmp: Path,
+        snapshot_bytes: int,
+    ) -> None:
+        t0 = self.clock.monotonic()
+        rank = self.coord.rank
+        final = self.ckpt_dir / step_dir_name(step)
+        mine: dict[str, Any] = {"ok": True, "reason": "", "files": {}}
+        try:
+            mine["files"] = self._write_local(step, rank_state, dcp_tensors, tmp)
+        except Exception as e:
+            mine = {"ok": False, "reason": f"rank {rank}: {type(e).__name__}: {e}", "files": {}}
+        committed = 0
+        reason = ""
+        try:
+            everyone = self.coord.all_gather_json(mine) if self.coord.distributed else [mine]
+            failures = [r["reason"] for r in everyone if not r["ok"]]
+            if rank == 0:
+                if failures:
+                    reason = failures[0]
+                    shutil.rmtree(tmp, ignore_errors=True)
+                else:
+                    self._commit(step, request_id, tmp, final, everyone)
+                    committed = 1
+            elif failures:
+                reason = failures[0]
+        except Exception as e:
+            reason = f"rank {rank}: commit: {type(e).__name__}: {e}"
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+        if self.coord.distributed:
+            try:
+                committed = self.coord.broadcast_int(committed, checkpoint_group=True)
+            except Exception as e:
+                committed, reason = 0, f"rank {rank}: outcome broadcast: {e}"
+        if not committed and not reason:
+            reason = "rank 0 could not commit (see its log)"
+        duration_s = self.clock.monotonic() - t0
+        result = SaveResult(
+            step=step,
+            request_id=request_id,
+            ok=bool(committed),
+            duration_s=duration_s,
+            path=str(final if committed else tmp),
+            bytes=snapshot_bytes,
+            reason=reason,
+        )
+        if committed:
+            log.info(
+                "event=checkpoint_committed job=%s rank=%d step=%d request_id=%s duration_s=%.3f "
+                "bytes=%d dir=%s",
+                self.job,
+                rank,
+                step,
+                request_id or "-",
+                duration_s,
+                snapshot_bytes,
+                final,
+            )
+        else:
+            log.error(
+                "event=checkpoint_failed job=%s rank=%d step=%d request_id=%s reason=%s",
+                self.job,
+                rank,
+                step,
+                request_id or "-",
+                reason.replace(" ", "_"),
+            )
+        with self._lock:
+            self._results.append(result)
+        if committed and rank == 0:
+            self._after_commit(step, final)
+
+    def _commit(
+        self, step: int, request_id: str | None, tmp: Path, final: Path, everyone: list[Any]
+    ) -> None:
+        files: dict[str, dict[str, Any]] = {}
+        for r in everyone:
+            files.update(r["files"])
+        dcp_dir = tmp / "dcp"
+        if dcp_dir.is_dir():
+            # DCP's own metadata (and any file no rank claimed) is hashed here, by rank 0.
+            for entry in sorted(os.listdir(dcp_dir)):
+                rel = f"dcp/{entry}"
+                if rel not in files:
+                    size, digest = hash_file(dcp_dir / entry)
+                    files[rel] = {"size": size, "sha256": digest}
+            fsync_dir(dcp_dir)
+        manifest = Manifest(
+            step=step,
+            world_size=self.coord.world_size,
+            format="dcp" if dcp_dir.is_dir() else "torch",
+            files=files,
+            created_at=self.clock.now(),
+            loss_finite=True,
+            trainguard_version=self.version,
+            request_id=request_id,
+            job=self.job,
+        )
+        write_manifest(tmp, manifest)
+        commit_dir(tmp, final)
+
+    def _after_commit(self, step: int, final: Path) -> None:
+        with contextlib.suppress(Exception):
+            apply_retention(self.ckpt_dir, keep_last=self.keep_last, newest_good_step=step)
+        if self.s3 is not None:
+            try:
+                self.s3.upload(final)
+            except Exception as e:
+                log.error(
+                    "event=checkpoint_upload_failed job=%s step=%d reason=%s",
+                    self.job,
+                    step,
+                    str(e).replace(" ", "_"),
+                )

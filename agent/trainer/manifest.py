@@ -1,0 +1,320 @@
+"""Checkpoint directories on disk: naming, checksums, the manifest, commit, verify, retention.
+
+Layout under `ckpt_dir`:
+
+    step_000020.tmp-<nonce>/   being written (never loaded; removed at the next start)
+    step_000020/               committed: one atomic rename of the whole directory
+        manifest.json          step, world size, format, {file: {size, sha256}}, ...
+        rank_00000.pt ...      per-rank state (torch.save of tensors/primitives only)
+        dcp/...                sharded tensors (torch.distributed.checkpoint), distributed only
+
+"latest" is the newest committed directory whose manifest and every listed file verify.
+No torch in here: this module is shared by the writer thread, the loader and the tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = [
+    "MANIFEST_NAME",
+    "CheckpointInvalid",
+    "HashingWriter",
+    "Manifest",
+    "apply_retention",
+    "clean_stale",
+    "commit_dir",
+    "find_latest_good",
+    "fsync_dir",
+    "hash_file",
+    "list_committed",
+    "new_tmp_dir",
+    "read_manifest",
+    "step_dir_name",
+    "verify_dir",
+    "write_manifest",
+]
+
+log = logging.getLogger("trainguard.trainer")
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d{6,})$")
+_STALE = re.compile(r"^step_\d{6,}\.(tmp|replaced)-[0-9a-f]+$")
+_CHUNK_BYTES = 8 << 20
+
+
+class CheckpointInvalid(Exception):
+    """A checkpoint that must not be loaded; `file` names the offending file."""
+
+    def __init__(self, file: str, reason: str) -> None:
+        self.file = file
+        self.reason = reason
+        super().__init__(f"{file}: {reason}")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: int
+    world_size: int
+    format: str  # "torch": one rank_*.pt per rank; "dcp": dcp/ shards + rank_*.pt skeletons
+    files: dict[str, dict[str, Any]]  # relative path -> {"size": int, "sha256": hex}
+    created_at: float
+    loss_finite: bool
+    trainguard_version: str
+    request_id: str | None = None
+    job: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "manifest_version": MANIFEST_VERSION,
+            "step": self.step,
+            "world_size": self.world_size,
+            "format": self.format,
+            "files": self.files,
+            "created_at": self.created_at,
+            "loss_finite": self.loss_finite,
+            "trainguard_version": self.trainguard_version,
+            "request_id": self.request_id,
+            "job": self.job,
+            "extra": self.extra,
+        }
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def new_tmp_dir(ckpt_dir: Path, step: int) -> Path:
+    return ckpt_dir / f"{step_dir_name(step)}.tmp-{secrets.token_hex(4)}"
+
+
+class HashingWriter:
+    """A write-only file object that hashes what passes through it (one pass over the bytes)."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self._f = f
+        self._h = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        self._h.update(data)
+        n = self._f.write(data)
+        self.size += len(data)
+        return n if n is not None else len(data)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+def hash_file(path: Path) -> tuple[int, str]:
+    """(size in bytes, sha256 hex) of a file."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(_CHUNK_BYTES)
+        view = memoryview(buf)
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            h.update(view[:n])
+            size += n
+    return size, h.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    """Write manifest.json durably (file fsync + directory fsync)."""
+    raw = json.dumps(manifest.to_json(), indent=1, sort_keys=True, allow_nan=False).encode()
+    path = directory / MANIFEST_NAME
+    with open(path, "wb") as f:
+        f.write(raw)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(directory)
+
+
+def commit_dir(tmp_dir: Path, final_dir: Path) -> None:
+    """Publish `tmp_dir` as `final_dir` with one rename, then make the rename durable.
+
+    If `final_dir` already exists (the same step checkpointed again after a rollback), it is
+    first renamed aside; a crash in between leaves the older checkpoints as "latest".
+    """
+    parent = final_dir.parent
+    replaced: Path | None = None
+    if final_dir.exists():
+        replaced = parent / f"{final_dir.name}.replaced-{secrets.token_hex(4)}"
+        os.rename(final_dir, replaced)
+    os.rename(tmp_dir, final_dir)
+    fsync_dir(parent)
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
+
+
+def list_committed(ckpt_dir: Path) -> list[tuple[int, Path]]:
+    """Committed step directories, newest first (validity not checked)."""
+    out: list[tuple[int, Path]] = []
+    try:
+        entries = list(os.scandir(ckpt_dir))
+    except FileNotFoundError:
+        return out
+    for e in entries:
+        m = _STEP_DIR.match(e.name)
+        if m and e.is_dir(follow_symlinks=False):
+            out.append((int(m.group(1)), Path(e.path)))
+    out.sort(key=lambda x: x[0], reverse=True)
+    return out
+
+
+def read_manifest(directory: Path) -> Manifest:
+    path = directory / MANIFEST_NAME
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointInvalid(str(path), "manifest missing") from None
+    except OSError as e:
+        raise CheckpointInvalid(str(path), f"unreadable: {e.strerror or e}") from None
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointInvalid(str(path), f"not valid JSON: {e}") from None
+    try:
+        if data.get("manifest_version") != MANIFEST_VERSION:
+            raise CheckpointInvalid(
+                str(path), f"unsupported manifest_version {data.get('manifest_version')!r}"
+            )
+        files = data["files"]
+        if not isinstance(files, dict) or not files:
+            raise CheckpointInvalid(str(path), "files: empty or not a mapping")
+        for name, meta in files.items():
+            if (
+                not isinstance(meta, dict)
+                or not isinstance(meta.get("size"), int)
+                or not isinstance(meta.get("sha256"), str)
+                or os.path.isabs(name)
+                or ".." in Path(name).parts
+            ):
+                raise CheckpointInvalid(str(path), f"files[{name!r}]: malformed entry")
+        return Manifest(
+            step=int(data["step"]),
+            world_size=int(data["world_size"]),
+            format=str(data["format"]),
+            files=files,
+            created_at=float(data["created_at"]),
+            loss_finite=bool(data["loss_finite"]),
+            trainguard_version=str(data["trainguard_version"]),
+            request_id=data.get("request_id"),
+            job=str(data.get("job", "")),
+            extra=dict(data.get("extra") or {}),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        if isinstance(e, CheckpointInvalid):
+            raise
+        raise CheckpointInvalid(str(path), f"malformed manifest: {e!r}") from None
+
+
+def verify_dir(directory: Path, *, expected_step: int | None = None) -> Manifest:
+    """Read the manifest and check every listed file's size and sha256; raise CheckpointInvalid."""
+    manifest = read_manifest(directory)
+    if expected_step is not None and manifest.step != expected_step:
+        raise CheckpointInvalid(
+            str(directory / MANIFEST_NAME),
+            f"manifest step {manifest.step} does not match directory step {expected_step}",
+        )
+    if not manifest.loss_finite:
+        raise CheckpointInvalid(str(directory / MANIFEST_NAME), "state was not finite")
+    for name, meta in sorted(manifest.files.items()):
+        path = directory / name
+        try:
+            size, digest = hash_file(path)
+        except FileNotFoundError:
+            raise CheckpointInvalid(str(path), "listed in manifest but missing") from None
+        except OSError as e:
+            raise CheckpointInvalid(str(path), f"unreadable: {e.strerror or e}") from None
+        if size != meta["size"]:
+            raise CheckpointInvalid(str(path), f"size {size} != manifest size {meta['size']}")
+        if digest != meta["sha256"]:
+            raise CheckpointInvalid(str(path), "sha256 mismatch")
+    return manifest
+
+
+def iter_good(ckpt_dir: Path) -> Iterator[tuple[int, Path, Manifest]]:
+    """Committed checkpoints that verify, newest first; bad ones are logged and skipped."""
+    for step, path in list_committed(ckpt_dir):
+        try:
+            manifest = verify_dir(path, expected_step=step)
+        except CheckpointInvalid as e:
+            log.warning(
+                "event=checkpoint_skipped step=%d dir=%s file=%s reason=%s",
+                step,
+                path,
+                e.file,
+                e.reason.replace(" ", "_"),
+            )
+            continue
+        yield step, path, manifest
+
+
+def find_latest_good(ckpt_dir: Path) -> tuple[int, Path, Manifest] | None:
+    return next(iter_good(ckpt_dir), None)
+
+
+def apply_retention(ckpt_dir: Path, *, keep_last: int, newest_good_step: int) -> list[Path]:
+    """Delete committed checkpoints beyond the newest `keep_last`; never `newest_good_step`.
+
+    Called only after a newer checkpoint committed, so an older one is never the last copy.
+    """
+    removed: list[Path] = []
+    if keep_last <= 0:
+        return removed
+    committed = list_committed(ckpt_dir)
+    for step, path in committed[keep_last:]:
+        if step >= newest_good_step:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+        log.info("event=checkpoint_deleted step=%d dir=%s reason=retention", step, path)
+    return removed
+
+
+def clean_stale(ckpt_dir: Path, *, older_than_s: float = 0.0) -> list[Path]:
+    """Remove leftover temporary / replaced directories (a crash mid-write leaves them)."""
+    removed: list[Path] = []
+    now = time.time()
+    try:
+        entries = list(os.scandir(ckpt_dir))
+    except FileNotFoundError:
+        return removed
+    for e in entries:
+        if _STALE.match(e.name) and e.is_dir(follow_symlinks=False):
+            with contextlib.suppress(OSError):
+                if now - e.stat().st_mtime < older_than_s:
+                    continue
+                shutil.rmtree(e.path)
+                removed.append(Path(e.path))
+                log.info("event=checkpoint_stale_removed dir=%s", e.path)
+    return removed

@@ -1,0 +1,158 @@
+"""Agreement between ranks: every rank acts on a request, a SIGTERM or a NaN at the same step.
+
+At each sync step all ranks join one small all_reduce(MAX) on a dedicated gloo group:
+[lowest rank holding a pending request (encoded), sigterm seen, non-finite seen]. If any rank
+holds a request, the lowest such rank broadcasts its (action, request_id) and everyone acts on
+it at this step. Every rank joins the same collectives at the same steps whatever it received,
+so a request that reached only some ranks never leaves anyone waiting.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "ACTION_CODES",
+    "REQUEST_ID_MAX_BYTES",
+    "Agreement",
+    "Coordinator",
+    "DistCoordinator",
+    "LocalCoordinator",
+    "LocalView",
+]
+
+REQUEST_ID_MAX_BYTES = 256
+ACTION_CODES = {"checkpoint": 1, "stop": 2, "checkpoint_stop": 3}
+_ACTIONS = {v: k for k, v in ACTION_CODES.items()}
+
+
+@dataclass(frozen=True)
+class LocalView:
+    """What this rank knows at the sync step."""
+
+    request: tuple[str, str] | None  # (action, request_id): the oldest pending request
+    sigterm: bool
+    nonfinite: bool
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What every rank acts on at this step (identical on all ranks)."""
+
+    action: str | None = None
+    request_id: str | None = None
+    sigterm: bool = False
+    nonfinite: bool = False
+
+
+class Coordinator(Protocol):
+    rank: int
+    world_size: int
+    distributed: bool
+
+    def agree(self, view: LocalView) -> Agreement: ...
+
+    def broadcast_int(self, value: int, *, checkpoint_group: bool = False) -> int: ...
+
+    def broadcast_str(self, value: str) -> str: ...
+
+    def all_gather_json(self, obj: Any) -> list[Any]: ...
+
+
+class LocalCoordinator:
+    """One process: the local view is the agreement."""
+
+    rank = 0
+    world_size = 1
+    distributed = False
+
+    def agree(self, view: LocalView) -> Agreement:
+        action, rid = view.request if view.request else (None, None)
+        return Agreement(
+            action=action, request_id=rid, sigterm=view.sigterm, nonfinite=view.nonfinite
+        )
+
+    def broadcast_int(self, value: int, *, checkpoint_group: bool = False) -> int:
+        return value
+
+    def broadcast_str(self, value: str) -> str:
+        return value
+
+    def all_gather_json(self, obj: Any) -> list[Any]:
+        return [json.loads(json.dumps(obj))]
+
+
+class DistCoordinator:
+    """Collectives on two private gloo groups: `sync` (main thread: agreement, resume) and
+    `ckpt` (the writer thread: DCP save, gathering checksums, commit). Separate groups keep
+    the writer thread's collectives from interleaving with the main thread's, and both stay
+    off the training process group (NCCL or gloo).
+
+    Constructing it is itself a collective (`new_group`): every rank must do it, in order.
+    """
+
+    distributed = True
+
+    def __init__(self) -> None:
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.sync_group: Any = dist.new_group(backend="gloo")
+        self.ckpt_group: Any = dist.new_group(backend="gloo")
+
+    def agree(self, view: LocalView) -> Agreement:
+        code = self.world_size - self.rank if view.request else 0
+        flags = torch.tensor([code, int(view.sigterm), int(view.nonfinite)], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.sync_group)
+        top, sigterm, nonfinite = (int(x) for x in flags.tolist())
+        action: str | None = None
+        rid: str | None = None
+        if top > 0:
+            src = self.world_size - top
+            buf = torch.zeros(1 + REQUEST_ID_MAX_BYTES, dtype=torch.uint8)
+            if self.rank == src and view.request is not None:
+                raw = view.request[1].encode()
+                buf[0] = ACTION_CODES[view.request[0]]
+                buf[1 : 1 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            dist.broadcast(buf, src=src, group=self.sync_group)
+            action = _ACTIONS[int(buf[0])]
+            raw_id = bytes(buf[1:].tolist()).rstrip(b"\0")
+            rid = raw_id.decode()
+        return Agreement(
+            action=action, request_id=rid, sigterm=bool(sigterm), nonfinite=bool(nonfinite)
+        )
+
+    def broadcast_int(self, value: int, *, checkpoint_group: bool = False) -> int:
+        t = torch.tensor([value], dtype=torch.int64)
+        group = self.ckpt_group if checkpoint_group else self.sync_group
+        dist.broadcast(t, src=0, group=group)
+        return int(t.item())
+
+    def broadcast_str(self, value: str) -> str:
+        raw = value.encode()
+        n = self.broadcast_int(len(raw))
+        buf = torch.zeros(n, dtype=torch.uint8)
+        if self.rank == 0 and n:
+            buf[:] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        dist.broadcast(buf, src=0, group=self.sync_group)
+        return bytes(buf.tolist()).decode()
+
+    def all_gather_json(self, obj: Any) -> list[Any]:
+        """All ranks' JSON values, on the checkpoint group (no pickle: bytes in a tensor)."""
+        raw = json.dumps(obj).encode()
+        length = torch.tensor([len(raw)], dtype=torch.int64)
+        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(lengths, length, group=self.ckpt_group)
+        size = max(int(x.item()) for x in lengths)
+        mine = torch.zeros(size, dtype=torch.uint8)
+        mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        bufs = [torch.zeros(size, dtype=torch.uint8) for _ in range(self.world_size)]
+        dist.all_gather(bufs, mine, group=self.ckpt_group)
+        return [
+            json.loads(bytes(b[: int(n.item())].tolist()).decode())
+            for b, n in zip(bufs, lengths, strict=True)
+        ]

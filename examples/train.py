@@ -1,0 +1,188 @@
+"""A small real training job using the trainguard trainer library.
+
+An MLP with dropout on synthetic classification data (generated from the seed), a shuffled
+DistributedSampler wrapped to be resumable, AdamW and a cosine LR schedule. Runs alone or
+under torchrun (gloo on CPU):
+
+    python examples/train.py --steps 40 --ckpt-dir /tmp/ck --checkpoint-every 10 --seed 0
+    torchrun --standalone --nproc-per-node 3 examples/train.py --steps 40 --ckpt-dir /tmp/ck
+
+Rank 0 prints one JSON line per step on stdout, e.g.
+    {"step": 12, "loss": 2.3125, "ckpt_step": 10, "lr": 0.00099, "epoch": 0}
+Floats are printed exactly (repr); a non-finite loss is the string "NaN"/"Infinity"/
+"-Infinity", as on the trainguard wire. Steps are numbered from 1; the checkpoint of step k
+holds the state after step k, so a resumed run continues at k+1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from agent.trainer import ResumableSampler, S3Config, Trainguard
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=40, help="last step to run (steps start at 1)")
+    p.add_argument("--ckpt-dir", required=True)
+    p.add_argument("--checkpoint-every", type=int, default=10, help="0 = only on request")
+    p.add_argument("--keep-last", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--samples", type=int, default=2048, help="synthetic dataset size")
+    p.add_argument("--features", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--classes", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument(
+        "--schedule-steps", type=int, default=1000, help="cosine LR period (not tied to --steps)"
+    )
+    p.add_argument("--step-time-s", type=float, default=0.0, help="pad each step to this time")
+    p.add_argument("--nan-policy", choices=("continue", "stop", "rollback"), default="continue")
+    p.add_argument("--skip-batches", type=int, default=0)
+    p.add_argument("--sync-every", type=int, default=1)
+    p.add_argument("--sigterm-grace-s", type=float, default=30.0)
+    p.add_argument("--s3-bucket")
+    p.add_argument("--s3-prefix", default="trainguard")
+    p.add_argument("--s3-endpoint-url")
+    return p.parse_args(argv)
+
+
+def make_data(*, seed: int, samples: int, features: int, classes: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, features, generator=g)
+    w = torch.randn(features, classes, generator=g)
+    y = (x @ w + 0.5 * torch.randn(samples, classes, generator=g)).argmax(dim=1)
+    return TensorDataset(x, y)
+
+
+def fmt(v: float) -> float | str:
+    if math.isnan(v):
+        return "NaN"
+    if math.isinf(v):
+        return "Infinity" if v > 0 else "-Infinity"
+    return v
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s"
+    )
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if distributed else 0
+    world = dist.get_world_size() if distributed else 1
+
+    torch.manual_seed(args.seed)  # identical initial weights on every rank
+    model: nn.Module = nn.Sequential(
+        nn.Linear(args.features, args.hidden),
+        nn.GELU(),
+        nn.Dropout(0.1),
+        nn.Linear(args.hidden, args.classes),
+    )
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + 1000 + rank)  # dropout differs per rank, reproducibly
+    if distributed:
+        model = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.schedule_steps)
+
+    data = make_data(
+        seed=args.seed, samples=args.samples, features=args.features, classes=args.classes
+    )
+    inner = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+    sampler = ResumableSampler(inner, batch_size=args.batch_size)
+    # The loader gets its own generator: each iter(loader) draws a seed from it, and drawing
+    # from the global one would make the global RNG depend on when iterators were created.
+    loader = DataLoader(
+        data,
+        batch_size=args.batch_size,
+        sampler=sampler,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(args.seed),
+    )
+
+    s3 = None
+    if args.s3_bucket:
+        s3 = S3Config(
+            bucket=args.s3_bucket, prefix=args.s3_prefix, endpoint_url=args.s3_endpoint_url
+        )
+    tg = Trainguard(
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        sampler=sampler,
+        ckpt_dir=args.ckpt_dir,
+        checkpoint_every=args.checkpoint_every,
+        keep_last=args.keep_last,
+        s3=s3,
+        nan_policy=args.nan_policy,
+        skip_batches=args.skip_batches,
+        sync_every=args.sync_every,
+        sigterm_grace_s=args.sigterm_grace_s,
+    )
+    step = tg.resume(first_step=1)
+    batches = sampler.batches(loader)
+    while step <= args.steps:
+        t0 = time.perf_counter()
+        x, y = next(batches)
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)
+        opt.step()
+        sched.step()
+        pad_s = args.step_time_s - (time.perf_counter() - t0)
+        if pad_s > 0:
+            time.sleep(pad_s)
+        action = tg.step(step, loss=loss, grad_norm=grad_norm, samples=args.batch_size)
+        if rank == 0:
+            line = {
+                "step": step,
+                "loss": fmt(loss.item()),
+                "ckpt_step": tg.ckpt_step,
+                "lr": sched.get_last_lr()[0],
+                "epoch": sampler.epoch,
+            }
+            if action.stop or action.rollback:
+                line["action"] = "stop" if action.stop else "rollback"
+                line["reason"] = action.reason
+            print(json.dumps(line), flush=True)
+        if action.stop:
+            break
+        if action.rollback:
+            assert action.next_step is not None
+            step = action.next_step
+            batches = sampler.batches(loader)
+            continue
+        step += 1
+    tg.close()
+    if distributed:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
