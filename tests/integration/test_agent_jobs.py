@@ -1,0 +1,202 @@
+"""The torchrun job backend with real torchrun: rendezvous of two "nodes" on one host,
+exit reporting, stop with SIGKILL escalation, and no processes left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+from agent.clock import FakeClock
+from agent.jobs import JOB_EXIT, JobError, JobEvent, JobRunner, StartJob
+
+pytestmark = pytest.mark.slow
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "jobs"
+T = TypeVar("T")
+
+
+def wait_for(what: str, check: Callable[[], T | None], *, timeout_s: float = 60.0) -> T:
+    """Poll `check` until it returns a truthy value or the deadline passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            pytest.fail(f"timed out after {timeout_s:g}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie is dead; an orphan zombie is its new parent's to reap)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rfind(b")") + 2 :].split()[0] != b"Z"
+
+
+def group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def make_runner(tmp_path: Path, node: str, **kwargs: object) -> JobRunner:
+    return JobRunner(
+        node_name=node,
+        work_dir=str(tmp_path / node),
+        heartbeat_socket=str(tmp_path / "hb.sock"),
+        control_dir=str(tmp_path / "control"),
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def spec(job: str, command: list[str], *, nnodes: int = 1, **kwargs: object) -> StartJob:
+    fields: dict[str, object] = {
+        "job": job,
+        "attempt": 1,
+        "command": command,
+        "nproc_per_node": 1,
+        "nnodes": nnodes,
+        "rdzv_endpoint": f"127.0.0.1:{free_port()}",
+        "rdzv_id": f"{job}-1",
+        # a rendezvous that cannot complete fails the test quickly instead of in 600 s
+        "rdzv_conf": {"join_timeout": "45"},
+    }
+    fields.update(kwargs)
+    return StartJob(**fields)  # type: ignore[arg-type]
+
+
+def wait_exit(runner: JobRunner, job: str, *, timeout_s: float = 60.0) -> JobEvent:
+    events: list[JobEvent] = []
+
+    def check() -> JobEvent | None:
+        events.extend(runner.poll())
+        return next((e for e in events if e.job == job and e.kind == JOB_EXIT), None)
+
+    return wait_for(f"job_exit of {job}", check, timeout_s=timeout_s)
+
+
+def tail_of(runner: JobRunner, job: str) -> str:
+    return next((p.output_tail for p in runner.processes() if p.job == job), "")
+
+
+def ready_pid(runner: JobRunner, job: str) -> int:
+    def check() -> int | None:
+        for line in tail_of(runner, job).splitlines():
+            if line.startswith("ready pid="):
+                return int(line.split("=", 1)[1])
+        runner.poll()
+        return None
+
+    return wait_for(f"{job} worker ready", check)
+
+
+def test_two_nodes_on_one_host_rendezvous_and_all_reduce(tmp_path: Path) -> None:
+    script = str(FIXTURES / "allreduce.py")
+    base = spec("ar", [script], nnodes=2)
+    host_spec = StartJob(**{**base.__dict__, "node_rank": 0})
+    client_spec = StartJob(**{**base.__dict__, "node_rank": 1})
+    host = make_runner(tmp_path, "node-a")
+    client = make_runner(tmp_path, "node-b")
+    try:
+        # the client starts first: it must wait for the host's store, not serve one itself
+        client.start(client_spec)
+        host.start(host_spec)
+        exits = {"node-a": wait_exit(host, "ar"), "node-b": wait_exit(client, "ar")}
+    finally:
+        host.close(grace_s=1)
+        client.close(grace_s=1)
+    for node, event in exits.items():
+        assert event.exit_code == 0, f"{node}: {event.message}\n{event.data['output_tail']}"
+        tail = str(event.data["output_tail"])
+        assert "world_size=2 sum=1" in tail, tail
+        assert f"job=ar node={node}" in tail, tail
+        log_text = (tmp_path / node / "ar-1.log").read_text()
+        assert "world_size=2" in log_text
+
+
+def test_failing_job_is_reaped_with_exit_code_tail_and_full_log(tmp_path: Path) -> None:
+    runner = make_runner(tmp_path, "node-a", output_tail_lines=5)
+    job = spec("fail", [str(FIXTURES / "exit_with.py"), "100", "7"], env={"EXTRA": "x y"})
+    try:
+        runner.start(job)
+        with pytest.raises(JobError, match="already running"):
+            runner.start(job)
+        event = wait_exit(runner, "fail")
+    finally:
+        runner.close(grace_s=1)
+    # torchrun reports a failed worker with its own exit code 1
+    assert event.exit_code == 1, event.message
+    assert event.attempt == 1
+    assert event.data["stopped"] is False
+    tail = str(event.data["output_tail"])
+    assert len(tail.splitlines()) == 5
+    log_text = (tmp_path / "node-a" / "fail-1.log").read_text()
+    for needle in ("line 0\n", "line 99\n", "env TRAINGUARD_JOB=fail", "env TRAINGUARD_ATTEMPT=1"):
+        assert needle in log_text
+    assert "env TRAINGUARD_NODE=node-a" in log_text
+    assert "env EXTRA=x y" in log_text
+    (proc,) = runner.processes()
+    assert proc.state == "exited"
+    assert proc.exit_code == 1
+    assert group_gone(proc.pid or 0)
+
+
+def test_stop_escalates_to_sigkill_after_grace_and_leaves_no_process(tmp_path: Path) -> None:
+    clock = FakeClock()
+    runner = make_runner(tmp_path, "node-a", clock=clock)
+    job = spec("stubborn", [str(FIXTURES / "sleeper.py"), "--on-sigterm", "ignore"])
+    try:
+        runner.start(job)
+        worker = ready_pid(runner, "stubborn")
+        (proc,) = runner.processes()
+        pgid = proc.pid or 0
+        assert runner.stop("stubborn", grace_s=30.0) is True
+        # torchrun waits for its worker, which ignores SIGTERM: nothing ends before the grace
+        assert runner.poll() == []
+        assert runner.processes()[0].state == "stopping"
+        assert alive(worker)
+        clock.advance(30.0)
+        event = wait_exit(runner, "stubborn")
+    finally:
+        runner.close(grace_s=1)
+    assert event.exit_code == -signal.SIGKILL, event.message
+    assert event.data["killed"] is True and event.data["stopped"] is True
+    wait_for("launcher's process group gone", lambda: group_gone(pgid), timeout_s=10)
+    wait_for("worker gone", lambda: not alive(worker), timeout_s=10)
+    assert runner.stop("stubborn") is False
+
+
+def test_workers_orphaned_by_a_killed_launcher_are_ended(tmp_path: Path) -> None:
+    runner = make_runner(tmp_path, "node-a")
+    job = spec("orphan", [str(FIXTURES / "sleeper.py"), "--on-sigterm", "exit"])
+    try:
+        runner.start(job)
+        worker = ready_pid(runner, "orphan")
+        (proc,) = runner.processes()
+        # as the kernel's OOM killer would: the launcher dies, its worker is re-parented
+        os.kill(proc.pid or 0, signal.SIGKILL)
+        event = wait_exit(runner, "orphan")
+        wait_for("orphaned worker gone", lambda: not alive(worker), timeout_s=10)
+    finally:
+        runner.close(grace_s=1)
+    assert event.exit_code == -signal.SIGKILL
+    assert event.data["stopped"] is False
