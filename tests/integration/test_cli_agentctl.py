@@ -1,0 +1,313 @@
+"""agentctl against a real uvicorn server on a free loopback port serving the recording fake."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agent.clock import SYSTEM_CLOCK
+from agent.protocol import FaultSpec
+from controller.api import create_app
+from controller.auth import TokenStore, hash_token
+from controller.cli import format_age, main, parse_duration
+from tests.fakes.api_server import serve
+from tests.fakes.controller_service import FakeService
+
+TOKENS = {
+    "op-token": ("ops-alice", "operator"),
+    "viewer-token": ("viewer-bob", "viewer"),
+}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[str, FakeService]]:
+    svc = FakeService(clock=SYSTEM_CLOCK)
+    app = create_app(
+        svc,
+        tokens=TokenStore.from_plaintext(TOKENS),  # type: ignore[arg-type]
+        max_body_bytes=1 << 20,
+    )
+    with serve(app) as url:
+        yield url, svc
+
+
+@pytest.fixture
+def svc(server: tuple[str, FakeService]) -> FakeService:
+    s = server[1]
+    s.nodes.clear()
+    s.incidents.clear()
+    s.jobs.clear()
+    s.silences.clear()
+    s.calls.clear()
+    s.reload_error = None
+    s.add_node("node-1", gpus=8, report_age_s=3.0, reporting=True, job="llama")
+    s.add_node("node-2", role="spare", gpus=8, report_age_s=130.0)
+    return s
+
+
+@pytest.fixture
+def env(server: tuple[str, FakeService], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """URL and operator token from the environment; no user config file."""
+    monkeypatch.setenv("TRAINGUARD_URL", server[0])
+    monkeypatch.setenv("TRAINGUARD_TOKEN", "op-token")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    return tmp_path
+
+
+def run(*argv: str, stdin: str = "") -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = main(list(argv), stdin=io.StringIO(stdin), stdout=out, stderr=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_get_nodes_prints_aligned_table_with_ages(env: Path, svc: FakeService) -> None:
+    code, out, _ = run("get", "nodes")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split() == [
+        "NAME",
+        "ROLE",
+        "STATE",
+        "REPORTING",
+        "LAST-REPORT",
+        "GPUS",
+        "JOB",
+        "INCIDENTS",
+    ]
+    assert lines[1].split() == ["node-1", "active", "active", "yes", "3s", "8", "llama", "0"]
+    assert lines[2].split() == ["node-2", "spare", "active", "no", "2m", "8", "-", "0"]
+    col = lines[0].index("STATE")
+    assert all(line[col - 2 : col] == "  " for line in lines)
+
+
+def test_get_nodes_json_is_the_api_payload(env: Path, svc: FakeService) -> None:
+    code, out, _ = run("get", "nodes", "-o", "json")
+    assert code == 0
+    assert [n["name"] for n in json.loads(out)] == ["node-1", "node-2"]
+
+
+def test_get_incidents_passes_filters_and_shows_age(env: Path, svc: FakeService) -> None:
+    svc.add_incident(id=7, node="node-1", opened_at=time.time() - 125, summary="DBE on gpu 2")
+    code, out, _ = run("get", "incidents", "--node", "node-1", "--state", "open")
+    assert code == 0, out
+    assert svc.calls[-1].kwargs == {"state": "open", "node": "node-1", "limit": 100}
+    row = out.splitlines()[1]
+    assert row.split()[:6] == ["7", "gpu_dbe", "node-1", "gpu", "2", "critical"]
+    assert " 2m " in row
+    assert row.endswith("DBE on gpu 2")
+
+
+def test_describe_incident_shows_timeline(env: Path, svc: FakeService) -> None:
+    svc.add_incident(id=3, node="node-1")
+    code, out, _ = run("describe", "incident", "3")
+    assert code == 0
+    assert "rule:" in out
+    assert "timeline:" in out
+    assert "incident opened" in out
+
+
+def test_get_jobs_and_describe_job(env: Path, svc: FakeService) -> None:
+    svc.add_job("llama", nodes=("node-1",), ranks=8, ettr=0.97, last_step=120)
+    code, out, _ = run("get", "jobs")
+    assert code == 0
+    assert out.splitlines()[1].split() == [
+        "llama",
+        "running",
+        "1",
+        "8",
+        "0",
+        "120",
+        "-",
+        "0",
+        "97.0%",
+    ]
+    code, out, _ = run("describe", "job", "llama", "-o", "json")
+    assert json.loads(out)["ettr"] == 0.97
+
+
+def test_drain_undrain_role_and_spares(env: Path, svc: FakeService) -> None:
+    assert run("drain", "node-1", "--reason", "xid 79")[0] == 0
+    assert svc.nodes["node-1"].drain_reason == "xid 79"
+    assert svc.calls[-1].kwargs == {"reason": "xid 79", "actor": "ops-alice"}
+    assert run("undrain", "node-1")[0] == 0
+    assert svc.nodes["node-1"].state == "active"
+    assert run("role", "node-1", "spare")[0] == 0
+    code, out, _ = run("spares", "-o", "json")
+    assert sorted(n["name"] for n in json.loads(out)) == ["node-1", "node-2"]
+
+
+def test_silence_and_unsilence(env: Path, svc: FakeService) -> None:
+    code, out, _ = run(
+        "silence",
+        "--rule",
+        "gpu_dbe",
+        "--node",
+        "node-1",
+        "--for",
+        "2h",
+        "--comment",
+        "rma",
+        "-o",
+        "json",
+    )
+    assert code == 0
+    silence = json.loads(out)
+    assert silence["expires_at"] - silence["created_at"] == pytest.approx(7200)
+    assert svc.calls[-1].kwargs["comment"] == "rma"
+    code, out, _ = run("get", "silences")
+    assert out.splitlines()[1].split()[:4] == [str(silence["id"]), "gpu_dbe", "node-1", "ops-alice"]
+    assert run("unsilence", str(silence["id"]))[0] == 0
+    assert run("unsilence", str(silence["id"]))[0] == 3
+
+
+def test_inject_fault_goes_through_the_controller(env: Path, svc: FakeService) -> None:
+    code, out, _ = run("inject", "node-1", "dbe", "--gpu", "2")
+    assert code == 0
+    assert "queued for node-1" in out
+    call = svc.calls[-1]
+    assert call.method == "inject_fault"
+    assert call.args == ("node-1", FaultSpec(kind="dbe", gpu=2))
+
+
+@pytest.mark.parametrize(
+    ("argv", "token", "code"),
+    [
+        pytest.param(["describe", "node", "ghost"], "op-token", 3, id="not-found-3"),
+        pytest.param(["get", "nodes"], "wrong-token", 4, id="unauthorized-4"),
+        pytest.param(["drain", "node-1", "--reason", "x"], "viewer-token", 4, id="forbidden-4"),
+        pytest.param(["get", "widgets"], "op-token", 2, id="usage-2"),
+        pytest.param(["drain", "node-1"], "op-token", 2, id="missing-reason-2"),
+        pytest.param(
+            ["silence", "--rule", "r", "--for", "soon"], "op-token", 2, id="bad-duration-2"
+        ),
+        pytest.param(["rules", "reload"], "op-token", 1, id="request-failed-1"),
+    ],
+)
+def test_exit_codes(
+    env: Path,
+    svc: FakeService,
+    monkeypatch: pytest.MonkeyPatch,
+    argv: list[str],
+    token: str,
+    code: int,
+) -> None:
+    svc.reload_error = "rules/bad.yaml: rule x: unknown signal"
+    monkeypatch.setenv("TRAINGUARD_TOKEN", token)
+    got, _, err = run(*argv)
+    assert got == code, err
+    if code != 2:
+        assert err.startswith("error")
+    assert token not in err
+
+
+def test_cannot_connect_is_exit_5(env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    code, _, err = run("--url", f"http://127.0.0.1:{port}", "get", "nodes")
+    assert code == 5
+    assert "cannot connect" in err
+
+
+def test_url_and_token_file_from_config_file(
+    server: tuple[str, FakeService],
+    svc: FakeService,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("TRAINGUARD_URL", raising=False)
+    monkeypatch.delenv("TRAINGUARD_TOKEN", raising=False)
+    cfg_dir = tmp_path / "xdg" / "trainguard"
+    cfg_dir.mkdir(parents=True)
+    (cfg_dir / "token").write_text("viewer-token\n")
+    (cfg_dir / "agentctl.yaml").write_text(f"url: {server[0]}\ntoken_file: token\n")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    assert run("get", "nodes")[0] == 0
+    # a flag beats the config file: this token file holds an unknown token
+    (tmp_path / "other").write_text("nope")
+    assert run("get", "nodes", "--token-file", str(tmp_path / "other"))[0] == 4
+
+
+def test_config_file_with_unknown_key_is_usage_error(tmp_path: Path) -> None:
+    cfg = tmp_path / "agentctl.yaml"
+    cfg.write_text("url: http://x\ntokenfile: t\n")
+    code, _, err = run("--config", str(cfg), "get", "nodes")
+    assert code == 2
+    assert "tokenfile" in err
+    assert "unknown key" in err
+
+
+def test_token_hash_prints_tokens_file_line() -> None:
+    code, out, _ = run("token", "hash", stdin="s3cret\n")
+    assert code == 0
+    assert out == f"sha256: {hash_token('s3cret')}\n"
+    assert run("token", "hash", stdin="")[0] == 2
+
+
+RULE = """
+rules:
+  - name: gpu_dbe
+    scope: gpu
+    condition: ecc_uncorrected_volatile_total > 0
+    severity: critical
+    summary: uncorrectable ECC error
+    actions: [notify]
+"""
+
+
+def test_rules_check_ok_and_bad(tmp_path: Path) -> None:
+    good = tmp_path / "good.yaml"
+    good.write_text(RULE)
+    code, out, _ = run("rules", "check", str(good))
+    assert (code, out) == (0, "OK: 1 rules\n")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(RULE.replace("ecc_uncorrected_volatile_total", "no_such_signal"))
+    code, out, err = run("rules", "check", str(bad))
+    assert code == 1
+    assert str(bad) in err
+    assert "gpu_dbe" in err
+
+
+@pytest.mark.slow
+def test_console_script_exit_code_and_output(env: Path, svc: FakeService) -> None:
+    exe = Path(sys.executable).parent / "agentctl"
+    r = subprocess.run(
+        [str(exe), "get", "nodes", "-o", "json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ),
+    )
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)) == 2
+    r = subprocess.run(
+        [str(exe), "describe", "node", "ghost"], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 3
+
+
+def test_age_and_duration_formats() -> None:
+    assert [format_age(s) for s in (0, 3, 119, 120, 7199, 7200, 172800, None)] == [
+        "0s",
+        "3s",
+        "119s",
+        "2m",
+        "119m",
+        "2h",
+        "2d",
+        "-",
+    ]
+    assert parse_duration("1h30m") == 5400
+    assert parse_duration("90s") == 90
+    with pytest.raises(ValueError):
+        parse_duration("2x")
