@@ -141,7 +141,7 @@ def test_drain_undrain_role_and_spares(env: Path, svc: FakeService) -> None:
     assert run("undrain", "node-1")[0] == 0
     assert svc.nodes["node-1"].state == "active"
     assert run("role", "node-1", "spare")[0] == 0
-    code, out, _ = run("spares", "-o", "json")
+    _, out, _ = run("spares", "-o", "json")
     assert sorted(n["name"] for n in json.loads(out)) == ["node-1", "node-2"]
 
 
@@ -283,6 +283,7 @@ def test_console_script_exit_code_and_output(env: Path, svc: FakeService) -> Non
     exe = Path(sys.executable).parent / "agentctl"
     r = subprocess.run(
         [str(exe), "get", "nodes", "-o", "json"],
+        check=False,
         capture_output=True,
         text=True,
         timeout=60,
@@ -291,7 +292,11 @@ def test_console_script_exit_code_and_output(env: Path, svc: FakeService) -> Non
     assert r.returncode == 0, r.stderr
     assert len(json.loads(r.stdout)) == 2
     r = subprocess.run(
-        [str(exe), "describe", "node", "ghost"], capture_output=True, text=True, timeout=60
+        [str(exe), "describe", "node", "ghost"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert r.returncode == 3
 
