@@ -126,6 +126,16 @@ def _fallback_socket_path() -> Path:
     return Path(base) / f"trainguard-{os.getuid()}" / "heartbeat.sock"
 
 
+class _AgentFaults:
+    """The agent as a FaultTarget: controller-injected faults are logged and spooled too."""
+
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+
+    def inject(self, spec: FaultSpec) -> None:
+        self._agent.inject_fault(spec)
+
+
 class Agent:
     """One node agent. `start()`, then `run()` until `stop()` (signal-safe)."""
 
@@ -171,7 +181,10 @@ class Agent:
         """Bind sockets, start threads, take a first sample; raises StartupError."""
         self.heartbeat = self._open_heartbeat()
         self.heartbeat.start()
-        self.executor = default_executor(sender=self.heartbeat, fault_target=self._backends.sim)
+        self.executor = default_executor(
+            sender=self.heartbeat,
+            fault_target=_AgentFaults(self) if self._backends.sim is not None else None,
+        )
         self.tick()
         if self._serve_http:
             m = self.config.metrics

@@ -1,0 +1,211 @@
+"""HeartbeatServer: decoding, ages on the agent clock, events, bounds, and Control sending."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import stat
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from agent.clock import FakeClock
+from agent.heartbeat import MAX_PENDING_EVENTS, HeartbeatServer
+from agent.protocol import HEARTBEAT_MAX_BYTES, Control, Heartbeat, encode_json
+
+
+@pytest.fixture
+def sockdir() -> Iterator[Path]:
+    # unix socket paths are limited to 108 bytes; pytest's tmp_path can be longer
+    d = Path(tempfile.mkdtemp(prefix="tghb", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def server(sockdir: Path, clock: FakeClock) -> Iterator[HeartbeatServer]:
+    srv = HeartbeatServer(path=sockdir / "hb.sock", clock=clock, max_ranks=4, rank_timeout_s=60)
+    yield srv
+    srv.close()
+
+
+def hb(rank: int = 0, step: int = 1, **kw: object) -> bytes:
+    return encode_json(Heartbeat(job="job-a", rank=rank, step=step, t=1.0, **kw))  # type: ignore[arg-type]
+
+
+def wait_until(cond: Callable[[], bool], *, what: str, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.01)
+
+
+def test_keeps_last_heartbeat_per_rank_and_derives_ages(
+    server: HeartbeatServer, clock: FakeClock
+) -> None:
+    server.handle_datagram(hb(rank=0, step=10, loss=2.5), pid=100)
+    server.handle_datagram(hb(rank=1, step=10), pid=101)
+    clock.advance(3.0)
+    server.handle_datagram(hb(rank=0, step=10, loss=2.4), pid=100)  # same step: stalled
+    clock.advance(2.0)
+    r0, r1 = server.ranks()
+    assert (r0.rank, r0.step, r0.loss) == (0, 10, 2.4)
+    assert r0.heartbeat_age_s == pytest.approx(2.0)
+    assert r0.step_age_s == pytest.approx(5.0)  # step unchanged since first seen
+    assert r1.heartbeat_age_s == pytest.approx(5.0)
+    server.handle_datagram(hb(rank=0, step=11), pid=100)
+    assert server.ranks()[0].step_age_s == 0.0
+
+
+def test_nan_loss_survives_the_wire(server: HeartbeatServer) -> None:
+    server.handle_datagram(hb(loss=float("nan")), pid=1)
+    loss = server.ranks()[0].loss
+    assert loss is not None and loss != loss
+
+
+@pytest.mark.parametrize(
+    ("event", "kind"),
+    [
+        ("nan_loss", "nan_loss"),
+        ("checkpoint_committed", "checkpoint_committed"),
+        ("checkpoint_failed", "checkpoint_failed"),
+        ("exit", "trainer_exit"),
+        ("something_new", "trainer_event"),
+    ],
+    ids=str,
+)
+def test_heartbeat_events_become_trainer_events(
+    server: HeartbeatServer, event: str, kind: str
+) -> None:
+    server.handle_datagram(hb(rank=2, step=7, event=event, event_data={"code": 3}), pid=1)
+    (ev,) = server.drain_events()
+    assert (ev.kind, ev.job, ev.rank, ev.message) == (kind, "job-a", 2, event)
+    assert ev.data["step"] == 7 and ev.data["code"] == 3
+    assert server.drain_events() == []
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (b"not json", "malformed"),
+        (json.dumps({"job": "j", "rank": "zero", "step": 1, "t": 1}).encode(), "malformed"),
+        (json.dumps({"job": "j", "rank": 0, "step": 1, "t": 1, "extra": 1}).encode(), "malformed"),
+        (
+            json.dumps({"job": "j", "rank": 0, "step": 1, "t": 1, "v": 99}).encode(),
+            "unsupported_version",
+        ),
+        (b"{" + b" " * HEARTBEAT_MAX_BYTES + b"}", "oversized"),
+    ],
+    ids=["not-json", "wrong-type", "unknown-field", "future-version", "oversized"],
+)
+def test_bad_datagrams_are_counted_by_reason_and_dropped(
+    server: HeartbeatServer, raw: bytes, reason: str
+) -> None:
+    server.handle_datagram(raw, pid=1)
+    assert server.ranks() == ()
+    assert server.dropped_total[reason] == 1
+    assert server.received_total == 0
+
+
+def test_flooding_sender_is_rate_limited_without_hurting_others(
+    sockdir: Path, clock: FakeClock
+) -> None:
+    srv = HeartbeatServer(path=sockdir / "hb.sock", clock=clock, per_sender_rate_hz=10)
+    try:
+        for i in range(100):
+            srv.handle_datagram(hb(rank=0, step=i), pid=666)
+        srv.handle_datagram(hb(rank=1, step=1), pid=777)
+        assert srv.dropped_total["rate_limited"] == 90
+        assert {r.rank for r in srv.ranks()} == {0, 1}
+        clock.advance(1.0)  # the bucket refills
+        srv.handle_datagram(hb(rank=0, step=500), pid=666)
+        assert srv.ranks()[0].step == 500
+    finally:
+        srv.close()
+
+
+def test_tracked_ranks_are_capped_and_silent_ranks_are_forgotten(
+    server: HeartbeatServer, clock: FakeClock
+) -> None:
+    for rank in range(4):
+        server.handle_datagram(hb(rank=rank), pid=rank)
+    server.handle_datagram(hb(rank=99), pid=99)
+    assert server.dropped_total["too_many_ranks"] == 1
+    assert len(server.ranks()) == 4
+    clock.advance(61.0)  # past rank_timeout_s
+    server.handle_datagram(hb(rank=99), pid=99)
+    assert [r.rank for r in server.ranks()] == [99]
+
+
+def test_pending_events_are_bounded(server: HeartbeatServer, sockdir: Path) -> None:
+    for i in range(MAX_PENDING_EVENTS + 5):
+        server.handle_datagram(hb(step=i, event="nan_loss"), pid=i)  # distinct pids: no limit
+    assert len(server.drain_events()) == MAX_PENDING_EVENTS
+    assert server.events_dropped_total == 5
+
+
+def test_socket_is_created_with_mode_and_replaces_a_stale_one(sockdir: Path) -> None:
+    path = sockdir / "sub" / "hb.sock"
+    path.parent.mkdir()
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    stale.bind(str(path))
+    stale.close()
+    srv = HeartbeatServer(path=path, clock=FakeClock(), mode=0o660)
+    try:
+        assert stat.S_ISSOCK(path.lstat().st_mode)
+        assert stat.S_IMODE(path.lstat().st_mode) == 0o660
+    finally:
+        srv.close()
+    assert not path.exists()
+
+
+def test_refuses_to_remove_a_regular_file_at_the_socket_path(sockdir: Path) -> None:
+    path = sockdir / "hb.sock"
+    path.write_text("important")
+    with pytest.raises(OSError, match="not a socket"):
+        HeartbeatServer(path=path, clock=FakeClock())
+    assert path.read_text() == "important"
+
+
+def test_reader_thread_receives_real_datagrams_and_identifies_sender(
+    server: HeartbeatServer,
+) -> None:
+    server.start()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.sendto(hb(rank=3, step=42, pid=os.getpid()), str(server.path))
+        s.sendto(b"x" * (HEARTBEAT_MAX_BYTES + 10), str(server.path))
+    wait_until(lambda: len(server.ranks()) == 1, what="the heartbeat to be tracked")
+    wait_until(lambda: server.dropped_total["oversized"] == 1, what="the oversized drop")
+    assert server.ranks()[0].step == 42
+
+
+def test_send_control_reaches_live_ranks_and_counts_dead_sockets(
+    server: HeartbeatServer, sockdir: Path
+) -> None:
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    live.bind(str(sockdir / "rank0.sock"))
+    live.settimeout(5)
+    try:
+        server.handle_datagram(hb(rank=0, control_socket=str(sockdir / "rank0.sock")), pid=1)
+        server.handle_datagram(hb(rank=1, control_socket=str(sockdir / "gone.sock")), pid=2)
+        server.handle_datagram(
+            encode_json(Heartbeat(job="other", rank=0, step=1, t=1.0, control_socket="/x")), pid=3
+        )
+        sent, failed = server.send_control("job-a", Control(action="checkpoint", request_id="r1"))
+        assert (sent, failed) == (1, 1)
+        got = json.loads(live.recv(4096))
+        assert got["action"] == "checkpoint" and got["request_id"] == "r1"
+        assert server.stats()["control_errors_total"] == 1
+    finally:
+        live.close()
