@@ -238,7 +238,7 @@ class NvmlGpuCollector:
                         gpus=tuple(samples), events=tuple(events), errors=_cap(errors)
                     )
                 else:
-                    if gpu.lost:
+                    if gpu.lost and not sample.lost:
                         log.info(
                             "event=gpu_recovered gpu=%d pci_bus_id=%s", gpu.index, gpu.pci_bus_id
                         )
@@ -344,8 +344,13 @@ class NvmlGpuCollector:
     def _collect_gpu(self, gpu: _Gpu, errors: list[str]) -> GpuSample:
         nvml = self._nvml
         if not self._identity(gpu, errors):
+            # no handle (an error other than GpuIsLost): identity only, loss state unchanged
             return GpuSample(
-                index=gpu.index, uuid=gpu.uuid, pci_bus_id=gpu.pci_bus_id, name=gpu.name
+                index=gpu.index,
+                uuid=gpu.uuid,
+                pci_bus_id=gpu.pci_bus_id,
+                name=gpu.name,
+                lost=gpu.lost,
             )
         v: dict[str, Any] = {}
 

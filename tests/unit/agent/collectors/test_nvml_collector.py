@@ -487,3 +487,19 @@ def test_importing_the_collectors_does_not_import_pynvml():
 
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+def test_lost_gpu_without_a_handle_after_reinit_stays_lost_without_a_new_event(fake_nvml):
+    collector = _collector(fake_nvml)
+    fake_nvml.set_lost(1)
+    assert [e.kind for e in collector.collect().events] == ["gpu_lost"]
+    fake_nvml.nvmlShutdown()  # driver reload: the collector re-initialises
+    collector.collect()
+    fake_nvml.set_lost(1, False)
+    fake_nvml.script_error(1, "nvmlDeviceGetHandleByIndex", fake_nvml.NVML_ERROR_UNKNOWN)
+
+    out = collector.collect()
+
+    assert out.gpus[1].lost is True
+    assert out.gpus[1].pci_bus_id == ""  # never read: it was lost from the first collect
+    assert out.events == ()
