@@ -212,6 +212,8 @@ def parse_stop_job(args: Mapping[str, Any]) -> StopJob:
 
 
 def _parse(cls: Any, args: Mapping[str, Any], kind: str) -> Any:
+    if not isinstance(args, Mapping):
+        raise JobError(f"{kind}: args: expected a mapping, got {type(args).__name__}")
     try:
         return build(cls, dict(args), prefix="args")
     except ConfigError as e:
