@@ -1,0 +1,203 @@
+"""Draining nodes: the DrainBackend Protocol, the local backend (node state + a `stop_job`
+command to the node's agent), a recording fake, and the `drain` / `undrain` step handlers.
+
+Local drain: node -> draining; if the node runs a job, queue `stop_job` for its agent and
+poll until the agent reports the command's result; then -> drained (at once when no job
+runs). Draining a drained node is a no-op success, so every step is safe to repeat.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from controller.actions.base import ActionContext, Outcome, PermanentError
+from controller.safety import stale_drain_reason
+from controller.store import CommandRecord
+
+log = logging.getLogger("trainguard.controller.drain")
+
+DrainState = Literal["draining", "drained"]
+
+
+class NodeOps(Protocol):
+    """What the local backend needs from the controller (the Controller implements it)."""
+
+    def node_state(self, node: str) -> str | None:
+        """ "active" | "draining" | "drained", or None for an unknown node."""
+
+    def node_job(self, node: str) -> str | None:
+        """The job whose processes run on the node now, if any."""
+
+    def report_age_s(self, node: str) -> float | None:
+        """Seconds since the node's last report; None if it never reported."""
+
+    def set_node_state(self, node: str, state: str, *, reason: str | None) -> None: ...
+
+    def queue_command(self, node: str, kind: str, args: dict[str, Any], *, command_id: str) -> None:
+        """Queue a command for the node's agent; a repeated id is a no-op."""
+
+    def command_status(self, command_id: str) -> CommandRecord | None: ...
+
+
+class DrainBackend(Protocol):
+    name: str
+
+    def drain(self, node: str, *, reason: str, key: str) -> tuple[DrainState, dict[str, Any]]:
+        """Start draining; returns the state reached and progress data to poll with."""
+
+    def poll(self, node: str, *, key: str, progress: dict[str, Any]) -> DrainState:
+        """Check a drain in progress; raises PermanentError when it cannot complete."""
+
+    def undrain(self, node: str, *, key: str) -> None: ...
+
+
+class LocalDrainBackend:
+    """Drain through the node's own agent: state in the store, `stop_job` as a command."""
+
+    name = "local"
+
+    def __init__(self, ops: NodeOps, *, stop_grace_s: float = 30.0) -> None:
+        self._ops = ops
+        self._grace_s = stop_grace_s
+
+    def drain(self, node: str, *, reason: str, key: str) -> tuple[DrainState, dict[str, Any]]:
+        state = self._ops.node_state(node)
+        if state is None:
+            raise PermanentError(f"unknown node {node!r}")
+        if state == "drained":
+            return "drained", {}
+        self._ops.set_node_state(node, "draining", reason=reason)
+        job = self._ops.node_job(node)
+        if job is None:
+            self._ops.set_node_state(node, "drained", reason=reason)
+            return "drained", {}
+        command_id = f"drain-{key}"
+        self._ops.queue_command(
+            node, "stop_job", {"job": job, "grace_s": self._grace_s}, command_id=command_id
+        )
+        log.info("event=drain_stop_job node=%s job=%s command=%s", node, job, command_id)
+        return "draining", {"command_id": command_id, "job": job, "reason": reason}
+
+    def poll(self, node: str, *, key: str, progress: dict[str, Any]) -> DrainState:
+        if self._ops.node_state(node) == "drained":
+            return "drained"
+        command_id = str(progress.get("command_id", ""))
+        record = self._ops.command_status(command_id) if command_id else None
+        if record is None:
+            # Lost (e.g. store restored): queue it again; the agent dedupes by id.
+            state, _ = self.drain(node, reason=str(progress.get("reason", "")), key=key)
+            return state
+        if record.done_at is None:
+            return "draining"
+        if not record.ok:
+            raise PermanentError(f"stop_job on {node} failed: {record.result or 'no detail'}")
+        self._ops.set_node_state(node, "drained", reason=progress.get("reason"))
+        return "drained"
+
+    def undrain(self, node: str, *, key: str) -> None:
+        if self._ops.node_state(node) is None:
+            raise PermanentError(f"unknown node {node!r}")
+        self._ops.set_node_state(node, "active", reason=None)
+
+
+class RecordingDrainBackend:
+    """Test double: records calls; drains complete at once unless `complete` is False."""
+
+    name = "recording"
+
+    def __init__(self, *, complete: bool = True) -> None:
+        self.complete = complete
+        self.calls: list[tuple[str, str]] = []
+        self._lock = threading.Lock()
+
+    def drain(self, node: str, *, reason: str, key: str) -> tuple[DrainState, dict[str, Any]]:
+        with self._lock:
+            self.calls.append(("drain", node))
+        return ("drained" if self.complete else "draining"), {}
+
+    def poll(self, node: str, *, key: str, progress: dict[str, Any]) -> DrainState:
+        with self._lock:
+            self.calls.append(("poll", node))
+        return "drained" if self.complete else "draining"
+
+    def undrain(self, node: str, *, key: str) -> None:
+        with self._lock:
+            self.calls.append(("undrain", node))
+
+
+@dataclass
+class DrainHandler:
+    """The `drain` step, params {"node", "reason"}; refuses to act on stale data."""
+
+    backend: DrainBackend
+    ops: NodeOps
+    stale_after_s: float
+    stale_exempt_rules: tuple[str, ...] = ()
+    poll_interval_s: float = 1.0
+    kind: str = "drain"
+    remediation: bool = True
+
+    def idempotent(self, params: dict[str, Any]) -> bool:
+        return True
+
+    def run(self, ctx: ActionContext) -> Outcome:
+        node = str(ctx.params.get("node", ""))
+        if not node:
+            raise PermanentError("drain needs a node")
+        reason = str(ctx.params.get("reason", "")) or "drained by trainguard"
+        if ctx.progress.get("phase") == "draining":
+            state = self.backend.poll(node, key=ctx.action.idempotency_key, progress=ctx.progress)
+            progress = ctx.progress
+        else:
+            if ctx.incident is not None:
+                why = stale_drain_reason(
+                    rule=ctx.incident.rule,
+                    report_age_s=self.ops.report_age_s(node),
+                    stale_after_s=self.stale_after_s,
+                    exempt_rules=self.stale_exempt_rules,
+                )
+                if why is not None:
+                    return Outcome(message=f"skipped: {why}", skipped=True)
+            state, data = self.backend.drain(node, reason=reason, key=ctx.action.idempotency_key)
+            progress = {**data, "phase": "draining"}
+        if state == "drained":
+            return Outcome(message=f"{node} drained", output={"node": node, "phase": "drained"})
+        return Outcome(
+            message=f"{node} draining: waiting for its job to stop",
+            output=progress,
+            done=False,
+            poll_after_s=self.poll_interval_s,
+        )
+
+
+@dataclass
+class UndrainHandler:
+    """The `undrain` step, params {"node"}: back to active (a no-op when already active)."""
+
+    backend: DrainBackend
+    kind: str = "undrain"
+    remediation: bool = True
+
+    def idempotent(self, params: dict[str, Any]) -> bool:
+        return True
+
+    def run(self, ctx: ActionContext) -> Outcome:
+        node = str(ctx.params.get("node", ""))
+        if not node:
+            raise PermanentError("undrain needs a node")
+        self.backend.undrain(node, key=ctx.action.idempotency_key)
+        return Outcome(message=f"{node} back in service", output={"node": node})
+
+
+__all__ = [
+    "DrainBackend",
+    "DrainHandler",
+    "DrainState",
+    "LocalDrainBackend",
+    "NodeOps",
+    "RecordingDrainBackend",
+    "UndrainHandler",
+]

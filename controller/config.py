@@ -1,0 +1,292 @@
+"""The controller's configuration: nested frozen dataclasses loaded strictly from YAML.
+
+Every field states its unit and why its default. Invariants are checked at load so a bad
+file fails with `FILE: key: reason`. Secrets (Slack URL, PagerDuty routing key, webhook HMAC
+secret) are never values in this file: the config names a file or an environment variable.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from agent.strict import ConfigError, Invalid, apply_overrides, build, load_file
+
+DEFAULT_CONFIG_PATH = "/etc/trainguard/controller.yaml"
+
+Severity = Literal["info", "warning", "critical"]
+SEVERITY_RANK: dict[str, int] = {"info": 0, "warning": 1, "critical": 2}
+
+
+def _positive(key: str, value: float) -> None:
+    if not value > 0:
+        raise Invalid(key, f"must be > 0, got {value}")
+
+
+def default_rules_paths() -> list[str]:
+    """The shipped rules directory: the rules loader knows where it is installed."""
+    try:
+        from controller.rules.loader import default_rules_path  # noqa: PLC0415
+    except ImportError:
+        # Source checkout without the loader yet: rules/ sits next to the package.
+        return [str(Path(__file__).resolve().parent.parent / "rules")]
+    return [str(default_rules_path())]
+
+
+@dataclass(frozen=True)
+class Secret:
+    """Where a secret comes from: a file (first line, stripped) or an environment variable.
+
+    Exactly one of the two is set. The value is read when a notifier is built, never logged.
+    """
+
+    file: str | None = None
+    env: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.file is None) == (self.env is None):
+            raise Invalid("file", "set exactly one of file or env")
+
+    def read(self) -> str:
+        if self.file is not None:
+            try:
+                value = Path(self.file).read_text(encoding="utf-8").strip()
+            except OSError as e:
+                raise ConfigError(self.file, "", f"cannot read secret: {e.strerror or e}") from None
+            if not value:
+                raise ConfigError(self.file, "", "secret file is empty")
+            return value
+        assert self.env is not None
+        env_value = os.environ.get(self.env, "").strip()
+        if not env_value:
+            raise ConfigError("(environment)", self.env, "secret variable is unset or empty")
+        return env_value
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    # One SQLite file (WAL). /var/lib is where a systemd StateDirectory= lives.
+    path: str = "/var/lib/trainguard/controller.db"
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise Invalid("path", "must not be empty")
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    # Loopback by default: exposing the API is a deliberate choice (with TLS below).
+    host: str = "127.0.0.1"
+    # 8800: clear of Prometheus (9090), agents (9500) and common web ports. 0 = free port.
+    port: int = 8800
+    # YAML mapping token name -> {token, role}; mode 0600.
+    tokens_file: str = "/etc/trainguard/tokens.yaml"
+    # Largest accepted request body, bytes: a report of a full 8-GPU node with a 500-event
+    # backlog is far below 4 MiB; larger bodies are refused with 413.
+    max_body_bytes: int = 4 * 1024 * 1024
+    # PEM certificate and key; both or neither (plain HTTP behind a TLS proxy).
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise Invalid("port", f"must be within 0..65535, got {self.port}")
+        _positive("max_body_bytes", self.max_body_bytes)
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise Invalid("tls_key_file", "tls_cert_file and tls_key_file go together")
+
+
+@dataclass(frozen=True)
+class SafetyConfig:
+    # Record decisions and intended actions, execute nothing: for a first rollout.
+    dry_run: bool = False
+    # At most this many nodes drained automatically per window; beyond it we page a person
+    # instead. 2 per hour bounds the damage of a bad rule on a 2,000-node cluster.
+    drain_budget: int = 2
+    # The budget's sliding window, seconds.
+    drain_budget_window_s: float = 3600.0
+    # More than this many distinct nodes tripping the same rule within the window is a
+    # cluster problem (fabric, driver rollout, bad rule): page once, drain nothing.
+    breaker_threshold: int = 3
+    # The breaker's sliding window, seconds. 10 min: a shared cause shows up together.
+    breaker_window_s: float = 600.0
+    # Rules whose whole point is that the node stopped reporting: a drain for them is
+    # allowed on stale data (every other drain needs fresh data).
+    stale_exempt_rules: list[str] = field(default_factory=lambda: ["node_silent"])
+
+    def __post_init__(self) -> None:
+        if self.drain_budget < 0:
+            raise Invalid("drain_budget", f"must be >= 0, got {self.drain_budget}")
+        _positive("drain_budget_window_s", self.drain_budget_window_s)
+        if self.breaker_threshold < 1:
+            raise Invalid("breaker_threshold", f"must be >= 1, got {self.breaker_threshold}")
+        _positive("breaker_window_s", self.breaker_window_s)
+
+
+@dataclass(frozen=True)
+class SlackConfig:
+    # The incoming-webhook URL is itself the credential, so it comes from a secret.
+    webhook_url: Secret
+    # Incidents below this severity are not posted (info is for the timeline only).
+    min_severity: Severity = "warning"
+    # Seconds for one POST; the worker retries, so keep it short.
+    timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        _positive("timeout_s", self.timeout_s)
+
+
+@dataclass(frozen=True)
+class PagerDutyConfig:
+    # Events API v2 integration key.
+    routing_key: Secret
+    # Events API v2 endpoint; overridable for a proxy or a test receiver.
+    url: str = "https://events.pagerduty.com/v2/enqueue"
+    # Only incidents at or above this severity page; escalations (budget, breaker,
+    # permanent action failure) always page.
+    min_severity: Severity = "critical"
+    # `source` field of the event: which controller raised it.
+    source: str = "trainguard-controller"
+    timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise Invalid("url", f"must start with http:// or https://, got {self.url!r}")
+        _positive("timeout_s", self.timeout_s)
+
+
+@dataclass(frozen=True)
+class WebhookConfig:
+    # Channel name: appears in metrics labels and idempotency keys, so short and stable.
+    name: str
+    url: str
+    # HMAC-SHA256 key for X-Trainguard-Signature; optional (then no signature header).
+    secret: Secret | None = None
+    min_severity: Severity = "info"
+    timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
+            raise Invalid("name", f"must be letters, digits, '-' or '_', got {self.name!r}")
+        if not self.url.startswith(("http://", "https://")):
+            raise Invalid("url", f"must start with http:// or https://, got {self.url!r}")
+        _positive("timeout_s", self.timeout_s)
+
+
+@dataclass(frozen=True)
+class NotifyConfig:
+    # Every channel is optional; with none configured, `notify` actions succeed as no-ops
+    # (recorded in the timeline) so a rule never fails for lack of a channel.
+    slack: SlackConfig | None = None
+    pagerduty: PagerDutyConfig | None = None
+    webhooks: list[WebhookConfig] = field(default_factory=list)
+    # Link shown in notifications, e.g. the dashboard or the API URL; empty = none.
+    base_url: str = ""
+
+    def __post_init__(self) -> None:
+        names = [w.name for w in self.webhooks]
+        for reserved in ("slack", "pagerduty"):
+            if reserved in names:
+                raise Invalid("webhooks", f"name {reserved!r} is reserved")
+        if len(set(names)) != len(names):
+            raise Invalid("webhooks", "webhook names must be unique")
+
+
+@dataclass(frozen=True)
+class ActionsConfig:
+    # Tries per action step before it fails for good (transient errors only; permanent
+    # errors fail at once). 5 tries with the backoff below span about a minute.
+    max_attempts: int = 5
+    # First retry delay, seconds, doubled per attempt up to backoff_max_s.
+    backoff_initial_s: float = 2.0
+    backoff_max_s: float = 60.0
+    # A queued agent command with no result after this long is reported failed, seconds.
+    # Agents report every second; 5 minutes covers a checkpoint of a large model.
+    command_timeout_s: float = 300.0
+    # Drain: seconds the agent gives job processes between SIGTERM and SIGKILL.
+    drain_stop_grace_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise Invalid("max_attempts", f"must be >= 1, got {self.max_attempts}")
+        _positive("backoff_initial_s", self.backoff_initial_s)
+        if self.backoff_max_s < self.backoff_initial_s:
+            raise Invalid("backoff_max_s", "must be >= actions.backoff_initial_s")
+        _positive("command_timeout_s", self.command_timeout_s)
+        _positive("drain_stop_grace_s", self.drain_stop_grace_s)
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    store: StoreConfig = field(default_factory=StoreConfig)
+    # Rule files or directories (every *.yaml inside); default: the shipped rules.
+    rules: list[str] = field(default_factory=default_rules_paths)
+    # XID classification table (fatal / application / informational); empty = the shipped one.
+    xid_catalog: str = ""
+    api: ApiConfig = field(default_factory=ApiConfig)
+    # Seconds between rule evaluations. 1 s matches the agents' report interval: a fault
+    # is evaluated on the tick after it arrives, inside the 2 s detection target.
+    tick_interval_s: float = 1.0
+    # Data older than this, seconds, is stale: no rule acts on it (except the node-silent
+    # rule). 10 s = several missed reports, not one slow one.
+    stale_after_s: float = 10.0
+    # A node with no report for this long, seconds, is shown as not reporting. 5 s is the
+    # published detection target for a lost node.
+    node_silent_after_s: float = 5.0
+    # Seconds of signal history kept per node for rate()/increase(); covers 15 min windows.
+    history_s: float = 900.0
+    safety: SafetyConfig = field(default_factory=SafetyConfig)
+    notify: NotifyConfig = field(default_factory=NotifyConfig)
+    actions: ActionsConfig = field(default_factory=ActionsConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        _positive("tick_interval_s", self.tick_interval_s)
+        _positive("node_silent_after_s", self.node_silent_after_s)
+        _positive("history_s", self.history_s)
+        if self.stale_after_s <= self.tick_interval_s:
+            raise Invalid("stale_after_s", f"must exceed tick_interval_s ({self.tick_interval_s})")
+        if not self.rules:
+            raise Invalid("rules", "must name at least one rule file or directory")
+
+
+def load_config(path: str | None, *, overrides: dict[str, Any] | None = None) -> ControllerConfig:
+    """Load the controller config (then dotted-key `overrides` from flags); raises ConfigError.
+
+    `path=None` uses DEFAULT_CONFIG_PATH if it exists, else the defaults plus overrides.
+    """
+    overrides = overrides or {}
+    if path is None:
+        if Path(DEFAULT_CONFIG_PATH).exists():
+            return load_file(ControllerConfig, DEFAULT_CONFIG_PATH, overrides=overrides)
+        source = "(flags)"
+        data = apply_overrides({}, overrides, source=source)
+        return build(ControllerConfig, data, source=source)
+    return load_file(ControllerConfig, path, overrides=overrides)
+
+
+__all__ = [
+    "DEFAULT_CONFIG_PATH",
+    "SEVERITY_RANK",
+    "ActionsConfig",
+    "ApiConfig",
+    "ConfigError",
+    "ControllerConfig",
+    "LogConfig",
+    "NotifyConfig",
+    "PagerDutyConfig",
+    "SafetyConfig",
+    "Secret",
+    "SlackConfig",
+    "StoreConfig",
+    "WebhookConfig",
+    "default_rules_paths",
+    "load_config",
+]

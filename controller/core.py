@@ -1,0 +1,731 @@
+"""The Controller: ingest of agent reports, the evaluation tick, incidents, the action worker
+and every ControllerService call the API makes.
+
+Hot path: `ingest_report` runs ~2,048 times a second. It writes nothing per report: freshness
+lives in memory and is flushed in one batch per tick; only a report carrying new events
+writes (one small transaction). Commands ride on the response until a `command_result`
+event for their id arrives, so a lost response never loses a command.
+
+Threads: `start()` runs a tick thread (evaluation every tick_interval_s) and an action
+worker thread (so a slow webhook never delays detection). In-memory state and the
+SignalState are guarded by one lock; the store has its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.clock import SYSTEM_CLOCK, Clock
+from agent.protocol import Command, FaultSpec, Report, ReportResponse, to_wire
+from agent.strict import ConfigError
+from controller.actions.base import ActionHandler, HandlerRegistry
+from controller.actions.drain import (
+    DrainBackend,
+    DrainHandler,
+    LocalDrainBackend,
+    UndrainHandler,
+)
+from controller.actions.notify import Notifier, NotifyHandler, build_notifiers, channels_for
+from controller.actions.worker import ActionRunner
+from controller.config import ControllerConfig
+from controller.errors import BadRequest, NotFound
+from controller.incidents import IncidentManager
+from controller.metrics import ControllerMetrics
+from controller.model import Decision, Target
+from controller.safety import Safety
+from controller.store import CommandRecord, FreshNode, NewAction, NodeRecord, Store
+from controller.views import (
+    AuditEntry,
+    IncidentDetail,
+    IncidentView,
+    JobView,
+    NodeRole,
+    NodeView,
+    SilenceView,
+)
+
+log = logging.getLogger("trainguard.controller")
+
+_RUNNING_JOB_STATES = ("starting", "running", "stopping")
+
+
+@dataclass
+class ActionBackends:
+    """Injectable action backends (tests pass recording fakes).
+
+    notifiers None: built from config.notify. drain None: the local backend over this
+    controller. handlers: extra step handlers (checkpoint, replace, restart, ...) registered
+    over the unavailable defaults.
+    """
+
+    notifiers: list[Notifier] | None = None
+    drain: DrainBackend | None = None
+    handlers: list[ActionHandler] = field(default_factory=list)
+
+
+@dataclass
+class _JobSeen:
+    nodes: set[str] = field(default_factory=set)
+    ranks: dict[int, int] = field(default_factory=dict)  # rank -> step
+    ckpt_step: int | None = None
+
+
+class Controller:
+    """Implements controller.service.ControllerService."""
+
+    def __init__(
+        self,
+        config: ControllerConfig,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        backends: ActionBackends | None = None,
+    ) -> None:
+        from controller.rules.engine import EngineMemory  # noqa: PLC0415
+        from controller.signals import SignalState  # noqa: PLC0415
+
+        self.config = config
+        self.clock = clock
+        self.metrics = ControllerMetrics()
+        backends = backends or ActionBackends()
+        self._lock = threading.RLock()
+        self.store = Store(config.store.path, now=clock.now)
+        self._rules = self._load_rules()
+        self.signals = SignalState(xid_catalog=self._load_xid_catalog(), history_s=config.history_s)
+        self.signals.track(self._rules.history_needs())
+        self._memory = EngineMemory()
+
+        # in-memory node state (the store is written on change, freshness in batches)
+        self._nodes: dict[str, NodeRecord] = {n.name: n for n in self.store.list_nodes()}
+        self._last_seen: dict[str, float] = {
+            n.name: n.last_report_at for n in self._nodes.values() if n.last_report_at
+        }
+        self._fresh: dict[str, FreshNode] = {}
+        self._hwm: dict[str, tuple[str, int]] = {}  # node -> (instance, highest stored id)
+        self._node_jobs: dict[str, str | None] = {}
+        self._hw_counts: dict[str, tuple[int, int]] = {}  # node -> (gpus, ib ports)
+        self._jobs_seen: dict[str, _JobSeen] = {}
+        self._pending: dict[str, list[CommandRecord]] = {}
+        for cmd in self.store.pending_commands():
+            self._pending.setdefault(cmd.node, []).append(cmd)
+        for n in self._nodes.values():
+            self.signals.set_node_meta(n.name, role=n.role, state=n.state, job=n.job)
+
+        # actions
+        self.notifiers = (
+            backends.notifiers if backends.notifiers is not None else build_notifiers(config.notify)
+        )
+        self.registry = HandlerRegistry()
+        self.registry.register(
+            NotifyHandler(
+                notifiers={n.channel: n for n in self.notifiers},
+                base_url=config.notify.base_url,
+                on_failure=self._notification_failed,
+            )
+        )
+        drain_backend = backends.drain or LocalDrainBackend(
+            self, stop_grace_s=config.actions.drain_stop_grace_s
+        )
+        self.registry.register(
+            DrainHandler(
+                backend=drain_backend,
+                ops=self,
+                stale_after_s=config.stale_after_s,
+                stale_exempt_rules=tuple(config.safety.stale_exempt_rules),
+            )
+        )
+        self.registry.register(UndrainHandler(backend=drain_backend))
+        for handler in backends.handlers:
+            self.registry.register(handler)
+        self.safety = Safety(self.store, config.safety)
+        self._wake = threading.Event()
+        self.incidents = IncidentManager(
+            store=self.store,
+            safety=self.safety,
+            registry=self.registry,
+            channels=lambda severity, page: channels_for(
+                self.notifiers, severity=severity, page=page
+            ),
+            on_new_actions=self._wake.set,
+        )
+        self.runner = ActionRunner(
+            store=self.store,
+            registry=self.registry,
+            config=config.actions,
+            listener=self.incidents,
+            counter=self.metrics,
+        )
+        self._memory = self._seed_memory(EngineMemory)
+        self.runner.recover(now=clock.now())
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._update_gauges(clock.now())
+
+    # --- setup helpers ------------------------------------------------------------------------
+
+    def _load_rules(self) -> Any:
+        from controller.rules.loader import RuleError, load_rules  # noqa: PLC0415
+
+        try:
+            return load_rules(self.config.rules)
+        except RuleError as e:
+            raise ConfigError(e.file, f"rule {e.rule}" if e.rule else "rules", e.reason) from None
+
+    def _load_xid_catalog(self) -> Any:
+        from agent.xid_catalog import XidCatalog  # noqa: PLC0415
+
+        return XidCatalog.load(self.config.xid_catalog or None)
+
+    def _seed_memory(self, memory_cls: Any) -> Any:
+        """Open incidents become 'firing' engine memory, so one whose condition cleared while
+        the controller was down is resolved on the first tick instead of staying open."""
+        from controller.rules.engine import MemoryEntry  # noqa: PLC0415
+
+        entries = {}
+        for inc in self.store.unresolved_incidents():
+            target = Target(**self.store.incident_target(inc.id))
+            entries[(inc.rule, inc.target)] = MemoryEntry(
+                target=target,
+                since=inc.opened_at,
+                state="firing",
+                severity=inc.severity,
+                actions=(),
+                summary=inc.summary,
+                value=None,
+                labels={},
+                cooldown_s=0.0,
+            )
+        return memory_cls(entries) if entries else memory_cls()
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the tick thread and the action worker thread."""
+        if self._threads:
+            return
+        self._stop.clear()
+        self._threads = [
+            threading.Thread(target=self._tick_loop, name="trainguard-tick", daemon=True),
+            threading.Thread(target=self._worker_loop, name="trainguard-actions", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+        log.info("event=controller_started store=%s rules=%d", self.store.path, self.rule_count)
+
+    def stop(self) -> None:
+        """Stop the threads, flush freshness, close the store."""
+        self._stop.set()
+        self._wake.set()
+        for t in self._threads:
+            t.join(timeout=30)
+        self._threads = []
+        self._flush()
+        self.store.close()
+        log.info("event=controller_stopped")
+
+    @property
+    def running(self) -> bool:
+        return bool(self._threads)
+
+    @property
+    def rule_count(self) -> int:
+        return len(self._rules.rules)
+
+    def _tick_loop(self) -> None:
+        interval_s = self.config.tick_interval_s
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                self.tick()
+            except Exception:
+                log.exception("event=tick_error")
+            self._stop.wait(max(0.0, interval_s - (time.monotonic() - started)))
+
+    def _worker_loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()
+            try:
+                self.runner.run_due(now=self.clock.now())
+                due = self.runner.next_due_at()
+            except Exception:
+                log.exception("event=action_worker_error")
+                due = None
+            now = self.clock.now()
+            wait_s = 1.0 if due is None else min(1.0, max(0.0, due - now))
+            if wait_s > 0:
+                self._wake.wait(wait_s)
+
+    # --- the tick -----------------------------------------------------------------------------
+
+    def tick(self, *, now: float | None = None) -> None:
+        """One round: flush freshness, time out commands, evaluate rules, apply decisions.
+        Without `start()` it also runs the due action steps (tests drive it step by step)."""
+        from controller.rules.engine import evaluate  # noqa: PLC0415
+
+        now = self.clock.now() if now is None else now
+        started = time.perf_counter()
+        self._flush()
+        self._expire_commands(now)
+        with self._lock:
+            eval_started = time.perf_counter()
+            decisions, self._memory = evaluate(
+                rules=self._rules,
+                signals=self.signals,
+                now=now,
+                memory=self._memory,
+                stale_after_s=self.config.stale_after_s,
+            )
+            self.metrics.rule_eval_seconds.observe(time.perf_counter() - eval_started)
+        self.apply_decisions(decisions, now=now)
+        if not self.running:
+            self.runner.run_due(now=now)
+        self._update_gauges(now)
+        self.metrics.tick_seconds.observe(time.perf_counter() - started)
+
+    def apply_decisions(self, decisions: Sequence[Decision], *, now: float) -> list[int]:
+        """Feed decisions to the incident layer; returns ids of incidents opened."""
+        opened = self.incidents.apply(decisions, now=now)
+        for incident_id in opened:
+            incident = self.store.get_incident(incident_id)
+            if incident is not None:
+                self.metrics.incidents_opened_total.labels(rule=incident.rule).inc()
+        return opened
+
+    def run_actions(self, *, now: float | None = None) -> int:
+        """Run due action steps now (what the worker thread does); returns how many ran."""
+        return self.runner.run_due(now=self.clock.now() if now is None else now)
+
+    def _flush(self) -> None:
+        with self._lock:
+            batch = list(self._fresh.values())
+            self._fresh.clear()
+        if batch:
+            self.store.flush_freshness(batch)
+
+    def _expire_commands(self, now: float) -> None:
+        timeout_s = self.config.actions.command_timeout_s
+        with self._lock:
+            expired = [
+                c for cmds in self._pending.values() for c in cmds if now - c.created_at > timeout_s
+            ]
+        for cmd in expired:
+            message = f"no result from the agent within {timeout_s:g} s"
+            if self.store.finish_command(cmd.id, ok=False, result=message):
+                self.metrics.commands_timed_out_total.inc()
+                log.warning(
+                    "event=command_timed_out command=%s node=%s kind=%s", cmd.id, cmd.node, cmd.kind
+                )
+            with self._lock:
+                self._drop_pending(cmd.node, {cmd.id})
+
+    def _update_gauges(self, now: float) -> None:
+        with self._lock:
+            counts: dict[tuple[str, str], int] = {}
+            for n in self._nodes.values():
+                counts[(n.role, n.state)] = counts.get((n.role, n.state), 0) + 1
+            silent_after_s = self.config.node_silent_after_s
+            reporting = sum(1 for t in self._last_seen.values() if now - t <= silent_after_s)
+        self.metrics.set_nodes(counts)
+        self.metrics.nodes_reporting.set(reporting)
+        severities = {inc.id: inc.severity for inc in self.store.unresolved_incidents()}
+        self.metrics.set_incidents(
+            (rule, severities.get(i, "info")) for rule, _, i, _ in self.incidents.open_incidents()
+        )
+
+    def _notification_failed(self, channel: str) -> None:
+        self.metrics.notifications_failed_total.labels(channel=channel).inc()
+
+    # --- ingest -------------------------------------------------------------------------------
+
+    def ingest_report(self, report: Report, *, actor: str) -> ReportResponse:
+        """Store a node's report; return the acknowledged event id and its pending commands."""
+        now = self.clock.now()
+        name = report.node
+        with self._lock:
+            node = self._nodes.get(name)
+            if node is None:
+                node = self.store.add_node(
+                    name, role=report.role_hint or "active", labels=dict(report.labels)
+                )
+                self._nodes[name] = node
+                self.signals.set_node_meta(name, role=node.role, state=node.state, job=node.job)
+                log.info("event=node_registered node=%s role=%s actor=%s", name, node.role, actor)
+            self._last_seen[name] = now
+            self._fresh[name] = FreshNode(
+                name=name,
+                last_report_at=now,
+                instance=report.instance,
+                agent_version=report.agent_version,
+                labels=dict(report.labels),
+            )
+            self._hw_counts[name] = (len(report.gpus), len(report.ib_ports))
+            self._note_jobs(name, report)
+            hwm = self._high_water_mark(name, report.instance)
+            new_events = []
+            if report.events:
+                seen: dict[int, Any] = {}
+                for e in report.events:
+                    if e.id > hwm:
+                        seen[e.id] = e
+                new_events = [seen[i] for i in sorted(seen)]
+            if new_events:
+                self._store_events(name, report.instance, new_events)
+                hwm = new_events[-1].id
+                self._hwm[name] = (report.instance, hwm)
+            self.signals.ingest(report, now=now, new_events=new_events)
+            commands = self._commands_for(name, now)
+        self.metrics.reports_total.inc()
+        return ReportResponse(ack_event_id=hwm, commands=commands, server_time=now)
+
+    def _high_water_mark(self, node: str, instance: str) -> int:
+        known = self._hwm.get(node)
+        if known is not None and known[0] == instance:
+            return known[1]
+        # a new agent instance (or a controller restart): ask the store once
+        hwm = self.store.max_event_id(node, instance)
+        self._hwm[node] = (instance, hwm)
+        return hwm
+
+    def _store_events(self, node: str, instance: str, events: Sequence[Any]) -> None:
+        results: list[tuple[str, bool, str]] = []
+        for e in events:
+            if e.kind == "command_result":
+                command_id = e.data.get("command_id")
+                if isinstance(command_id, str):
+                    results.append(
+                        (command_id, bool(e.data.get("ok", False)), str(e.data.get("message", "")))
+                    )
+        self.store.insert_events(
+            node,
+            instance,
+            [(e.id, e.kind, e.ts, to_wire(e)) for e in events],
+            command_results=results,
+        )
+        for e in events:
+            self.metrics.events_total.labels(kind=e.kind).inc()
+        if results:
+            self._drop_pending(node, {cid for cid, _, _ in results})
+            for cid, ok, _ in results:
+                log.info("event=command_done command=%s node=%s ok=%s", cid, node, ok)
+            self._wake.set()  # a drain may be waiting on this result
+
+    def _note_jobs(self, node: str, report: Report) -> None:
+        running = [j.job for j in report.jobs if j.state in _RUNNING_JOB_STATES]
+        if not running and report.ranks:
+            running = [report.ranks[0].job]
+        self._node_jobs[node] = running[0] if running else None
+        for rank in report.ranks:
+            seen = self._jobs_seen.setdefault(rank.job, _JobSeen())
+            seen.nodes.add(node)
+            seen.ranks[rank.rank] = rank.step
+            if rank.ckpt_step is not None:
+                seen.ckpt_step = max(seen.ckpt_step or 0, rank.ckpt_step)
+
+    def _commands_for(self, node: str, now: float) -> tuple[Command, ...]:
+        pending = self._pending.get(node)
+        if not pending:
+            return ()
+        first_time = [c.id for c in pending if c.delivered_at is None]
+        if first_time:
+            self.store.mark_delivered(first_time)
+            self._pending[node] = [
+                dataclasses.replace(c, delivered_at=now) if c.delivered_at is None else c
+                for c in pending
+            ]
+        return tuple(Command(id=c.id, kind=c.kind, args=c.args) for c in pending)  # type: ignore[arg-type]
+
+    def _drop_pending(self, node: str, ids: set[str]) -> None:
+        cmds = self._pending.get(node)
+        if cmds:
+            left = [c for c in cmds if c.id not in ids]
+            if left:
+                self._pending[node] = left
+            else:
+                del self._pending[node]
+
+    # --- NodeOps (for the local drain backend) ------------------------------------------------
+
+    def node_state(self, node: str) -> str | None:
+        with self._lock:
+            rec = self._nodes.get(node)
+        return rec.state if rec else None
+
+    def node_job(self, node: str) -> str | None:
+        with self._lock:
+            job = self._node_jobs.get(node)
+            rec = self._nodes.get(node)
+        return job or (rec.job if rec else None)
+
+    def report_age_s(self, node: str) -> float | None:
+        with self._lock:
+            t = self._last_seen.get(node)
+        return None if t is None else max(0.0, self.clock.now() - t)
+
+    def set_node_state(self, node: str, state: str, *, reason: str | None) -> None:
+        with self._lock:
+            rec = self.store.update_node(node, state=state, drain_reason=reason)
+            self._nodes[node] = rec
+            self.signals.set_node_meta(node, role=rec.role, state=rec.state, job=rec.job)
+        log.info("event=node_state node=%s state=%s", node, state)
+
+    def queue_command(self, node: str, kind: str, args: dict[str, Any], *, command_id: str) -> None:
+        if self.store.add_command(command_id, node=node, kind=kind, args=args):
+            record = self.store.get_command(command_id)
+            assert record is not None
+            with self._lock:
+                self._pending.setdefault(node, []).append(record)
+            log.info("event=command_queued command=%s node=%s kind=%s", command_id, node, kind)
+
+    def command_status(self, command_id: str) -> CommandRecord | None:
+        return self.store.get_command(command_id)
+
+    # --- service: nodes -----------------------------------------------------------------------
+
+    def _node_view(self, rec: NodeRecord, *, now: float, open_counts: dict[str, int]) -> NodeView:
+        last = self._last_seen.get(rec.name, rec.last_report_at)
+        age = None if last is None else max(0.0, now - last)
+        gpus, ports = self._hw_counts.get(rec.name, (0, 0))
+        return NodeView(
+            name=rec.name,
+            role=rec.role,  # type: ignore[arg-type]
+            state=rec.state,  # type: ignore[arg-type]
+            labels=dict(rec.labels),
+            last_report_at=last,
+            report_age_s=age,
+            reporting=age is not None and age <= self.config.node_silent_after_s,
+            gpus=gpus,
+            ib_ports=ports,
+            job=self._node_jobs.get(rec.name) or rec.job,
+            open_incidents=open_counts.get(rec.name, 0),
+            drain_reason=rec.drain_reason,
+            agent_version=self._fresh[rec.name].agent_version
+            if rec.name in self._fresh
+            else rec.agent_version,
+        )
+
+    def list_nodes(self) -> list[NodeView]:
+        now = self.clock.now()
+        counts = self.store.open_incident_counts()
+        with self._lock:
+            return [
+                self._node_view(r, now=now, open_counts=counts)
+                for _, r in sorted(self._nodes.items())
+            ]
+
+    def get_node(self, name: str) -> NodeView:
+        now = self.clock.now()
+        counts = self.store.open_incident_counts()
+        with self._lock:
+            rec = self._nodes.get(name)
+            if rec is None:
+                raise NotFound(f"node {name!r} not found")
+            return self._node_view(rec, now=now, open_counts=counts)
+
+    def set_role(self, name: str, *, role: NodeRole, actor: str) -> NodeView:
+        if role not in ("active", "spare"):
+            raise BadRequest(f"role must be 'active' or 'spare', got {role!r}")
+        with self._lock:
+            if name not in self._nodes:
+                raise NotFound(f"node {name!r} not found")
+            rec = self.store.update_node(name, role=role)
+            self._nodes[name] = rec
+            self.signals.set_node_meta(name, role=rec.role, state=rec.state, job=rec.job)
+        self.store.audit(
+            ts=self.clock.now(), actor=actor, action="set_role", target=name, detail={"role": role}
+        )
+        log.info("event=node_role node=%s role=%s actor=%s", name, role, actor)
+        return self.get_node(name)
+
+    def _operator_step(self, kind: str, name: str, *, actor: str, detail: dict[str, Any]) -> None:
+        if self.node_state(name) is None:
+            raise NotFound(f"node {name!r} not found")
+        now = self.clock.now()
+        audit_id = self.store.audit(ts=now, actor=actor, action=kind, target=name, detail=detail)
+        (action_id,) = self.store.add_actions(
+            None,
+            [
+                NewAction(
+                    kind=kind,
+                    target=name,
+                    idempotency_key=f"operator:{kind}:{name}:{audit_id}",
+                    params={"node": name, "actor": actor, **detail},
+                )
+            ],
+            ts=now,
+        )
+        action = self.runner.run_one(action_id, now=now)
+        log.info(
+            "event=operator_%s node=%s actor=%s action=%d state=%s",
+            kind,
+            name,
+            actor,
+            action_id,
+            action.state,
+        )
+        if action.state == "failed":
+            raise BadRequest(f"{kind} {name} failed: {action.result}")
+
+    def drain(self, name: str, *, reason: str, actor: str) -> NodeView:
+        self._operator_step("drain", name, actor=actor, detail={"reason": reason})
+        self._wake.set()
+        return self.get_node(name)
+
+    def undrain(self, name: str, *, actor: str) -> NodeView:
+        self._operator_step("undrain", name, actor=actor, detail={})
+        return self.get_node(name)
+
+    def list_spares(self) -> list[NodeView]:
+        return [n for n in self.list_nodes() if n.role == "spare" and n.state == "active"]
+
+    # --- service: incidents -------------------------------------------------------------------
+
+    def list_incidents(
+        self, *, state: str | None = None, node: str | None = None, limit: int = 100
+    ) -> list[IncidentView]:
+        if limit < 1:
+            raise BadRequest(f"limit must be >= 1, got {limit}")
+        return self.store.list_incidents(state=state, node=node, limit=limit)
+
+    def get_incident(self, incident_id: int) -> IncidentDetail:
+        incident = self.store.get_incident(incident_id)
+        if incident is None:
+            raise NotFound(f"incident {incident_id} not found")
+        return IncidentDetail(
+            incident=incident,
+            timeline=tuple(self.store.timeline(incident_id)),
+            actions=tuple(self.store.actions_for_incident(incident_id)),
+        )
+
+    # --- service: jobs (what the ranks report; the job table grows with the closed loop) ------
+
+    def _job_view(self, name: str, seen: _JobSeen | None, stored: dict[str, Any] | None) -> JobView:
+        nodes = sorted(seen.nodes) if seen else list(stored["nodes"] if stored else ())
+        return JobView(
+            name=name,
+            state=stored["state"] if stored else "running",
+            nodes=tuple(nodes),
+            attempt=stored["attempt"] if stored else 0,
+            last_step=max(seen.ranks.values()) if seen and seen.ranks else None,
+            ckpt_step=seen.ckpt_step if seen else None,
+            ranks=len(seen.ranks) if seen else 0,
+        )
+
+    def list_jobs(self) -> list[JobView]:
+        stored = {j["name"]: j for j in self.store.list_jobs()}
+        with self._lock:
+            names = sorted(set(stored) | set(self._jobs_seen))
+            return [self._job_view(n, self._jobs_seen.get(n), stored.get(n)) for n in names]
+
+    def get_job(self, name: str) -> JobView:
+        for job in self.list_jobs():
+            if job.name == name:
+                return job
+        raise NotFound(f"job {name!r} not found")
+
+    # --- service: silences, faults, audit, rules ----------------------------------------------
+
+    def create_silence(
+        self,
+        *,
+        rule: str | None,
+        node: str | None,
+        duration_s: float,
+        comment: str,
+        actor: str,
+    ) -> SilenceView:
+        if not rule and not node:
+            raise BadRequest("a silence needs a rule, a node, or both")
+        if not duration_s > 0:
+            raise BadRequest(f"duration_s must be > 0, got {duration_s}")
+        now = self.clock.now()
+        silence = self.store.add_silence(
+            rule=rule or None,
+            node=node or None,
+            created_by=actor,
+            created_at=now,
+            expires_at=now + duration_s,
+            comment=comment,
+        )
+        self.store.audit(
+            ts=now,
+            actor=actor,
+            action="create_silence",
+            target=f"silence:{silence.id}",
+            detail={"rule": rule, "node": node, "duration_s": duration_s, "comment": comment},
+        )
+        log.info(
+            "event=silence_created silence=%d rule=%s node=%s actor=%s",
+            silence.id,
+            rule,
+            node,
+            actor,
+        )
+        return silence
+
+    def list_silences(self, *, include_expired: bool = False) -> list[SilenceView]:
+        return self.store.list_silences(now=self.clock.now(), include_expired=include_expired)
+
+    def delete_silence(self, silence_id: int, *, actor: str) -> None:
+        now = self.clock.now()
+        if not self.store.delete_silence(silence_id, now=now):
+            raise NotFound(f"silence {silence_id} not found")
+        self.store.audit(
+            ts=now, actor=actor, action="delete_silence", target=f"silence:{silence_id}", detail={}
+        )
+
+    def inject_fault(self, node: str, spec: FaultSpec, *, actor: str) -> str:
+        if self.node_state(node) is None:
+            raise NotFound(f"node {node!r} not found")
+        command_id = f"fault-{uuid.uuid4().hex[:12]}"
+        self.queue_command(node, "inject_fault", to_wire(spec), command_id=command_id)
+        self.store.audit(
+            ts=self.clock.now(),
+            actor=actor,
+            action="inject_fault",
+            target=node,
+            detail={"command_id": command_id, **to_wire(spec)},
+        )
+        return command_id
+
+    def audit_log(self, *, limit: int = 100) -> list[AuditEntry]:
+        return self.store.audit_log(limit=limit)
+
+    def reload_rules(self, *, actor: str) -> int:
+        from controller.rules.loader import RuleError, load_rules  # noqa: PLC0415
+
+        try:
+            rules = load_rules(self.config.rules)
+        except RuleError as e:
+            log.warning("event=rules_reload_failed actor=%s error=%s", actor, e)
+            raise BadRequest(f"rules not reloaded, the running rules stay: {e}") from None
+        with self._lock:
+            self._rules = rules
+            self.signals.track(rules.history_needs())
+        self.store.audit(
+            ts=self.clock.now(),
+            actor=actor,
+            action="reload_rules",
+            target="rules",
+            detail={"rules": len(rules.rules), "sources": list(rules.sources)},
+        )
+        log.info("event=rules_reloaded rules=%d actor=%s", len(rules.rules), actor)
+        return len(rules.rules)
+
+    # --- test and tooling helpers -------------------------------------------------------------
+
+    def pending_commands(self, node: str) -> list[CommandRecord]:
+        with self._lock:
+            return list(self._pending.get(node, ()))
+
+    def nodes_known(self) -> Iterable[str]:
+        with self._lock:
+            return sorted(self._nodes)
+
+
+__all__ = ["ActionBackends", "Controller"]

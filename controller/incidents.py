@@ -1,0 +1,435 @@
+"""Incidents: the lifecycle state machine, and turning the engine's decisions into incidents
+and action plans (with silences, dry-run, cooldowns, the breaker and the budget applied).
+
+Lifecycle (the only allowed moves; anything else raises InvalidTransition):
+    open -> acting -> mitigated -> resolved
+    open | acting | mitigated -> resolved
+    open -> suppressed (a silence matched) -> resolved
+One unresolved incident per (rule, target key). Cooldown: a firing decision for a
+(rule, target) whose last incident resolved less than the rule's `cooldown_s` ago opens
+nothing; one timeline note is added to that last incident instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from controller.actions.base import DISRUPTIVE_KINDS, ActionHandler, HandlerRegistry
+from controller.model import Decision
+from controller.safety import Safety
+from controller.store import NewAction, Store
+from controller.views import ActionView, IncidentState, IncidentView
+
+log = logging.getLogger("trainguard.controller.incidents")
+
+TRANSITIONS: dict[str, frozenset[str]] = {
+    "open": frozenset({"acting", "resolved", "suppressed"}),
+    "acting": frozenset({"mitigated", "resolved"}),
+    "mitigated": frozenset({"resolved"}),
+    "suppressed": frozenset({"resolved"}),
+    "resolved": frozenset(),
+}
+
+# Plan positions for rows added after the rule's own steps, so they sort after them.
+SEQ_ESCALATION = 1000
+SEQ_RESOLVE = 2000
+
+
+class InvalidTransition(ValueError):
+    def __init__(self, incident_id: int, current: str, wanted: str) -> None:
+        super().__init__(f"incident {incident_id}: cannot go from {current} to {wanted}")
+        self.incident_id = incident_id
+        self.current = current
+        self.wanted = wanted
+
+
+def check_transition(incident_id: int, current: str, wanted: str) -> None:
+    if wanted not in TRANSITIONS.get(current, frozenset()):
+        raise InvalidTransition(incident_id, current, wanted)
+
+
+class IncidentManager:
+    """Owns incident state; the only writer of incidents and of planned action rows."""
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        safety: Safety,
+        registry: HandlerRegistry,
+        channels: Callable[[str, bool], list[str]],
+        on_new_actions: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._store = store
+        self._safety = safety
+        self._registry = registry
+        self._channels = channels  # (severity, page) -> channel names
+        self._on_new_actions = on_new_actions
+        self._lock = threading.RLock()
+        # (rule, target key) -> (incident id, state) for unresolved incidents
+        self._open: dict[tuple[str, str], tuple[int, str]] = {}
+        self._cooldown_noted: set[int] = set()
+        for inc in store.unresolved_incidents():
+            self._open[(inc.rule, inc.target)] = (inc.id, inc.state)
+
+    # --- queries ----------------------------------------------------------------------------
+
+    def open_incidents(self) -> list[tuple[str, str, int, str]]:
+        """(rule, target key, id, state) of every unresolved incident."""
+        with self._lock:
+            return [(r, k, i, s) for (r, k), (i, s) in self._open.items()]
+
+    def open_incident_id(self, rule: str, target_key: str) -> int | None:
+        with self._lock:
+            entry = self._open.get((rule, target_key))
+        return entry[0] if entry else None
+
+    # --- transitions ------------------------------------------------------------------------
+
+    def transition(
+        self,
+        incident_id: int,
+        wanted: IncidentState,
+        *,
+        now: float,
+        message: str,
+        data: dict[str, Any] | None = None,
+    ) -> IncidentView:
+        with self._lock:
+            incident = self._store.get_incident(incident_id)
+            if incident is None:
+                raise KeyError(incident_id)
+            check_transition(incident_id, incident.state, wanted)
+            self._store.set_incident_state(
+                incident_id, wanted, ts=now, kind=wanted, message=message, data=data
+            )
+            key = (incident.rule, incident.target)
+            if wanted == "resolved":
+                self._open.pop(key, None)
+            else:
+                self._open[key] = (incident_id, wanted)
+            log.info(
+                "event=incident_%s incident=%d rule=%s target=%s",
+                wanted,
+                incident_id,
+                incident.rule,
+                incident.target,
+            )
+            after = self._store.get_incident(incident_id)
+            assert after is not None
+            return after
+
+    # --- decisions --------------------------------------------------------------------------
+
+    def apply(self, decisions: Iterable[Decision], *, now: float) -> list[int]:
+        """Apply one tick's decisions; returns ids of incidents opened."""
+        opened: list[int] = []
+        added = False
+        with self._lock:
+            for d in decisions:
+                if d.state == "firing":
+                    incident_id, planned = self._on_firing(d, now=now)
+                    if incident_id is not None:
+                        opened.append(incident_id)
+                    added = added or planned
+                elif d.state == "resolved":
+                    added = self._on_resolved(d, now=now) or added
+        if added:
+            self._on_new_actions()
+        return opened
+
+    def _on_firing(self, d: Decision, *, now: float) -> tuple[int | None, bool]:
+        key = (d.rule, d.target.key)
+        if key in self._open:
+            return None, False
+        last = self._store.last_incident(d.rule, d.target.key)
+        if (
+            last is not None
+            and last.resolved_at is not None
+            and d.cooldown_s > 0
+            and now - last.resolved_at < d.cooldown_s
+        ):
+            if last.id not in self._cooldown_noted:
+                self._cooldown_noted.add(last.id)
+                self._store.add_timeline(
+                    last.id,
+                    ts=now,
+                    kind="cooldown",
+                    message=(
+                        f"fired again {now - last.resolved_at:.0f} s after resolving, within the"
+                        f" rule's cooldown ({d.cooldown_s:g} s): no new incident"
+                    ),
+                    data={"value": d.value},
+                )
+            return None, False
+        node = d.target.node
+        detail = {"value": d.value, "since": d.since, "severity": d.severity, "labels": d.labels}
+        incident_id = self._store.create_incident(
+            rule=d.rule,
+            target_key=d.target.key,
+            target=dataclasses.asdict(d.target),
+            target_text=d.target.describe(),
+            severity=d.severity,
+            summary=d.summary,
+            node=node,
+            job=d.target.job,
+            ts=now,
+            timeline=[("opened", d.summary or f"{d.rule} fired on {d.target.describe()}", detail)],
+        )
+        self._open[key] = (incident_id, "open")
+        log.info(
+            "event=incident_opened incident=%d rule=%s target=%s severity=%s",
+            incident_id,
+            d.rule,
+            d.target.key,
+            d.severity,
+        )
+        silence = self._safety.silence_for(rule=d.rule, node=node, now=now)
+        if silence is not None:
+            self.transition(
+                incident_id,
+                "suppressed",
+                now=now,
+                message=f"silenced by silence {silence.id} ({silence.comment or 'no comment'});"
+                " no actions",
+                data={"silence_id": silence.id},
+            )
+            return incident_id, False
+        return incident_id, self._plan(incident_id, d, now=now)
+
+    def _plan(self, incident_id: int, d: Decision, *, now: float) -> bool:
+        """Write the incident's action plan (the intent rows) in one transaction."""
+        rows: list[NewAction] = []
+        notes: list[tuple[str, str, dict[str, Any]]] = []
+        node = d.target.node
+        blocked: str | None = None
+        page_reason: str | None = None
+        page_tag = ""
+        disruptive = [k for k in d.actions if k in DISRUPTIVE_KINDS]
+        if disruptive and node is not None:
+            breaker = self._safety.breaker(rule=d.rule, now=now)
+            if breaker.open:
+                blocked = breaker.reason
+                if breaker.first:
+                    self._safety.record_trip(
+                        rule=d.rule, now=now, incident_id=incident_id, nodes=breaker.nodes
+                    )
+                    page_reason, page_tag = breaker.reason, "breaker"
+                else:
+                    first_id = self._safety.breaker_incident(d.rule)
+                    blocked += f" (paged on incident {first_id})"
+            elif "drain" in disruptive:
+                budget = self._safety.budget(now=now)
+                if not budget.allowed:
+                    blocked = budget.reason
+                    page_reason, page_tag = budget.reason, "budget"
+            if blocked is not None:
+                notes.append(("safety", blocked, {"rule": d.rule, "node": node}))
+        for index, kind in enumerate(d.actions):
+            if kind in ("notify", "page"):
+                page = kind == "page"
+                channels = self._channels(d.severity, page) or [""]
+                for channel in channels:
+                    rows.append(
+                        NewAction(
+                            kind="notify",
+                            target=d.target.key,
+                            idempotency_key=f"{incident_id}:{index}:notify:{channel}",
+                            seq=index,
+                            params={"channel": channel, "event": "trigger", "page": page},
+                        )
+                    )
+                continue
+            params: dict[str, Any] = {"rule": d.rule, "target": d.target.key}
+            if node is not None:
+                params["node"] = node
+            if d.target.job is not None:
+                params["job"] = d.target.job
+            if kind == "drain":
+                params["reason"] = f"incident {incident_id}: {d.summary or d.rule}"
+            state, result = "pending", ""
+            if blocked is not None and kind in DISRUPTIVE_KINDS:
+                state, result = "skipped", f"skipped: {blocked}"
+            rows.append(
+                NewAction(
+                    kind=kind,
+                    target=node or d.target.key,
+                    idempotency_key=f"{incident_id}:{index}:{kind}",
+                    seq=index,
+                    params=params,
+                    state=state,
+                    result=result,
+                )
+            )
+        if page_reason is not None:
+            rows += self._page_rows(incident_id, d.target.key, reason=page_reason, tag=page_tag)
+        if self._safety.dry_run:
+            rows = [
+                dataclasses.replace(r, state="skipped", result="skipped: dry-run (would run)")
+                if r.state == "pending"
+                else r
+                for r in rows
+            ]
+            notes.append(("dry_run", "dry-run mode: actions recorded, none executed", {}))
+        for r in rows:
+            if r.state == "skipped":
+                label = f"{r.kind} ({r.params['channel']})" if r.params.get("channel") else r.kind
+                notes.append(("action_skipped", f"{label} {r.result}", {"key": r.idempotency_key}))
+        if rows:
+            planned = ", ".join(
+                f"{r.kind}:{r.params['channel']}" if r.params.get("channel") else r.kind
+                for r in rows
+            )
+            notes.insert(0, ("planned", f"plan: {planned}", {"steps": len(rows)}))
+        self._store.add_actions(incident_id, rows, ts=now, timeline=notes)
+        return any(r.state == "pending" for r in rows)
+
+    def _page_rows(
+        self, incident_id: int, target: str, *, reason: str, tag: str
+    ) -> list[NewAction]:
+        return [
+            NewAction(
+                kind="notify",
+                target=target,
+                idempotency_key=f"{incident_id}:page:{tag}:notify:{channel}",
+                seq=SEQ_ESCALATION,
+                params={"channel": channel, "event": "trigger", "page": True, "reason": reason},
+            )
+            for channel in self._channels("critical", True) or [""]
+        ]
+
+    def _on_resolved(self, d: Decision, *, now: float) -> bool:
+        entry = self._open.get((d.rule, d.target.key))
+        if entry is None:
+            return False
+        incident_id, _ = entry
+        actions = self._store.actions_for_incident(incident_id)
+        for a in actions:
+            if a.state == "pending":
+                self._store.update_action(
+                    a.id,
+                    state="skipped",
+                    ts=now,
+                    result="skipped: incident resolved first",
+                    timeline=(
+                        incident_id,
+                        "action_skipped",
+                        f"{a.kind} #{a.id} skipped: incident resolved first",
+                        {"action_id": a.id},
+                    ),
+                )
+        self.transition(
+            incident_id,
+            "resolved",
+            now=now,
+            message=f"condition cleared: {d.summary}" if d.summary else "condition cleared",
+            data={"value": d.value},
+        )
+        told = sorted(
+            {
+                str(a.params.get("channel"))
+                for a in actions
+                if a.kind == "notify"
+                and a.params.get("event") == "trigger"
+                and a.params.get("channel")
+                and a.state in ("succeeded", "running")
+            }
+        )
+        if not told:
+            return False
+        rows = [
+            NewAction(
+                kind="notify",
+                target=d.target.key,
+                idempotency_key=f"{incident_id}:resolve:notify:{channel}",
+                seq=SEQ_RESOLVE,
+                params={"channel": channel, "event": "resolve"},
+            )
+            for channel in told
+        ]
+        self._store.add_actions(incident_id, rows, ts=now)
+        return True
+
+    # --- action progress (ActionListener) -----------------------------------------------------
+
+    def on_action_started(self, action: ActionView, handler: ActionHandler, *, now: float) -> None:
+        if action.incident_id is None or not handler.remediation:
+            return
+        with self._lock:
+            incident = self._store.get_incident(action.incident_id)
+            if incident is not None and incident.state == "open":
+                self.transition(
+                    incident.id, "acting", now=now, message=f"remediation started: {action.kind}"
+                )
+
+    def on_action_finished(self, action: ActionView, *, now: float) -> None:
+        if action.incident_id is None:
+            return
+        with self._lock:
+            incident = self._store.get_incident(action.incident_id)
+            if incident is None or incident.state != "acting":
+                return
+            steps = [
+                a
+                for a in self._store.actions_for_incident(incident.id)
+                if self._registry.get(a.kind).remediation
+            ]
+            if any(a.state in ("pending", "running") for a in steps):
+                return
+            if any(a.state == "succeeded" for a in steps) and not any(
+                a.state == "failed" for a in steps
+            ):
+                done = ", ".join(a.kind for a in steps if a.state == "succeeded")
+                self.transition(incident.id, "mitigated", now=now, message=f"mitigated: {done}")
+            else:
+                self._store.add_timeline(
+                    incident.id,
+                    ts=now,
+                    kind="remediation_incomplete",
+                    message="remediation ended without mitigating; a person must look",
+                )
+
+    def escalate(self, action: ActionView, *, reason: str, now: float) -> None:
+        """A step failed for good: page every channel but the one that failed (once per step)."""
+        if action.incident_id is None or action.params.get("page"):
+            return
+        failed_channel = action.params.get("channel")
+        rows = [
+            r
+            for r in self._page_rows(
+                action.incident_id,
+                action.target,
+                reason=f"step {action.kind} #{action.id} failed: {reason}",
+                tag=f"a{action.id}",
+            )
+            if r.params["channel"] != failed_channel and r.params["channel"]
+        ]
+        if not rows:
+            self._store.add_timeline(
+                action.incident_id,
+                ts=now,
+                kind="escalation_unavailable",
+                message=f"step {action.kind} #{action.id} failed and no other channel can page",
+            )
+            return
+        self._store.add_actions(
+            action.incident_id,
+            rows,
+            ts=now,
+            timeline=[("escalated", f"paging: step {action.kind} #{action.id} failed", {})],
+        )
+        self._on_new_actions()
+
+
+__all__ = [
+    "SEQ_ESCALATION",
+    "SEQ_RESOLVE",
+    "TRANSITIONS",
+    "IncidentManager",
+    "InvalidTransition",
+    "check_transition",
+]

@@ -1,0 +1,896 @@
+"""The controller's durable state: one SQLite file (WAL) with a versioned, migrated schema.
+
+Owns nodes, jobs, incidents (+ timeline), actions, agent commands, events, silences, the
+safety state and the audit log. Rows never leave this module: callers get small frozen
+records or the read models in `controller.views`.
+
+Why these pragmas: WAL lets readers (the API) run while the tick writes. synchronous=NORMAL
+in WAL mode makes every commit durable against a process crash (kill -9: the WAL is in the
+OS page cache and is replayed on open); only a power loss or kernel crash can drop the last
+few commits, and it never corrupts the file. FULL would fsync every commit, which the event
+and action paths do not need. Foreign keys are on so a timeline never outlives its incident.
+
+Thread safety: one connection guarded by a re-entrant lock; `transaction()` holds it for a
+whole BEGIN IMMEDIATE ... COMMIT so multi-statement changes are atomic.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from controller.views import (
+    ActionView,
+    AuditEntry,
+    IncidentView,
+    SilenceView,
+    TimelineEntry,
+)
+
+
+class StoreError(RuntimeError):
+    """The store cannot be opened or used (names the file and the reason)."""
+
+
+# --- schema ---------------------------------------------------------------------------------
+
+
+def _run_script(c: sqlite3.Connection, script: str) -> None:
+    # executescript() would COMMIT the migration's transaction halfway; run statements singly.
+    for statement in script.split(";\n"):
+        if statement.strip():
+            c.execute(statement)
+
+
+def _migration_1(c: sqlite3.Connection) -> None:
+    _run_script(
+        c,
+        """
+        CREATE TABLE nodes (
+            name TEXT PRIMARY KEY,
+            role TEXT NOT NULL CHECK (role IN ('active', 'spare')),
+            state TEXT NOT NULL CHECK (state IN ('active', 'draining', 'drained')),
+            labels TEXT NOT NULL DEFAULT '{}',
+            last_report_at REAL,
+            instance TEXT,
+            agent_version TEXT NOT NULL DEFAULT '',
+            drain_reason TEXT,
+            job TEXT,
+            created_at REAL NOT NULL,
+            updated_at REAL NOT NULL
+        );
+        CREATE TABLE jobs (
+            name TEXT PRIMARY KEY,
+            spec TEXT NOT NULL DEFAULT '{}',
+            state TEXT NOT NULL,
+            nodes TEXT NOT NULL DEFAULT '[]',
+            attempt INTEGER NOT NULL DEFAULT 0,
+            created_at REAL NOT NULL,
+            updated_at REAL NOT NULL
+        );
+        CREATE TABLE incidents (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            rule TEXT NOT NULL,
+            target_key TEXT NOT NULL,
+            target TEXT NOT NULL,
+            target_text TEXT NOT NULL,
+            severity TEXT NOT NULL,
+            state TEXT NOT NULL
+                CHECK (state IN ('open', 'acting', 'mitigated', 'resolved', 'suppressed')),
+            summary TEXT NOT NULL DEFAULT '',
+            node TEXT,
+            job TEXT,
+            opened_at REAL NOT NULL,
+            updated_at REAL NOT NULL,
+            resolved_at REAL
+        );
+        -- one unresolved incident per (rule, target), enforced by the database too
+        CREATE UNIQUE INDEX incidents_one_open
+            ON incidents (rule, target_key) WHERE state != 'resolved';
+        CREATE INDEX incidents_by_rule_opened ON incidents (rule, opened_at);
+        CREATE TABLE incident_timeline (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            incident_id INTEGER NOT NULL REFERENCES incidents (id) ON DELETE CASCADE,
+            ts REAL NOT NULL,
+            kind TEXT NOT NULL,
+            message TEXT NOT NULL,
+            data TEXT NOT NULL DEFAULT '{}'
+        );
+        CREATE INDEX timeline_by_incident ON incident_timeline (incident_id, id);
+        CREATE TABLE actions (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            incident_id INTEGER REFERENCES incidents (id) ON DELETE CASCADE,
+            seq INTEGER NOT NULL DEFAULT 0,
+            kind TEXT NOT NULL,
+            target TEXT NOT NULL,
+            params TEXT NOT NULL DEFAULT '{}',
+            state TEXT NOT NULL
+                CHECK (state IN ('pending', 'running', 'succeeded', 'failed', 'skipped')),
+            attempts INTEGER NOT NULL DEFAULT 0,
+            idempotency_key TEXT NOT NULL UNIQUE,
+            next_attempt_at REAL NOT NULL,
+            result TEXT NOT NULL DEFAULT '',
+            output TEXT NOT NULL DEFAULT '{}',
+            created_at REAL NOT NULL,
+            updated_at REAL NOT NULL
+        );
+        CREATE INDEX actions_open ON actions (state, next_attempt_at);
+        CREATE INDEX actions_by_incident ON actions (incident_id, seq);
+        CREATE TABLE commands (
+            id TEXT PRIMARY KEY,
+            node TEXT NOT NULL,
+            kind TEXT NOT NULL,
+            args TEXT NOT NULL DEFAULT '{}',
+            created_at REAL NOT NULL,
+            delivered_at REAL,
+            done_at REAL,
+            ok INTEGER,
+            result TEXT NOT NULL DEFAULT ''
+        );
+        CREATE INDEX commands_pending ON commands (node) WHERE done_at IS NULL;
+        CREATE TABLE events (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            node TEXT NOT NULL,
+            instance TEXT NOT NULL,
+            event_id INTEGER NOT NULL,
+            kind TEXT NOT NULL,
+            ts REAL NOT NULL,
+            body TEXT NOT NULL,
+            received_at REAL NOT NULL,
+            UNIQUE (node, instance, event_id)
+        );
+        CREATE TABLE silences (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            rule TEXT,
+            node TEXT,
+            created_by TEXT NOT NULL,
+            created_at REAL NOT NULL,
+            expires_at REAL NOT NULL,
+            comment TEXT NOT NULL DEFAULT '',
+            deleted_at REAL,
+            CHECK (rule IS NOT NULL OR node IS NOT NULL)
+        );
+        CREATE TABLE breakers (
+            rule TEXT PRIMARY KEY,
+            tripped_at REAL NOT NULL,
+            incident_id INTEGER,
+            nodes TEXT NOT NULL DEFAULT '[]'
+        );
+        CREATE TABLE audit_log (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            ts REAL NOT NULL,
+            actor TEXT NOT NULL,
+            action TEXT NOT NULL,
+            target TEXT NOT NULL,
+            detail TEXT NOT NULL DEFAULT '{}'
+        );
+        """,
+    )
+
+
+# Migration N (index N-1) takes a database at version N-1 to version N. Append only.
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_migration_1,)
+SCHEMA_VERSION = len(MIGRATIONS)
+
+TERMINAL_ACTION_STATES = ("succeeded", "failed", "skipped")
+
+
+# --- records --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    name: str
+    role: str
+    state: str
+    labels: dict[str, str] = field(default_factory=dict)
+    last_report_at: float | None = None
+    instance: str | None = None
+    agent_version: str = ""
+    drain_reason: str | None = None
+    job: str | None = None
+
+
+@dataclass(frozen=True)
+class CommandRecord:
+    id: str
+    node: str
+    kind: str
+    args: dict[str, Any]
+    created_at: float
+    delivered_at: float | None = None
+    done_at: float | None = None
+    ok: bool | None = None
+    result: str = ""
+
+
+@dataclass(frozen=True)
+class NewAction:
+    """An action row to insert (the intent, written before anything runs)."""
+
+    kind: str
+    target: str
+    idempotency_key: str
+    seq: int = 0
+    params: dict[str, Any] = field(default_factory=dict)
+    state: str = "pending"
+    result: str = ""
+
+
+@dataclass(frozen=True)
+class FreshNode:
+    """In-memory freshness flushed in batches (the report path never writes per report)."""
+
+    name: str
+    last_report_at: float
+    instance: str
+    agent_version: str
+    labels: dict[str, str]
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), sort_keys=True, allow_nan=False)
+
+
+class Store:
+    """The SQLite store. Open with `Store(path, now=...)`; migrates older files forward."""
+
+    def __init__(self, path: str | Path, *, now: Callable[[], float]) -> None:
+        self.path = str(path)
+        self._now = now
+        self._lock = threading.RLock()
+        if self.path != ":memory:":
+            parent = Path(self.path).parent
+            try:
+                parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise StoreError(f"{self.path}: cannot create directory: {e.strerror}") from None
+        try:
+            self._conn = sqlite3.connect(
+                self.path, isolation_level=None, check_same_thread=False, timeout=30.0
+            )
+        except sqlite3.Error as e:
+            raise StoreError(f"{self.path}: cannot open: {e}") from None
+        self._conn.row_factory = sqlite3.Row
+        try:
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.execute("PRAGMA synchronous=NORMAL")
+            self._conn.execute("PRAGMA foreign_keys=ON")
+            self._migrate()
+        except sqlite3.DatabaseError as e:
+            self._conn.close()
+            raise StoreError(f"{self.path}: not a usable trainguard store: {e}") from None
+
+    # --- plumbing ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """BEGIN IMMEDIATE ... COMMIT (ROLLBACK on error), holding the store lock."""
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._conn
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+
+    def _query(self, sql: str, args: Sequence[Any] = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._conn.execute(sql, args).fetchall()
+
+    def schema_version(self) -> int:
+        with self._lock:
+            row = self._conn.execute("SELECT version FROM schema_version").fetchone()
+        return int(row[0])
+
+    def _migrate(self) -> None:
+        with self.transaction() as c:
+            c.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+            row = c.execute("SELECT version FROM schema_version").fetchone()
+            version = 0 if row is None else int(row[0])
+            if row is None:
+                c.execute("INSERT INTO schema_version (version) VALUES (0)")
+            if version > SCHEMA_VERSION:
+                raise StoreError(
+                    f"{self.path}: schema version {version} is newer than this controller "
+                    f"knows ({SCHEMA_VERSION}); upgrade the controller or restore a backup"
+                )
+            for n in range(version, SCHEMA_VERSION):
+                MIGRATIONS[n](c)
+                c.execute("UPDATE schema_version SET version = ?", (n + 1,))
+
+    # --- nodes ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _node(row: sqlite3.Row) -> NodeRecord:
+        return NodeRecord(
+            name=row["name"],
+            role=row["role"],
+            state=row["state"],
+            labels=json.loads(row["labels"]),
+            last_report_at=row["last_report_at"],
+            instance=row["instance"],
+            agent_version=row["agent_version"],
+            drain_reason=row["drain_reason"],
+            job=row["job"],
+        )
+
+    def list_nodes(self) -> list[NodeRecord]:
+        return [self._node(r) for r in self._query("SELECT * FROM nodes ORDER BY name")]
+
+    def get_node(self, name: str) -> NodeRecord | None:
+        rows = self._query("SELECT * FROM nodes WHERE name = ?", (name,))
+        return self._node(rows[0]) if rows else None
+
+    def add_node(self, name: str, *, role: str, labels: dict[str, str]) -> NodeRecord:
+        now = self._now()
+        with self.transaction() as c:
+            c.execute(
+                "INSERT OR IGNORE INTO nodes (name, role, state, labels, created_at, updated_at)"
+                " VALUES (?, ?, 'active', ?, ?, ?)",
+                (name, role, _json(labels), now, now),
+            )
+        node = self.get_node(name)
+        assert node is not None
+        return node
+
+    def update_node(self, name: str, **changes: Any) -> NodeRecord:
+        """Set columns of one node (role, state, drain_reason, job, labels)."""
+        allowed = {"role", "state", "drain_reason", "job", "labels"}
+        bad = set(changes) - allowed
+        if bad:
+            raise ValueError(f"cannot update node columns {sorted(bad)}")
+        if "labels" in changes:
+            changes["labels"] = _json(changes["labels"])
+        sets = ", ".join(f"{k} = ?" for k in changes)
+        with self.transaction() as c:
+            c.execute(
+                f"UPDATE nodes SET {sets}, updated_at = ? WHERE name = ?",  # noqa: S608
+                (*changes.values(), self._now(), name),
+            )
+        node = self.get_node(name)
+        if node is None:
+            raise KeyError(name)
+        return node
+
+    def flush_freshness(self, fresh: Iterable[FreshNode]) -> int:
+        """Write a batch of in-memory report freshness in one transaction."""
+        rows = [
+            (f.last_report_at, f.instance, f.agent_version, _json(f.labels), f.name) for f in fresh
+        ]
+        if not rows:
+            return 0
+        with self.transaction() as c:
+            c.executemany(
+                "UPDATE nodes SET last_report_at = ?, instance = ?, agent_version = ?,"
+                " labels = ? WHERE name = ?",
+                rows,
+            )
+        return len(rows)
+
+    # --- jobs (minimal: the closed-loop work extends this table via a migration) -------------
+
+    def upsert_job(self, name: str, *, state: str, nodes: Sequence[str]) -> None:
+        now = self._now()
+        with self.transaction() as c:
+            c.execute(
+                "INSERT INTO jobs (name, state, nodes, created_at, updated_at)"
+                " VALUES (?, ?, ?, ?, ?) ON CONFLICT (name) DO UPDATE SET"
+                " state = excluded.state, nodes = excluded.nodes, updated_at = excluded.updated_at",
+                (name, state, _json(sorted(nodes)), now, now),
+            )
+
+    def list_jobs(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "name": r["name"],
+                "state": r["state"],
+                "nodes": tuple(json.loads(r["nodes"])),
+                "attempt": r["attempt"],
+                "spec": json.loads(r["spec"]),
+            }
+            for r in self._query("SELECT * FROM jobs ORDER BY name")
+        ]
+
+    # --- events -----------------------------------------------------------------------------
+
+    def max_event_id(self, node: str, instance: str) -> int:
+        rows = self._query(
+            "SELECT MAX(event_id) FROM events WHERE node = ? AND instance = ?", (node, instance)
+        )
+        value = rows[0][0]
+        return 0 if value is None else int(value)
+
+    def insert_events(
+        self,
+        node: str,
+        instance: str,
+        events: Sequence[tuple[int, str, float, dict[str, Any]]],
+        *,
+        command_results: Sequence[tuple[str, bool, str]] = (),
+    ) -> None:
+        """Store (event_id, kind, ts, body) rows (duplicates ignored) and complete commands
+        named by `command_result` events, in one transaction."""
+        now = self._now()
+        with self.transaction() as c:
+            c.executemany(
+                "INSERT OR IGNORE INTO events (node, instance, event_id, kind, ts, body,"
+                " received_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [
+                    (node, instance, eid, kind, ts, _json(body), now)
+                    for eid, kind, ts, body in events
+                ],
+            )
+            c.executemany(
+                "UPDATE commands SET done_at = ?, ok = ?, result = ?"
+                " WHERE id = ? AND node = ? AND done_at IS NULL",
+                [(now, int(ok), msg, cid, node) for cid, ok, msg in command_results],
+            )
+
+    def count_events(self, node: str) -> int:
+        return int(self._query("SELECT COUNT(*) FROM events WHERE node = ?", (node,))[0][0])
+
+    # --- commands ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _command(row: sqlite3.Row) -> CommandRecord:
+        return CommandRecord(
+            id=row["id"],
+            node=row["node"],
+            kind=row["kind"],
+            args=json.loads(row["args"]),
+            created_at=row["created_at"],
+            delivered_at=row["delivered_at"],
+            done_at=row["done_at"],
+            ok=None if row["ok"] is None else bool(row["ok"]),
+            result=row["result"],
+        )
+
+    def add_command(self, command_id: str, *, node: str, kind: str, args: dict[str, Any]) -> bool:
+        """Queue a command; False if this id already exists (idempotent by id)."""
+        with self.transaction() as c:
+            cur = c.execute(
+                "INSERT OR IGNORE INTO commands (id, node, kind, args, created_at)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (command_id, node, kind, _json(args), self._now()),
+            )
+            return cur.rowcount == 1
+
+    def get_command(self, command_id: str) -> CommandRecord | None:
+        rows = self._query("SELECT * FROM commands WHERE id = ?", (command_id,))
+        return self._command(rows[0]) if rows else None
+
+    def pending_commands(self, node: str | None = None) -> list[CommandRecord]:
+        if node is None:
+            rows = self._query("SELECT * FROM commands WHERE done_at IS NULL ORDER BY created_at")
+        else:
+            rows = self._query(
+                "SELECT * FROM commands WHERE done_at IS NULL AND node = ? ORDER BY created_at",
+                (node,),
+            )
+        return [self._command(r) for r in rows]
+
+    def mark_delivered(self, command_ids: Sequence[str]) -> None:
+        with self.transaction() as c:
+            c.executemany(
+                "UPDATE commands SET delivered_at = ? WHERE id = ? AND delivered_at IS NULL",
+                [(self._now(), cid) for cid in command_ids],
+            )
+
+    def finish_command(self, command_id: str, *, ok: bool, result: str) -> bool:
+        with self.transaction() as c:
+            cur = c.execute(
+                "UPDATE commands SET done_at = ?, ok = ?, result = ?"
+                " WHERE id = ? AND done_at IS NULL",
+                (self._now(), int(ok), result, command_id),
+            )
+            return cur.rowcount == 1
+
+    # --- incidents --------------------------------------------------------------------------
+
+    @staticmethod
+    def _incident(row: sqlite3.Row) -> IncidentView:
+        return IncidentView(
+            id=row["id"],
+            rule=row["rule"],
+            target=row["target_key"],
+            target_text=row["target_text"],
+            severity=row["severity"],
+            state=row["state"],
+            opened_at=row["opened_at"],
+            updated_at=row["updated_at"],
+            resolved_at=row["resolved_at"],
+            summary=row["summary"],
+            node=row["node"],
+            job=row["job"],
+        )
+
+    def create_incident(
+        self,
+        *,
+        rule: str,
+        target_key: str,
+        target: dict[str, Any],
+        target_text: str,
+        severity: str,
+        summary: str,
+        node: str | None,
+        job: str | None,
+        ts: float,
+        timeline: Sequence[tuple[str, str, dict[str, Any]]],
+    ) -> int:
+        with self.transaction() as c:
+            cur = c.execute(
+                "INSERT INTO incidents (rule, target_key, target, target_text, severity, state,"
+                " summary, node, job, opened_at, updated_at) VALUES"
+                " (?, ?, ?, ?, ?, 'open', ?, ?, ?, ?, ?)",
+                (
+                    rule,
+                    target_key,
+                    _json(target),
+                    target_text,
+                    severity,
+                    summary,
+                    node,
+                    job,
+                    ts,
+                    ts,
+                ),
+            )
+            incident_id = int(cur.lastrowid or 0)
+            c.executemany(
+                "INSERT INTO incident_timeline (incident_id, ts, kind, message, data)"
+                " VALUES (?, ?, ?, ?, ?)",
+                [(incident_id, ts, k, m, _json(d)) for k, m, d in timeline],
+            )
+        return incident_id
+
+    def set_incident_state(
+        self,
+        incident_id: int,
+        state: str,
+        *,
+        ts: float,
+        kind: str,
+        message: str,
+        data: dict[str, Any] | None = None,
+    ) -> None:
+        with self.transaction() as c:
+            c.execute(
+                "UPDATE incidents SET state = ?, updated_at = ?,"
+                " resolved_at = CASE WHEN ? = 'resolved' THEN ? ELSE resolved_at END"
+                " WHERE id = ?",
+                (state, ts, state, ts, incident_id),
+            )
+            c.execute(
+                "INSERT INTO incident_timeline (incident_id, ts, kind, message, data)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (incident_id, ts, kind, message, _json(data or {})),
+            )
+
+    def add_timeline(
+        self,
+        incident_id: int,
+        *,
+        ts: float,
+        kind: str,
+        message: str,
+        data: dict[str, Any] | None = None,
+    ) -> None:
+        with self.transaction() as c:
+            c.execute(
+                "INSERT INTO incident_timeline (incident_id, ts, kind, message, data)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (incident_id, ts, kind, message, _json(data or {})),
+            )
+            c.execute("UPDATE incidents SET updated_at = ? WHERE id = ?", (ts, incident_id))
+
+    def get_incident(self, incident_id: int) -> IncidentView | None:
+        rows = self._query("SELECT * FROM incidents WHERE id = ?", (incident_id,))
+        return self._incident(rows[0]) if rows else None
+
+    def incident_target(self, incident_id: int) -> dict[str, Any]:
+        rows = self._query("SELECT target FROM incidents WHERE id = ?", (incident_id,))
+        return json.loads(rows[0][0]) if rows else {}
+
+    def list_incidents(
+        self, *, state: str | None = None, node: str | None = None, limit: int = 100
+    ) -> list[IncidentView]:
+        where, args = [], []
+        if state is not None:
+            where.append("state = ?")
+            args.append(state)
+        if node is not None:
+            where.append("node = ?")
+            args.append(node)
+        sql = "SELECT * FROM incidents"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY id DESC LIMIT ?"
+        return [self._incident(r) for r in self._query(sql, (*args, limit))]
+
+    def unresolved_incidents(self) -> list[IncidentView]:
+        rows = self._query("SELECT * FROM incidents WHERE state != 'resolved' ORDER BY id")
+        return [self._incident(r) for r in rows]
+
+    def last_incident(self, rule: str, target_key: str) -> IncidentView | None:
+        rows = self._query(
+            "SELECT * FROM incidents WHERE rule = ? AND target_key = ? ORDER BY id DESC LIMIT 1",
+            (rule, target_key),
+        )
+        return self._incident(rows[0]) if rows else None
+
+    def nodes_tripping_rule(self, rule: str, *, since: float) -> set[str]:
+        rows = self._query(
+            "SELECT DISTINCT node FROM incidents WHERE rule = ? AND opened_at >= ?"
+            " AND node IS NOT NULL",
+            (rule, since),
+        )
+        return {r[0] for r in rows}
+
+    def open_incident_counts(self) -> dict[str, int]:
+        """Unresolved incidents per node."""
+        rows = self._query(
+            "SELECT node, COUNT(*) FROM incidents WHERE state != 'resolved' AND node IS NOT NULL"
+            " GROUP BY node"
+        )
+        return {r[0]: int(r[1]) for r in rows}
+
+    def timeline(self, incident_id: int) -> list[TimelineEntry]:
+        rows = self._query(
+            "SELECT * FROM incident_timeline WHERE incident_id = ? ORDER BY id", (incident_id,)
+        )
+        return [
+            TimelineEntry(
+                ts=r["ts"], kind=r["kind"], message=r["message"], data=json.loads(r["data"])
+            )
+            for r in rows
+        ]
+
+    # --- actions ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _action(row: sqlite3.Row) -> ActionView:
+        return ActionView(
+            id=row["id"],
+            incident_id=row["incident_id"],
+            kind=row["kind"],
+            target=row["target"],
+            state=row["state"],
+            attempts=row["attempts"],
+            idempotency_key=row["idempotency_key"],
+            created_at=row["created_at"],
+            updated_at=row["updated_at"],
+            result=row["result"],
+            params=json.loads(row["params"]),
+        )
+
+    def add_actions(
+        self,
+        incident_id: int | None,
+        actions: Sequence[NewAction],
+        *,
+        ts: float,
+        timeline: Sequence[tuple[str, str, dict[str, Any]]] = (),
+    ) -> list[int]:
+        """Insert the intent rows (duplicates by idempotency key are ignored) plus timeline
+        notes, in one transaction. Returns the ids of the rows for these keys."""
+        ids: list[int] = []
+        with self.transaction() as c:
+            for a in actions:
+                c.execute(
+                    "INSERT OR IGNORE INTO actions (incident_id, seq, kind, target, params, state,"
+                    " idempotency_key, next_attempt_at, result, created_at, updated_at)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        incident_id,
+                        a.seq,
+                        a.kind,
+                        a.target,
+                        _json(a.params),
+                        a.state,
+                        a.idempotency_key,
+                        ts,
+                        a.result,
+                        ts,
+                        ts,
+                    ),
+                )
+                row = c.execute(
+                    "SELECT id FROM actions WHERE idempotency_key = ?", (a.idempotency_key,)
+                ).fetchone()
+                ids.append(int(row[0]))
+            if incident_id is not None:
+                c.executemany(
+                    "INSERT INTO incident_timeline (incident_id, ts, kind, message, data)"
+                    " VALUES (?, ?, ?, ?, ?)",
+                    [(incident_id, ts, k, m, _json(d)) for k, m, d in timeline],
+                )
+        return ids
+
+    def get_action(self, action_id: int) -> ActionView | None:
+        rows = self._query("SELECT * FROM actions WHERE id = ?", (action_id,))
+        return self._action(rows[0]) if rows else None
+
+    def action_output(self, action_id: int) -> dict[str, Any]:
+        rows = self._query("SELECT output FROM actions WHERE id = ?", (action_id,))
+        return json.loads(rows[0][0]) if rows else {}
+
+    def actions_for_incident(self, incident_id: int) -> list[ActionView]:
+        rows = self._query(
+            "SELECT * FROM actions WHERE incident_id = ? ORDER BY seq, id", (incident_id,)
+        )
+        return [self._action(r) for r in rows]
+
+    def open_actions(self) -> list[tuple[ActionView, float]]:
+        """Pending and running rows with their next_attempt_at, oldest first."""
+        rows = self._query(
+            "SELECT * FROM actions WHERE state IN ('pending', 'running') ORDER BY id"
+        )
+        return [(self._action(r), float(r["next_attempt_at"])) for r in rows]
+
+    def next_attempt_at(self, action_id: int) -> float:
+        rows = self._query("SELECT next_attempt_at FROM actions WHERE id = ?", (action_id,))
+        return float(rows[0][0])
+
+    def update_action(
+        self,
+        action_id: int,
+        *,
+        state: str,
+        ts: float,
+        result: str | None = None,
+        output: dict[str, Any] | None = None,
+        attempts_delta: int = 0,
+        next_attempt_at: float | None = None,
+        timeline: tuple[int, str, str, dict[str, Any]] | None = None,
+    ) -> None:
+        """Move one action row (and optionally add an incident timeline entry), atomically."""
+        sets = ["state = ?", "updated_at = ?", "attempts = attempts + ?"]
+        args: list[Any] = [state, ts, attempts_delta]
+        if result is not None:
+            sets.append("result = ?")
+            args.append(result)
+        if output is not None:
+            sets.append("output = ?")
+            args.append(_json(output))
+        if next_attempt_at is not None:
+            sets.append("next_attempt_at = ?")
+            args.append(next_attempt_at)
+        with self.transaction() as c:
+            c.execute(
+                f"UPDATE actions SET {', '.join(sets)} WHERE id = ?",  # noqa: S608
+                (*args, action_id),
+            )
+            if timeline is not None:
+                incident_id, kind, message, data = timeline
+                c.execute(
+                    "INSERT INTO incident_timeline (incident_id, ts, kind, message, data)"
+                    " VALUES (?, ?, ?, ?, ?)",
+                    (incident_id, ts, kind, message, _json(data)),
+                )
+                c.execute("UPDATE incidents SET updated_at = ? WHERE id = ?", (ts, incident_id))
+
+    def count_auto_drains(self, *, since: float) -> int:
+        """Automatic (incident-driven) drains that were not skipped/failed since `since`."""
+        rows = self._query(
+            "SELECT COUNT(*) FROM actions WHERE kind = 'drain' AND incident_id IS NOT NULL"
+            " AND state IN ('pending', 'running', 'succeeded') AND created_at >= ?",
+            (since,),
+        )
+        return int(rows[0][0])
+
+    # --- silences ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _silence(row: sqlite3.Row, now: float) -> SilenceView:
+        return SilenceView(
+            id=row["id"],
+            rule=row["rule"],
+            node=row["node"],
+            created_by=row["created_by"],
+            created_at=row["created_at"],
+            expires_at=row["expires_at"],
+            comment=row["comment"],
+            active=row["deleted_at"] is None and row["expires_at"] > now,
+        )
+
+    def add_silence(
+        self,
+        *,
+        rule: str | None,
+        node: str | None,
+        created_by: str,
+        created_at: float,
+        expires_at: float,
+        comment: str,
+    ) -> SilenceView:
+        with self.transaction() as c:
+            cur = c.execute(
+                "INSERT INTO silences (rule, node, created_by, created_at, expires_at, comment)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (rule, node, created_by, created_at, expires_at, comment),
+            )
+            silence_id = int(cur.lastrowid or 0)
+        rows = self._query("SELECT * FROM silences WHERE id = ?", (silence_id,))
+        return self._silence(rows[0], created_at)
+
+    def list_silences(self, *, now: float, include_expired: bool) -> list[SilenceView]:
+        rows = self._query("SELECT * FROM silences ORDER BY id")
+        out = [self._silence(r, now) for r in rows]
+        return out if include_expired else [s for s in out if s.active]
+
+    def delete_silence(self, silence_id: int, *, now: float) -> bool:
+        with self.transaction() as c:
+            cur = c.execute(
+                "UPDATE silences SET deleted_at = ? WHERE id = ? AND deleted_at IS NULL",
+                (now, silence_id),
+            )
+            return cur.rowcount == 1
+
+    # --- circuit breakers -------------------------------------------------------------------
+
+    def get_breaker(self, rule: str) -> tuple[float, int | None] | None:
+        rows = self._query("SELECT tripped_at, incident_id FROM breakers WHERE rule = ?", (rule,))
+        return (float(rows[0][0]), rows[0][1]) if rows else None
+
+    def trip_breaker(
+        self, rule: str, *, tripped_at: float, incident_id: int, nodes: Sequence[str]
+    ) -> None:
+        with self.transaction() as c:
+            c.execute(
+                "INSERT INTO breakers (rule, tripped_at, incident_id, nodes) VALUES (?, ?, ?, ?)"
+                " ON CONFLICT (rule) DO UPDATE SET tripped_at = excluded.tripped_at,"
+                " incident_id = excluded.incident_id, nodes = excluded.nodes",
+                (rule, tripped_at, incident_id, _json(sorted(nodes))),
+            )
+
+    # --- audit ------------------------------------------------------------------------------
+
+    def audit(
+        self, *, ts: float, actor: str, action: str, target: str, detail: dict[str, Any]
+    ) -> int:
+        with self.transaction() as c:
+            cur = c.execute(
+                "INSERT INTO audit_log (ts, actor, action, target, detail) VALUES (?, ?, ?, ?, ?)",
+                (ts, actor, action, target, _json(detail)),
+            )
+            return int(cur.lastrowid or 0)
+
+    def audit_log(self, *, limit: int = 100) -> list[AuditEntry]:
+        rows = self._query("SELECT * FROM audit_log ORDER BY id DESC LIMIT ?", (limit,))
+        return [
+            AuditEntry(
+                id=r["id"],
+                ts=r["ts"],
+                actor=r["actor"],
+                action=r["action"],
+                target=r["target"],
+                detail=json.loads(r["detail"]),
+            )
+            for r in rows
+        ]
+
+
+__all__ = [
+    "MIGRATIONS",
+    "SCHEMA_VERSION",
+    "TERMINAL_ACTION_STATES",
+    "CommandRecord",
+    "FreshNode",
+    "NewAction",
+    "NodeRecord",
+    "Store",
+    "StoreError",
+]
