@@ -1,0 +1,156 @@
+"""The rules engine: one pure tick from (rules, signals, now, memory) to Decisions.
+
+`evaluate` reads the SignalState (never mutates it), reads no clock and does no I/O. Per
+(rule, target) it emits "pending" while the condition has held for less than `for:`, "firing"
+on every tick once it has held that long, and "resolved" once when a pending or firing
+condition stops holding (or its target or rule disappears). Cooldowns, silences and
+deduplication belong to the incident layer.
+
+No action on stale data: for gpu, nvlink, ib_port and rank scopes, a target on a node whose
+last report is older than `stale_after_s` keeps its state (a pending one stays pending, a firing
+one keeps firing, nothing new starts and nothing resolves); node silence is the node rules' job.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from controller.model import Decision, Target
+from controller.rules.loader import Rule, RuleSet
+from controller.signals import EvalContext, SignalState, target_of
+
+__all__ = ["HELD_SCOPES", "EngineMemory", "MemoryEntry", "evaluate"]
+
+# Scopes whose data comes from one node's report, so a silent node freezes them.
+HELD_SCOPES = frozenset({"gpu", "nvlink", "ib_port", "rank"})
+
+
+@dataclass(frozen=True)
+class MemoryEntry:
+    """What the engine remembers about one (rule, target) whose condition held last tick."""
+
+    target: Target
+    since: float  # when the condition first held (unix s)
+    state: str  # "pending" | "firing"
+    severity: str
+    actions: tuple[str, ...]
+    summary: str
+    value: float | None
+    labels: Mapping[str, str]
+    cooldown_s: float
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """Immutable engine state between ticks: (rule name, target key) -> MemoryEntry."""
+
+    entries: Mapping[tuple[str, str], MemoryEntry] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+def evaluate(
+    *,
+    rules: RuleSet,
+    signals: SignalState,
+    now: float,
+    memory: EngineMemory,
+    stale_after_s: float = 10.0,
+) -> tuple[list[Decision], EngineMemory]:
+    """One tick: the Decisions for this instant and the memory for the next tick."""
+    decisions: list[Decision] = []
+    new: dict[tuple[str, str], MemoryEntry] = {}
+    old = memory.entries
+    fresh_after = now - stale_after_s
+    for rule in rules.rules:
+        ctx = EvalContext(signals, now=now, stale_after_s=stale_after_s)
+        held = rule.scope in HELD_SCOPES
+        test = rule.condition.compiled.test
+        for _ in signals.walk(rule.scope, ctx, fresh_after=fresh_after if held else None):
+            if not test(ctx):
+                continue
+            target = Target(*target_of(rule.scope, ctx))
+            key = (rule.name, target.key)
+            prev = old.get(key)
+            since = prev.since if prev is not None else now
+            state = "firing" if now - since >= rule.for_s else "pending"
+            value = _number(rule.condition.compiled.value(ctx))
+            entry = MemoryEntry(
+                target=target,
+                since=since,
+                state=state,
+                severity=rule.severity,
+                actions=rule.actions,
+                summary=_summary(rule, target, value),
+                value=value,
+                labels=rule.labels,
+                cooldown_s=rule.cooldown_s,
+            )
+            new[key] = entry
+            decisions.append(_decision(rule.name, entry, state))
+    for key, entry in old.items():
+        if key in new:
+            continue
+        rule_name = key[0]
+        target = entry.target
+        if (
+            target.scope in HELD_SCOPES
+            and rules.get(rule_name) is not None
+            and _node_silent(signals, target, fresh_after)
+        ):
+            new[key] = entry
+            decisions.append(_decision(rule_name, entry, entry.state))
+            continue
+        decisions.append(_decision(rule_name, entry, "resolved"))
+    return decisions, EngineMemory(MappingProxyType(new))
+
+
+def _node_silent(signals: SignalState, target: Target, fresh_after: float) -> bool:
+    node = target.node
+    if target.scope == "rank" and target.job is not None and target.rank is not None:
+        node = signals.rank_node(target.job, target.rank) or node
+    if node is None:
+        return False
+    t = signals.last_report_at(node)
+    # A node the controller no longer knows (forgotten) is gone, not silent: resolve.
+    return t is not None and t < fresh_after
+
+
+def _decision(rule: str, e: MemoryEntry, state: Any) -> Decision:
+    return Decision(
+        rule=rule,
+        target=e.target,
+        state=state,
+        severity=e.severity,  # type: ignore[arg-type]
+        actions=e.actions,
+        summary=e.summary,
+        value=e.value,
+        since=e.since,
+        labels=dict(e.labels),
+        cooldown_s=e.cooldown_s,
+    )
+
+
+def _number(v: Any) -> float | None:
+    if v is None or isinstance(v, str):
+        return None
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _summary(rule: Rule, target: Target, value: float | None) -> str:
+    text = f"{target.describe()}: {rule.summary}"
+    if value is None:
+        return text
+    if math.isfinite(value) and value == int(value):
+        return f"{text} (value {int(value)})"
+    return f"{text} (value {value:.4g})"
