@@ -652,10 +652,7 @@ class JobRunner:
     def processes(self) -> tuple[JobProcess, ...]:
         """The state of every job this node runs (and recently ran), for the report."""
         with self._lock:
-            jobs = list(self._jobs.values())
-        out = []
-        for j in jobs:
-            out.append(
+            out = [
                 JobProcess(
                     job=j.spec.job,
                     attempt=j.spec.attempt,
@@ -664,7 +661,8 @@ class JobRunner:
                     exit_code=j.exit_code if j.state == "exited" else None,
                     output_tail=j.reader.tail(),
                 )
-            )
+                for j in self._jobs.values()
+            ]
         return tuple(out)
 
     def log_path(self, job: str) -> Path | None:

@@ -200,3 +200,21 @@ def test_workers_orphaned_by_a_killed_launcher_are_ended(tmp_path: Path) -> None
         runner.close(grace_s=1)
     assert event.exit_code == -signal.SIGKILL
     assert event.data["stopped"] is False
+
+
+def test_stop_lets_a_job_that_honours_sigterm_exit_within_grace(tmp_path: Path) -> None:
+    runner = make_runner(tmp_path, "node-a")
+    job = spec("polite", [str(FIXTURES / "sleeper.py"), "--on-sigterm", "exit"])
+    try:
+        runner.start(job)
+        worker = ready_pid(runner, "polite")
+        (proc,) = runner.processes()
+        runner.stop("polite", grace_s=60.0)
+        event = wait_exit(runner, "polite")
+    finally:
+        runner.close(grace_s=1)
+    assert event.data["stopped"] is True
+    assert event.data["killed"] is False, event.message
+    assert "got SIGTERM" in (tmp_path / "node-a" / "polite-1.log").read_text()
+    assert not alive(worker)
+    wait_for("launcher's process group gone", lambda: group_gone(proc.pid or 0), timeout_s=10)
