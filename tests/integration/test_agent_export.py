@@ -1,0 +1,122 @@
+"""A real `trainguard-agent` process (sim backend, export-only): /metrics, promtool, local
+fault injection, trainer heartbeats, clean shutdown."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from agent_proc import AgentProcess, cleanup, sample_value, short_tmpdir, wait_until
+
+from agent.protocol import Heartbeat, encode_json
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def agent() -> Iterator[AgentProcess]:
+    workdir = short_tmpdir()
+    proc = AgentProcess(workdir)
+    yield proc
+    proc.kill()
+    cleanup(workdir)
+
+
+def test_quickstart_exports_every_hardware_family_and_passes_promtool(
+    agent: AgentProcess,
+) -> None:
+    body = agent.metrics()
+    for gpu in range(8):
+        g = str(gpu)
+        assert sample_value(body, "trainguard_gpu_temperature_celsius", gpu=g) is not None
+        assert sample_value(body, "trainguard_nvlink_up", gpu=g, link="17") == 1
+        ecc = {"type": "uncorrected", "scope": "volatile"}
+        assert sample_value(body, "trainguard_gpu_ecc_errors_total", gpu=g, **ecc) == 0
+    for port in range(8):
+        assert sample_value(body, "trainguard_ib_port_up", device=f"mlx5_{port}", port="1") == 1
+        assert sample_value(body, "trainguard_ib_port_data_bytes_total", device=f"mlx5_{port}")
+    assert "# TYPE trainguard_gpu_xid_errors_total counter" in body
+    assert sample_value(body, "trainguard_agent_info", node="node-1") == 1
+    assert httpx.get(f"{agent.url}/healthz", timeout=5).text.strip() == "ok"
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("promtool is required in CI (Debian package 'prometheus')")
+        pytest.skip("promtool not installed")
+    check = subprocess.run(
+        [promtool, "check", "metrics"], input=body, capture_output=True, text=True, timeout=30,
+        check=False,
+    )  # fmt: skip
+    assert check.returncode == 0 and not check.stdout.strip(), check.stdout + check.stderr
+
+
+def test_inject_subcommand_makes_the_fault_visible_on_metrics(agent: AgentProcess) -> None:
+    done = agent.inject("dbe", "--gpu", "2")
+    assert done.returncode == 0, done.stderr
+    wait_until(
+        lambda: (
+            sample_value(agent.metrics(), "trainguard_gpu_xid_errors_total", gpu="2", xid="48") == 1
+        ),
+        what="XID 48 on gpu 2",
+    )
+    body = agent.metrics()
+    assert (
+        sample_value(
+            body, "trainguard_gpu_ecc_errors_total", gpu="2", type="uncorrected", scope="volatile"
+        )
+        == 1
+    )
+    assert sample_value(body, "trainguard_gpu_remap_pending", gpu="2") == 1
+    assert sample_value(body, "trainguard_gpu_remap_pending", gpu="1") == 0
+    assert "event=fault_injected kind=dbe gpu=2" in agent.log()
+
+    assert agent.inject("ib_down", "--device", "mlx5_3").returncode == 0
+    wait_until(
+        lambda: sample_value(agent.metrics(), "trainguard_ib_port_up", device="mlx5_3") == 0,
+        what="mlx5_3 down",
+    )
+
+
+def test_inject_of_missing_hardware_fails_with_the_agents_reason(agent: AgentProcess) -> None:
+    done = agent.inject("dbe", "--gpu", "9")
+    assert done.returncode == 1
+    assert "400" in done.stderr and "gpu: no GPU 9" in done.stderr
+
+
+def test_fault_endpoint_rejects_bad_bodies_clearly(agent: AgentProcess) -> None:
+    r = httpx.post(f"{agent.url}/v1/faults", json={"kind": "meltdown"}, timeout=5)
+    assert r.status_code == 400 and r.json()["detail"].startswith("kind:")
+    r = httpx.post(f"{agent.url}/v1/faults", content=b"{", timeout=5)
+    assert r.status_code == 400 and "invalid JSON" in r.json()["detail"]
+
+
+def test_trainer_heartbeats_become_metrics_and_shutdown_removes_the_socket(
+    agent: AgentProcess,
+) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        for rank in range(2):
+            hb = Heartbeat(job="job-a", rank=rank, step=100 + rank, t=0.0, loss=1.5, ckpt_step=90)
+            s.sendto(encode_json(hb), str(agent.socket_path))
+        s.sendto(b"garbage", str(agent.socket_path))
+    wait_until(
+        lambda: (
+            sample_value(agent.metrics(), "trainguard_trainer_step", job="job-a", rank="1") == 101
+        ),
+        what="rank 1 step on /metrics",
+    )
+    body = agent.metrics()
+    assert sample_value(body, "trainguard_trainer_checkpoint_step", job="job-a", rank="0") == 90
+    assert sample_value(body, "trainguard_trainer_heartbeat_age_seconds", rank="0") is not None
+    assert sample_value(body, "trainguard_agent_heartbeats_received_total") == 2
+    assert sample_value(body, "trainguard_agent_heartbeats_dropped_total", reason="malformed") == 1
+
+    assert agent.terminate() == 0
+    assert not Path(agent.socket_path).exists()
+    assert "event=agent_stopped" in agent.log()
