@@ -697,6 +697,9 @@ class JobRunner:
             self._signal(j, signal.SIGKILL, quiet=True)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 j.proc.wait(timeout=5.0)
+        if alive:
+            with self._lock:
+                self._pending.extend(self.poll())
 
     # -- internals --------------------------------------------------------------------------
 
