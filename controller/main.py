@@ -1,0 +1,209 @@
+"""trainguard-controller: load the config, start the Controller, serve the API with uvicorn.
+
+SIGHUP reloads the rules (a bad file is logged and the running rules stay); SIGTERM/SIGINT
+stop serving, then stop the controller (threads joined, store flushed and closed).
+Exit codes: 0 clean stop, 1 runtime failure, 2 bad configuration or usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from types import FrameType
+from typing import Any
+
+log = logging.getLogger("trainguard.controller.main")
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_CONFIG = 2
+
+
+class _KeyValueFormatter(logging.Formatter):
+    """One line per event: `ts=... level=... logger=... <message key=value ...>`."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        line = f"ts={ts}.{int(record.msecs):03d}Z level={record.levelname.lower()} "
+        line += f"logger={record.name} {record.getMessage()}"
+        if record.exc_info:
+            # exception type only: messages can carry request data, tracebacks stay in debug
+            exc = record.exc_info[1]
+            line += f" exc={type(exc).__name__}"
+            if log.isEnabledFor(logging.DEBUG):
+                line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def _setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_KeyValueFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="trainguard-controller",
+        description="trainguard controller: rules, incidents, actions and the REST API",
+    )
+    p.add_argument(
+        "--config", default=None, help="config file (default /etc/trainguard/controller.yaml)"
+    )
+    p.add_argument("--host", default=None, help="API listen address (overrides api.host)")
+    p.add_argument("--port", type=int, default=None, help="API port; 0 = a free port")
+    p.add_argument("--db", default=None, help="SQLite store path (overrides store.path)")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="record decisions and intended actions, execute nothing (safety.dry_run)",
+    )
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=None)
+    return p.parse_args(argv)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(addr)
+    sock.set_inheritable(True)
+    return sock
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse_args(argv)
+    _setup_logging(args.log_level or "info")
+
+    from agent.strict import ConfigError  # noqa: PLC0415
+    from controller.auth import load_tokens  # noqa: PLC0415
+    from controller.config import load_config  # noqa: PLC0415
+
+    overrides: dict[str, Any] = {
+        "api.host": args.host,
+        "api.port": args.port,
+        "store.path": args.db,
+        "safety.dry_run": True if args.dry_run else None,
+    }
+    try:
+        config = load_config(args.config, overrides=overrides)
+        tokens = load_tokens(config.api.tokens_file)
+    except ConfigError as e:
+        print(f"trainguard-controller: bad configuration: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.log_level is None:
+        logging.getLogger().setLevel(config.log.level.upper())
+    if len(tokens) == 0:
+        log.warning(
+            "event=no_tokens tokens_file=%s detail=every_request_is_401", config.api.tokens_file
+        )
+
+    from controller.core import Controller  # noqa: PLC0415
+
+    try:
+        controller = Controller(config)
+    except ConfigError as e:
+        print(f"trainguard-controller: bad configuration: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        sock = _bind(config.api.host, config.api.port)
+    except OSError as e:
+        print(
+            f"trainguard-controller: cannot listen on {config.api.host}:{config.api.port}: "
+            f"{e.strerror or e}",
+            file=sys.stderr,
+        )
+        controller.stop()
+        return EXIT_FAILURE
+    return _serve(controller, config, tokens, sock)
+
+
+def _serve(controller: Any, config: Any, tokens: Any, sock: socket.socket) -> int:
+    import uvicorn  # noqa: PLC0415
+
+    from agent.systemd import SystemdNotifier  # noqa: PLC0415
+    from controller.api import create_app  # noqa: PLC0415
+
+    app = create_app(
+        controller,
+        tokens=tokens,
+        max_body_bytes=config.api.max_body_bytes,
+        metrics_registry=controller.metrics.registry,
+        report_latency=controller.metrics.report_ingest_seconds,
+    )
+    uv_config = uvicorn.Config(
+        app,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        ssl_certfile=config.api.tls_cert_file,
+        ssl_keyfile=config.api.tls_key_file,
+        timeout_keep_alive=75,  # agents keep one connection and post every second
+    )
+    server = uvicorn.Server(uv_config)
+    notifier = SystemdNotifier()
+
+    def reload_rules() -> None:
+        from controller.errors import ServiceError  # noqa: PLC0415
+
+        try:
+            count = controller.reload_rules(actor="sighup")
+        except ServiceError as e:
+            log.error("event=sighup_reload_failed detail=%s", str(e).replace("\n", " "))
+            return
+        log.info("event=sighup_reload rules=%d", count)
+
+    def on_hup(signum: int, frame: FrameType | None) -> None:
+        # work off the signal handler: reloading reads files and takes the controller lock
+        threading.Thread(target=reload_rules, name="trainguard-reload", daemon=True).start()
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        # uvicorn swaps in its own handlers while serving and re-raises the signal after a
+        # graceful shutdown; this handler is what it then finds, so the process does not die
+        # before the controller is stopped
+        log.info("event=signal signal=%s", signal.Signals(signum).name)
+        server.should_exit = True
+
+    signal.signal(signal.SIGHUP, on_hup)
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+
+    async def run() -> None:
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.01)
+        if server.started:
+            host, port = sock.getsockname()[:2]
+            scheme = "https" if config.api.tls_cert_file else "http"
+            log.info("event=api_listening url=%s://%s:%d", scheme, host, port)
+            notifier.ready(status=f"serving on {host}:{port}")
+        await task
+
+    controller.start()
+    code = EXIT_OK
+    try:
+        asyncio.run(run())
+    except Exception:
+        log.exception("event=server_failed")
+        code = EXIT_FAILURE
+    finally:
+        notifier.stopping()
+        controller.stop()
+        sock.close()
+        notifier.close()
+    if code == EXIT_OK and not server.started:
+        code = EXIT_FAILURE
+    log.info("event=controller_exit code=%d", code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

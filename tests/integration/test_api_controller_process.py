@@ -1,0 +1,187 @@
+"""trainguard-controller as a real process: config errors, serving, SIGHUP reload, SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agent.model import GpuSample
+from agent.protocol import Report, encode_json
+from controller.auth import hash_token
+
+BIN = Path(sys.executable).parent
+RULE = """
+rules:
+  - name: gpu_dbe
+    scope: gpu
+    condition: ecc_uncorrected_volatile_total > 0
+    severity: critical
+    summary: uncorrectable ECC error
+    actions: [notify]
+"""
+OP = {"Authorization": "Bearer op-token"}
+AGENT = {"Authorization": "Bearer agent-token"}
+
+
+def wait_for(cond: Callable[[], bool], *, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def write_config(tmp_path: Path) -> Path:
+    (tmp_path / "rules.yaml").write_text(RULE)
+    (tmp_path / "tokens.yaml").write_text(
+        "tokens:\n"
+        f'  - {{name: ops-alice, role: operator, sha256: "{hash_token("op-token")}"}}\n'
+        f'  - {{name: agents, role: agent, sha256: "{hash_token("agent-token")}"}}\n'
+    )
+    cfg = tmp_path / "controller.yaml"
+    cfg.write_text(
+        f"store: {{path: {tmp_path / 'c.db'}}}\n"
+        f"rules: [{tmp_path / 'rules.yaml'}]\n"
+        f"api: {{host: 127.0.0.1, port: 0, tokens_file: {tmp_path / 'tokens.yaml'}}}\n"
+    )
+    return cfg
+
+
+@dataclass
+class Proc:
+    popen: subprocess.Popen[str]
+    log: Path
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    @property
+    def url(self) -> str:
+        m = re.search(r"event=api_listening url=(\S+)", self.text())
+        assert m, self.text()
+        return m.group(1)
+
+
+@pytest.fixture
+def controller(tmp_path: Path) -> Iterator[Proc]:
+    cfg = write_config(tmp_path)
+    log = tmp_path / "controller.log"
+    with log.open("w") as f:
+        popen = subprocess.Popen(
+            [str(BIN / "trainguard-controller"), "--config", str(cfg)],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    proc = Proc(popen, log)
+    try:
+        wait_for(
+            lambda: "event=api_listening" in proc.text() or popen.poll() is not None,
+            timeout_s=30,
+            what="the controller to listen",
+        )
+        assert popen.poll() is None, proc.text()
+        yield proc
+    finally:
+        if popen.poll() is None:
+            popen.kill()
+            popen.wait(timeout=10)
+
+
+@pytest.mark.slow
+def test_controller_serves_reports_reloads_on_sighup_and_stops_on_sigterm(
+    controller: Proc, tmp_path: Path
+) -> None:
+    gpu = GpuSample(index=0, uuid="GPU-0", pci_bus_id="0000:18:00.0", name="H100")
+    report = Report(node="node-7", instance="i1", seq=1, sent_at=time.time(), gpus=(gpu,))
+    with httpx.Client(base_url=controller.url, timeout=10) as c:
+        r = c.post("/v1/reports", content=encode_json(report), headers=AGENT)
+        assert r.status_code == 200, r.text
+        assert r.json()["ack_event_id"] == 0
+        nodes = c.get("/v1/nodes", headers=OP).json()
+        assert [n["name"] for n in nodes] == ["node-7"]
+        assert c.get("/healthz").json() == {"status": "ok"}
+        assert "trainguard_controller_report_ingest_seconds_count" in c.get("/metrics").text
+
+        # a broken rule file: the reload fails, is logged, and the old rule keeps running
+        (tmp_path / "rules.yaml").write_text(RULE.replace("> 0", "> > 0"))
+        controller.popen.send_signal(signal.SIGHUP)
+        wait_for(
+            lambda: "event=sighup_reload_failed" in controller.text(),
+            timeout_s=15,
+            what="the failed reload to be logged",
+        )
+        second = RULE.replace("gpu_dbe", "gpu_dbe_2").replace("rules:\n", "")
+        (tmp_path / "rules.yaml").write_text(RULE + second)
+        controller.popen.send_signal(signal.SIGHUP)
+        wait_for(
+            lambda: "event=sighup_reload rules=2" in controller.text(),
+            timeout_s=15,
+            what="the good reload to be logged",
+        )
+        audit = c.get("/v1/audit", headers=OP).json()
+        assert any(a["action"] == "reload_rules" and a["actor"] == "sighup" for a in audit)
+
+    controller.popen.send_signal(signal.SIGTERM)
+    assert controller.popen.wait(timeout=30) == 0, controller.text()
+    text = controller.text()
+    assert "event=controller_stopped" in text
+    assert "op-token" not in text
+    assert "agent-token" not in text
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        pytest.param("api: {prot: 1}\n", "api.prot", id="unknown-key"),
+        pytest.param("api: {port: 70000}\n", "api.port", id="bad-port"),
+        pytest.param(
+            "api: {tokens_file: /nonexistent/tokens.yaml}\n", "file not found", id="no-tokens-file"
+        ),
+    ],
+)
+def test_bad_config_exits_2_with_the_reason(tmp_path: Path, content: str, needle: str) -> None:
+    cfg = tmp_path / "controller.yaml"
+    cfg.write_text(f"store: {{path: {tmp_path / 'c.db'}}}\n" + content)
+    r = subprocess.run(
+        [str(BIN / "trainguard-controller"), "--config", str(cfg)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr
+
+
+def test_systemd_unit_verifies(tmp_path: Path) -> None:
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("systemd-analyze is required in CI (Debian package systemd)")
+        pytest.skip("systemd-analyze not installed")
+    unit = Path(__file__).parents[2] / "systemd" / "trainguard-controller.service"
+    text = unit.read_text()
+    assert "Type=notify" in text
+    assert "Restart=always" in text
+    # verify needs ExecStart to exist: point it at this environment's console script
+    local = tmp_path / unit.name
+    local.write_text(
+        text.replace("/usr/local/bin/trainguard-controller", str(BIN / "trainguard-controller"))
+    )
+    r = subprocess.run(
+        [analyze, "verify", str(local)], check=False, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip() == "", r.stderr
