@@ -1,0 +1,69 @@
+"""TRAINGUARD_CHAOS parsing: valid specs become rules, bad ones fail naming the rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.trainer.chaos import ChaosRule, ChaosSpecError, parse_chaos
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("", ()),
+        ("slow=0.2@rank1", (ChaosRule(kind="slow", rank=1, fraction=0.2),)),
+        ("slow=0.5", (ChaosRule(kind="slow", fraction=0.5),)),
+        ("hang@step30:rank2", (ChaosRule(kind="hang", step=30, rank=2),)),
+        ("raise@step25", (ChaosRule(kind="raise", step=25),)),
+        ("nan@step17", (ChaosRule(kind="nan", step=17),)),
+        ("nan@rank0:step3", (ChaosRule(kind="nan", step=3, rank=0),)),
+        ("pause_write@step20", (ChaosRule(kind="pause_write", step=20),)),
+        (
+            " nan@step17 , slow=0.1@rank0 ",
+            (ChaosRule(kind="nan", step=17), ChaosRule(kind="slow", rank=0, fraction=0.1)),
+        ),
+    ],
+    ids=["empty", "slow-rank", "slow-all", "hang", "raise", "nan", "rank-first", "pause", "two"],
+)
+def test_valid_specs_parse_to_rules(spec: str, expected: tuple[ChaosRule, ...]) -> None:
+    assert parse_chaos(spec) == expected
+
+
+@pytest.mark.parametrize(
+    ("spec", "needle"),
+    [
+        ("explode@step3", "unknown kind 'explode'"),
+        ("nan", "nan needs @stepK"),
+        ("hang@rank1", "hang needs @stepK"),
+        ("slow@rank1", "slow needs a fraction"),
+        ("slow=fast", "not a number"),
+        ("slow=0", "must be in (0, 100]"),
+        ("nan=3@step2", "nan takes no value"),
+        ("nan@step2:step3", "step given twice"),
+        ("nan@stepX", "expected KIND"),
+    ],
+    ids=[
+        "unknown",
+        "nan-no-step",
+        "hang-no-step",
+        "slow-no-value",
+        "slow-nan",
+        "slow-zero",
+        "value-on-nan",
+        "two-steps",
+        "garbage-scope",
+    ],
+)
+def test_bad_specs_fail_naming_the_rule(spec: str, needle: str) -> None:
+    with pytest.raises(ChaosSpecError) as e:
+        parse_chaos(spec)
+    assert needle in str(e.value)
+    assert spec.split(",", maxsplit=1)[0].strip() in str(e.value)
+
+
+def test_rule_scope_matches_step_and_rank() -> None:
+    rule = ChaosRule(kind="hang", step=30, rank=2)
+    assert rule.applies(step=30, rank=2)
+    assert not rule.applies(step=30, rank=1)
+    assert not rule.applies(step=29, rank=2)
+    assert ChaosRule(kind="slow", fraction=0.2).applies(step=7, rank=5)
