@@ -133,13 +133,14 @@ class _Schemas:
     def __init__(self) -> None:
         self.components: dict[str, Any] = {"Error": _ERROR_SCHEMA}
 
-    def ref(self, cls: type) -> dict[str, Any]:
-        name = cls.__name__
-        if name not in self.components:
-            schema, defs = json_schema(cls, ref_template=_REF)
-            self.components.update(defs)
-            self.components[name] = schema
-        return {"$ref": _REF.format(model=name)}
+    def ref(self, cls: type, *, output: bool = True) -> dict[str, Any]:
+        """A $ref to `cls`: as a response (`output`, what to_wire writes) or a request body."""
+        schema, defs = json_schema(cls, ref_template=_REF, output=output)
+        for name, value in [*defs.items(), (cls.__name__, schema)]:
+            known = self.components.setdefault(name, value)
+            if known != value:
+                raise ValueError(f"schema {name} is both a request and a response shape")
+        return {"$ref": _REF.format(model=cls.__name__)}
 
     def array(self, cls: type) -> dict[str, Any]:
         return {"type": "array", "items": self.ref(cls)}
@@ -235,7 +236,9 @@ def create_app(
             raise _invalid(e) from None
 
     def request_body(cls: type) -> dict[str, Any]:
-        return {"requestBody": {"required": True, "content": _content(schemas.ref(cls))}}
+        return {
+            "requestBody": {"required": True, "content": _content(schemas.ref(cls, output=False))}
+        }
 
     def call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return fn(*args, **kwargs)

@@ -210,19 +210,39 @@ def decoder(cls: type[T]) -> WireDecoder[T]:
     return typing.cast(WireDecoder[T], found)
 
 
+def _nullable(schema: Any) -> bool:
+    while schema["type"] == "default":
+        schema = schema["schema"]
+    return bool(schema["type"] == "nullable")
+
+
 class _WireJsonSchema(GenerateJsonSchema):
+    output = False
+
     def dataclass_args_schema(self, schema: cs.DataclassArgsSchema) -> dict[str, Any]:
         out = super().dataclass_args_schema(schema)
         out["additionalProperties"] = False  # every message forbids unknown keys
+        if self.output:
+            # to_wire drops None fields and writes every other one, defaults included
+            required = [f["name"] for f in schema["fields"] if not _nullable(f["schema"])]
+            out.pop("required", None)
+            if required:
+                out["required"] = required
         return out
 
 
+class _WireOutputJsonSchema(_WireJsonSchema):
+    output = True
+
+
 def json_schema(
-    cls: type, *, ref_template: str = "#/components/schemas/{model}"
+    cls: type, *, ref_template: str = "#/components/schemas/{model}", output: bool = False
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(schema, definitions) of `cls` as published in OpenAPI; definitions are keyed by
-    class name and referenced through `ref_template`."""
-    gen = _WireJsonSchema(ref_template=ref_template)
+    class name and referenced through `ref_template`. `output`: describe what `to_wire`
+    writes (None fields absent, all others present) instead of what `from_wire` accepts."""
+    gen_cls = _WireOutputJsonSchema if output else _WireJsonSchema
+    gen = gen_cls(ref_template=ref_template)
     schema = gen.generate(wire_schema(cls), mode="validation")
     defs = schema.pop("$defs", {})
     version = schema.get("properties", {}).get("v")
