@@ -144,6 +144,10 @@ def _convert(tp: Any, value: Any, source: str, key: str) -> Any:
     if origin is Union or origin is types.UnionType:
         if value is None and type(None) in args:
             return None
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:
+            # Optional[X]: X's own error keeps its full dotted key (e.g. a.b.c, not a)
+            return _convert(options[0], value, source, key)
         errors = []
         for arg in args:
             if arg is type(None):

@@ -113,8 +113,18 @@ class ActionRunner:
         due = [at for _, at in self._store.open_actions()]
         return min(due) if due else None
 
-    def run_due(self, *, now: float) -> int:
-        """Run every step that is due now and not waiting on an earlier step."""
+    def run_due(self, *, now: float, max_passes: int = 10) -> int:
+        """Run every step that is due now and not waiting on an earlier step; passes repeat
+        (bounded) while steps ran, so rows they added (escalations) are not left waiting."""
+        total = 0
+        for _ in range(max_passes):
+            ran = self._pass(now=now)
+            total += ran
+            if ran == 0:
+                break
+        return total
+
+    def _pass(self, *, now: float) -> int:
         with self._pass_lock:
             open_rows = self._store.open_actions()
             due_at = {a.id: at for a, at in open_rows}

@@ -1,0 +1,75 @@
+"""Controller config: defaults, strictness (file, key, reason), invariants, the example."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agent.strict import ConfigError
+from controller.config import load_config
+
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "controller.yaml"
+
+
+def _write(tmp_path, text: str) -> str:
+    p = tmp_path / "controller.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_defaults_are_sane(tmp_path):
+    config = load_config(_write(tmp_path, "{}"))
+    assert (config.api.host, config.api.port, config.tick_interval_s) == ("127.0.0.1", 8800, 1.0)
+    assert config.api.max_body_bytes == 4 * 1024 * 1024
+    assert config.rules and config.notify.webhooks == []
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "reason"),
+    [
+        ("tick_intervall_s: 1", "tick_intervall_s", "did you mean 'tick_interval_s'"),
+        ("api: {port: 70000}", "api.port", "0..65535"),
+        ("api: {tls_cert_file: /x}", "api.tls_key_file", "go together"),
+        ("stale_after_s: 0.5", "stale_after_s", "must exceed tick_interval_s"),
+        ("safety: {breaker_threshold: 0}", "safety.breaker_threshold", ">= 1"),
+        ("actions: {backoff_initial_s: 10, backoff_max_s: 1}", "actions.backoff_max_s", ">="),
+        (
+            "notify: {slack: {webhook_url: {file: a, env: B}}}",
+            "notify.slack.webhook_url.file",
+            "exactly one",
+        ),
+        ("notify: {webhooks: [{name: slack, url: 'http://x'}]}", "notify.webhooks", "reserved"),
+        ("notify: {webhooks: [{name: a, url: 'ftp://x'}]}", "notify.webhooks[0].url", "http"),
+        ("rules: []", "rules", "at least one"),
+    ],
+    ids=[
+        "typo",
+        "port",
+        "tls-pair",
+        "stale-vs-tick",
+        "breaker",
+        "backoff",
+        "secret-both",
+        "reserved-name",
+        "webhook-url",
+        "no-rules",
+    ],
+)
+def test_bad_config_names_file_key_and_reason(tmp_path, text, key, reason):
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.source == path
+    assert info.value.key == key
+    assert reason in info.value.reason
+
+
+def test_overrides_apply_over_the_file(tmp_path):
+    config = load_config(_write(tmp_path, "api: {port: 9000}"), overrides={"api.port": 0})
+    assert config.api.port == 0
+
+
+def test_documented_example_loads():
+    config = load_config(str(EXAMPLE))
+    assert config.safety.drain_budget >= 1

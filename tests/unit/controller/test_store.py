@@ -1,0 +1,143 @@
+"""Store: schema versioning and migrations, WAL, uniqueness guarantees, silences, audit."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+import controller.store as store_mod
+from controller.store import SCHEMA_VERSION, NewAction, Store, StoreError
+
+
+def _now() -> float:
+    return 1000.0
+
+
+def test_new_store_is_at_current_schema_in_wal_mode(tmp_path):
+    s = Store(tmp_path / "c.db", now=_now)
+    assert s.schema_version() == SCHEMA_VERSION
+    mode = sqlite3.connect(tmp_path / "c.db").execute("PRAGMA journal_mode").fetchone()[0]
+    assert mode == "wal"
+
+
+def test_reopening_keeps_data(tmp_path):
+    s = Store(tmp_path / "c.db", now=_now)
+    s.add_node("n1", role="spare", labels={"rack": "r1"})
+    s.close()
+    again = Store(tmp_path / "c.db", now=_now)
+    node = again.get_node("n1")
+    assert (node.role, node.labels) == ("spare", {"rack": "r1"})
+
+
+def test_older_file_is_migrated_forward_in_order(tmp_path, monkeypatch):
+    path = tmp_path / "c.db"
+    Store(path, now=_now).close()  # version 1
+    applied = []
+
+    def migration_2(c: sqlite3.Connection) -> None:
+        applied.append(2)
+        c.execute("ALTER TABLE jobs ADD COLUMN min_nodes INTEGER NOT NULL DEFAULT 1")
+
+    monkeypatch.setattr(store_mod, "MIGRATIONS", (*store_mod.MIGRATIONS, migration_2))
+    monkeypatch.setattr(store_mod, "SCHEMA_VERSION", 2)
+    s = Store(path, now=_now)
+    assert applied == [2] and s.schema_version() == 2
+    s.upsert_job("job-a", state="running", nodes=["n1"])
+    s.close()
+    assert applied == [2]  # not applied twice
+    assert Store(path, now=_now).schema_version() == 2
+
+
+def test_failed_migration_leaves_the_file_at_its_old_version(tmp_path, monkeypatch):
+    path = tmp_path / "c.db"
+    Store(path, now=_now).close()
+
+    def broken(c: sqlite3.Connection) -> None:
+        c.execute("ALTER TABLE jobs ADD COLUMN x INTEGER")
+        c.execute("THIS IS NOT SQL")
+
+    monkeypatch.setattr(store_mod, "MIGRATIONS", (*store_mod.MIGRATIONS, broken))
+    monkeypatch.setattr(store_mod, "SCHEMA_VERSION", 2)
+    with pytest.raises(StoreError):
+        Store(path, now=_now)
+    monkeypatch.undo()
+    s = Store(path, now=_now)
+    assert s.schema_version() == 1
+    cols = [r[1] for r in s._query("PRAGMA table_info(jobs)")]
+    assert "x" not in cols
+
+
+def test_newer_schema_than_known_is_a_clear_error(tmp_path):
+    path = tmp_path / "c.db"
+    Store(path, now=_now).close()
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE schema_version SET version = 99")
+    conn.commit()
+    conn.close()
+    with pytest.raises(StoreError, match="schema version 99 is newer"):
+        Store(path, now=_now)
+
+
+def test_a_file_that_is_not_sqlite_is_a_clear_error(tmp_path):
+    path = tmp_path / "c.db"
+    path.write_bytes(b"this is not a database" * 100)
+    with pytest.raises(StoreError, match="not a usable trainguard store"):
+        Store(path, now=_now)
+
+
+def test_only_one_unresolved_incident_per_rule_and_target(tmp_path):
+    s = Store(tmp_path / "c.db", now=_now)
+    kw = dict(
+        rule="r",
+        target_key="node:n1",
+        target={"scope": "node", "node": "n1"},
+        target_text="n1",
+        severity="critical",
+        summary="",
+        node="n1",
+        job=None,
+        ts=1.0,
+        timeline=[],
+    )
+    first = s.create_incident(**kw)
+    with pytest.raises(sqlite3.IntegrityError):
+        s.create_incident(**kw)
+    s.set_incident_state(first, "resolved", ts=2.0, kind="resolved", message="ok")
+    assert s.create_incident(**kw) != first
+
+
+def test_action_idempotency_key_is_unique(tmp_path):
+    s = Store(tmp_path / "c.db", now=_now)
+    a = NewAction(kind="drain", target="n1", idempotency_key="k1")
+    (first,) = s.add_actions(None, [a], ts=1.0)
+    (second,) = s.add_actions(None, [a], ts=2.0)
+    assert first == second
+    assert len(s.open_actions()) == 1
+
+
+def test_duplicate_events_are_ignored_by_the_unique_constraint(tmp_path):
+    s = Store(tmp_path / "c.db", now=_now)
+    rows = [(1, "xid", 1.0, {"id": 1}), (2, "xid", 2.0, {"id": 2})]
+    s.insert_events("n1", "i", rows)
+    s.insert_events("n1", "i", rows)
+    assert s.count_events("n1") == 2 and s.max_event_id("n1", "i") == 2
+
+
+def test_silences_expire_and_delete(tmp_path):
+    s = Store(tmp_path / "c.db", now=_now)
+    silence = s.add_silence(
+        rule="r", node=None, created_by="op", created_at=0.0, expires_at=10.0, comment="c"
+    )
+    assert [x.id for x in s.list_silences(now=5.0, include_expired=False)] == [silence.id]
+    assert s.list_silences(now=11.0, include_expired=False) == []
+    assert s.delete_silence(silence.id, now=5.0) is True
+    assert s.delete_silence(silence.id, now=5.0) is False
+    assert s.list_silences(now=5.0, include_expired=False) == []
+
+
+def test_audit_log_is_newest_first(tmp_path):
+    s = Store(tmp_path / "c.db", now=_now)
+    s.audit(ts=1.0, actor="alice", action="drain", target="n1", detail={"reason": "x"})
+    s.audit(ts=2.0, actor="bob", action="undrain", target="n1", detail={})
+    assert [e.actor for e in s.audit_log(limit=10)] == ["bob", "alice"]
