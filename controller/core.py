@@ -161,6 +161,9 @@ class Controller:
             listener=self.incidents,
             counter=self.metrics,
         )
+        self._started_at = clock.now()
+        self._reported: set[str] = set()  # nodes that reported since this process started
+        self._seeded: dict[tuple[str, str], Any] = {}
         self._memory = self._seed_memory(EngineMemory)
         self.runner.recover(now=clock.now())
         self._stop = threading.Event()
@@ -187,7 +190,7 @@ class Controller:
         the controller was down is resolved on the first tick instead of staying open."""
         from controller.rules.engine import MemoryEntry  # noqa: PLC0415
 
-        entries = {}
+        entries: dict[tuple[str, str], Any] = {}
         for inc in self.store.unresolved_incidents():
             target = Target(**self.store.incident_target(inc.id))
             entries[(inc.rule, inc.target)] = MemoryEntry(
@@ -201,7 +204,34 @@ class Controller:
                 labels={},
                 cooldown_s=0.0,
             )
+        self._seeded = dict(entries)
         return memory_cls(entries) if entries else memory_cls()
+
+    def _hold_seeded(self, decisions: list[Decision], *, now: float) -> list[Decision]:
+        """After a restart the signals are empty: a seeded incident must not resolve before
+        its node has reported again (nor, without a node, within stale_after_s of start)."""
+        from controller.rules.engine import EngineMemory  # noqa: PLC0415
+
+        kept: list[Decision] = []
+        held: dict[tuple[str, str], Any] = {}
+        in_grace = now - self._started_at < self.config.stale_after_s
+        for d in decisions:
+            key = (d.rule, d.target.key)
+            entry = self._seeded.get(key)
+            if entry is None:
+                kept.append(d)
+                continue
+            node = d.target.node
+            unseen = node not in self._reported if node is not None else in_grace
+            if d.state == "resolved" and unseen:
+                held[key] = entry
+                continue
+            if not unseen or d.state != "resolved":
+                del self._seeded[key]
+            kept.append(d)
+        if held:
+            self._memory = EngineMemory({**self._memory.entries, **held})
+        return kept
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -282,6 +312,8 @@ class Controller:
                 stale_after_s=self.config.stale_after_s,
             )
             self.metrics.rule_eval_seconds.observe(time.perf_counter() - eval_started)
+            if self._seeded:
+                decisions = self._hold_seeded(decisions, now=now)
         self.apply_decisions(decisions, now=now)
         if not self.running:
             self.runner.run_due(now=now)
@@ -357,6 +389,7 @@ class Controller:
                 self.signals.set_node_meta(name, role=node.role, state=node.state, job=node.job)
                 log.info("event=node_registered node=%s role=%s actor=%s", name, node.role, actor)
             self._last_seen[name] = now
+            self._reported.add(name)
             self._fresh[name] = FreshNode(
                 name=name,
                 last_report_at=now,

@@ -419,3 +419,17 @@ def test_start_and_stop_run_ticks_in_the_background(make_core, core_clock):
         time.sleep(0.01)
     c.stop()
     assert not c.running
+
+
+def test_open_incident_is_not_resolved_after_restart_before_its_node_reports(make_core, core_clock):
+    c = make_core()
+    r = Reporter("n1")
+    _fire_dbe(c, core_clock, r)
+    c.stop()
+    c2 = make_core()
+    for _ in range(3):
+        core_clock.advance(1)
+        c2.tick()  # no report yet: the signals know nothing about n1
+    assert c2.list_incidents()[0].state == "mitigated"
+    _fire_dbe(c2, core_clock, r)  # reports again, still faulty: the same incident
+    assert len(c2.list_incidents()) == 1
