@@ -16,6 +16,7 @@ nothing beyond the latest sample.
 from __future__ import annotations
 
 import math
+import operator
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -350,8 +351,10 @@ class _GpuRec:
         "gpu_lost_total",
         "index",
         "link_series",
+        "link_sig",
         "sample",
         "series",
+        "sig",
         "xid_fatal_total",
         "xid_last_code",
         "xid_total",
@@ -363,6 +366,8 @@ class _GpuRec:
         self.first_seen = now
         self.series: dict[str, Series] = {}
         self.link_series: dict[tuple[int, str], Series] = {}
+        self.sig: Any = None  # tracked GPU values, as last seen
+        self.link_sig: Any = None  # tracked NVLink values per link, as last seen
         self.xid_total = 0
         self.xid_fatal_total = 0
         self.xid_last_code: int | None = None
@@ -528,7 +533,9 @@ class SignalState:
         t = self._tracked
         self._gpu_fields = tuple(n for n in GPU_VALUE_FIELDS if n in t["gpu"])
         self._link_fields = tuple(n for n in NVLINK_VALUE_FIELDS if n in t["nvlink"])
-        self._ib_fields = tuple(sorted(t["ib_port"]))
+        self._gpu_sig = _tuple_getter(self._gpu_fields)
+        self._link_sig = _tuple_getter(("link", *self._link_fields))
+        self._ib_derived = tuple(n for n in ("up", "phys_up", "rate_gbps") if n in t["ib_port"])
         self._rank_fields = tuple(n for n in _RANK_DOCS if n in t["rank"])
         self._node_fields = tuple(
             n for n in ("gpus", "gpus_lost", "ib_ports", "ib_ports_down") if n in t["node"]
@@ -596,36 +603,42 @@ class SignalState:
         seen: set[int] = set()
         fields = self._gpu_fields
         link_fields = self._link_fields
+        gpu_sig = self._gpu_sig
+        link_sig = self._link_sig
         for g in gpus:
             seen.add(g.index)
             rec = node.gpus.get(g.index)
+            # One C-level getter call per GPU and per link gives comparable tuples of just the
+            # tracked values; the field-by-field diff runs only when one of them moved.
+            sig = gpu_sig(g)
+            lsig = [link_sig(ln) for ln in g.nvlinks] if link_fields else None
             if rec is None:
-                node.gpus[g.index] = _GpuRec(g.index, g, now)
+                rec = node.gpus[g.index] = _GpuRec(g.index, g, now)
+                rec.sig, rec.link_sig = sig, lsig
                 continue
             old = rec.sample
             rec.sample = g
+            old_sig, old_lsig = rec.sig, rec.link_sig
+            rec.sig, rec.link_sig = sig, lsig
             if old is None:
                 for name in fields:
                     nv = getattr(g, name)
                     if nv is not None and name in rec.series:
                         self._change(rec.series, name, since=now, old=None, new=nv, now=now)
                 continue
-            for name in fields:
-                nv = getattr(g, name)
-                if nv is not None and nv != getattr(old, name):
-                    self._change(
-                        rec.series,
-                        name,
-                        since=rec.first_seen,
-                        old=getattr(old, name),
-                        new=nv,
-                        now=now,
-                    )
-            if link_fields and g.nvlinks != old.nvlinks:
+            if sig != old_sig:
+                for name in fields:
+                    nv = getattr(g, name)
+                    ov = getattr(old, name)
+                    if nv is not None and nv != ov:
+                        self._change(
+                            rec.series, name, since=rec.first_seen, old=ov, new=nv, now=now
+                        )
+            if lsig is not None and lsig != old_lsig:
                 old_links = {ln.link: ln for ln in old.nvlinks}
                 for ln in g.nvlinks:
                     ol = old_links.get(ln.link)
-                    if ol is None or ol == ln:
+                    if ol is None:
                         continue
                     for name in link_fields:
                         nv = getattr(ln, name)
@@ -644,10 +657,12 @@ class SignalState:
         for index, rec in node.gpus.items():
             if index not in seen:
                 rec.sample = None
+                rec.sig = rec.link_sig = None
 
     def _ingest_ports(self, node: _NodeRec, ports: Sequence[IbPortSample], now: float) -> None:
         seen: set[tuple[str, int]] = set()
-        fields = self._ib_fields
+        tracked = self._tracked["ib_port"]
+        derived = self._ib_derived
         for p in ports:
             key = (p.device, p.port)
             seen.add(key)
@@ -657,15 +672,25 @@ class SignalState:
                 continue
             old = rec.sample
             rec.sample = p
-            if old == p:
-                continue
-            for name in fields:
+            for name in derived:
                 nv = _ib_value(p, name)
-                if nv is None:
+                if nv is not None:
+                    ov = _ib_value(old, name)
+                    if nv != ov:
+                        self._change(
+                            rec.series, name, since=rec.first_seen, old=ov, new=nv, now=now
+                        )
+            # Counters dominate the cost: walk only the values that moved and are tracked.
+            for new_map, old_map in ((p.counters, old.counters), (p.hw_counters, old.hw_counters)):
+                if new_map == old_map:
                     continue
-                ov = _ib_value(old, name)
-                if nv != ov:
-                    self._change(rec.series, name, since=rec.first_seen, old=ov, new=nv, now=now)
+                for counter, nv in new_map.items():
+                    if counter in tracked:
+                        ov = old_map.get(counter)
+                        if nv != ov:
+                            self._change(
+                                rec.series, counter, since=rec.first_seen, old=ov, new=nv, now=now
+                            )
         for key in [k for k in node.ports if k not in seen]:
             del node.ports[key]
 
@@ -703,7 +728,9 @@ class SignalState:
             rec = self._ranks.get(key)
             if rec is not None and rec.node == node.name:
                 self._drop_rank(rec)
-                touched.add(self._job(key[0], now))
+                remaining = self._jobs.get(key[0])
+                if remaining is not None:
+                    touched.add(remaining)
         node.rank_keys = keys
         return touched
 
@@ -948,6 +975,15 @@ def _fatal_codes(catalog: XidCatalog | None) -> frozenset[int]:
     except ImportError:
         return FALLBACK_FATAL_XIDS
     return frozenset(_Catalog.load().fatal_codes())
+
+
+def _tuple_getter(names: Sequence[str]) -> Callable[[Any], Any]:
+    if not names:
+        return lambda obj: ()
+    if len(names) == 1:
+        one = operator.attrgetter(names[0])
+        return lambda obj: (one(obj),)
+    return operator.attrgetter(*names)
 
 
 def _fresh(node: _NodeRec | None, fresh_after: float) -> bool:
