@@ -67,6 +67,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="record decisions and intended actions, execute nothing (safety.dry_run)",
     )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=None)
+    p.add_argument(
+        "--ingest-in-threadpool",
+        action="store_true",
+        help="tuning: ingest reports in the threadpool instead of on the event loop",
+    )
     return p.parse_args(argv)
 
 
@@ -123,10 +128,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         controller.stop()
         return EXIT_FAILURE
-    return _serve(controller, config, tokens, sock)
+    return _serve(controller, config, tokens, sock, threadpool=args.ingest_in_threadpool)
 
 
-def _serve(controller: Any, config: Any, tokens: Any, sock: socket.socket) -> int:
+def _serve(
+    controller: Any, config: Any, tokens: Any, sock: socket.socket, *, threadpool: bool
+) -> int:
     import uvicorn  # noqa: PLC0415
 
     from agent.systemd import SystemdNotifier  # noqa: PLC0415
@@ -138,6 +145,7 @@ def _serve(controller: Any, config: Any, tokens: Any, sock: socket.socket) -> in
         max_body_bytes=config.api.max_body_bytes,
         metrics_registry=controller.metrics.registry,
         report_latency=controller.metrics.report_ingest_seconds,
+        ingest_in_threadpool=threadpool,
     )
     uv_config = uvicorn.Config(
         app,

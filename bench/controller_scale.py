@@ -1,0 +1,478 @@
+"""Controller scale bench: N simulated agents (8 GPUs x 18 NVLinks, 8 IB ports) report at 1 Hz.
+
+Starts the real `trainguard-controller` process (SQLite store, default rules) on loopback and
+drives it from a few load-generator processes, each holding one keep-alive HTTP/1.1
+connection per simulated node (a minimal raw-socket client, so the generator spends as little
+of the shared CPUs as it can). The generator shares the machine's cores with the controller.
+
+Prints: client-side report latency p50/p99, achieved report rate, controller CPU (from
+/proc), server-side ingest and rule tick durations (scraped from the controller's /metrics),
+and the detection latency of a double-bit ECC error injected into one node's reports
+(report carrying it sent -> incident visible through GET /v1/incidents).
+
+    .venv/bin/python bench/controller_scale.py --nodes 2048 --seconds 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from agent.model import GpuSample, IbPortSample, NvLinkSample
+from agent.protocol import Event, Report, encode_json
+
+ROOT = Path(__file__).resolve().parents[1]
+AGENT_TOKEN = "bench-agent-token"
+OP_TOKEN = "bench-operator-token"
+DBE_NODE = "node-0000"
+DBE_GPU = 3
+
+
+def _report(node: str, *, dbe: bool) -> Report:
+    gpus = []
+    for i in range(8):
+        links = tuple(
+            NvLinkSample(
+                link=link,
+                up=True,
+                crc_flit_errors_total=0,
+                crc_data_errors_total=0,
+                replay_errors_total=0,
+                recovery_errors_total=0,
+            )
+            for link in range(18)
+        )
+        hit = dbe and i == DBE_GPU
+        gpus.append(
+            GpuSample(
+                index=i,
+                uuid=f"GPU-{hashlib.md5(f'{node}/{i}'.encode()).hexdigest()[:16]}",
+                pci_bus_id=f"0000:{0x18 + i:02x}:00.0",
+                name="NVIDIA H100 80GB HBM3",
+                temperature_celsius=48.0 + i,
+                power_watts=612.5,
+                utilization_gpu_percent=98.0,
+                utilization_memory_percent=61.0,
+                memory_used_bytes=71_000_000_000,
+                memory_total_bytes=85_520_809_984,
+                sm_clock_mhz=1980.0,
+                clock_event_reasons=0,
+                throttle_hw_slowdown=False,
+                throttle_hw_thermal=False,
+                throttle_sw_thermal=False,
+                throttle_power_brake=False,
+                ecc_corrected_volatile_total=2,
+                ecc_uncorrected_volatile_total=1 if hit else 0,
+                ecc_corrected_aggregate_total=17,
+                ecc_uncorrected_aggregate_total=1 if hit else 0,
+                remapped_rows_correctable=0,
+                remapped_rows_uncorrectable=0,
+                remapped_rows_pending=False,
+                remapped_rows_failure=False,
+                pcie_replay_total=0,
+                nvlinks=links,
+            )
+        )
+    ports = tuple(
+        IbPortSample(
+            device=f"mlx5_{p}",
+            port=1,
+            state="ACTIVE",
+            state_code=4,
+            phys_state="LinkUp",
+            phys_state_code=5,
+            rate_gbps=400.0,
+            link_layer="InfiniBand",
+            counters={
+                "port_xmit_data": 123_456_789,
+                "port_rcv_data": 123_456_789,
+                "symbol_error": 0,
+                "link_downed": 0,
+                "link_error_recovery": 0,
+                "port_rcv_errors": 0,
+            },
+            hw_counters={"rnr_nak_retry_err": 0},
+        )
+        for p in range(8)
+    )
+    events: tuple[Event, ...] = ()
+    if dbe:
+        events = (Event(id=1, kind="xid", ts=0.0, gpu=DBE_GPU, code=48, message="Xid 48: DBE"),)
+    return Report(
+        node=node,
+        instance="bench",
+        seq=123456789,
+        sent_at=1234567890.5,
+        agent_version="bench",
+        gpus=tuple(gpus),
+        ib_ports=ports,
+        events=events,
+        labels={"rack": f"r{int(node[-4:]) // 32:03d}"},
+    )
+
+
+class Template:
+    """A report pre-encoded once; each send only formats seq and sent_at into it."""
+
+    def __init__(self, report: Report) -> None:
+        raw = encode_json(report).decode()
+        a, rest = raw.split('"seq":123456789', 1)
+        b, c = rest.split('"sent_at":1234567890.5', 1)
+        self.parts = (a.encode(), b.encode(), c.encode())
+
+    def body(self, seq: int, sent_at: float) -> bytes:
+        a, b, c = self.parts
+        return b"".join((a, b'"seq":%d' % seq, b, b'"sent_at":%.3f' % sent_at, c))
+
+
+async def _read_response(reader: asyncio.StreamReader) -> int:
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head[9:12])
+    m = re.search(rb"(?i)content-length:\s*(\d+)", head)
+    if m:
+        await reader.readexactly(int(m.group(1)))
+    return status
+
+
+async def _agent(
+    node: str,
+    host: str,
+    port: int,
+    *,
+    start: float,
+    end: float,
+    inject_at: float | None,
+    out: dict[str, Any],
+) -> None:
+    normal = Template(_report(node, dbe=False))
+    sick = Template(_report(node, dbe=True)) if inject_at is not None else None
+    reader, writer = await asyncio.open_connection(host, port)
+    head = (
+        f"POST /v1/reports HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {AGENT_TOKEN}\r\n"
+        "Content-Type: application/json\r\nContent-Length: "
+    ).encode()
+    seq = 0
+    when = start
+    try:
+        while when < end:
+            delay = when - time.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            else:
+                out["late"] += 1
+            seq += 1
+            sent_at = time.time()
+            tpl = normal
+            if sick is not None and inject_at is not None and sent_at >= inject_at:
+                tpl = sick
+                out.setdefault("dbe_sent_at", sent_at)
+            body = tpl.body(seq, sent_at)
+            t0 = time.perf_counter()
+            writer.write(head + b"%d\r\n\r\n" % len(body) + body)
+            status = await _read_response(reader)
+            out["lat"].append(time.perf_counter() - t0)
+            if status != 200:
+                out["errors"] += 1
+            when += 1.0
+    finally:
+        writer.close()
+
+
+def _worker(
+    nodes: list[str],
+    host: str,
+    port: int,
+    start: float,
+    end: float,
+    inject_at: float,
+    q: Any,
+) -> None:
+    out: dict[str, Any] = {"lat": [], "errors": 0, "late": 0}
+
+    async def run() -> None:
+        tasks = []
+        for i, node in enumerate(nodes):
+            # spread the nodes over the second, as real agents started at random times are
+            offset = (i / max(1, len(nodes))) + (hash(node) % 97) / 9700.0
+            tasks.append(
+                _agent(
+                    node,
+                    host,
+                    port,
+                    start=start + offset,
+                    end=end,
+                    inject_at=inject_at if node == DBE_NODE else None,
+                    out=out,
+                )
+            )
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        out["failures"] = [repr(r) for r in results if isinstance(r, BaseException)][:5]
+
+    t0 = time.process_time()
+    asyncio.run(run())
+    out["cpu_s"] = time.process_time() - t0
+    q.put(out)
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _hist(metrics: str, name: str) -> tuple[float, float, list[tuple[float, float]]]:
+    """(sum, count, [(le, cumulative count)]) of a Prometheus histogram."""
+    total = count = 0.0
+    buckets = []
+    for line in metrics.splitlines():
+        if line.startswith(f"{name}_sum"):
+            total = float(line.split()[-1])
+        elif line.startswith(f"{name}_count"):
+            count = float(line.split()[-1])
+        elif line.startswith(f"{name}_bucket"):
+            le = re.search(r'le="([^"]+)"', line)
+            if le:
+                buckets.append((float(le.group(1)), float(line.split()[-1])))
+    return total, count, buckets
+
+
+def _hist_delta(
+    before: tuple[float, float, list[tuple[float, float]]],
+    after: tuple[float, float, list[tuple[float, float]]],
+) -> dict[str, Any]:
+    s = after[0] - before[0]
+    n = after[1] - before[1]
+    b0 = dict(before[2])
+    deltas = [(le, c - b0.get(le, 0.0)) for le, c in after[2]]
+
+    def q(p: float) -> float | None:
+        for le, c in deltas:
+            if n and c >= p * n:
+                return le
+        return None
+
+    return {"count": n, "mean_s": s / n if n else None, "p50_le_s": q(0.5), "p99_le_s": q(0.99)}
+
+
+def _pct(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(p * len(ordered)))]
+
+
+def _decode_bench(n: int = 2000) -> int:
+    from agent.protocol import decode_json  # noqa: PLC0415
+    from controller.fastwire import decoder  # noqa: PLC0415
+
+    raw = Template(_report("node-0001", dbe=False)).body(1, time.time())
+    fast = decoder(Report)
+    out = {"report_bytes": len(raw)}
+    for name, fn in (
+        ("generic", lambda: decode_json(Report, raw)),
+        ("fastwire", lambda: fast.decode_json(raw)),
+    ):
+        fn()
+        times = []
+        for _ in range(n if name == "fastwire" else n // 10):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        out[f"{name}_median_ms"] = statistics.median(times) * 1e3
+        out[f"{name}_p99_ms"] = _pct(times, 0.99) * 1e3
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--nodes", type=int, default=2048)
+    ap.add_argument("--seconds", type=float, default=60.0, help="measured duration")
+    ap.add_argument("--warmup", type=float, default=10.0, help="seconds before measuring")
+    ap.add_argument("--procs", type=int, default=2, help="load-generator processes")
+    ap.add_argument(
+        "--inject-after",
+        type=float,
+        default=None,
+        help="DBE at this many s into the measurement (default: half)",
+    )
+    ap.add_argument("--ingest-in-threadpool", action="store_true", help="controller option")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument(
+        "--decode-only",
+        action="store_true",
+        help="only time decoding one report: agent.protocol.decode_json vs controller.fastwire",
+    )
+    args = ap.parse_args()
+    if args.decode_only:
+        return _decode_bench()
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = args.nodes + 256
+    if soft < need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(need, soft)), hard))
+
+    tmp = Path(tempfile.mkdtemp(prefix="tg-scale-"))
+    agent_hash = hashlib.sha256(AGENT_TOKEN.encode()).hexdigest()
+    op_hash = hashlib.sha256(OP_TOKEN.encode()).hexdigest()
+    (tmp / "tokens.yaml").write_text(
+        "tokens:\n"
+        f'  - {{name: agents, role: agent, sha256: "{agent_hash}"}}\n'
+        f'  - {{name: bench, role: operator, sha256: "{op_hash}"}}\n'
+    )
+    (tmp / "controller.yaml").write_text(
+        f"store: {{path: {tmp / 'controller.db'}}}\n"
+        f"rules: [{ROOT / 'rules'}]\n"
+        f"api: {{host: 127.0.0.1, port: 0, tokens_file: {tmp / 'tokens.yaml'}}}\n"
+        "safety: {dry_run: true}\n"
+        "log: {level: warning}\n"
+    )
+    cmd = [
+        str(Path(sys.executable).parent / "trainguard-controller"),
+        "--config",
+        str(tmp / "controller.yaml"),
+        "--log-level",
+        "info",
+    ]
+    if args.ingest_in_threadpool:
+        cmd.append("--ingest-in-threadpool")
+    log_path = tmp / "controller.log"
+    with log_path.open("w") as log_f:
+        proc = subprocess.Popen(cmd, stdout=log_f, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        url = None
+        while url is None:
+            m = re.search(r"event=api_listening url=(\S+)", log_path.read_text())
+            if m:
+                url = m.group(1)
+            elif proc.poll() is not None or time.monotonic() > deadline:
+                print(log_path.read_text(), file=sys.stderr)
+                return 1
+            else:
+                time.sleep(0.1)
+        host, port = url.split("//")[1].split(":")
+        return _run(args, proc, url, host, int(port), log_path)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _run(
+    args: argparse.Namespace,
+    proc: subprocess.Popen[bytes],
+    url: str,
+    host: str,
+    port: int,
+    log_path: Path,
+) -> int:
+    nodes = [f"node-{i:04d}" for i in range(args.nodes)]
+    start = time.time() + 2.0
+    measure_from = start + args.warmup
+    end = measure_from + args.seconds
+    inject_at = measure_from + (
+        args.inject_after if args.inject_after is not None else args.seconds / 2
+    )
+    q: Any = mp.get_context("fork").Queue()
+    workers = []
+    for w in range(args.procs):
+        share = nodes[w :: args.procs]
+        p = mp.get_context("fork").Process(
+            target=_worker, args=(share, host, port, start, end, inject_at, q), daemon=True
+        )
+        p.start()
+        workers.append(p)
+
+    client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {OP_TOKEN}"}, timeout=10)
+    while time.time() < measure_from:
+        time.sleep(0.05)
+    m0 = client.get("/metrics").text
+    cpu0, wall0 = _cpu_s(proc.pid), time.monotonic()
+    detected_at = None
+    while time.time() < end:
+        if detected_at is None and time.time() >= inject_at - 0.5:
+            r = client.get("/v1/incidents", params={"node": DBE_NODE, "limit": 10})
+            if r.status_code == 200 and any(i["rule"] == "gpu_uncorrectable_ecc" for i in r.json()):
+                detected_at = time.time()
+            time.sleep(0.05)
+        else:
+            time.sleep(0.2)
+    cpu1, wall1 = _cpu_s(proc.pid), time.monotonic()
+    m1 = client.get("/metrics").text
+    results = [q.get(timeout=120) for _ in workers]
+    for p in workers:
+        p.join(timeout=30)
+
+    lat: list[float] = []
+    errors = late = 0
+    dbe_sent_at = None
+    failures: list[str] = []
+    loadgen_cpu_s = sum(r["cpu_s"] for r in results)
+    for r in results:
+        lat.extend(r["lat"])
+        errors += r["errors"]
+        late += r["late"]
+        failures += r.get("failures", [])
+        dbe_sent_at = r.get("dbe_sent_at", dbe_sent_at)
+    # latencies of the measured window only: drop the warm-up share (sends are uniform in time)
+    total_s = end - start
+    keep = int(len(lat) * args.seconds / total_s)
+    measured = lat[-keep:] if keep else lat
+    count0 = float(re.search(r"^trainguard_controller_reports_total (\S+)", m0, re.M).group(1))  # type: ignore[union-attr]
+    count1 = float(re.search(r"^trainguard_controller_reports_total (\S+)", m1, re.M).group(1))  # type: ignore[union-attr]
+    out = {
+        "nodes": args.nodes,
+        "seconds": args.seconds,
+        "procs": args.procs,
+        "ingest_in_threadpool": args.ingest_in_threadpool,
+        "cores": os.cpu_count(),
+        "report_rate_per_s": (count1 - count0) / (wall1 - wall0),
+        "target_rate_per_s": float(args.nodes),
+        "client_latency_p50_ms": _pct(measured, 0.50) * 1e3,
+        "client_latency_p99_ms": _pct(measured, 0.99) * 1e3,
+        "client_latency_max_ms": max(measured) * 1e3 if measured else None,
+        "client_latency_mean_ms": statistics.fmean(measured) * 1e3 if measured else None,
+        "errors": errors,
+        "late_sends": late,
+        "failures": failures,
+        "controller_cpu_cores": (cpu1 - cpu0) / (wall1 - wall0),
+        "loadgen_cpu_cores": loadgen_cpu_s / (end - start),
+        "ingest_server": _hist_delta(
+            _hist(m0, "trainguard_controller_report_ingest_seconds"),
+            _hist(m1, "trainguard_controller_report_ingest_seconds"),
+        ),
+        "rule_eval": _hist_delta(
+            _hist(m0, "trainguard_controller_rule_eval_seconds"),
+            _hist(m1, "trainguard_controller_rule_eval_seconds"),
+        ),
+        "tick": _hist_delta(
+            _hist(m0, "trainguard_controller_tick_seconds"),
+            _hist(m1, "trainguard_controller_tick_seconds"),
+        ),
+        "dbe_detect_s": (detected_at - dbe_sent_at) if (detected_at and dbe_sent_at) else None,
+    }
+    print(json.dumps(out, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
