@@ -25,6 +25,8 @@ from controller.actions.base import ActionContext, Outcome, PermanentError, Tran
 from controller.config import SEVERITY_RANK, NotifyConfig
 
 log = logging.getLogger("trainguard.controller.notify")
+# httpx logs every request URL at INFO; a Slack webhook URL is itself the credential.
+logging.getLogger("httpx").setLevel(logging.WARNING)
 
 SUMMARY_MAX_CHARS = 1024  # PagerDuty's limit for payload.summary
 USER_AGENT = "trainguard-controller"
