@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from agent.clock import SYSTEM_CLOCK
 from agent.protocol import FaultSpec
@@ -316,3 +318,35 @@ def test_age_and_duration_formats() -> None:
     assert parse_duration("90s") == 90
     with pytest.raises(ValueError):
         parse_duration("2x")
+
+
+def test_rules_export_prometheus_passes_promtool(tmp_path: Path) -> None:
+    rules_dir = Path(__file__).parents[2] / "rules"
+    code, out, err = run("rules", "export", "--format", "prometheus", str(rules_dir))
+    assert code == 0, err
+    doc = yaml.safe_load(out)
+    assert doc["groups"]
+    assert all(line.startswith("warning: ") for line in err.splitlines())
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("promtool is required in CI (Debian package prometheus)")
+        pytest.skip("promtool not installed")
+    exported = tmp_path / "exported.yaml"
+    exported.write_text(out)
+    r = subprocess.run(
+        [promtool, "check", "rules", str(exported)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_rules_export_of_bad_file_exits_1(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(RULE.replace("severity: critical", "severity: apocalyptic"))
+    code, out, err = run("rules", "export", "--format", "prometheus", str(bad))
+    assert (code, out) == (1, "")
+    assert "gpu_dbe" in err
