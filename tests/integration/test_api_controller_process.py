@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import re
 import shutil
@@ -19,6 +21,7 @@ import pytest
 from agent.model import GpuSample
 from agent.protocol import Report, encode_json
 from controller.auth import hash_token
+from controller.cli import main as agentctl
 
 BIN = Path(sys.executable).parent
 RULE = """
@@ -101,8 +104,10 @@ def controller(tmp_path: Path) -> Iterator[Proc]:
 
 @pytest.mark.slow
 def test_controller_serves_reports_reloads_on_sighup_and_stops_on_sigterm(
-    controller: Proc, tmp_path: Path
+    controller: Proc, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("TRAINGUARD_TOKEN", "op-token")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
     gpu = GpuSample(index=0, uuid="GPU-0", pci_bus_id="0000:18:00.0", name="H100")
     report = Report(node="node-7", instance="i1", seq=1, sent_at=time.time(), gpus=(gpu,))
     with httpx.Client(base_url=controller.url, timeout=10) as c:
@@ -112,6 +117,15 @@ def test_controller_serves_reports_reloads_on_sighup_and_stops_on_sigterm(
         nodes = c.get("/v1/nodes", headers=OP).json()
         assert [n["name"] for n in nodes] == ["node-7"]
         assert c.get("/healthz").json() == {"status": "ok"}
+        # agentctl against the real controller
+        out, err = io.StringIO(), io.StringIO()
+        argv = ["--url", controller.url, "get", "nodes", "-o", "json"]
+        assert agentctl(argv, stdout=out, stderr=err) == 0, err.getvalue()
+        assert [n["name"] for n in json.loads(out.getvalue())] == ["node-7"]
+        out = io.StringIO()
+        assert agentctl(["--url", controller.url, "describe", "node", "node-7"], stdout=out) == 0
+        assert "name:" in out.getvalue()
+        assert agentctl(["--url", controller.url, "describe", "node", "ghost"], stderr=err) == 3
         assert "trainguard_controller_report_ingest_seconds_count" in c.get("/metrics").text
 
         # a broken rule file: the reload fails, is logged, and the old rule keeps running
