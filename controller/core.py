@@ -40,7 +40,7 @@ from controller.incidents import IncidentManager
 from controller.metrics import ControllerMetrics
 from controller.model import Decision, Target
 from controller.safety import Safety
-from controller.store import CommandRecord, FreshNode, NewAction, NodeRecord, Store
+from controller.store import CommandRecord, FreshNode, NewAction, NodeRecord, Store, StoreError
 from controller.views import (
     AuditEntry,
     IncidentDetail,
@@ -95,7 +95,11 @@ class Controller:
         self.metrics = ControllerMetrics()
         backends = backends or ActionBackends()
         self._lock = threading.RLock()
-        self.store = Store(config.store.path, now=clock.now)
+        try:
+            self.store = Store(config.store.path, now=clock.now)
+        except StoreError as e:
+            # a store the controller cannot use is a deployment problem: exit as bad config
+            raise ConfigError("", "store.path", str(e)) from None
         self._rules = self._load_rules()
         self.signals = SignalState(xid_catalog=self._load_xid_catalog(), history_s=config.history_s)
         self.signals.track(self._rules.history_needs())

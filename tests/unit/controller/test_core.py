@@ -8,6 +8,7 @@ import time
 import pytest
 
 from agent.protocol import Event, FaultSpec, RankState, Report
+from agent.strict import ConfigError
 from controller.actions.notify import RecordingNotifier
 from controller.errors import BadRequest, NotFound
 from controller.model import Decision, Target
@@ -433,3 +434,10 @@ def test_open_incident_is_not_resolved_after_restart_before_its_node_reports(mak
     assert c2.list_incidents()[0].state == "mitigated"
     _fire_dbe(c2, core_clock, r)  # reports again, still faulty: the same incident
     assert len(c2.list_incidents()) == 1
+
+
+def test_unusable_store_is_reported_as_a_config_error(make_core, tmp_path):
+    bad = tmp_path / "not-a-db"
+    bad.write_bytes(b"garbage" * 1000)
+    with pytest.raises(ConfigError, match=r"store\.path: .*not a usable trainguard store"):
+        make_core(store={"path": str(bad)})
