@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import operator
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -44,6 +44,10 @@ SCOPES: tuple[str, ...] = ("gpu", "nvlink", "ib_port", "node", "rank", "job")
 # Used only while agent.xid_catalog cannot be imported: the XIDs NVIDIA documents as needing a
 # GPU reset, node reboot or replacement (DBE, NVLink, off the bus, row-remap failures, ...).
 FALLBACK_FATAL_XIDS: frozenset[int] = frozenset({48, 74, 79, 92, 94, 95, 119, 120})
+
+
+_INTERN_MAX = 200_000  # distinct GPU/link value tuples remembered for the quiet-target memo
+_EVENT_ATTRS = frozenset({"xid_total", "xid_fatal_total", "xid_last_code", "gpu_lost_total"})
 
 
 class XidCatalog(Protocol):
@@ -352,9 +356,11 @@ class _GpuRec:
         "index",
         "link_series",
         "link_sig",
+        "links_id",
         "sample",
         "series",
         "sig",
+        "sig_id",
         "xid_fatal_total",
         "xid_last_code",
         "xid_total",
@@ -368,6 +374,8 @@ class _GpuRec:
         self.link_series: dict[tuple[int, str], Series] = {}
         self.sig: Any = None  # tracked GPU values, as last seen
         self.link_sig: Any = None  # tracked NVLink values per link, as last seen
+        self.sig_id: int | None = None  # interned (sig, event counters): see SignalState.walk
+        self.links_id: int | None = None  # interned link_sig
         self.xid_total = 0
         self.xid_fatal_total = 0
         self.xid_last_code: int | None = None
@@ -375,12 +383,15 @@ class _GpuRec:
 
 
 class _PortRec:
-    __slots__ = ("first_seen", "sample", "series")
+    __slots__ = ("first_seen", "sample", "series", "sig_id")
 
     def __init__(self, sample: IbPortSample, now: float) -> None:
         self.sample = sample
         self.first_seen = now
         self.series: dict[str, Series] = {}
+        # Interned tracked values, for the quiet-target memo. Only read while `series` is
+        # empty, i.e. while no tracked value has changed since the port was first seen.
+        self.sig_id: int | None = None
 
 
 class _NodeRec:
@@ -510,6 +521,11 @@ class SignalState:
         self._ranks: dict[tuple[str, int], _RankRec] = {}
         self._jobs: dict[str, _JobRec] = {}
         self._tracked: dict[str, set[str]] = {s: set(DEFAULT_TRACKED[s]) for s in SCOPES}
+        self._interned: dict[Any, int] = {}
+        self._next_id = 0
+        # (rule name, condition text) -> ids of GPU/link states its condition is false for;
+        # a transparent memo that lets a tick skip the thousands of quiet, identical targets.
+        self._memo: dict[tuple[str, str], set[int]] = {}
         self._refresh_tracked()
 
     # --- configuration -------------------------------------------------------------------
@@ -525,16 +541,19 @@ class SignalState:
                     raise ValueError(f"unknown signal {name!r} for scope {scope}")
                 self._tracked[scope].add(name)
         self._refresh_tracked()
+        self._rekey()
 
     def is_tracked(self, scope: str, name: str) -> bool:
         return name in self._tracked[scope]
 
     def _refresh_tracked(self) -> None:
         t = self._tracked
+        self._memo.clear()  # a newly tracked signal changes what windowed functions return
         self._gpu_fields = tuple(n for n in GPU_VALUE_FIELDS if n in t["gpu"])
         self._link_fields = tuple(n for n in NVLINK_VALUE_FIELDS if n in t["nvlink"])
         self._gpu_sig = _tuple_getter(self._gpu_fields)
         self._link_sig = _tuple_getter(("link", *self._link_fields))
+        self._ib_sig_names = tuple(sorted(t["ib_port"]))
         self._ib_derived = tuple(n for n in ("up", "phys_up", "rate_gbps") if n in t["ib_port"])
         self._rank_fields = tuple(n for n in _RANK_DOCS if n in t["rank"])
         self._node_fields = tuple(
@@ -615,11 +634,14 @@ class SignalState:
             if rec is None:
                 rec = node.gpus[g.index] = _GpuRec(g.index, g, now)
                 rec.sig, rec.link_sig = sig, lsig
+                self._reintern(rec)
                 continue
             old = rec.sample
             rec.sample = g
             old_sig, old_lsig = rec.sig, rec.link_sig
             rec.sig, rec.link_sig = sig, lsig
+            if old is None or sig != old_sig or lsig != old_lsig:
+                self._reintern(rec)
             if old is None:
                 for name in fields:
                     nv = getattr(g, name)
@@ -658,6 +680,7 @@ class SignalState:
             if index not in seen:
                 rec.sample = None
                 rec.sig = rec.link_sig = None
+                rec.sig_id = rec.links_id = None
 
     def _ingest_ports(self, node: _NodeRec, ports: Sequence[IbPortSample], now: float) -> None:
         seen: set[tuple[str, int]] = set()
@@ -668,22 +691,25 @@ class SignalState:
             seen.add(key)
             rec = node.ports.get(key)
             if rec is None:
-                node.ports[key] = _PortRec(p, now)
+                rec = node.ports[key] = _PortRec(p, now)
+                rec.sig_id = self._port_id(p)
                 continue
             old = rec.sample
             rec.sample = p
+            rekey = False
             for name in derived:
                 nv = _ib_value(p, name)
-                if nv is not None:
-                    ov = _ib_value(old, name)
-                    if nv != ov:
-                        self._change(
-                            rec.series, name, since=rec.first_seen, old=ov, new=nv, now=now
-                        )
+                ov = _ib_value(old, name)
+                if nv is None:
+                    rekey = rekey or ov is not None
+                elif nv != ov:
+                    self._change(rec.series, name, since=rec.first_seen, old=ov, new=nv, now=now)
             # Counters dominate the cost: walk only the values that moved and are tracked.
             for new_map, old_map in ((p.counters, old.counters), (p.hw_counters, old.hw_counters)):
                 if new_map == old_map:
                     continue
+                if new_map.keys() != old_map.keys():
+                    rekey = True  # a counter appeared or vanished: present() may change
                 for counter, nv in new_map.items():
                     if counter in tracked:
                         ov = old_map.get(counter)
@@ -691,6 +717,8 @@ class SignalState:
                             self._change(
                                 rec.series, counter, since=rec.first_seen, old=ov, new=nv, now=now
                             )
+            if rekey:
+                rec.sig_id = self._port_id(p)
         for key in [k for k in node.ports if k not in seen]:
             del node.ports[key]
 
@@ -766,6 +794,8 @@ class SignalState:
                             )
             elif rec is not None:
                 self._bump(rec.series, "gpu_lost_total", rec, now, "gpu")
+            if rec is not None and rec.sample is not None:
+                self._reintern(rec)
         elif e.kind == "nan_loss" and e.job is not None:
             job = self._job(e.job, now)
             jobs_touched.add(job)
@@ -784,6 +814,41 @@ class SignalState:
         if name in self._tracked[scope]:
             since = rec.first_seen if rec.first_seen is not None else now
             self._change(series, name, since=since, old=old, new=old + 1, now=now)
+
+    def _reintern(self, rec: _GpuRec) -> None:
+        counters = (rec.xid_total, rec.xid_fatal_total, rec.xid_last_code, rec.gpu_lost_total)
+        rec.sig_id = self._intern((rec.sig, counters))
+        rec.links_id = self._intern(tuple(rec.link_sig)) if rec.link_sig is not None else None
+
+    def _port_id(self, p: IbPortSample) -> int:
+        return self._intern(tuple(_ib_value(p, n) for n in self._ib_sig_names))
+
+    def _rekey(self) -> None:
+        """Tracked sets changed: recompute every interned key (rare: rule reloads)."""
+        for node in self._nodes.values():
+            for g in node.gpus.values():
+                if g.sample is not None:
+                    g.sig = self._gpu_sig(g.sample)
+                    g.link_sig = (
+                        [self._link_sig(ln) for ln in g.sample.nvlinks]
+                        if self._link_fields
+                        else None
+                    )
+                    self._reintern(g)
+            for p in node.ports.values():
+                p.sig_id = self._port_id(p.sample)
+
+    def _intern(self, key: Any) -> int:
+        """A small int per distinct value tuple. Ids are never reused, so dropping the table
+        when it grows only costs cache misses."""
+        ident = self._interned.get(key)
+        if ident is None:
+            if len(self._interned) >= _INTERN_MAX:
+                self._interned.clear()
+                self._memo.clear()
+            self._next_id += 1
+            ident = self._interned[key] = self._next_id
+        return ident
 
     def _sample_job(self, job: _JobRec, now: float) -> None:
         # One sample per min_spacing_s: summing a 16k-rank job on every report would cost more
@@ -874,6 +939,77 @@ class SignalState:
         for j in self._jobs.values():
             total += sum(len(s) for s in j.series.values())
         return total
+
+    def matches(
+        self,
+        scope: str,
+        ctx: EvalContext,
+        *,
+        fresh_after: float | None,
+        test: Callable[[EvalContext], bool],
+        memo_key: tuple[str, str] | None = None,
+        reads: Collection[str] = (),
+    ) -> Iterator[None]:
+        """Like `walk`, but yields only where `test(ctx)` holds.
+
+        For gpu, nvlink and ib_port scopes with a `memo_key`, a condition that reads only
+        tracked values and event counters (`reads`, no `age()`) is a pure function of a GPU's
+        or port's interned values while it has no history yet (windowed functions over an
+        unchanged value are constant), so a False result is remembered per value tuple and
+        identical quiet targets are skipped without evaluating anything.
+        """
+        memo: set[int] | None = None
+        if memo_key is not None and scope in ("gpu", "nvlink", "ib_port"):
+            keyed = self._tracked[scope] | (_EVENT_ATTRS if scope == "gpu" else frozenset())
+            if all(name in keyed for name in reads):
+                memo = self._memo.setdefault(memo_key, set())
+                if len(memo) > _INTERN_MAX:
+                    memo.clear()
+        if memo is None:
+            for _ in self.walk(scope, ctx, fresh_after=fresh_after):
+                if test(ctx):
+                    yield
+            return
+        for node in list(self._nodes.values()):
+            if fresh_after is not None and not _fresh(node, fresh_after):
+                continue
+            ctx.node = node
+            if scope == "ib_port":
+                for p in node.ports.values():
+                    ident = p.sig_id if not p.series else None
+                    if ident is not None and ident in memo:
+                        continue
+                    ctx.port = p
+                    if test(ctx):
+                        yield
+                    elif ident is not None:
+                        memo.add(ident)
+                continue
+            for g in node.gpus.values():
+                if scope == "gpu":
+                    ident = g.sig_id if not g.series else None
+                    if ident is not None and ident in memo:
+                        continue
+                    ctx.gpu = g
+                    if test(ctx):
+                        yield
+                    elif ident is not None:
+                        memo.add(ident)
+                    continue
+                if g.sample is None:
+                    continue
+                ident = g.links_id if not g.link_series else None
+                if ident is not None and ident in memo:
+                    continue
+                ctx.gpu = g
+                hit = False
+                for ln in g.sample.nvlinks:
+                    ctx.link = ln
+                    if test(ctx):
+                        hit = True
+                        yield
+                if not hit and ident is not None:
+                    memo.add(ident)
 
     def walk(self, scope: str, ctx: EvalContext, *, fresh_after: float | None) -> Iterator[None]:
         """Point `ctx` at each target of `scope` in turn (yielding after each). With

@@ -72,10 +72,16 @@ def evaluate(
     for rule in rules.rules:
         ctx = EvalContext(signals, now=now, stale_after_s=stale_after_s)
         held = rule.scope in HELD_SCOPES
-        test = rule.condition.compiled.test
-        for _ in signals.walk(rule.scope, ctx, fresh_after=fresh_after if held else None):
-            if not test(ctx):
-                continue
+        cond = rule.condition
+        memo_key = None if cond.uses_age() else (rule.name, cond.source)
+        for _ in signals.matches(
+            rule.scope,
+            ctx,
+            fresh_after=fresh_after if held else None,
+            test=cond.compiled.test,
+            memo_key=memo_key,
+            reads=cond.signals(),
+        ):
             target = Target(*target_of(rule.scope, ctx))
             key = (rule.name, target.key)
             prev = old.get(key)

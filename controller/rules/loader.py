@@ -100,6 +100,10 @@ class Condition:
         """Every signal name the condition reads."""
         return frozenset(n.name for n in walk(self.ast) if isinstance(n, Sig))
 
+    def uses_age(self) -> bool:
+        """True if the result can change with time alone through age()."""
+        return any(isinstance(n, Call) and n.func == "age" for n in walk(self.ast))
+
     def history_needs(self) -> frozenset[str]:
         """Signals read through windowed functions or age(): they need history."""
         out = set()

@@ -173,3 +173,37 @@ def test_seeded_firing_memory_resolves_when_condition_is_false() -> None:
 
 def test_rules_parse_from_text_for_tests() -> None:
     assert [r.name for r in parse_rules(RULES)] == ["hot", "slow_rank"]
+
+
+MEMO_RULES = """
+rules:
+  - name: hot_recently
+    scope: gpu
+    condition: max_over_time(temperature_celsius[5m]) > 80
+    severity: warning
+    summary: hot in the last 5m
+  - name: counter_missing
+    scope: ib_port
+    condition: not present(symbol_error)
+    severity: info
+    summary: symbol_error unreadable
+"""
+
+
+def test_quiet_target_memo_never_hides_a_change() -> None:
+    """Identical quiet GPUs/ports are skipped after one False evaluation; any change to what
+    the condition reads must still be seen."""
+    c = Cluster(MEMO_RULES)
+    c.add(make_node("n1", gpus=4))
+    c.add(make_node("n2", gpus=4))
+    c.run(3)
+    assert c.rules_seen() == set()
+    c.nodes["n2"].gpus[3]["temperature_celsius"] = 85.0
+    c.run(1)
+    assert c.states("hot_recently") == {"gpu:n2:3": "firing"}
+    c.nodes["n2"].gpus[3]["temperature_celsius"] = 55.0
+    c.run(2)
+    assert c.states("hot_recently") == {"gpu:n2:3": "firing"}, "still hot within the window"
+    del c.nodes["n1"].ib["mlx5_0", 1]["counters"]["symbol_error"]
+    c.run(1)
+    assert c.states("counter_missing") == {"ib_port:n1:mlx5_0:1": "firing"}
