@@ -60,7 +60,7 @@ NON_RULE_FILES = frozenset({"xid_catalog.yaml", "xid_catalog.yml"})
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,99}$")
 _LABEL_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
-_RESERVED_LABELS = frozenset({"severity", "alertname", "rule"})
+_RESERVED_LABELS = frozenset({"severity", "alertname", "rule", "scope"})
 _TOP_KEYS = ("rules",)
 _RULE_KEYS = (
     "name",

@@ -7,10 +7,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from controller.rules.loader import default_rules_path, load_rules
+from controller.signals import SIGNALS
 from tests.unit.controller.rules.scenario import Cluster, make_node
 
 DEFAULT_RULES = load_rules([default_rules_path()])
@@ -354,3 +356,13 @@ def test_silent_node_holds_its_hardware_and_rank_rules() -> None:
     c.run(1)
     assert c.states("gpu_uncorrectable_ecc") == {"gpu:n1:0": "resolved"}
     assert c.states("node_silent") == {"node:n1": "resolved"}
+
+
+def test_docs_list_every_signal_and_every_default_rule() -> None:
+    docs = (Path(__file__).resolve().parents[4] / "docs" / "rules.md").read_text()
+    for scope, names in SIGNALS.items():
+        assert f"### `{scope}`" in docs, scope
+        for name in names:
+            assert f"| `{name}` |" in docs, f"{scope}.{name} missing from docs/rules.md"
+    for rule in DEFAULT_RULES.rules:
+        assert f"| `{rule.name}` | {rule.scope} |" in docs, f"{rule.name} missing from docs"
