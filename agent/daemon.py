@@ -9,6 +9,7 @@ or guarded by a lock.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import random
@@ -24,7 +25,7 @@ from agent import __version__
 from agent.clock import SYSTEM_CLOCK, Clock
 from agent.commands import CommandExecutor, default_executor
 from agent.config import DEFAULT_HEARTBEAT_SOCKET, AgentConfig
-from agent.heartbeat import HeartbeatServer
+from agent.heartbeat import HeartbeatServer, TrainerEvent
 from agent.metrics import AgentHttpServer, AgentSnapshot, SnapshotCollector
 from agent.model import EventSource, GpuCollector, GpuSample, HardwareEvent, IbCollector
 from agent.protocol import Command, Event, FaultSpec, Report
@@ -165,6 +166,7 @@ class Agent:
         self._collector_failing: set[str] = set()
         self._events_total: dict[str, int] = {}
         self._commands_total: dict[tuple[str, str], int] = {}
+        self._checkpoints: dict[tuple[str, int], tuple[float | None, float]] = {}
         self._loops = 0
         self._last_tick_mono: float | None = None
         self._started_mono = clock.monotonic()
@@ -360,7 +362,12 @@ class Agent:
                 message=tev.message,
                 data=tev.data,
             )
+            if tev.kind == "checkpoint_committed":
+                self._note_checkpoint(tev)
         ranks = self.heartbeat.ranks()
+        if self._checkpoints:  # forget ranks the heartbeat server forgot (bounded series)
+            live = {(r.job, r.rank) for r in ranks}
+            self._checkpoints = {k: v for k, v in self._checkpoints.items() if k in live}
         self._loops += 1
         hb = self.heartbeat.stats()
         rep = self.reporter
@@ -383,9 +390,19 @@ class Agent:
             events_total=dict(self._events_total),
             commands_total=dict(self._commands_total),
             loop_iterations_total=self._loops,
+            checkpoints=dict(self._checkpoints),
         )
         self._last_tick_mono = self._clock.monotonic()
         self._notifier.watchdog()
+
+    def _note_checkpoint(self, tev: TrainerEvent) -> None:
+        """Keep the newest commit per rank; a missing or nonsensical duration is absent."""
+        raw = tev.data.get("duration_s")
+        duration_s: float | None = None
+        if isinstance(raw, int | float) and not isinstance(raw, bool):
+            if math.isfinite(raw) and raw >= 0:
+                duration_s = float(raw)
+        self._checkpoints[(tev.job, tev.rank)] = (duration_s, tev.ts)
 
     def _timed(self, name: str, fn: Callable[[], Any]) -> Any:
         t0 = self._clock.monotonic()

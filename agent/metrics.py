@@ -53,6 +53,8 @@ class AgentSnapshot:
     events_total: Mapping[str, int] = field(default_factory=dict)
     commands_total: Mapping[tuple[str, str], int] = field(default_factory=dict)
     loop_iterations_total: int = 0
+    # (job, rank) -> (duration_s or None, commit unix time) of the newest committed checkpoint
+    checkpoints: Mapping[tuple[str, int], tuple[float | None, float]] = field(default_factory=dict)
 
 
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
@@ -313,6 +315,22 @@ def _trainer_families(snap: AgentSnapshot, node: str) -> Iterator[Metric]:
                 fam.add_metric(labels, float(v))
     for fam, _ in fams:
         yield fam
+    duration = _gauge(
+        "trainguard_trainer_checkpoint_duration_seconds",
+        "Save time of the rank's newest committed checkpoint (snapshot to commit).",
+        rl,
+    )
+    stamp = _gauge(
+        "trainguard_trainer_checkpoint_timestamp_seconds",
+        "Unix time the agent saw the rank's newest checkpoint commit.",
+        rl,
+    )
+    for (job, rank), (duration_s, committed_at) in sorted(snap.checkpoints.items()):
+        labels = [node, job, str(rank)]
+        if duration_s is not None:
+            duration.add_metric(labels, duration_s)
+        stamp.add_metric(labels, committed_at)
+    yield from (duration, stamp)
 
 
 def _agent_families(snap: AgentSnapshot, node: str) -> Iterator[Metric]:

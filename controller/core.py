@@ -37,7 +37,7 @@ from controller.actions.worker import ActionRunner
 from controller.config import ControllerConfig
 from controller.errors import BadRequest, NotFound
 from controller.incidents import IncidentManager
-from controller.metrics import ControllerMetrics
+from controller.metrics import DEFAULT_SPARE_POOL, ControllerMetrics
 from controller.model import Decision, Target
 from controller.safety import Safety
 from controller.store import CommandRecord, FreshNode, NewAction, NodeRecord, Store, StoreError
@@ -367,8 +367,15 @@ class Controller:
                 counts[(n.role, n.state)] = counts.get((n.role, n.state), 0) + 1
             silent_after_s = self.config.node_silent_after_s
             reporting = sum(1 for t in self._last_seen.values() if now - t <= silent_after_s)
+            spares: dict[str, int] = {}
+            for n in self._nodes.values():
+                if n.role == "spare" and n.state == "active":  # what list_spares() offers
+                    pool = n.labels.get("pool", DEFAULT_SPARE_POOL)
+                    spares[pool] = spares.get(pool, 0) + 1
         self.metrics.set_nodes(counts)
         self.metrics.nodes_reporting.set(reporting)
+        self.metrics.set_spares(spares)
+        self.metrics.set_jobs(self.list_jobs())
         severities = {inc.id: inc.severity for inc in self.store.unresolved_incidents()}
         self.metrics.set_incidents(
             (rule, severities.get(i, "info")) for rule, _, i, _ in self.incidents.open_incidents()

@@ -4,14 +4,24 @@ in names, counters end in `_total`; every label has a bounded set of values."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from controller.views import JobView
 
 # Report ingest is sub-millisecond when healthy; the 100 ms p99 target sits mid-range.
 INGEST_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 # One rule tick over 2,048 nodes must stay under 250 ms.
 EVAL_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# Remediation phases: detection in seconds, recovery onto a spare within ~60 s, a bad day in
+# tens of minutes.
+REMEDIATION_PHASES = ("detect", "checkpoint", "drain", "restart", "mttr")
+PHASE_BUCKETS_S = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+# Steps of work lost per recovery: 0-1 with a proactive checkpoint, up to the save interval.
+LOST_STEPS_BUCKETS = (0.0, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0)
+DEFAULT_SPARE_POOL = "default"  # spares whose node has no `pool` label
 
 
 class ControllerMetrics:
@@ -87,6 +97,23 @@ class ControllerMetrics:
             "Agent commands reported failed because no result came back in time.",
             registry=r,
         )
+        self.remediation_phase_seconds = Histogram(
+            "trainguard_controller_remediation_phase_seconds",
+            "Duration of each remediation phase (mttr: fault to training past the checkpoint).",
+            ["phase"],
+            buckets=PHASE_BUCKETS_S,
+            registry=r,
+        )
+        for phase in REMEDIATION_PHASES:  # exported with zero counts before the first recovery
+            self.remediation_phase_seconds.labels(phase=phase)
+        self.remediation_lost_steps = Histogram(
+            "trainguard_controller_remediation_lost_steps",
+            "Training steps redone after a recovery (failure step - restored checkpoint step).",
+            buckets=LOST_STEPS_BUCKETS,
+            registry=r,
+        )
+        self.jobs = _JobsCollector()
+        r.register(self.jobs)
 
     # --- helpers the controller calls -------------------------------------------------------
 
@@ -107,5 +134,81 @@ class ControllerMetrics:
         for (rule, severity), n in counts.items():
             self.incidents_open.labels(rule=rule, severity=severity).set(n)
 
+    def set_jobs(self, jobs: Sequence[JobView]) -> None:
+        """The job views of this tick (ETTR, restarts, attempt, steps, node count)."""
+        self.jobs.jobs = tuple(jobs)
 
-__all__ = ["ControllerMetrics"]
+    def set_spares(self, available: Mapping[str, int]) -> None:
+        """Available hot spares per pool; the default pool is always exported."""
+        self.jobs.spares = {DEFAULT_SPARE_POOL: 0, **available}
+
+
+class _JobsCollector:
+    """Per-job and per-pool families from the latest views: a job that leaves the views
+    leaves /metrics too, so label values stay bounded by the jobs the controller knows."""
+
+    def __init__(self) -> None:
+        self.jobs: tuple[JobView, ...] = ()
+        self.spares: dict[str, int] = {DEFAULT_SPARE_POOL: 0}
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # label values change every tick; describing would freeze them
+
+    def collect(self) -> Iterator[Metric]:
+        jobs, spares = self.jobs, dict(self.spares)
+        gauges = {
+            "ettr": GaugeMetricFamily(
+                "trainguard_controller_job_ettr_ratio",
+                "Effective training time ratio of the job (0..1).",
+                labels=["job"],
+            ),
+            "attempt": GaugeMetricFamily(
+                "trainguard_controller_job_attempt",
+                "Current attempt of the job (increments on every restart).",
+                labels=["job"],
+            ),
+            "step": GaugeMetricFamily(
+                "trainguard_controller_job_step",
+                "Highest step any rank of the job reported.",
+                labels=["job"],
+            ),
+            "ckpt": GaugeMetricFamily(
+                "trainguard_controller_job_checkpoint_step",
+                "Newest committed checkpoint step the ranks reported.",
+                labels=["job"],
+            ),
+            "nodes": GaugeMetricFamily(
+                "trainguard_controller_job_nodes",
+                "Nodes the job runs on.",
+                labels=["job"],
+            ),
+        }
+        restarts = CounterMetricFamily(
+            "trainguard_controller_job_restarts",
+            "Restarts of the job (any cause).",
+            labels=["job"],
+        )
+        for job in jobs:
+            labels = [job.name]
+            if job.ettr is not None:
+                gauges["ettr"].add_metric(labels, job.ettr)
+            gauges["attempt"].add_metric(labels, job.attempt)
+            if job.last_step is not None:
+                gauges["step"].add_metric(labels, job.last_step)
+            if job.ckpt_step is not None:
+                gauges["ckpt"].add_metric(labels, job.ckpt_step)
+            gauges["nodes"].add_metric(labels, len(job.nodes))
+            restarts.add_metric(labels, job.restarts)
+        yield from gauges.values()
+        yield restarts
+        pools = GaugeMetricFamily(
+            "trainguard_controller_spares",
+            "Hot spares available (role spare, state active), by pool.",
+            labels=["pool"],
+        )
+        for pool, n in sorted(spares.items()):
+            pools.add_metric([pool], n)
+        yield pools
+
+
+__all__ = ["DEFAULT_SPARE_POOL", "REMEDIATION_PHASES", "ControllerMetrics"]
