@@ -70,6 +70,10 @@ log = logging.getLogger("trainguard.trainer")
 NanPolicy = Literal["continue", "stop", "rollback"]
 _NAN_POLICIES = ("continue", "stop", "rollback")
 _HANDLED_IDS_MAX = 1024
+# Adaptive agreement: its cost stays under 0.5 % of a step, and requests, SIGTERM and NaN are
+# acted on within at most 20 steps (periodic checkpoint steps always agree).
+_SYNC_BUDGET = 0.005
+_MAX_SYNC_EVERY = 20
 
 
 class Stateful(Protocol):
@@ -127,7 +131,7 @@ class Trainguard:
         skip_batches: int = 0,
         grad_spike_factor: float | None = None,
         grad_spike_window: int = 50,
-        sync_every: int = 1,
+        sync_every: int | None = None,
         handle_sigterm: bool = True,
         sigterm_grace_s: float = 30.0,
         sigterm_hard_exit: bool = True,
@@ -146,8 +150,8 @@ class Trainguard:
             raise ValueError(f"skip_batches must be >= 0, got {skip_batches}")
         if skip_batches and nan_policy != "rollback":
             raise ValueError("skip_batches only applies to nan_policy='rollback'")
-        if sync_every < 1:
-            raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        if sync_every is not None and sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1 or None (adaptive), got {sync_every}")
         if sigterm_grace_s <= 0 or checkpoint_timeout_s <= 0:
             raise ValueError("sigterm_grace_s and checkpoint_timeout_s must be positive")
         if grad_spike_factor is not None and grad_spike_factor <= 1.0:
@@ -225,6 +229,9 @@ class Trainguard:
         self._bad_since_sync = False
         self._grad_norms: deque[float] = deque(maxlen=max(5, grad_spike_window))
         self._last_mono: float | None = None
+        self._next_sync: int | None = None  # None: the next step() call syncs
+        self._step_time_ema_s: float | None = None
+        self._agree_cost_s = 0.0
         self._chaos_sleep_s = 0.0
         self._sigterm_at: float | None = None
         self._hard_exit_timer: threading.Timer | None = None
@@ -293,16 +300,25 @@ class Trainguard:
         self._collect_results()
 
         action = CONTINUE
+        if step_time_s is not None:
+            ema = self._step_time_ema_s
+            self._step_time_ema_s = step_time_s if ema is None else 0.9 * ema + 0.1 * step_time_s
         if self._is_sync_step(step):
+            t0 = self.clock.monotonic()
             agreement = self.coord.agree(
                 LocalView(
                     request=self._pending[0] if self._pending else None,
                     sigterm=self._sigterm_at is not None,
                     nonfinite=self._bad_since_sync,
+                    interval=self._propose_interval(),
                 )
             )
+            self._agree_cost_s = self.clock.monotonic() - t0
             self._bad_since_sync = False
+            self._next_sync = step + agreement.interval
             action = self._act(step, agreement)
+            if action.rollback:
+                self._next_sync = None
         phase: HeartbeatPhase = "stopping" if action.stop else "train"
         self._send(
             step=step,
@@ -356,7 +372,22 @@ class Trainguard:
     # --- per-step pieces ------------------------------------------------------------------
 
     def _is_sync_step(self, step: int) -> bool:
-        return step % self.sync_every == 0 or self._is_periodic(step)
+        # Depends only on the step number and on values every rank agreed on, so all ranks
+        # join the same collectives at the same steps.
+        if self._next_sync is None or step >= self._next_sync or self._is_periodic(step):
+            return True
+        return step < self._next_sync - _MAX_SYNC_EVERY  # the loop moved backwards
+
+    def _propose_interval(self) -> int:
+        """Steps until the next agreement: fixed `sync_every`, or adaptive so that the
+        agreement's measured cost stays under `_SYNC_BUDGET` of a step."""
+        if self.sync_every is not None:
+            return self.sync_every
+        step_s = self._step_time_ema_s
+        if not step_s or not self.coord.distributed:
+            return 1
+        need = math.ceil(self._agree_cost_s / (_SYNC_BUDGET * step_s))
+        return max(1, min(_MAX_SYNC_EVERY, need))
 
     def _is_periodic(self, step: int) -> bool:
         return self.checkpoint_every > 0 and step > 0 and step % self.checkpoint_every == 0

@@ -1,7 +1,8 @@
 """Agreement between ranks: every rank acts on a request, a SIGTERM or a NaN at the same step.
 
 At each sync step all ranks join one small all_reduce(MAX) on a dedicated gloo group:
-[lowest rank holding a pending request (encoded), sigterm seen, non-finite seen]. If any rank
+[lowest rank holding a pending request (encoded), sigterm seen, non-finite seen, proposed
+steps until the next sync]. If any rank
 holds a request, the lowest such rank broadcasts its (action, request_id) and everyone acts on
 it at this step. Every rank joins the same collectives at the same steps whatever it received,
 so a request that reached only some ranks never leaves anyone waiting.
@@ -38,6 +39,7 @@ class LocalView:
     request: tuple[str, str] | None  # (action, request_id): the oldest pending request
     sigterm: bool
     nonfinite: bool
+    interval: int = 1  # steps until the next sync this rank proposes (the max wins)
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class Agreement:
     request_id: str | None = None
     sigterm: bool = False
     nonfinite: bool = False
+    interval: int = 1
 
 
 class Coordinator(Protocol):
@@ -74,7 +77,11 @@ class LocalCoordinator:
     def agree(self, view: LocalView) -> Agreement:
         action, rid = view.request if view.request else (None, None)
         return Agreement(
-            action=action, request_id=rid, sigterm=view.sigterm, nonfinite=view.nonfinite
+            action=action,
+            request_id=rid,
+            sigterm=view.sigterm,
+            nonfinite=view.nonfinite,
+            interval=view.interval,
         )
 
     def broadcast_int(self, value: int, *, checkpoint_group: bool = False) -> int:
@@ -106,9 +113,11 @@ class DistCoordinator:
 
     def agree(self, view: LocalView) -> Agreement:
         code = self.world_size - self.rank if view.request else 0
-        flags = torch.tensor([code, int(view.sigterm), int(view.nonfinite)], dtype=torch.int64)
+        flags = torch.tensor(
+            [code, int(view.sigterm), int(view.nonfinite), view.interval], dtype=torch.int64
+        )
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.sync_group)
-        top, sigterm, nonfinite = (int(x) for x in flags.tolist())
+        top, sigterm, nonfinite, interval = (int(x) for x in flags.tolist())
         action: str | None = None
         rid: str | None = None
         if top > 0:
@@ -120,10 +129,14 @@ class DistCoordinator:
                 buf[1 : 1 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
             dist.broadcast(buf, src=src, group=self.sync_group)
             action = _ACTIONS[int(buf[0])]
-            raw_id = bytes(buf[1:].tolist()).rstrip(b"\0")
+            raw_id = buf[1:].numpy().tobytes().rstrip(b"\0")
             rid = raw_id.decode()
         return Agreement(
-            action=action, request_id=rid, sigterm=bool(sigterm), nonfinite=bool(nonfinite)
+            action=action,
+            request_id=rid,
+            sigterm=bool(sigterm),
+            nonfinite=bool(nonfinite),
+            interval=interval,
         )
 
     def broadcast_int(self, value: int, *, checkpoint_group: bool = False) -> int:
@@ -139,7 +152,7 @@ class DistCoordinator:
         if self.rank == 0 and n:
             buf[:] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         dist.broadcast(buf, src=0, group=self.sync_group)
-        return bytes(buf.tolist()).decode()
+        return buf.numpy().tobytes().decode()
 
     def all_gather_json(self, obj: Any) -> list[Any]:
         """All ranks' JSON values, on the checkpoint group (no pickle: bytes in a tensor)."""
@@ -153,6 +166,6 @@ class DistCoordinator:
         bufs = [torch.zeros(size, dtype=torch.uint8) for _ in range(self.world_size)]
         dist.all_gather(bufs, mine, group=self.ckpt_group)
         return [
-            json.loads(bytes(b[: int(n.item())].tolist()).decode())
+            json.loads(b[: int(n.item())].numpy().tobytes().decode())
             for b, n in zip(bufs, lengths, strict=True)
         ]
