@@ -84,6 +84,16 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop when installed (measured: less CPU per report), else the standard loop."""
+    try:
+        import uvloop  # noqa: PLC0415
+    except ImportError:
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     _setup_logging(args.log_level or "info")
@@ -154,6 +164,7 @@ def _serve(
         lifespan="off",
         ssl_certfile=config.api.tls_cert_file,
         ssl_keyfile=config.api.tls_key_file,
+        http="auto",  # httptools when installed: a C parser for 2,048 reports a second
         timeout_keep_alive=75,  # agents keep one connection and post every second
     )
     server = uvicorn.Server(uv_config)
@@ -197,12 +208,15 @@ def _serve(
 
     controller.start()
     code = EXIT_OK
+    loop = _new_event_loop()
+    asyncio.set_event_loop(loop)
     try:
-        asyncio.run(run())
+        loop.run_until_complete(run())
     except Exception:
         log.exception("event=server_failed")
         code = EXIT_FAILURE
     finally:
+        loop.close()
         notifier.stopping()
         controller.stop()
         sock.close()

@@ -312,3 +312,29 @@ def test_openapi_describes_report_body_and_response(client: TestClient) -> None:
     resp = op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"]
     assert resp.endswith("/ReportResponse")
     assert "HTTPValidationError" not in doc["components"]["schemas"]
+
+
+def test_report_ingest_failure_is_500_json(client: TestClient, svc: FakeService) -> None:
+    def boom(report: Report, *, actor: str) -> None:
+        raise RuntimeError("store is gone")
+
+    svc.ingest_report = boom  # type: ignore[assignment,method-assign]
+    r = client.post("/v1/reports", content=encode_json(_report()), headers=AGENT)
+    assert r.status_code == 500
+    assert r.json() == {"error": "internal error", "detail": None}
+
+
+@pytest.mark.parametrize(
+    ("header", "status"),
+    [
+        pytest.param("bearer agent-token", 200, id="scheme-any-case"),
+        pytest.param("Bearer  agent-token ", 200, id="extra-spaces"),
+        pytest.param("Token agent-token", 401, id="other-scheme"),
+        pytest.param("Bearer", 401, id="no-credentials"),
+    ],
+)
+def test_report_authorization_header_parsing(client: TestClient, header: str, status: int) -> None:
+    r = client.post(
+        "/v1/reports", content=encode_json(_report()), headers={"Authorization": header}
+    )
+    assert r.status_code == status, r.text
