@@ -10,11 +10,13 @@ for the previous one. A failed save is reported and never becomes "latest".
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import re
 import shutil
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,14 +37,116 @@ from agent.trainer.manifest import (
 from agent.trainer.s3 import S3Store
 from agent.trainer.sync import Coordinator
 
-__all__ = ["CheckpointWriter", "SaveResult", "load_rank_file", "rank_file_name"]
+__all__ = [
+    "CheckpointWriter",
+    "SaveResult",
+    "load_rank_file",
+    "rank_file_name",
+    "read_tensor_file",
+    "tensor_file_name",
+    "write_tensor_file",
+]
 
 log = logging.getLogger("trainguard.trainer")
 _DCP_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
+_CHUNK_BYTES = 16 << 20
+_ALIGN_BYTES = 64
+_ZEROS = bytes(_ALIGN_BYTES)
+
+
 def rank_file_name(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
+
+
+def tensor_file_name(rank: int) -> str:
+    return f"tensors_{rank:05d}.bin"
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    flat = t.detach().reshape(-1)
+    if not flat.is_contiguous() or flat.device.type != "cpu":
+        flat = flat.contiguous().cpu()
+    return flat.view(torch.uint8).numpy().data
+
+
+def _write_all(fd: int, data: memoryview | bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def write_tensor_file(
+    path: Path, tensors: dict[str, torch.Tensor]
+) -> tuple[dict[str, Any], int, str]:
+    """Write tensors as raw bytes (64-byte aligned) with fsync; returns (index, size, sha256).
+
+    No serializer in the way: bytes go from the snapshot buffers to the file, and a second
+    thread hashes each chunk while the next one is written (hashlib and os.write both release
+    the GIL), so throughput is close to the disk's. Loading needs no unpickling at all.
+    """
+    index: dict[str, Any] = {}
+    digest = hashlib.sha256()
+    offset = 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainguard-hash") as hasher:
+            pending: list[Future[None]] = []
+            for name, t in tensors.items():
+                pad = -offset % _ALIGN_BYTES
+                if pad:
+                    pending.append(hasher.submit(digest.update, _ZEROS[:pad]))
+                    _write_all(fd, _ZEROS[:pad])
+                    offset += pad
+                view = _byte_view(t)
+                index[name] = {
+                    "dtype": str(t.dtype).removeprefix("torch."),
+                    "shape": list(t.shape),
+                    "offset": offset,
+                    "nbytes": len(view),
+                }
+                for i in range(0, len(view), _CHUNK_BYTES):
+                    chunk = view[i : i + _CHUNK_BYTES]
+                    pending.append(hasher.submit(digest.update, chunk))
+                    _write_all(fd, chunk)
+                offset += len(view)
+            for fut in pending:
+                fut.result()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return index, offset, digest.hexdigest()
+
+
+def read_tensor_file(path: Path, index: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Tensors of a raw tensor file, per its index (dtypes limited to real torch dtypes)."""
+    size = path.stat().st_size
+    buf = bytearray(size)
+    with open(path, "rb", buffering=0) as f:
+        view = memoryview(buf)
+        got = 0
+        while got < size:
+            n = f.readinto(view[got:])
+            if not n:
+                raise ValueError(f"{path}: shorter than its size")
+            got += n
+    out: dict[str, torch.Tensor] = {}
+    for name, meta in index.items():
+        dtype = getattr(torch, str(meta["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{path}: tensor {name!r} has unknown dtype {meta['dtype']!r}")
+        shape = [int(d) for d in meta["shape"]]
+        offset, nbytes = int(meta["offset"]), int(meta["nbytes"])
+        if offset < 0 or offset + nbytes > size:
+            raise ValueError(f"{path}: tensor {name!r} lies outside the file")
+        if nbytes == 0:
+            out[name] = torch.empty(shape, dtype=dtype)
+            continue
+        raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
+        out[name] = raw.view(dtype).reshape(shape)
+    return out
 
 
 def load_rank_file(path: Path) -> dict[str, Any]:
@@ -116,7 +220,7 @@ class CheckpointWriter:
         step: int,
         request_id: str | None,
         rank_state: dict[str, Any],
-        dcp_tensors: dict[str, torch.Tensor] | None,
+        tensors: dict[str, torch.Tensor],
         snapshot_bytes: int,
     ) -> None:
         """Start writing a snapshot (the caller has waited for any previous save)."""
@@ -131,7 +235,7 @@ class CheckpointWriter:
                 "step": step,
                 "request_id": request_id,
                 "rank_state": rank_state,
-                "dcp_tensors": dcp_tensors,
+                "tensors": tensors,
                 "tmp": tmp,
                 "snapshot_bytes": snapshot_bytes,
             },
@@ -143,21 +247,26 @@ class CheckpointWriter:
         self,
         step: int,
         rank_state: dict[str, Any],
-        dcp_tensors: dict[str, torch.Tensor] | None,
+        tensors: dict[str, torch.Tensor],
         tmp: Path,
     ) -> dict[str, dict[str, Any]]:
         rank = self.coord.rank
         tmp.mkdir(parents=True, exist_ok=True)
         files: dict[str, dict[str, Any]] = {}
-        if dcp_tensors is not None:
+        if self.coord.distributed:
             from torch.distributed.checkpoint import FileSystemWriter, save  # noqa: PLC0415
 
             group = getattr(self.coord, "ckpt_group", None)
             save(
-                dcp_tensors,
+                tensors,
                 storage_writer=FileSystemWriter(str(tmp / "dcp"), sync_files=True),
                 process_group=group,
             )
+        else:
+            tname = tensor_file_name(rank)
+            index, size, digest = write_tensor_file(tmp / tname, tensors)
+            files[tname] = {"size": size, "sha256": digest}
+            rank_state = {**rank_state, "tensor_index": index}
         name = rank_file_name(rank)
         with open(tmp / name, "wb") as f:
             if step in self.pause_steps:
@@ -171,7 +280,7 @@ class CheckpointWriter:
             f.flush()
             os.fsync(f.fileno())
         files[name] = {"size": hw.size, "sha256": hw.hexdigest()}
-        if dcp_tensors is not None:
+        if self.coord.distributed:
             for entry in sorted(os.listdir(tmp / "dcp")):
                 m = _DCP_RANK_FILE.match(entry)
                 if m and int(m.group(1)) == rank:
@@ -185,7 +294,7 @@ class CheckpointWriter:
         step: int,
         request_id: str | None,
         rank_state: dict[str, Any],
-        dcp_tensors: dict[str, torch.Tensor] | None,
+        tensors: dict[str, torch.Tensor],
         tmp: Path,
         snapshot_bytes: int,
     ) -> None:
@@ -194,7 +303,7 @@ class CheckpointWriter:
         final = self.ckpt_dir / step_dir_name(step)
         mine: dict[str, Any] = {"ok": True, "reason": "", "files": {}}
         try:
-            mine["files"] = self._write_local(step, rank_state, dcp_tensors, tmp)
+            mine["files"] = self._write_local(step, rank_state, tensors, tmp)
         except Exception as e:
             mine = {"ok": False, "reason": f"rank {rank}: {type(e).__name__}: {e}", "files": {}}
         committed = 0
@@ -276,7 +385,7 @@ class CheckpointWriter:
         manifest = Manifest(
             step=step,
             world_size=self.coord.world_size,
-            format="dcp" if dcp_dir.is_dir() else "torch",
+            format="dcp" if dcp_dir.is_dir() else "tensors",
             files=files,
             created_at=self.clock.now(),
             loss_finite=True,

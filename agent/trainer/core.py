@@ -34,7 +34,14 @@ from agent.clock import SYSTEM_CLOCK, Clock
 from agent.protocol import Heartbeat, HeartbeatPhase
 from agent.trainer.channel import AgentChannel, agent_socket_path, control_socket_path, job_name
 from agent.trainer.chaos import ChaosError, ChaosRule, parse_chaos
-from agent.trainer.checkpoint import CheckpointWriter, SaveResult, load_rank_file, rank_file_name
+from agent.trainer.checkpoint import (
+    CheckpointWriter,
+    SaveResult,
+    load_rank_file,
+    rank_file_name,
+    read_tensor_file,
+    tensor_file_name,
+)
 from agent.trainer.manifest import (
     CheckpointInvalid,
     Manifest,
@@ -495,8 +502,8 @@ class Trainguard:
             return False
         self._collect_results()
         try:
-            rank_state, dcp_tensors = self._capture(step)
-            snap = self._pool.snapshot({"rank": rank_state, "dcp": dcp_tensors})
+            rank_state, tensors = self._capture(step)
+            snap = self._pool.snapshot({"rank": rank_state, "tensors": tensors})
         except Exception as e:
             # Must not diverge across ranks: a capture error is a programming error that
             # every rank hits identically (same model, same state types).
@@ -515,12 +522,12 @@ class Trainguard:
             step=step,
             request_id=request_id,
             rank_state=snap["rank"],
-            dcp_tensors=snap["dcp"],
+            tensors=snap["tensors"],
             snapshot_bytes=self._pool.bytes,
         )
         return True
 
-    def _capture(self, step: int) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
+    def _capture(self, step: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         msd, osd = self._model_optim_state()
         rank_state: dict[str, Any] = {
             "format_version": 1,
@@ -533,14 +540,11 @@ class Trainguard:
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "extra": {name: obj.state_dict() for name, obj in self.extra.items()},
         }
-        dcp_tensors: dict[str, torch.Tensor] | None = None
-        if self.coord.distributed:
-            dcp_tensors, rank_state["skeleton"] = split_tensors({"model": msd, "optim": osd})
-        else:
-            rank_state["model"] = msd
-            rank_state["optim"] = osd
+        # Model and optimizer tensors go to the bulk writer (DCP shards, or one raw tensor
+        # file per rank); their structure and every other value stay in the rank file.
+        tensors, rank_state["skeleton"] = split_tensors({"model": msd, "optim": osd})
         check_storable(rank_state)
-        return rank_state, dcp_tensors
+        return rank_state, tensors
 
     def _model_optim_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         if self.coord.distributed:
@@ -589,10 +593,14 @@ class Trainguard:
                     model_state_dict=full["model"],
                     optim_state_dict=full["optim"],
                 )
-        else:
-            self.model.load_state_dict(rs["model"])
+        elif manifest.format == "tensors":
+            flat = read_tensor_file(path / tensor_file_name(self.rank), rs["tensor_index"])
+            full = fill_tensors(rs["skeleton"], flat)
+            self.model.load_state_dict(full["model"])
             if self.optimizer is not None:
-                self.optimizer.load_state_dict(rs["optim"])
+                self.optimizer.load_state_dict(full["optim"])
+        else:
+            raise CheckpointMismatch(f"{path}: unknown checkpoint format {manifest.format!r}")
         if self.scheduler is not None and rs.get("scheduler") is not None:
             self.scheduler.load_state_dict(rs["scheduler"])
         if self.scaler is not None and rs.get("scaler") is not None:

@@ -24,8 +24,9 @@ import pytest
 import torch
 
 from agent.protocol import Control, Heartbeat, decode_json, encode_json
-from agent.trainer.checkpoint import load_rank_file
+from agent.trainer.checkpoint import load_rank_file, read_tensor_file
 from agent.trainer.manifest import find_latest_good, list_committed, read_manifest
+from agent.trainer.state import fill_tensors
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = str(REPO / "examples" / "train.py")
@@ -314,7 +315,9 @@ def test_kill9_during_a_checkpoint_write_leaves_the_previous_checkpoint_latest(
 
 
 def _finite_checkpoint(path: Path) -> bool:
-    state = load_rank_file(path / "rank_00000.pt")
+    rank_state = load_rank_file(path / "rank_00000.pt")
+    flat = read_tensor_file(path / "tensors_00000.bin", rank_state["tensor_index"])
+    state = fill_tensors(rank_state["skeleton"], flat)
     tensors = list(state["model"].values())
     for s in state["optim"]["state"].values():
         tensors += [t for t in s.values() if isinstance(t, torch.Tensor)]

@@ -46,8 +46,10 @@ def test_committed_checkpoints_are_uploaded_with_their_manifest(
     assert keys(s3) == [
         "jobs/demo/step_000004/manifest.json",
         "jobs/demo/step_000004/rank_00000.pt",
+        "jobs/demo/step_000004/tensors_00000.bin",
         "jobs/demo/step_000008/manifest.json",
         "jobs/demo/step_000008/rank_00000.pt",
+        "jobs/demo/step_000008/tensors_00000.bin",
     ]
 
 

@@ -18,8 +18,9 @@ from trainer_helpers import FakeAgent, TinyJob
 
 from agent.protocol import Control, encode_json
 from agent.trainer import ChaosSpecError, Trainguard
-from agent.trainer.checkpoint import load_rank_file
+from agent.trainer.checkpoint import load_rank_file, read_tensor_file
 from agent.trainer.manifest import find_latest_good, list_committed, read_manifest
+from agent.trainer.state import fill_tensors
 
 
 def send_control(tg: Trainguard, action: str, request_id: str) -> None:
@@ -82,9 +83,13 @@ def test_checkpoint_holds_full_state_loadable_with_weights_only(tmp_path: Path) 
     job.run(tg, 1, 5)
     tg.close()
     m = read_manifest(tmp_path / "step_000005")
-    assert (m.step, m.world_size, m.format, m.loss_finite) == (5, 1, "torch", True)
+    assert (m.step, m.world_size, m.format, m.loss_finite) == (5, 1, "tensors", True)
+    assert set(m.files) == {"rank_00000.pt", "tensors_00000.bin"}
     state = load_rank_file(tmp_path / "step_000005" / "rank_00000.pt")
-    assert set(state) >= {"model", "optim", "scheduler", "sampler", "rng", "extra", "step"}
+    assert set(state) >= {"skeleton", "tensor_index", "scheduler", "sampler", "rng", "extra"}
+    full = load_full_state(tmp_path / "step_000005")
+    assert set(full["model"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert len(full["optim"]["state"]) == 4
     assert state["sampler"] == {"epoch": 0, "batches_done": 5}
     assert state["scheduler"]["last_epoch"] == 5
     assert isinstance(state["rng"]["torch"], torch.Tensor)
@@ -156,8 +161,14 @@ def test_stop_requests_stop_the_loop_after_their_checkpoint(
     assert len(stops) == 1 and stops[0].event_data["request_id"] == "req-s"
 
 
-def _all_finite(path: Path) -> bool:
+def load_full_state(path: Path) -> dict:
     state = load_rank_file(path / "rank_00000.pt")
+    flat = read_tensor_file(path / "tensors_00000.bin", state["tensor_index"])
+    return fill_tensors(state["skeleton"], flat)
+
+
+def _all_finite(path: Path) -> bool:
+    state = load_full_state(path)
     tensors = list(state["model"].values())
     for s in state["optim"]["state"].values():
         tensors += [t for t in s.values() if isinstance(t, torch.Tensor)]
