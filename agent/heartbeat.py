@@ -10,9 +10,12 @@ cost unbounded memory or CPU: reads are rate limited in total and per sending pr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
+import json
 import logging
 import os
+import select
 import socket
 import stat
 import struct
@@ -20,13 +23,15 @@ import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from agent.clock import Clock
 from agent.protocol import (
     HEARTBEAT_MAX_BYTES,
+    PROTOCOL_VERSION,
     Control,
     Heartbeat,
+    HeartbeatPhase,
     ProtocolError,
     RankState,
     decode_json,
@@ -52,6 +57,10 @@ KNOWN_EVENTS = {
 }
 MAX_PENDING_EVENTS = 1000  # between two drains (one collect tick); a flood is capped here
 MAX_SENDERS = 1024  # token buckets kept, least recently used evicted
+STOP_POLL_MS = 200  # the reader notices close() within this
+RATE_LIMITED_SLEEP_S = 0.01  # over the total budget: the kernel queue holds the excess
+COALESCE_S = 0.01
+DRAIN_BATCH = 256  # datagrams per drain before checking for stop again
 _CRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 
 
@@ -149,7 +158,7 @@ class HeartbeatServer:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
             sock.bind(str(self.path))
             os.chmod(self.path, mode)
-            sock.settimeout(0.2)  # the reader thread notices stop() within this
+            sock.setblocking(False)
         except OSError:
             sock.close()
             raise
@@ -172,44 +181,55 @@ class HeartbeatServer:
             self.path.unlink()
 
     def _run(self) -> None:
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN)
         while not self._stop.is_set():
+            # block until a datagram is queued (no timer wake-ups while idle); the timeout
+            # only bounds how long close() waits for this thread
+            if not poller.poll(STOP_POLL_MS):
+                continue
             try:
-                self.receive_once()
+                n = self.drain()
             except Exception:  # never let one bad datagram end heartbeat collection
                 log.exception("event=heartbeat_reader_error")
+                n = 0
+            # after a drain, let a few more datagrams queue up so one wake-up handles several
+            # (waking per datagram costs more than decoding it); the pause is short enough
+            # that the kernel queue (net.unix.max_dgram_qlen, often 10) cannot overflow at
+            # 8 ranks x 20 Hz. n == 0 means over the total rate budget: let it refill.
+            self._stop.wait(COALESCE_S if n else RATE_LIMITED_SLEEP_S)
 
-    def receive_once(self) -> bool:
-        """Read and process at most one datagram (blocks up to the socket timeout).
+    def drain(self, max_datagrams: int = DRAIN_BATCH) -> int:
+        """Process queued datagrams without blocking; returns how many were read.
 
-        Returns True if one was read. Over the total rate, waits instead of reading, so
-        the kernel buffer absorbs (and senders drop) the excess.
+        Stops at `max_datagrams` or the total rate budget: beyond it the kernel queue
+        absorbs (and non-blocking senders drop) the excess, so a flood costs bounded CPU.
         """
-        now = self._clock.monotonic()
-        with self._lock:
-            allowed = self._total_bucket.take(now)
-            wait_s = self._total_bucket.wait_s()
-        if not allowed:
-            self._stop.wait(min(0.2, max(wait_s, 0.001)))
-            return False
-        try:
-            data, anc, flags, _ = self._sock.recvmsg(
-                HEARTBEAT_MAX_BYTES + 1, socket.CMSG_SPACE(_CRED.size)
-            )
-        except TimeoutError:
+        n = 0
+        while n < max_datagrams:
             with self._lock:
-                self._total_bucket.tokens += 1.0  # nothing read: give the token back
-            return False
-        except OSError:
-            if self._stop.is_set():
-                return False
-            raise
-        pid = -1
-        for level, kind, payload in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
-                pid = _CRED.unpack(payload[: _CRED.size])[0]
-        truncated = bool(flags & socket.MSG_TRUNC) or len(data) > HEARTBEAT_MAX_BYTES
-        self.handle_datagram(data, pid=pid, truncated=truncated)
-        return True
+                if not self._total_bucket.take(self._clock.monotonic()):
+                    break
+            try:
+                data, anc, flags, _ = self._sock.recvmsg(
+                    HEARTBEAT_MAX_BYTES + 1, socket.CMSG_SPACE(_CRED.size)
+                )
+            except (BlockingIOError, InterruptedError):
+                with self._lock:
+                    self._total_bucket.tokens += 1.0  # nothing read: give the token back
+                break
+            except OSError:
+                if self._stop.is_set():
+                    break
+                raise
+            pid = -1
+            for level, kind, payload in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                    pid = _CRED.unpack(payload[: _CRED.size])[0]
+            truncated = bool(flags & socket.MSG_TRUNC) or len(data) > HEARTBEAT_MAX_BYTES
+            self.handle_datagram(data, pid=pid, truncated=truncated)
+            n += 1
+        return n
 
     # -- processing ------------------------------------------------------------------------
 
@@ -224,7 +244,7 @@ class HeartbeatServer:
                 self._drop("oversized")
                 return
         try:
-            hb = decode_json(Heartbeat, data)
+            hb = _fast_decode(data) or decode_json(Heartbeat, data)
         except ProtocolError as e:
             with self._lock:
                 self._drop("unsupported_version" if e.field == "v" else "malformed")
@@ -346,6 +366,54 @@ class HeartbeatServer:
             self.control_sent_total += sent
             self.control_errors_total += failed
         return sent, failed
+
+
+_INT_FIELDS = ("rank", "step", "local_rank", "world_size", "pid", "v")
+_OPT_FLOAT_FIELDS = ("loss", "grad_norm", "samples_per_s", "tokens_per_s", "step_time_s")
+_OPT_STR_FIELDS = ("ckpt_request_id", "control_socket", "event")
+_PHASES = frozenset(get_args(HeartbeatPhase))
+_FIELDS = frozenset(f.name for f in dataclasses.fields(Heartbeat))
+
+
+def _fast_decode(raw: bytes) -> Heartbeat | None:
+    """Decode a well-formed heartbeat in a few microseconds; None means "not obviously
+    well-formed": the strict decoder then decides (and names the problem).
+
+    The strict, generic decoder costs ~50 us per datagram, which at 8 ranks x 20 Hz is most
+    of the agent's CPU budget; this checks exactly the same types for the common case.
+    """
+    try:
+        d = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(d, dict) or not d.keys() <= _FIELDS:
+        return None
+    if d.get("v", PROTOCOL_VERSION) != PROTOCOL_VERSION:
+        return None
+    if type(d.get("job")) is not str or type(d.get("t")) not in (int, float):
+        return None
+    for name in _INT_FIELDS:
+        if name in d and type(d[name]) is not int:
+            return None
+    if "rank" not in d or "step" not in d:
+        return None
+    for name in _OPT_FLOAT_FIELDS:
+        v = d.get(name)
+        if v is not None and type(v) not in (int, float):
+            return None  # includes the "NaN" strings: rare, left to the strict decoder
+    for name in _OPT_STR_FIELDS:
+        v = d.get(name)
+        if v is not None and type(v) is not str:
+            return None
+    ckpt = d.get("ckpt_step")
+    if ckpt is not None and type(ckpt) is not int:
+        return None
+    if d.get("phase", "train") not in _PHASES or type(d.get("event_data", {})) is not dict:
+        return None
+    for name in ("t", *_OPT_FLOAT_FIELDS):
+        if type(d.get(name)) is int:
+            d[name] = float(d[name])
+    return Heartbeat(**d)
 
 
 def _bounded(data: dict[str, Any]) -> dict[str, Any]:

@@ -13,10 +13,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agent.clock import FakeClock
-from agent.heartbeat import MAX_PENDING_EVENTS, HeartbeatServer
-from agent.protocol import HEARTBEAT_MAX_BYTES, Control, Heartbeat, encode_json
+from agent.heartbeat import MAX_PENDING_EVENTS, HeartbeatServer, _fast_decode
+from agent.protocol import HEARTBEAT_MAX_BYTES, Control, Heartbeat, decode_json, encode_json
 
 
 @pytest.fixture
@@ -209,3 +211,40 @@ def test_send_control_reaches_live_ranks_and_counts_dead_sockets(
         assert server.stats()["control_errors_total"] == 1
     finally:
         live.close()
+
+
+_values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-5, 5),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.sampled_from(["NaN", "Infinity", "train", "eval", "job-a", "x"]),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+    st.lists(st.integers(), max_size=2),
+)
+_keys = st.sampled_from(
+    [
+        "job", "rank", "step", "t", "local_rank", "world_size", "pid", "loss", "grad_norm",
+        "samples_per_s", "tokens_per_s", "step_time_s", "phase", "ckpt_step",
+        "ckpt_request_id", "control_socket", "event", "event_data", "v", "bogus",
+    ]
+)  # fmt: skip
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(_keys, _values, max_size=12), st.integers(0, 3), st.integers(0, 9))
+def test_fast_decoder_never_accepts_what_the_strict_decoder_rejects_or_decodes_differently(
+    data: dict[str, object], rank: int, step: int
+) -> None:
+    base = {"job": "j", "rank": rank, "step": step, "t": 1.5}
+    for candidate in (data, {**base, **data}):
+        raw = json.dumps(candidate).encode()
+        fast = _fast_decode(raw)
+        if fast is None:
+            continue
+        assert fast == decode_json(Heartbeat, raw)
+
+
+def test_fast_decoder_takes_the_common_heartbeat() -> None:
+    hb = Heartbeat(job="j", rank=1, step=2, t=3.0, loss=1.5, samples_per_s=9.0, pid=4)
+    assert _fast_decode(encode_json(hb)) == hb
