@@ -101,6 +101,7 @@ class Controller:
             # a store the controller cannot use is a deployment problem: exit as bad config
             raise ConfigError("", "store.path", str(e)) from None
         self._rules = self._load_rules()
+        self.metrics.known_rules(self._rules.names())
         self.signals = SignalState(xid_catalog=self._load_xid_catalog(), history_s=config.history_s)
         self.signals.track(self._rules.history_needs())
         self._memory = EngineMemory()
@@ -376,6 +377,8 @@ class Controller:
         self.metrics.nodes_reporting.set(reporting)
         self.metrics.set_spares(spares)
         self.metrics.set_jobs(self.list_jobs())
+        open_counts = self.store.open_incident_counts()
+        self.metrics.set_node_incidents({n: open_counts.get(n, 0) for n in self.nodes_known()})
         severities = {inc.id: inc.severity for inc in self.store.unresolved_incidents()}
         self.metrics.set_incidents(
             (rule, severities.get(i, "info")) for rule, _, i, _ in self.incidents.open_incidents()
@@ -751,6 +754,7 @@ class Controller:
         with self._lock:
             self._rules = rules
             self.signals.track(rules.history_needs())
+        self.metrics.known_rules(rules.names())
         self.store.audit(
             ts=self.clock.now(),
             actor=actor,

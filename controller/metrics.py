@@ -134,9 +134,19 @@ class ControllerMetrics:
         for (rule, severity), n in counts.items():
             self.incidents_open.labels(rule=rule, severity=severity).set(n)
 
+    def known_rules(self, names: Iterable[str]) -> None:
+        """Export incidents_opened_total at 0 for every loaded rule: a counter first seen at 1
+        hides that first incident from Prometheus' increase()."""
+        for name in names:
+            self.incidents_opened_total.labels(rule=name)
+
     def set_jobs(self, jobs: Sequence[JobView]) -> None:
         """The job views of this tick (ETTR, restarts, attempt, steps, node count)."""
         self.jobs.jobs = tuple(jobs)
+
+    def set_node_incidents(self, open_counts: Mapping[str, int]) -> None:
+        """Unresolved incidents per known node (0 included, so every node has a series)."""
+        self.jobs.node_incidents = dict(open_counts)
 
     def set_spares(self, available: Mapping[str, int]) -> None:
         """Available hot spares per pool; the default pool is always exported."""
@@ -144,18 +154,20 @@ class ControllerMetrics:
 
 
 class _JobsCollector:
-    """Per-job and per-pool families from the latest views: a job that leaves the views
-    leaves /metrics too, so label values stay bounded by the jobs the controller knows."""
+    """Per-job, per-pool and per-node families from the latest views: a job or node that
+    leaves the views leaves /metrics too, so label values stay bounded by what the controller
+    knows."""
 
     def __init__(self) -> None:
         self.jobs: tuple[JobView, ...] = ()
         self.spares: dict[str, int] = {DEFAULT_SPARE_POOL: 0}
+        self.node_incidents: dict[str, int] = {}
 
     def describe(self) -> Iterable[Metric]:
         return []  # label values change every tick; describing would freeze them
 
     def collect(self) -> Iterator[Metric]:
-        jobs, spares = self.jobs, dict(self.spares)
+        jobs, spares, node_incidents = self.jobs, dict(self.spares), dict(self.node_incidents)
         gauges = {
             "ettr": GaugeMetricFamily(
                 "trainguard_controller_job_ettr_ratio",
@@ -209,6 +221,14 @@ class _JobsCollector:
         for pool, n in sorted(spares.items()):
             pools.add_metric([pool], n)
         yield pools
+        per_node = GaugeMetricFamily(
+            "trainguard_controller_node_incidents_open",
+            "Unresolved incidents per node (one series per known node).",
+            labels=["node"],
+        )
+        for node, n in sorted(node_incidents.items()):
+            per_node.add_metric([node], n)
+        yield per_node
 
 
 __all__ = ["DEFAULT_SPARE_POOL", "REMEDIATION_PHASES", "ControllerMetrics"]
