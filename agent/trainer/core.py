@@ -239,6 +239,7 @@ class Trainguard:
         self._next_sync: int | None = None  # None: the next step() call syncs
         self._step_time_ema_s: float | None = None
         self._agree_cost_s = 0.0
+        self._last_step = 0
         self._chaos_sleep_s = 0.0
         self._sigterm_at: float | None = None
         self._hard_exit_timer: threading.Timer | None = None
@@ -337,6 +338,7 @@ class Trainguard:
             tokens=tokens,
         )
         self._last_mono = self.clock.monotonic()
+        self._last_step = step
         return action
 
     def save(self, step: int, *, wait: bool = False) -> bool:
@@ -786,7 +788,7 @@ class Trainguard:
         base: dict[str, Any] = {
             "job": self.job,
             "rank": self.rank,
-            "step": max(step, self.ckpt_step or 0) if step < 0 else step,
+            "step": self._last_step if step < 0 else step,
             "t": self.clock.now(),
             "local_rank": self.local_rank,
             "world_size": self.world_size,

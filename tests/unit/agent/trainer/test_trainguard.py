@@ -114,7 +114,8 @@ def test_heartbeats_carry_steps_events_and_committed_checkpoint(
     assert len(committed) == 1
     assert committed[0].event_data["step"] == 5
     assert committed[0].event_data["path"].endswith("step_000005")
-    assert hbs[-1].event == "exit" and hbs[-1].phase == "exit" and hbs[-1].ckpt_step == 5
+    last = hbs[-1]
+    assert (last.event, last.phase, last.ckpt_step, last.step) == ("exit", "exit", 5, 8)
     assert not Path(str(tg.channel.control_socket)).exists()
 
 
