@@ -312,8 +312,9 @@ class Agent:
                 next_mono = max(next_mono + interval, self._clock.monotonic())
                 continue
             try:
-                # short waits so a signal's stop() is seen promptly
-                cmd = self._commands.get(timeout=min(0.25, next_mono - now))
+                # a signal's stop() is seen within one wait (<= 0.5 s); longer waits would only
+                # save wake-ups that cost nothing measurable
+                cmd = self._commands.get(timeout=min(0.5, next_mono - now))
             except queue.Empty:
                 continue
             self.execute(cmd)

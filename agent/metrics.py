@@ -479,7 +479,7 @@ class AgentHttpServer:
         self.port: int = self._httpd.server_address[1]
         self._thread = threading.Thread(
             target=self._httpd.serve_forever,
-            kwargs={"poll_interval": 0.2},
+            kwargs={"poll_interval": 0.5},
             name="http",
             daemon=True,
         )

@@ -8,13 +8,15 @@ exponentially with jitter; commands from responses are handed on once each.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import random
 import stat
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -28,7 +30,6 @@ from agent.protocol import (
     ProtocolError,
     Report,
     ReportResponse,
-    encode_json,
     from_wire,
 )
 
@@ -206,7 +207,7 @@ class Reporter:
         self._seq += 1
         events = self._spool.pending(self._max_events)
         report = self._build(self._seq, events)
-        body = encode_json(report)
+        body = encode_report(report)
         try:
             resp = self._client.post(self.endpoint, content=body)
         except httpx.HTTPError as e:
@@ -301,6 +302,43 @@ class Reporter:
                 next_mono = max(next_mono + self._interval_s, started)
             else:
                 next_mono = self._clock.monotonic() + outcome.retry_in_s
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _wire(value: Any) -> Any:
+    """`agent.protocol.to_wire` with the field names cached per class: same output (a test
+    compares them), ~3x faster, which matters for a report sent every second forever."""
+    t = type(value)
+    if t is float:
+        if math.isfinite(value):
+            return value
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if t is int or t is str or t is bool or value is None:
+        return value
+    names = _FIELD_NAMES.get(t)
+    if names is None and dataclasses.is_dataclass(value) and not isinstance(value, type):
+        names = _FIELD_NAMES[t] = tuple(f.name for f in dataclasses.fields(value))
+    if names is not None:
+        out = {}
+        for name in names:
+            v = getattr(value, name)
+            if v is not None:
+                out[name] = _wire(v)
+        return out
+    if isinstance(value, float):
+        return _wire(float(value))
+    if isinstance(value, Mapping):
+        return {str(k): _wire(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_wire(v) for v in value]
+    return value
+
+
+def encode_report(report: Report) -> bytes:
+    """The report as compact JSON bytes, exactly as `agent.protocol.encode_json` writes it."""
+    return json.dumps(_wire(report), separators=(",", ":"), allow_nan=False).encode()
 
 
 def _short_reason(resp: httpx.Response) -> str:

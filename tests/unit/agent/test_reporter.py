@@ -14,8 +14,16 @@ from typing import Any
 import pytest
 
 from agent.clock import FakeClock
-from agent.protocol import Event, Report, decode_json
-from agent.reporter import EventSpool, Reporter, TokenError, backoff_delay_s, read_token
+from agent.protocol import Event, FaultSpec, RankState, Report, decode_json, encode_json
+from agent.reporter import (
+    EventSpool,
+    Reporter,
+    TokenError,
+    backoff_delay_s,
+    encode_report,
+    read_token,
+)
+from agent.sim import SimHardware
 
 TOKEN = "s3cret-token-value"
 
@@ -244,3 +252,18 @@ def test_missing_or_empty_token_file_is_an_error_naming_the_file(
         f.write_text(content)
     with pytest.raises(TokenError, match=str(f)):
         read_token(f)
+
+
+def test_report_encoder_matches_the_protocol_encoder_exactly() -> None:
+    clock = FakeClock()
+    sim = SimHardware(gpus=2, ib_ports=2, node_name="n", seed=3, clock=clock)
+    sim.inject(FaultSpec(kind="gpu_lost", gpu=1))
+    spool = EventSpool(max_events=10)
+    spool.add(kind="nan_loss", ts=1.0, job="j", rank=0, data={"loss": float("nan"), "x": [1, None]})
+    report = Report(
+        node="n", instance="i", seq=7, sent_at=2.5, labels={"rack": "r1"},
+        gpus=sim.collect().gpus, ib_ports=sim.collect_ib(),
+        ranks=(RankState(job="j", rank=0, step=1, loss=float("-inf"), ckpt_step=None),),
+        events=spool.pending(10), health={"loop_age_s": 0.1},
+    )  # fmt: skip
+    assert encode_report(report) == encode_json(report)
