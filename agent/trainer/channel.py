@@ -8,8 +8,11 @@ the agent. Each rank binds its own control socket and removes it on close.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
+import json
 import logging
+import math
 import os
 import socket
 import tempfile
@@ -18,6 +21,7 @@ from pathlib import Path
 from agent.protocol import (
     CONTROL_MAX_BYTES,
     HEARTBEAT_MAX_BYTES,
+    PROTOCOL_VERSION,
     Control,
     Heartbeat,
     ProtocolError,
@@ -30,6 +34,7 @@ __all__ = [
     "AgentChannel",
     "agent_socket_path",
     "control_socket_path",
+    "encode_plain_heartbeat",
     "job_name",
 ]
 
@@ -48,6 +53,38 @@ _DROP_ERRNOS = {
     errno.EACCES,
     errno.EPERM,
 }
+
+
+# Heartbeat fields whose defaults are not None: the generic encoder always writes them.
+_HB_DEFAULTS: dict[str, object] = {
+    f.name: f.default
+    for f in dataclasses.fields(Heartbeat)
+    if f.default is not dataclasses.MISSING and f.default is not None
+}
+_HB_DEFAULTS["event_data"] = {}
+_HB_DEFAULTS["v"] = PROTOCOL_VERSION
+
+
+def _wire_float(v: float) -> float | str:
+    if math.isfinite(v):
+        return v
+    if math.isnan(v):
+        return "NaN"
+    return "Infinity" if v > 0 else "-Infinity"
+
+
+def encode_plain_heartbeat(fields: dict[str, object]) -> bytes:
+    """The bytes `encode_json(Heartbeat(**fields))` would give, for a heartbeat without an
+    event, in a fraction of the time (this runs every step). Flat fields only."""
+    out: dict[str, object] = dict(_HB_DEFAULTS)
+    for k, v in fields.items():
+        if v is None:
+            out.pop(k, None)
+        elif isinstance(v, float):
+            out[k] = _wire_float(v)
+        else:
+            out[k] = v
+    return json.dumps(out, separators=(",", ":"), allow_nan=False).encode()
 
 
 def job_name(env: dict[str, str] | None = None) -> str:
@@ -111,10 +148,22 @@ class AgentChannel:
             )
             self.dropped += 1
             return False
+        return self.send_raw(raw)
+
+    def send_plain(self, fields: dict[str, object]) -> bool:
+        """Send a heartbeat without an event from its fields (the per-step fast path)."""
+        try:
+            raw = encode_plain_heartbeat(fields)
+        except (TypeError, ValueError) as e:
+            log.warning("event=heartbeat_encode_failed reason=%s", e)
+            self.dropped += 1
+            return False
+        return self.send_raw(raw)
+
+    def send_raw(self, raw: bytes) -> bool:
+        """Send encoded heartbeat bytes; oversized ones are logged and dropped."""
         if len(raw) > HEARTBEAT_MAX_BYTES:
-            log.warning(
-                "event=heartbeat_too_large job=%s rank=%s bytes=%d", hb.job, hb.rank, len(raw)
-            )
+            log.warning("event=heartbeat_too_large bytes=%d", len(raw))
             self.dropped += 1
             return False
         try:

@@ -805,7 +805,7 @@ class Trainguard:
         }
         events, self._events = self._events, []
         if not events:
-            self.channel.send(Heartbeat(**base))
+            self.channel.send_plain(base)
             return
         # One edge event per datagram; the level fields repeat in each.
         for name, data in events:

@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 
 from agent.protocol import Control, Heartbeat, decode_json, encode_json
-from agent.trainer.channel import AgentChannel, control_socket_path, job_name
+from agent.trainer.channel import (
+    AgentChannel,
+    control_socket_path,
+    encode_plain_heartbeat,
+    job_name,
+)
 
 
 def test_heartbeat_reaches_a_listening_agent_socket(short_dir: Path) -> None:
@@ -118,3 +123,33 @@ def test_control_socket_path_uses_control_dir_and_names_job_rank_pid(tmp_path: P
 )
 def test_job_name_comes_from_env(env: dict[str, str], expected: str) -> None:
     assert job_name(env) == expected
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"job": "j", "rank": 0, "step": 1, "t": 1.5},
+        {
+            "job": "j",
+            "rank": 2,
+            "step": 9,
+            "t": 2.0,
+            "loss": float("nan"),
+            "grad_norm": float("inf"),
+            "samples_per_s": None,
+            "phase": "stopping",
+            "ckpt_step": 5,
+            "ckpt_request_id": "r",
+            "control_socket": "/tmp/c.sock",
+            "local_rank": 1,
+            "world_size": 3,
+            "pid": 7,
+        },
+        {"job": "j", "rank": 0, "step": 1, "t": 1.0, "loss": float("-inf"), "step_time_s": 0.05},
+    ],
+    ids=["minimal", "full-with-nonfinite", "negative-infinity"],
+)
+def test_fast_heartbeat_encoding_equals_the_protocol_encoder(fields: dict) -> None:
+    fast = json.loads(encode_plain_heartbeat(fields))
+    assert fast == json.loads(encode_json(Heartbeat(**fields)))
+    decode_json(Heartbeat, encode_plain_heartbeat(fields))
