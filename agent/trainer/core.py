@@ -406,8 +406,20 @@ class Trainguard:
         if ag.request_id is not None:
             self._forget_request(ag.request_id)
         if ag.nonfinite and self.nan_policy == "rollback":
+            if ag.action is not None and ag.request_id is not None:
+                # Every rank learnt the request from the agreement: act on it at the next
+                # agreement, from the restored (finite) state.
+                self._pending.insert(0, (ag.action, ag.request_id))
+                self._handled.remove(ag.request_id)
             return self._rollback(step)
         if ag.nonfinite and self.nan_policy == "stop":
+            if ag.action in ("checkpoint", "checkpoint_stop"):
+                self._events.append(
+                    (
+                        "checkpoint_failed",
+                        {"step": step, "reason": "nonfinite_state", "request_id": request_id},
+                    )
+                )
             self._events.append(("stop", {"step": step, "reason": "nan"}))
             log.error("event=stop job=%s rank=%d step=%d reason=nan", self.job, self.rank, step)
             return StepAction(stop=True, reason="nan")

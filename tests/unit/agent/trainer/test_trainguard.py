@@ -356,3 +356,24 @@ def test_bad_chaos_spec_fails_at_start(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setenv("TRAINGUARD_CHAOS", "nan@stepX")
     with pytest.raises(ChaosSpecError, match="nan@stepX"):
         TinyJob().guard(tmp_path)
+
+
+def test_request_agreed_during_a_nan_rollback_is_honoured_after_it(
+    tmp_path: Path, agent: FakeAgent
+) -> None:
+    job = TinyJob()
+    tg = job.guard(
+        tmp_path, checkpoint_every=5, keep_last=0, nan_policy="rollback", chaos="nan@step7"
+    )
+    batches = job.sampler.batches(job.loader)
+    for step in range(1, 7):
+        tg.step(step, loss=job.train_step(batches))
+    send_control(tg, "checkpoint", "req-during-nan")
+    action = tg.step(7, loss=job.train_step(batches))
+    assert action.rollback and action.next_step == 6
+    batches = job.sampler.batches(job.loader)
+    action = tg.step(6, loss=job.train_step(batches))
+    assert action.checkpoint_started and action.request_id == "req-during-nan"
+    tg.close()
+    assert read_manifest(tmp_path / "step_000006").request_id == "req-during-nan"
+    assert _all_finite(tmp_path / "step_000006")
