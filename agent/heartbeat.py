@@ -58,7 +58,7 @@ MAX_PENDING_EVENTS = 1000  # between two drains (one collect tick); a flood is c
 MAX_SENDERS = 1024  # token buckets kept, least recently used evicted
 STOP_POLL_MS = 500  # the reader notices close() within this
 RATE_LIMITED_SLEEP_S = 0.01  # over the total budget: the kernel queue holds the excess
-COALESCE_S = 0.02
+GATHER_S = 0.005
 DRAIN_BATCH = 256  # datagrams per drain before checking for stop again
 _CRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 
@@ -180,23 +180,26 @@ class HeartbeatServer:
             self.path.unlink()
 
     def _run(self) -> None:
+        # Waking up costs more than decoding a heartbeat, so the reader wakes once per burst:
+        # ranks of a data-parallel job step together, so their heartbeats arrive within
+        # a few milliseconds of each other. Block in poll() (no timer wake-ups while idle),
+        # then wait GATHER_S for the rest of the burst and drain it in one go. GATHER_S is
+        # short enough that the kernel queue (net.unix.max_dgram_qlen, often only 10; a full
+        # queue makes non-blocking senders drop) holds what arrives meanwhile.
         poller = select.poll()
         poller.register(self._sock, select.POLLIN)
         while not self._stop.is_set():
-            # block until a datagram is queued (no timer wake-ups while idle); the timeout
-            # only bounds how long close() waits for this thread
-            if not poller.poll(STOP_POLL_MS):
+            if not poller.poll(STOP_POLL_MS):  # the timeout bounds how long close() waits
                 continue
+            self._stop.wait(GATHER_S)
             try:
                 n = self.drain()
             except Exception:  # never let one bad datagram end heartbeat collection
                 log.exception("event=heartbeat_reader_error")
                 n = 0
-            # after a drain, let a few more datagrams queue up so one wake-up handles several
-            # (waking per datagram costs more than decoding it); the pause is short enough
-            # that the kernel queue (net.unix.max_dgram_qlen, often 10) does not overflow at
-            # 8 ranks x 20 Hz (~3 datagrams per pause). n == 0: over the total rate budget.
-            self._stop.wait(COALESCE_S if n else RATE_LIMITED_SLEEP_S)
+            if n == 0:
+                # readable yet nothing taken: over the total rate budget, let it refill
+                self._stop.wait(RATE_LIMITED_SLEEP_S)
 
     def drain(self, max_datagrams: int = DRAIN_BATCH) -> int:
         """Process queued datagrams without blocking; returns how many were read.
