@@ -218,16 +218,8 @@ def create_app(
 
     async def read_body(request: Request) -> bytes:
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
-            raise ApiError(413, "body too large", {"max_bytes": max_body_bytes})
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body_bytes:
-                raise ApiError(413, "body too large", {"max_bytes": max_body_bytes})
-            chunks.append(chunk)
-        return b"".join(chunks)
+        limit = declared.encode() if declared is not None else None
+        return await _read_limited(limit, request.receive, max_body_bytes)
 
     async def handle_report(
         headers: dict[bytes, bytes], receive: Receive
