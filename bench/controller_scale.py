@@ -400,7 +400,10 @@ def _run(
         p.start()
         workers.append(p)
 
-    client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {OP_TOKEN}"}, timeout=10)
+    # generous: under overload the controller answers its own metrics late too
+    client = httpx.Client(
+        base_url=url, headers={"Authorization": f"Bearer {OP_TOKEN}"}, timeout=120
+    )
     while time.time() < measure_from:
         time.sleep(0.05)
     m0 = client.get("/metrics").text
