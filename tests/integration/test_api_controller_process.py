@@ -82,7 +82,15 @@ def controller(tmp_path: Path) -> Iterator[Proc]:
     log = tmp_path / "controller.log"
     with log.open("w") as f:
         popen = subprocess.Popen(
-            [str(BIN / "trainguard-controller"), "--config", str(cfg)],
+            # --db and --dry-run override the file: the store must land at the flag's path
+            [
+                str(BIN / "trainguard-controller"),
+                "--config",
+                str(cfg),
+                "--db",
+                str(tmp_path / "flag.db"),
+                "--dry-run",
+            ],
             stdout=f,
             stderr=subprocess.STDOUT,
             text=True,
@@ -149,6 +157,8 @@ def test_controller_serves_reports_reloads_on_sighup_and_stops_on_sigterm(
 
     controller.popen.send_signal(signal.SIGTERM)
     assert controller.popen.wait(timeout=30) == 0, controller.text()
+    assert (tmp_path / "flag.db").exists()
+    assert not (tmp_path / "c.db").exists()
     text = controller.text()
     assert "event=controller_stopped" in text
     assert "op-token" not in text
