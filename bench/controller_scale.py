@@ -23,6 +23,7 @@ import multiprocessing as mp
 import os
 import re
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -312,6 +313,7 @@ def main() -> int:
     )
     ap.add_argument("--ingest-in-threadpool", action="store_true", help="controller option")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--keep", action="store_true", help="keep the controller's store and log")
     ap.add_argument(
         "--decode-only",
         action="store_true",
@@ -373,6 +375,11 @@ def main() -> int:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait(timeout=30)
+        if args.keep:
+            print(f"controller files kept in {tmp}", file=sys.stderr)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _run(
