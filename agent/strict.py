@@ -116,7 +116,7 @@ def build(cls: type[T], data: Any, *, source: str = "", prefix: str = "") -> T:
         raise ConfigError(source, _join(prefix, e.key), e.reason) from None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _schema(cls: type) -> tuple[dict[str, Any], dict[str, dataclasses.Field[Any]]]:
     # get_type_hints is costly; decoding reports on the hot path needs it once per class
     hints = typing.get_type_hints(cls)
@@ -172,9 +172,7 @@ def _convert(tp: Any, value: Any, source: str, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(source, key, f"expected a mapping, got {_tname(value)}")
         val_t = args[1] if len(args) == 2 else Any
-        return {
-            str(k): _convert(val_t, v, source, f"{key}.{k}") for k, v in value.items()
-        }
+        return {str(k): _convert(val_t, v, source, f"{key}.{k}") for k, v in value.items()}
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return build(tp, value, source=source, prefix=key)
     if tp is bool:
