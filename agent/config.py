@@ -15,6 +15,12 @@ from agent.strict import ConfigError, Invalid, apply_overrides, build, load_file
 
 DEFAULT_CONFIG_PATH = "/etc/trainguard/agent.yaml"
 DEFAULT_HEARTBEAT_SOCKET = "/run/trainguard/heartbeat.sock"
+DEFAULT_JOBS_WORK_DIR = "/var/lib/trainguard/jobs"
+# Link-local instance metadata address; AWS IMDS and the GCP metadata server both answer here.
+METADATA_BASE_URL = "http://169.254.169.254"
+# A rank binds `<control_dir>/tg-ctl-<job, <= 40 chars>-r<rank>-<pid>.sock`: at most 68 bytes
+# after the directory and its slash, and a unix socket path must fit 107 bytes.
+CONTROL_DIR_MAX_BYTES = 38
 
 GpuBackend = Literal["nvml", "sim"]
 
@@ -38,6 +44,23 @@ class NodeConfig:
     labels: dict[str, str] = field(default_factory=dict)
     # A hint for the controller's spare pool; None leaves the decision to the controller.
     role_hint: Literal["active", "spare"] | None = None
+    # Address other nodes reach this one at (IP or host name), sent as labels["address"]: the
+    # controller uses it for a job's rendezvous endpoint. Empty = not advertised.
+    advertise_address: str = ""
+
+    def __post_init__(self) -> None:
+        addr = self.advertise_address
+        if addr and (any(c.isspace() for c in addr) or "/" in addr or len(addr) > 253):
+            raise Invalid("advertise_address", f"must be an IP address or host name, got {addr!r}")
+        if addr and "address" in self.labels:
+            raise Invalid("labels.address", "conflicts with node.advertise_address (set only one)")
+
+    def report_labels(self) -> dict[str, str]:
+        """The labels sent with every report: `labels`, plus `address` when advertised."""
+        out = dict(self.labels)
+        if self.advertise_address:
+            out["address"] = self.advertise_address
+        return out
 
     def resolved_name(self) -> str:
         return self.name or socket.gethostname()
@@ -165,6 +188,73 @@ class ControllerConfig:
 
 
 @dataclass(frozen=True)
+class JobsConfig:
+    # Job output, `<work_dir>/<job>-<attempt>.log`: on disk (not tmpfs) so a crashed job's
+    # log survives for the post-mortem. The systemd unit's StateDirectory makes it writable.
+    work_dir: str = DEFAULT_JOBS_WORK_DIR
+    # Where ranks bind their control sockets (TRAINGUARD_CONTROL_DIR). Empty = the heartbeat
+    # socket's directory (/run/trainguard): under the unit's PrivateTmp the agent cannot see
+    # a rank's /tmp, so the control sockets must live beside the heartbeat socket.
+    control_dir: str = ""
+    # Agent shutdown: SIGTERM every job, SIGKILL after this many seconds. Long enough for an
+    # emergency checkpoint of a small job; the unit's TimeoutStopSec (20) bounds it anyway.
+    stop_grace_s: float = 10.0
+    # Output lines kept per job for reports and job_exit events.
+    output_tail_lines: int = 40
+    # collect_stacks: seconds to wait for all ranks' dumps together (each rank in turn).
+    stacks_timeout_s: float = 5.0
+    # collect_stacks: most bytes of stack text returned (a report must stay small).
+    stacks_max_bytes: int = 16384
+
+    def __post_init__(self) -> None:
+        if not self.work_dir:
+            raise Invalid("work_dir", "must not be empty")
+        if len(self.control_dir.encode()) > CONTROL_DIR_MAX_BYTES:
+            raise Invalid(
+                "control_dir",
+                f"too long for unix socket paths: {len(self.control_dir.encode())} bytes "
+                f"(at most {CONTROL_DIR_MAX_BYTES})",
+            )
+        if not 0 <= self.stop_grace_s <= 3600:
+            raise Invalid("stop_grace_s", f"must be in [0, 3600], got {self.stop_grace_s}")
+        if self.output_tail_lines < 0:
+            raise Invalid("output_tail_lines", f"must be >= 0, got {self.output_tail_lines}")
+        _check_positive("stacks_timeout_s", self.stacks_timeout_s)
+        if self.stacks_max_bytes < 1024:
+            raise Invalid("stacks_max_bytes", f"must be >= 1024, got {self.stacks_max_bytes}")
+
+
+PreemptionProvider = Literal["none", "aws", "gcp"]
+
+
+@dataclass(frozen=True)
+class PreemptionConfig:
+    # Which metadata service announces preemption: "aws" (IMDSv2 spot instance-action),
+    # "gcp" (instance/preempted, maintenance-event), or "none" (off: not every node is a VM).
+    provider: PreemptionProvider = "none"
+    # Metadata service base URL; empty = the link-local address (tests point it elsewhere).
+    base_url: str = ""
+    # Seconds between polls. AWS warns 2 minutes ahead, GCP only 30 s: 2 s costs two local
+    # HTTP requests and leaves most of GCP's notice for the emergency checkpoint.
+    poll_interval_s: float = 2.0
+    # Seconds for one metadata request; short, the service is on the host.
+    timeout_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.base_url and not self.base_url.startswith(("http://", "https://")):
+            raise Invalid("base_url", f"must start with http:// or https://, got {self.base_url!r}")
+        _check_positive("poll_interval_s", self.poll_interval_s)
+        _check_positive("timeout_s", self.timeout_s)
+        if self.timeout_s > self.poll_interval_s:
+            raise Invalid(
+                "timeout_s", f"must not exceed preemption.poll_interval_s ({self.poll_interval_s})"
+            )
+
+    def resolved_base_url(self) -> str:
+        return (self.base_url or METADATA_BASE_URL).rstrip("/")
+
+
+@dataclass(frozen=True)
 class LogConfig:
     # "debug" adds one line per report; "info" logs state changes only.
     level: Literal["debug", "info", "warning", "error"] = "info"
@@ -177,6 +267,8 @@ class AgentConfig:
     heartbeat: HeartbeatConfig = field(default_factory=HeartbeatConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
+    jobs: JobsConfig = field(default_factory=JobsConfig)
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
@@ -216,13 +308,17 @@ def load_config(
 __all__ = [
     "DEFAULT_CONFIG_PATH",
     "DEFAULT_HEARTBEAT_SOCKET",
+    "DEFAULT_JOBS_WORK_DIR",
+    "METADATA_BASE_URL",
     "AgentConfig",
     "ConfigError",
     "ControllerConfig",
     "HardwareConfig",
     "HeartbeatConfig",
+    "JobsConfig",
     "LogConfig",
     "MetricsConfig",
     "NodeConfig",
+    "PreemptionConfig",
     "load_config",
 ]

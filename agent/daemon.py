@@ -1,9 +1,10 @@
 """The agent daemon: builds the backends, runs the collect loop, serves, reports, executes.
 
 `Agent.tick()` is one collect iteration (testable on a FakeClock); `Agent.run()` is the loop
-that also executes controller commands as they arrive. Threads: heartbeat reader, HTTP
-server, reporter (only with a controller); everything they share is an immutable snapshot
-or guarded by a lock.
+that also executes controller commands as they arrive and drives the job backend. Threads:
+heartbeat reader, HTTP server, reporter (only with a controller), preemption watcher (only
+with a provider), one worker for slow commands (`collect_stacks`); everything they share is
+an immutable snapshot or guarded by a lock.
 """
 
 from __future__ import annotations
@@ -23,20 +24,29 @@ from typing import Any
 
 from agent import __version__
 from agent.clock import SYSTEM_CLOCK, Clock
-from agent.commands import CommandExecutor, default_executor
-from agent.config import DEFAULT_HEARTBEAT_SOCKET, AgentConfig
+from agent.commands import CommandExecutor, CommandResult, default_executor
+from agent.config import DEFAULT_HEARTBEAT_SOCKET, DEFAULT_JOBS_WORK_DIR, AgentConfig
 from agent.heartbeat import HeartbeatServer, TrainerEvent
+from agent.jobs import JobRunner, job_handlers
 from agent.metrics import AgentHttpServer, AgentSnapshot, SnapshotCollector
 from agent.model import EventSource, GpuCollector, GpuSample, HardwareEvent, IbCollector
-from agent.protocol import Command, Event, FaultSpec, Report
+from agent.preemption import MetadataProbe, PreemptionNotice, PreemptionWatcher, build_probe
+from agent.protocol import Command, Control, Event, FaultSpec, Report
 from agent.reporter import EventSpool, Reporter, read_token
 from agent.sim import SimHardware
+from agent.stacks import stacks_handler
 from agent.systemd import SystemdNotifier
 
 log = logging.getLogger("trainguard.agent")
 
 MAX_XID_SERIES = 1024  # (gpu, xid) pairs counted; a garbled kernel log cannot grow it further
 COMMAND_QUEUE_MAX = 1000
+# Commands that wait on the ranks (seconds): run by a worker thread so the collect loop, the
+# watchdog and /healthz keep going meanwhile. One at a time, in arrival order.
+SLOW_COMMANDS = frozenset({"collect_stacks"})
+# The last report on shutdown carries the stop's own events (job exits); bounded so a dead
+# controller cannot hold up the stop (systemd's TimeoutStopSec is 20 s).
+FINAL_REPORT_TIMEOUT_S = 2.0
 
 
 class StartupError(RuntimeError):
@@ -127,6 +137,11 @@ def _fallback_socket_path() -> Path:
     return Path(base) / f"trainguard-{os.getuid()}" / "heartbeat.sock"
 
 
+def _fallback_jobs_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or tempfile.gettempdir()
+    return Path(base) / f"trainguard-{os.getuid()}" / "jobs"
+
+
 class _AgentFaults:
     """The agent as a FaultTarget: controller-injected faults are logged and spooled too."""
 
@@ -176,6 +191,13 @@ class Agent:
         self.reporter: Reporter | None = None
         self._reporter_thread: threading.Thread | None = None
         self.executor: CommandExecutor | None = None
+        self.jobs: JobRunner | None = None
+        self._slow: queue.Queue[Command | None] = queue.Queue(maxsize=COMMAND_QUEUE_MAX)
+        self._slow_thread: threading.Thread | None = None
+        self._count_lock = threading.Lock()  # the loop and the slow-command worker both count
+        self.preemption: PreemptionWatcher | None = None
+        self._preemption_seen: PreemptionNotice | None = None  # set by the watcher thread
+        self._preemption_handled: PreemptionNotice | None = None  # the loop acted on it
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -187,6 +209,18 @@ class Agent:
             sender=self.heartbeat,
             fault_target=_AgentFaults(self) if self._backends.sim is not None else None,
         )
+        self.jobs = self._open_jobs(self.heartbeat)
+        for kind, handler in job_handlers(self.jobs).items():
+            self.executor.register(kind, handler)
+        heartbeat = self.heartbeat
+        for kind, handler in stacks_handler(
+            source=self.jobs,
+            ranks=heartbeat.ranks,
+            clock=self._clock,
+            timeout_s=self.config.jobs.stacks_timeout_s,
+            max_bytes=self.config.jobs.stacks_max_bytes,
+        ).items():
+            self.executor.register(kind, handler)
         self.tick()
         if self._serve_http:
             m = self.config.metrics
@@ -231,9 +265,17 @@ class Agent:
                 daemon=True,
             )
             self._reporter_thread.start()
+        probe = self._probe()
+        if probe is not None:
+            self.preemption = PreemptionWatcher(
+                probe,
+                interval_s=self.config.preemption.poll_interval_s,
+                on_notice=self._on_preemption_notice,
+            )
+            self.preemption.start()
         log.info(
             "event=agent_started version=%s instance=%s backend=%s gpus=%d ib_ports=%d "
-            "metrics_port=%s heartbeat_socket=%s controller=%s",
+            "metrics_port=%s heartbeat_socket=%s controller=%s jobs_dir=%s preemption=%s",
             __version__,
             self.instance,
             self.config.hardware.gpu_backend,
@@ -242,6 +284,8 @@ class Agent:
             self.http.port if self.http else "none",
             self.heartbeat.path,
             c.url or "none",
+            self.jobs.work_dir,
+            self.config.preemption.provider,
         )
         self._notifier.ready(status=f"serving node={self.node}")
 
@@ -281,17 +325,75 @@ class Agent:
                 f"{fallback}: cannot create heartbeat socket: {e.strerror or e}"
             ) from None
 
+    def _open_jobs(self, heartbeat: HeartbeatServer) -> JobRunner:
+        """The torchrun backend; its ranks send to the socket actually bound (after any
+        fallback) and bind control sockets beside it unless jobs.control_dir says otherwise."""
+        jc = self.config.jobs
+        kwargs: dict[str, Any] = {
+            "node_name": self.node,
+            "heartbeat_socket": str(heartbeat.path),
+            "control_dir": jc.control_dir or str(heartbeat.path.parent),
+            "clock": self._clock,
+            "output_tail_lines": jc.output_tail_lines,
+        }
+        try:
+            return JobRunner(work_dir=jc.work_dir, **kwargs)
+        except PermissionError as e:
+            if jc.work_dir != DEFAULT_JOBS_WORK_DIR:
+                raise StartupError(
+                    f"{jc.work_dir}: cannot create jobs.work_dir: {e.strerror}"
+                ) from None
+            fallback = _fallback_jobs_dir()
+            log.warning(
+                "event=jobs_dir_fallback wanted=%s using=%s reason=%r",
+                jc.work_dir,
+                fallback,
+                e.strerror,
+            )
+        except OSError as e:
+            raise StartupError(
+                f"{jc.work_dir}: cannot create jobs.work_dir: {e.strerror or e}"
+            ) from None
+        try:
+            return JobRunner(work_dir=str(fallback), **kwargs)
+        except OSError as e:
+            raise StartupError(f"{fallback}: cannot create the jobs directory: {e}") from None
+
+    def _probe(self) -> MetadataProbe | None:
+        return build_probe(self.config.preemption, clock=self._clock)
+
     def stop(self) -> None:
         """Ask the loop to end (safe from a signal handler: sets a flag only)."""
         self._stop.set()
 
     def close(self) -> None:
+        """Stop everything in order: reporting loop, watchers, jobs (graceful, bounded), one
+        last bounded report carrying the jobs' exits, then the sockets and backends."""
         self._notifier.stopping()
         self._stop.set()
         if self._reporter_thread is not None:
             self._reporter_thread.join(timeout=10.0)
+        if self.preemption is not None:
+            self.preemption.close()
+        if self._slow_thread is not None:
+            self._slow.put(None)
+            self._slow_thread.join(timeout=self.config.jobs.stacks_timeout_s + 1.0)
+        if self.jobs is not None:
+            self.jobs.close(grace_s=self.config.jobs.stop_grace_s)
+            self._spool_job_events()
+        if self.heartbeat is not None:
+            self._spool_trainer_events()  # the ranks' exit / checkpoint events of the stop
         if self.reporter is not None:
-            self.reporter.close()
+            reporter = self.reporter
+            last = threading.Thread(
+                target=reporter.final_report,
+                kwargs={"timeout_s": FINAL_REPORT_TIMEOUT_S},
+                name="final-report",
+                daemon=True,
+            )
+            last.start()
+            last.join(FINAL_REPORT_TIMEOUT_S + 0.5)
+            reporter.close()
         if self.http is not None:
             self.http.close()
         if self.heartbeat is not None:
@@ -305,6 +407,7 @@ class Agent:
         interval = self.config.hardware.collect_interval_s
         next_mono = self._clock.monotonic() + interval
         while not self._stop.is_set():
+            self._spool_job_events()
             now = self._clock.monotonic()
             if now >= next_mono:
                 self.tick()
@@ -347,6 +450,46 @@ class Agent:
         for ev in hw_events:
             self._on_hardware_event(ev)
         assert self.heartbeat is not None, "start() binds the heartbeat socket first"
+        self._spool_trainer_events()
+        self._spool_job_events()
+        self._act_on_preemption()
+        ranks = self.heartbeat.ranks()
+        if self._checkpoints:  # forget ranks the heartbeat server forgot (bounded series)
+            live = {(r.job, r.rank) for r in ranks}
+            self._checkpoints = {k: v for k, v in self._checkpoints.items() if k in live}
+        self._loops += 1
+        hb = self.heartbeat.stats()
+        rep = self.reporter
+        with self._count_lock:
+            events_total = dict(self._events_total)
+            commands_total = dict(self._commands_total)
+        self._snapshot = AgentSnapshot(
+            node=self.node,
+            version=__version__,
+            gpus=gpus,
+            ib_ports=ib_ports,
+            ranks=ranks,
+            xid_total=dict(self._xid_total),
+            collect_duration_s=dict(self._collect_duration_s),
+            collect_errors_total=dict(self._collect_errors_total),
+            reports_total=dict(rep.results_total) if rep else {},
+            heartbeats_received_total=hb["received_total"],
+            heartbeats_dropped_total=hb["dropped_total"],
+            control_sent_total=hb["control_sent_total"],
+            control_errors_total=hb["control_errors_total"],
+            spool_events=len(self.spool),
+            spool_dropped_total=self.spool.dropped_total,
+            events_total=events_total,
+            commands_total=commands_total,
+            loop_iterations_total=self._loops,
+            checkpoints=dict(self._checkpoints),
+            preemption_notice=self._preemption_handled is not None,
+        )
+        self._last_tick_mono = self._clock.monotonic()
+        self._notifier.watchdog()
+
+    def _spool_trainer_events(self) -> None:
+        assert self.heartbeat is not None, "start() binds the heartbeat socket first"
         for tev in self.heartbeat.drain_events():
             log.info(
                 "event=trainer_event kind=%s job=%s rank=%d step=%s",
@@ -365,36 +508,69 @@ class Agent:
             )
             if tev.kind == "checkpoint_committed":
                 self._note_checkpoint(tev)
-        ranks = self.heartbeat.ranks()
-        if self._checkpoints:  # forget ranks the heartbeat server forgot (bounded series)
-            live = {(r.job, r.rank) for r in ranks}
-            self._checkpoints = {k: v for k, v in self._checkpoints.items() if k in live}
-        self._loops += 1
-        hb = self.heartbeat.stats()
-        rep = self.reporter
-        self._snapshot = AgentSnapshot(
-            node=self.node,
-            version=__version__,
-            gpus=gpus,
-            ib_ports=ib_ports,
-            ranks=ranks,
-            xid_total=dict(self._xid_total),
-            collect_duration_s=dict(self._collect_duration_s),
-            collect_errors_total=dict(self._collect_errors_total),
-            reports_total=dict(rep.results_total) if rep else {},
-            heartbeats_received_total=hb["received_total"],
-            heartbeats_dropped_total=hb["dropped_total"],
-            control_sent_total=hb["control_sent_total"],
-            control_errors_total=hb["control_errors_total"],
-            spool_events=len(self.spool),
-            spool_dropped_total=self.spool.dropped_total,
-            events_total=dict(self._events_total),
-            commands_total=dict(self._commands_total),
-            loop_iterations_total=self._loops,
-            checkpoints=dict(self._checkpoints),
+
+    def _spool_job_events(self) -> None:
+        """Reap job exits and escalate overdue stops; spool each `job_exit` once."""
+        if self.jobs is None:
+            return
+        for jev in self.jobs.poll():
+            self._spool_event(
+                kind=jev.kind,
+                ts=jev.ts,
+                job=jev.job,
+                code=jev.exit_code,
+                message=jev.message,
+                data={"attempt": jev.attempt, **jev.data},
+            )
+
+    # -- preemption ------------------------------------------------------------------------
+
+    def _on_preemption_notice(self, notice: PreemptionNotice) -> None:
+        """From the watcher thread: remember the notice; the loop acts on it at its next tick."""
+        self._preemption_seen = notice
+
+    def _act_on_preemption(self) -> None:
+        """Once per notice: ask every local rank for an emergency checkpoint-and-stop, and
+        tell the controller."""
+        notice = self._preemption_seen
+        if notice is None or self._preemption_handled is not None:
+            return
+        self._preemption_handled = notice
+        assert self.heartbeat is not None, "start() binds the heartbeat socket first"
+        jobs = sorted({r.job for r in self.heartbeat.ranks()})
+        request_id = f"preempt-{self.instance}"
+        sent = failed = 0
+        for job in jobs:
+            s, f = self.heartbeat.send_control(
+                job, Control(action="checkpoint_stop", request_id=request_id, job=job)
+            )
+            sent += s
+            failed += f
+        log.warning(
+            "event=preemption_checkpoint_stop provider=%s action=%s time=%s jobs=%s "
+            "ranks_sent=%d ranks_failed=%d request_id=%s",
+            notice.provider,
+            notice.action,
+            notice.time or "-",
+            ",".join(jobs) or "-",
+            sent,
+            failed,
+            request_id,
         )
-        self._last_tick_mono = self._clock.monotonic()
-        self._notifier.watchdog()
+        self._spool_event(
+            kind="preemption_notice",
+            ts=self._clock.now(),
+            message=f"{notice.provider} {notice.action}",
+            data={
+                "provider": notice.provider,
+                "action": notice.action,
+                "time": notice.time,
+                "jobs": jobs,
+                "ranks_sent": sent,
+                "ranks_failed": failed,
+                "request_id": request_id,
+            },
+        )
 
     def _note_checkpoint(self, tev: TrainerEvent) -> None:
         """Keep the newest commit per rank; a missing or nonsensical duration is absent."""
@@ -447,7 +623,8 @@ class Agent:
 
     def _spool_event(self, *, kind: str, ts: float, **kwargs: Any) -> Event | None:
         """Count the event; spool it only when a controller will ever read the spool."""
-        self._events_total[kind] = self._events_total.get(kind, 0) + 1
+        with self._count_lock:
+            self._events_total[kind] = self._events_total.get(kind, 0) + 1
         if not self.config.controller.url:
             return None
         return self.spool.add(kind=kind, ts=ts, **kwargs)
@@ -466,10 +643,40 @@ class Agent:
                 )
 
     def execute(self, cmd: Command) -> None:
+        """Run one command now, or hand a slow one to the worker; its result is spooled."""
         assert self.executor is not None, "start() creates the executor"
-        result = self.executor.execute(cmd)
+        if cmd.kind in SLOW_COMMANDS:
+            self._submit_slow(cmd)
+            return
+        self._record_result(cmd, self.executor.execute(cmd))
+
+    def _submit_slow(self, cmd: Command) -> None:
+        if self._slow_thread is None:
+            self._slow_thread = threading.Thread(
+                target=self._slow_worker, name="slow-commands", daemon=True
+            )
+            self._slow_thread.start()
+        try:
+            self._slow.put_nowait(cmd)
+        except queue.Full:
+            self._record_result(cmd, CommandResult(ok=False, message="agent busy: queue full"))
+
+    def _slow_worker(self) -> None:
+        assert self.executor is not None, "start() creates the executor"
+        while True:
+            cmd = self._slow.get()
+            if cmd is None:
+                return
+            if self._stop.is_set():
+                result = CommandResult(ok=False, message="agent stopping")
+            else:
+                result = self.executor.execute(cmd)
+            self._record_result(cmd, result)
+
+    def _record_result(self, cmd: Command, result: CommandResult) -> None:
         key = (cmd.kind, "ok" if result.ok else "failed")
-        self._commands_total[key] = self._commands_total.get(key, 0) + 1
+        with self._count_lock:
+            self._commands_total[key] = self._commands_total.get(key, 0) + 1
         self._spool_event(
             kind="command_result",
             ts=self._clock.now(),
@@ -519,10 +726,11 @@ class Agent:
             sent_at=self._clock.now(),
             agent_version=__version__,
             role_hint=self.config.node.role_hint,
-            labels=dict(self.config.node.labels),
+            labels=self.config.node.report_labels(),
             gpus=snap.gpus if snap else (),
             ib_ports=snap.ib_ports if snap else (),
             ranks=self.heartbeat.ranks() if self.heartbeat else (),
+            jobs=self.jobs.processes() if self.jobs else (),
             events=events,
             health={
                 "spool_events": float(len(self.spool)),

@@ -38,6 +38,7 @@ __all__ = [
     "JOB_EXIT",
     "LAUNCH_ID_ENV",
     "RESERVED_ENV",
+    "JobAlreadyRunning",
     "JobError",
     "JobEvent",
     "JobRunner",
@@ -85,6 +86,10 @@ _MAX_EXITED_KEPT = 16
 
 class JobError(ValueError):
     """A job request that cannot be carried out; the message says what and why."""
+
+
+class JobAlreadyRunning(JobError):
+    """`start` of the very attempt that is already running here (a repeated command)."""
 
 
 # --- command arguments ---------------------------------------------------------------------
@@ -497,6 +502,11 @@ class JobRunner:
         self._jobs: dict[str, _Job] = {}
         self._pending: list[JobEvent] = []
 
+    @property
+    def work_dir(self) -> Path:
+        """Where job logs are written."""
+        return self._work_dir
+
     # -- commands ---------------------------------------------------------------------------
 
     def start(self, spec: StartJob) -> None:
@@ -504,6 +514,15 @@ class JobRunner:
         interpreter/working directory is missing."""
         with self._lock:
             current = self._jobs.get(spec.job)
+            if (
+                current is not None
+                and current.state != "exited"
+                and current.spec.attempt == spec.attempt
+            ):
+                raise JobAlreadyRunning(
+                    f"job {spec.job!r} attempt {spec.attempt} is already {current.state} on "
+                    f"node {self._node} (pid {current.proc.pid})"
+                )
             if current is not None and current.state != "exited":
                 raise JobError(
                     f"job {spec.job!r} attempt {current.spec.attempt} is already running on "
@@ -665,6 +684,16 @@ class JobRunner:
             ]
         return tuple(out)
 
+    def launch_processes(self, job: str) -> set[int]:
+        """Live pids of the job's current launch (torchrun and its workers); empty when the
+        job is not running here. Read from /proc now, so a recycled pid is never in it."""
+        with self._lock:
+            j = self._jobs.get(job)
+            if j is None or j.state == "exited":
+                return set()
+            leader, launch_id = j.proc.pid, j.launch_id
+        return find_launch_processes(leader_pid=leader, launch_id=launch_id)
+
     def log_path(self, job: str) -> Path | None:
         """Where the job's latest attempt writes its output (None if never started here)."""
         with self._lock:
@@ -789,7 +818,15 @@ def job_handlers(runner: JobRunner) -> dict[str, Handler]:
 
     def start_job(cmd: Command) -> CommandResult:
         spec = parse_start_job(cmd.args)
-        runner.start(spec)
+        try:
+            runner.start(spec)
+        except JobAlreadyRunning as e:
+            # the same (job, attempt) again, e.g. re-sent under a new command id: a no-op
+            return CommandResult(
+                ok=True,
+                message=str(e),
+                data={"job": spec.job, "attempt": spec.attempt, "already_running": True},
+            )
         return CommandResult(
             ok=True,
             message=f"started job {spec.job} attempt {spec.attempt}",

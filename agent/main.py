@@ -37,6 +37,10 @@ _FLAG_TO_KEY = {
     "ib_sysfs_root": "hardware.ib_sysfs_root",
     "kmsg_path": "hardware.kmsg_path",
     "heartbeat_socket": "heartbeat.socket_path",
+    "jobs_dir": "jobs.work_dir",
+    "advertise_address": "node.advertise_address",
+    "preemption": "preemption.provider",
+    "preemption_url": "preemption.base_url",
     "metrics_address": "metrics.address",
     "metrics_port": "metrics.port",
     "controller": "controller.url",
@@ -65,6 +69,10 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--ib-sysfs-root", help="InfiniBand sysfs root")
     p.add_argument("--kmsg-path", help="kernel log for XIDs ('' disables)")
     p.add_argument("--heartbeat-socket", help="unix datagram socket for trainer heartbeats")
+    p.add_argument("--jobs-dir", help="where job logs are written (jobs.work_dir)")
+    p.add_argument("--advertise-address", help="address other nodes reach this one at")
+    p.add_argument("--preemption", choices=["none", "aws", "gcp"], help="preemption notices")
+    p.add_argument("--preemption-url", help="metadata service base URL (tests, proxies)")
     p.add_argument("--metrics-address")
     p.add_argument("--metrics-port", type=int, help="/metrics port (0 = pick a free one)")
     p.add_argument("--controller", help="controller base URL (omit for export-only)")

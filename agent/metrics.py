@@ -55,6 +55,8 @@ class AgentSnapshot:
     loop_iterations_total: int = 0
     # (job, rank) -> (duration_s or None, commit unix time) of the newest committed checkpoint
     checkpoints: Mapping[tuple[str, int], tuple[float | None, float]] = field(default_factory=dict)
+    # a cloud preemption notice was seen (the node is going away; ranks were told to stop)
+    preemption_notice: bool = False
 
 
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
@@ -413,6 +415,13 @@ def _agent_families(snap: AgentSnapshot, node: str) -> Iterator[Metric]:
     loops = _counter("trainguard_agent_loop_iterations_total", "Collect loop iterations.", ["node"])
     loops.add_metric([node], float(snap.loop_iterations_total))
     yield loops
+    preempt = _gauge(
+        "trainguard_agent_preemption_notice",
+        "1 once the cloud announced this VM's preemption or termination.",
+        ["node"],
+    )
+    preempt.add_metric([node], _b(snap.preemption_notice))
+    yield preempt
 
 
 def _labelled_counter(

@@ -202,14 +202,20 @@ class Reporter:
     def close(self) -> None:
         self._client.close()
 
-    def report_once(self) -> ReportOutcome:
-        """Build and send one report now; handles ack, dedupe and back-off bookkeeping."""
+    def report_once(self, *, timeout_s: float | None = None) -> ReportOutcome:
+        """Build and send one report now; handles ack, dedupe and back-off bookkeeping.
+
+        `timeout_s` bounds this one request (default: the client's `timeout_s`).
+        """
         self._seq += 1
         events = self._spool.pending(self._max_events)
         report = self._build(self._seq, events)
         body = encode_report(report)
         try:
-            resp = self._client.post(self.endpoint, content=body)
+            if timeout_s is None:
+                resp = self._client.post(self.endpoint, content=body)
+            else:
+                resp = self._client.post(self.endpoint, content=body, timeout=timeout_s)
         except httpx.HTTPError as e:
             return self._failed("error", None, f"{type(e).__name__}: {e}")
         if resp.status_code == 200:
@@ -282,6 +288,30 @@ class Reporter:
                 "event=report_failed status=%s reason=%r retry_in_s=%.1f", status, reason, delay
             )
         return ReportOutcome(result=result, retry_in_s=delay, status=status)
+
+    def final_report(self, *, timeout_s: float) -> ReportOutcome:
+        """One last report on shutdown, bounded by `timeout_s`, so the events of the stop
+        itself (job exits, trainer exits, command results) reach the controller. Commands
+        in its response are not run (the agent is going away) and are logged as such."""
+        try:
+            outcome = self.report_once(timeout_s=timeout_s)
+        except Exception:  # shutting down: report the bug, never hang or raise here
+            log.exception("event=final_report_error")
+            return ReportOutcome(result="error", retry_in_s=0.0)
+        for cmd in outcome.commands:
+            log.warning(
+                "event=command_not_run command_id=%s kind=%s reason=agent_stopping",
+                cmd.id,
+                cmd.kind,
+            )
+        log.info(
+            "event=final_report result=%s status=%s acked=%d unsent_events=%d",
+            outcome.result,
+            outcome.status,
+            outcome.acked,
+            len(self._spool),
+        )
+        return outcome
 
     def run(
         self, stop: threading.Event, on_commands: Callable[[tuple[Command, ...]], None]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import hashlib
 import json
 import logging
 import math
@@ -100,15 +101,31 @@ def agent_socket_path(env: dict[str, str] | None = None) -> str:
 def control_socket_path(
     *, job: str, rank: int, pid: int, agent_socket: str, env: dict[str, str] | None = None
 ) -> str:
-    """Where this rank listens: `$TRAINGUARD_CONTROL_DIR` or the agent socket's directory."""
+    """Where this rank listens: `$TRAINGUARD_CONTROL_DIR` or the agent socket's directory.
+
+    The agent must be able to reach the path: under its systemd unit (PrivateTmp) it sees
+    /run/trainguard but not the rank's /tmp. So a path too long for a unix socket first
+    shortens the name (job hashed) in the same directory; only a directory that is itself
+    too long falls back to the temp directory, with a warning.
+    """
     e = os.environ if env is None else env
     directory = e.get("TRAINGUARD_CONTROL_DIR") or str(Path(agent_socket).parent)
     safe_job = "".join(c if c.isalnum() or c in "-_." else "_" for c in job)[:40]
     name = f"tg-ctl-{safe_job}-r{rank}-{pid}.sock"
     path = os.path.join(directory, name)
-    if len(path.encode()) > _SUN_PATH_MAX:
-        # Deep directories happen (pytest tmp dirs); a short private dir keeps it bindable.
-        path = os.path.join(tempfile.gettempdir(), name)
+    if len(path.encode()) <= _SUN_PATH_MAX:
+        return path
+    short = f"tg-ctl-{hashlib.sha256(job.encode()).hexdigest()[:8]}-r{rank}-{pid}.sock"
+    path = os.path.join(directory, short)
+    if len(path.encode()) <= _SUN_PATH_MAX:
+        return path
+    path = os.path.join(tempfile.gettempdir(), name)
+    log.warning(
+        "event=control_socket_fallback wanted_dir=%s using=%s reason=path_too_long "
+        "hint=an_agent_with_PrivateTmp_cannot_reach_it",
+        directory,
+        path,
+    )
     return path
 
 

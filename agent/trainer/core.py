@@ -10,6 +10,7 @@ the state needed to run step k+1; `resume()` returns k+1.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import math
 import os
@@ -17,6 +18,7 @@ import secrets
 import shutil
 import signal
 import statistics
+import sys
 import threading
 import time
 from collections import deque
@@ -143,6 +145,7 @@ class Trainguard:
         sigterm_grace_s: float = 30.0,
         sigterm_hard_exit: bool = True,
         checkpoint_timeout_s: float = 600.0,
+        dump_stacks_on_sigusr1: bool = True,
         job: str | None = None,
         chaos: str | None = None,
         clock: Clock = SYSTEM_CLOCK,
@@ -249,6 +252,8 @@ class Trainguard:
         if handle_sigterm and threading.current_thread() is threading.main_thread():
             self._prev_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
             self._handler_installed = True
+        if dump_stacks_on_sigusr1:
+            _register_stack_dump()
         log.info(
             "event=trainer_start job=%s rank=%d world_size=%d ckpt_dir=%s control_socket=%s "
             "chaos=%s",
@@ -879,6 +884,30 @@ class Trainguard:
                     p.fill_(math.nan)
                     break
         log.error("event=chaos_nan job=%s rank=%d", self.job, self.rank)
+
+
+_stack_dump_registered = False
+
+
+def _register_stack_dump() -> None:
+    """SIGUSR1 -> every thread's Python stack on stderr (faulthandler, in C: it works while
+    the loop is stuck in a collective). The agent's `collect_stacks` sends it. It stays
+    registered for the life of the process: SIGUSR1's default action kills, and a dump
+    request racing with close() must never do that. A handler the program installed itself
+    is left alone."""
+    global _stack_dump_registered
+    if _stack_dump_registered:
+        return
+    if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):
+        log.info("event=stack_dump_not_registered reason=sigusr1_handler_exists")
+        return
+    try:
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
+    except (AttributeError, ValueError, OSError, RuntimeError) as e:
+        # stderr without a file descriptor (embedded interpreters, some test runners)
+        log.info("event=stack_dump_not_registered reason=%r", str(e))
+        return
+    _stack_dump_registered = True
 
 
 def _as_float(v: float | torch.Tensor | None) -> float | None:

@@ -59,7 +59,8 @@ class AgentProcess:
             *agent_command(),
             "--gpu-backend", "sim", "--gpus", "8", "--ib-ports", "8",
             "--node-name", "node-1", "--metrics-port", "0", "--metrics-address", "127.0.0.1",
-            "--heartbeat-socket", str(self.socket_path), *extra,
+            "--heartbeat-socket", str(self.socket_path), "--jobs-dir", str(workdir / "jobs"),
+            *extra,
         ]  # fmt: skip
         full_env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
         full_env.update(env or {})

@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 from agent.clock import FakeClock
-from agent.config import AgentConfig, ControllerConfig, HardwareConfig, HeartbeatConfig, NodeConfig
+from agent.config import (
+    AgentConfig,
+    ControllerConfig,
+    HardwareConfig,
+    HeartbeatConfig,
+    JobsConfig,
+    NodeConfig,
+)
 from agent.daemon import Agent, Backends
 from agent.model import GpuCollection
 from agent.protocol import Command, FaultSpec, Heartbeat, encode_json
@@ -44,6 +51,7 @@ def config(sockdir: Path, *, controller: bool = False) -> AgentConfig:
         node=NodeConfig(name="node-7"),
         hardware=HardwareConfig(gpu_backend="sim", sim_gpus=4, sim_ib_ports=2),
         heartbeat=HeartbeatConfig(socket_path=str(sockdir / "hb.sock")),
+        jobs=JobsConfig(work_dir=str(sockdir / "jobs")),
         controller=ControllerConfig(
             # a closed port: reports fail fast; these tests look at the spool, not delivery
             url="http://127.0.0.1:1" if controller else "",
