@@ -219,6 +219,47 @@ class ActionsConfig:
 
 
 @dataclass(frozen=True)
+class JobsConfig:
+    # Rendezvous port of attempt N when the job spec names none: base + N % span. Rotating
+    # means a new attempt never binds a port the last one may still hold in TIME_WAIT.
+    rdzv_port_base: int = 29500
+    rdzv_port_span: int = 16
+    # How long a proactive checkpoint may take before the latest committed one is used, s.
+    # The trainer's async save only blocks for the snapshot; 30 s covers agreement + write.
+    checkpoint_timeout_s: float = 30.0
+    # Seconds the agent gives a job's processes between SIGTERM and SIGKILL on a restart or
+    # stop (the trainer takes an emergency checkpoint on SIGTERM).
+    stop_grace_s: float = 30.0
+    # How long a restart waits for the old attempt's processes to report exited beyond the
+    # grace, s; a node that does not answer by then is not waited for.
+    stop_timeout_s: float = 30.0
+    # How long a restarted job may take to show a step past its checkpoint, s (rendezvous,
+    # imports, checkpoint load). Then the restart fails and a person is paged.
+    progress_timeout_s: float = 300.0
+    # With no spare and no shrink possible, how long a replace waits for a spare to appear
+    # before paging, s (a job spec may override it). 5 min: a spare being repaired or booted.
+    spare_wait_s: float = 300.0
+    # collect_stacks waits this long for the agents' stack dumps before going on, s.
+    stacks_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.rdzv_port_base <= 65535 - self.rdzv_port_span:
+            raise Invalid("rdzv_port_base", "base + span must be a valid TCP port")
+        if self.rdzv_port_span < 1:
+            raise Invalid("rdzv_port_span", f"must be >= 1, got {self.rdzv_port_span}")
+        for name in (
+            "checkpoint_timeout_s",
+            "stop_grace_s",
+            "stop_timeout_s",
+            "progress_timeout_s",
+            "stacks_timeout_s",
+        ):
+            _positive(name, getattr(self, name))
+        if self.spare_wait_s < 0:
+            raise Invalid("spare_wait_s", f"must be >= 0, got {self.spare_wait_s}")
+
+
+@dataclass(frozen=True)
 class LogConfig:
     level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -245,6 +286,7 @@ class ControllerConfig:
     safety: SafetyConfig = field(default_factory=SafetyConfig)
     notify: NotifyConfig = field(default_factory=NotifyConfig)
     actions: ActionsConfig = field(default_factory=ActionsConfig)
+    jobs: JobsConfig = field(default_factory=JobsConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
@@ -279,6 +321,7 @@ __all__ = [
     "ApiConfig",
     "ConfigError",
     "ControllerConfig",
+    "JobsConfig",
     "LogConfig",
     "NotifyConfig",
     "PagerDutyConfig",

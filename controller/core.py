@@ -35,13 +35,15 @@ from controller.actions.drain import (
 from controller.actions.notify import Notifier, NotifyHandler, build_notifiers, channels_for
 from controller.actions.worker import ActionRunner
 from controller.config import ControllerConfig
-from controller.errors import BadRequest, NotFound
+from controller.errors import BadRequest, Conflict, NotFound
 from controller.incidents import IncidentManager
+from controller.jobs import JobManager, JobSpec
 from controller.metrics import DEFAULT_SPARE_POOL, ControllerMetrics
 from controller.model import Decision, Target
 from controller.safety import Safety
 from controller.store import CommandRecord, FreshNode, NewAction, NodeRecord, Store, StoreError
 from controller.views import (
+    ActionView,
     AuditEntry,
     IncidentDetail,
     IncidentView,
@@ -122,6 +124,16 @@ class Controller:
         for n in self._nodes.values():
             self.signals.set_node_meta(n.name, role=n.role, state=n.state, job=n.job)
 
+        # jobs (the job table + the live view of ranks and launches)
+        self.jobs = JobManager(
+            store=self.store,
+            nodes=self,
+            config=config.jobs,
+            node_silent_after_s=config.node_silent_after_s,
+            clock_now=clock.now,
+            on_state=self._job_state_changed,
+        )
+
         # actions
         self.notifiers = (
             backends.notifiers if backends.notifiers is not None else build_notifiers(config.notify)
@@ -135,7 +147,9 @@ class Controller:
             )
         )
         drain_backend = backends.drain or LocalDrainBackend(
-            self, stop_grace_s=config.actions.drain_stop_grace_s
+            self,
+            stop_grace_s=config.actions.drain_stop_grace_s,
+            silent_after_s=config.node_silent_after_s,
         )
         self.registry.register(
             DrainHandler(
@@ -146,9 +160,20 @@ class Controller:
             )
         )
         self.registry.register(UndrainHandler(backend=drain_backend))
+        from controller.actions.jobsteps import job_handlers  # noqa: PLC0415
+
+        for job_handler in job_handlers(
+            self.jobs,
+            open_incident_nodes=lambda: set(self.store.open_incident_counts()),
+            observe=self._observe_recovery,
+        ):
+            self.registry.register(job_handler)
         for handler in backends.handlers:
             self.registry.register(handler)
         self.safety = Safety(self.store, config.safety)
+        self.safety.job_floor = lambda node: self.jobs.drain_floor_reason(
+            node, open_incident_nodes=set(self.store.open_incident_counts())
+        )
         self._wake = threading.Event()
         self.incidents = IncidentManager(
             store=self.store,
@@ -307,6 +332,7 @@ class Controller:
         started = time.perf_counter()
         self._flush()
         self._expire_commands(now)
+        self.jobs.tick(now=now)
         with self._lock:
             eval_started = time.perf_counter()
             decisions, self._memory = evaluate(
@@ -413,6 +439,7 @@ class Controller:
             )
             self._hw_counts[name] = (len(report.gpus), len(report.ib_ports))
             self._note_jobs(name, report)
+            self.jobs.note_report(name, report)
             hwm = self._high_water_mark(name, report.instance)
             new_events = []
             if report.events:
@@ -456,6 +483,7 @@ class Controller:
         )
         for e in events:
             self.metrics.events_total.labels(kind=e.kind).inc()
+        self.jobs.note_events(node, events, now=self.clock.now())
         if results:
             self._drop_pending(node, {cid for cid, _, _ in results})
             for cid, ok, _ in results:
@@ -531,6 +559,34 @@ class Controller:
 
     def command_status(self, command_id: str) -> CommandRecord | None:
         return self.store.get_command(command_id)
+
+    # --- NodeAccess (for the job manager) -----------------------------------------------------
+
+    def node_record(self, node: str) -> NodeRecord | None:
+        with self._lock:
+            return self._nodes.get(node)
+
+    def all_nodes(self) -> list[NodeRecord]:
+        with self._lock:
+            return list(self._nodes.values())
+
+    def refresh_node(self, node: str) -> None:
+        rec = self.store.get_node(node)
+        if rec is None:
+            return
+        with self._lock:
+            self._nodes[node] = rec
+            self.signals.set_node_meta(node, role=rec.role, state=rec.state, job=rec.job)
+
+    def _job_state_changed(self, job: str, nodes: tuple[str, ...], state: str) -> None:
+        with self._lock:
+            self.signals.set_job_meta(job, nodes=nodes, state=state)
+
+    def _observe_recovery(self, phases: dict[str, float], lost_steps: int | None) -> None:
+        for phase, seconds in phases.items():
+            self.metrics.remediation_phase_seconds.labels(phase=phase).observe(seconds)
+        if lost_steps is not None:
+            self.metrics.remediation_lost_steps.observe(lost_steps)
 
     # --- service: nodes -----------------------------------------------------------------------
 
@@ -649,31 +705,113 @@ class Controller:
             actions=tuple(self.store.actions_for_incident(incident_id)),
         )
 
-    # --- service: jobs (what the ranks report; the job table grows with the closed loop) ------
+    # --- service: jobs ----------------------------------------------------------------------
 
-    def _job_view(self, name: str, seen: _JobSeen | None, stored: dict[str, Any] | None) -> JobView:
-        nodes = sorted(seen.nodes) if seen else list(stored["nodes"] if stored else ())
+    def _seen_view(self, name: str, seen: _JobSeen) -> JobView:
+        """A job known only from heartbeats (started outside the controller)."""
         return JobView(
             name=name,
-            state=stored["state"] if stored else "running",
-            nodes=tuple(nodes),
-            attempt=stored["attempt"] if stored else 0,
-            last_step=max(seen.ranks.values()) if seen and seen.ranks else None,
-            ckpt_step=seen.ckpt_step if seen else None,
-            ranks=len(seen.ranks) if seen else 0,
+            state="running",
+            nodes=tuple(sorted(seen.nodes)),
+            last_step=max(seen.ranks.values()) if seen.ranks else None,
+            ckpt_step=seen.ckpt_step,
+            ranks=len(seen.ranks),
         )
 
     def list_jobs(self) -> list[JobView]:
-        stored = {j["name"]: j for j in self.store.list_jobs()}
+        now = self.clock.now()
+        views = {j.name: self.jobs.view(j, now=now) for j in self.jobs.records()}
         with self._lock:
-            names = sorted(set(stored) | set(self._jobs_seen))
-            return [self._job_view(n, self._jobs_seen.get(n), stored.get(n)) for n in names]
+            for name, seen in self._jobs_seen.items():
+                if name not in views:
+                    views[name] = self._seen_view(name, seen)
+        return [views[n] for n in sorted(views)]
 
     def get_job(self, name: str) -> JobView:
-        for job in self.list_jobs():
-            if job.name == name:
-                return job
+        rec = self.jobs.get(name)
+        if rec is not None:
+            return self.jobs.view(rec, now=self.clock.now())
+        with self._lock:
+            seen = self._jobs_seen.get(name)
+            if seen is not None:
+                return self._seen_view(name, seen)
         raise NotFound(f"job {name!r} not found")
+
+    def submit_job(self, spec: JobSpec, *, actor: str) -> JobView:
+        """Store a job and start its first attempt (through the action framework)."""
+        now = self.clock.now()
+        with self._lock:
+            for node in spec.nodes:
+                rec = self._nodes.get(node)
+                if rec is None:
+                    raise BadRequest(f"nodes: unknown node {node!r} (it has never reported)")
+                if rec.state != "active":
+                    raise BadRequest(f"nodes: {node} is {rec.state}")
+        for node in spec.nodes:
+            other = self.jobs.job_of_node(node)
+            if other is not None and other.name != spec.name:
+                raise Conflict(f"nodes: {node} runs job {other.name} ({other.state})")
+        submitted = self.jobs.submit(spec, now=now)
+        if submitted is None:
+            current = self.jobs.get(spec.name)
+            state = current.state if current else "unknown"
+            raise Conflict(f"job {spec.name!r} exists and is {state}; stop it first")
+        self.jobs.place(
+            spec.name,
+            nodes=spec.nodes,
+            nproc_per_node=spec.nproc_per_node,
+            assign=spec.nodes,
+            release=(),
+        )
+        self._job_step("restart", spec.name, actor=actor, detail={"reason": "submit"})
+        log.info(
+            "event=job_submitted job=%s nodes=%s actor=%s", spec.name, ",".join(spec.nodes), actor
+        )
+        return self.get_job(spec.name)
+
+    def job_action(self, name: str, kind: str, *, actor: str) -> ActionView:
+        """Operator checkpoint / restart / stop of a job, as an audited action step."""
+        if kind not in ("checkpoint", "restart", "stop"):
+            raise BadRequest(f"unknown job action {kind!r}")
+        rec = self.jobs.get(name)
+        if rec is None:
+            raise NotFound(f"job {name!r} not found")
+        if kind == "checkpoint" and rec.state not in ("running", "starting"):
+            raise Conflict(f"job {name} is {rec.state}; only a running job can checkpoint")
+        if kind == "stop" and rec.state in ("stopped", "completed", "failed"):
+            raise Conflict(f"job {name} is already {rec.state}")
+        return self._job_step(kind, name, actor=actor, detail={})
+
+    def _job_step(self, kind: str, job: str, *, actor: str, detail: dict[str, Any]) -> ActionView:
+        now = self.clock.now()
+        audit_id = self.store.audit(
+            ts=now, actor=actor, action=f"job_{kind}", target=job, detail=detail
+        )
+        (action_id,) = self.store.add_actions(
+            None,
+            [
+                NewAction(
+                    kind=kind,
+                    target=job,
+                    idempotency_key=f"operator:{kind}:{job}:{audit_id}",
+                    params={"job": job, "actor": actor, **detail},
+                )
+            ],
+            ts=now,
+        )
+        action = self.runner.run_one(action_id, now=now)
+        self._wake.set()
+        log.info(
+            "event=operator_job_%s job=%s actor=%s action=%d state=%s",
+            kind,
+            job,
+            actor,
+            action_id,
+            action.state,
+        )
+        if action.state == "failed":
+            raise BadRequest(f"{kind} {job} failed: {action.result}")
+        return action
 
     # --- service: silences, faults, audit, rules ----------------------------------------------
 

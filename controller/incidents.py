@@ -73,6 +73,7 @@ class IncidentManager:
         # (rule, target key) -> (incident id, state) for unresolved incidents
         self._open: dict[tuple[str, str], tuple[int, str]] = {}
         self._cooldown_noted: set[int] = set()
+        self._resolve_after: dict[int, Decision] = {}  # cleared while remediating
         for inc in store.unresolved_incidents():
             self._open[(inc.rule, inc.target)] = (inc.id, inc.state)
 
@@ -224,9 +225,13 @@ class IncidentManager:
                     blocked += f" (paged on incident {first_id})"
             elif "drain" in disruptive:
                 budget = self._safety.budget(now=now)
+                floor = self._safety.drain_floor(node)
                 if not budget.allowed:
                     blocked = budget.reason
                     page_reason, page_tag = budget.reason, "budget"
+                elif floor is not None:
+                    blocked = floor
+                    page_reason, page_tag = floor, "min_nodes"
             if blocked is not None:
                 notes.append(("safety", blocked, {"rule": d.rule, "node": node}))
         for index, kind in enumerate(d.actions):
@@ -245,6 +250,8 @@ class IncidentManager:
                     )
                 continue
             params: dict[str, Any] = {"rule": d.rule, "target": d.target.key}
+            if d.since is not None:
+                params["since"] = d.since  # when the condition began: detect and MTTR
             if node is not None:
                 params["node"] = node
             if d.target.job is not None:
@@ -306,7 +313,30 @@ class IncidentManager:
         entry = self._open.get((d.rule, d.target.key))
         if entry is None:
             return False
-        incident_id, _ = entry
+        incident_id, state = entry
+        if state == "acting" and self._remediating(incident_id):
+            # e.g. node_silent clears as soon as the node is drained, while the replace and
+            # restart steps are still to come: resolve once the remediation has ended
+            if incident_id not in self._resolve_after:
+                self._resolve_after[incident_id] = d
+                self._store.add_timeline(
+                    incident_id,
+                    ts=now,
+                    kind="condition_cleared",
+                    message="condition cleared; resolving when the remediation in progress ends",
+                    data={"value": d.value},
+                )
+            return False
+        return self._resolve(incident_id, d, now=now)
+
+    def _remediating(self, incident_id: int) -> bool:
+        return any(
+            a.state in ("pending", "running") and self._registry.get(a.kind).remediation
+            for a in self._store.actions_for_incident(incident_id)
+        )
+
+    def _resolve(self, incident_id: int, d: Decision, *, now: float) -> bool:
+        self._resolve_after.pop(incident_id, None)
         actions = self._store.actions_for_incident(incident_id)
         for a in actions:
             if a.state == "pending":
@@ -392,6 +422,9 @@ class IncidentManager:
                     kind="remediation_incomplete",
                     message="remediation ended without mitigating; a person must look",
                 )
+            cleared = self._resolve_after.get(incident.id)
+            if cleared is not None and self._resolve(incident.id, cleared, now=now):
+                self._on_new_actions()
 
     def escalate(self, action: ActionView, *, reason: str, now: float) -> None:
         """A step failed for good: page every channel but the one that failed (once per step)."""

@@ -8,7 +8,7 @@ every rail survives a controller restart.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from controller.config import SafetyConfig
@@ -118,6 +118,12 @@ class Safety:
     def __init__(self, store: Store, config: SafetyConfig) -> None:
         self._store = store
         self.config = config
+        # Set by the controller once the job table exists: why draining this node would
+        # leave its job below min_nodes with nothing to replace it (None = allowed).
+        self.job_floor: Callable[[str], str | None] | None = None
+
+    def drain_floor(self, node: str) -> str | None:
+        return self.job_floor(node) if self.job_floor is not None else None
 
     @property
     def dry_run(self) -> bool:

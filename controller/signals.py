@@ -226,6 +226,9 @@ def _build_catalogue() -> dict[str, dict[str, SignalSpec]]:
         "ib_ports_down": _n("IB ports whose state is not ACTIVE"),
         "xid_total": _n("XID events on the node, any GPU (counter)", counter=True),
         "xid_fatal_total": _n("fatal XID events on the node, any GPU (counter)", counter=True),
+        "preemption_total": _n(
+            "preemption_notice events from the node's agent (counter)", counter=True
+        ),
         "role": _s('"active" or "spare" (controller inventory, else the agent\'s hint)'),
         "state": _s('"active", "draining" or "drained" (controller inventory)'),
         "job": _s("the job the node is assigned to (absent when none)"),
@@ -268,7 +271,15 @@ DEFAULT_TRACKED: Mapping[str, frozenset[str]] = {
     "nvlink": frozenset(SIGNALS["nvlink"]),
     "ib_port": frozenset(n for n in SIGNALS["ib_port"] if n not in _IB_TRAFFIC),
     "node": frozenset(
-        {"gpus", "gpus_lost", "ib_ports", "ib_ports_down", "xid_total", "xid_fatal_total"}
+        {
+            "gpus",
+            "gpus_lost",
+            "ib_ports",
+            "ib_ports_down",
+            "xid_total",
+            "xid_fatal_total",
+            "preemption_total",
+        }
     ),
     "rank": frozenset({"nan_total", "ckpt_step"}),
     "job": frozenset({"ranks", "ranks_reporting", "step", "samples_per_s", "nan_total"}),
@@ -402,6 +413,7 @@ class _NodeRec:
         "last_report_at",
         "name",
         "ports",
+        "preemption_total",
         "rank_keys",
         "role",
         "role_hint",
@@ -425,6 +437,7 @@ class _NodeRec:
         self.series: dict[str, Series] = {}
         self.xid_total = 0
         self.xid_fatal_total = 0
+        self.preemption_total = 0
 
 
 class _RankRec:
@@ -796,6 +809,8 @@ class SignalState:
                 self._bump(rec.series, "gpu_lost_total", rec, now, "gpu")
             if rec is not None and rec.sample is not None:
                 self._reintern(rec)
+        elif e.kind == "preemption_notice":
+            self._bump(node.series, "preemption_total", node, now, "node")
         elif e.kind == "nan_loss" and e.job is not None:
             job = self._job(e.job, now)
             jobs_touched.add(job)
@@ -1279,6 +1294,7 @@ def _build_getters() -> dict[tuple[str, str], Getter]:
         g["node", name] = lambda c, fn=fn: fn(c.node)  # type: ignore[misc]
     g["node", "xid_total"] = lambda c: c.node.xid_total
     g["node", "xid_fatal_total"] = lambda c: c.node.xid_fatal_total
+    g["node", "preemption_total"] = lambda c: c.node.preemption_total
     g["node", "role"] = _role
     g["node", "state"] = lambda c: c.node.state
     g["node", "job"] = lambda c: c.node.job

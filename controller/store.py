@@ -174,8 +174,32 @@ def _migration_1(c: sqlite3.Connection) -> None:
     )
 
 
+def _migration_2(c: sqlite3.Connection) -> None:
+    """The job table of the closed loop: placement, attempts, checkpoint and ETTR accounting."""
+    _run_script(
+        c,
+        """
+        ALTER TABLE jobs ADD COLUMN nproc_per_node INTEGER NOT NULL DEFAULT 1;
+        ALTER TABLE jobs ADD COLUMN min_nodes INTEGER NOT NULL DEFAULT 1;
+        ALTER TABLE jobs ADD COLUMN restarts INTEGER NOT NULL DEFAULT 0;
+        ALTER TABLE jobs ADD COLUMN attempt_key TEXT;
+        ALTER TABLE jobs ADD COLUMN attempt_nodes TEXT NOT NULL DEFAULT '[]';
+        ALTER TABLE jobs ADD COLUMN rdzv_port INTEGER;
+        ALTER TABLE jobs ADD COLUMN ckpt_step INTEGER;
+        ALTER TABLE jobs ADD COLUMN last_step INTEGER;
+        ALTER TABLE jobs ADD COLUMN hwm_step INTEGER;
+        ALTER TABLE jobs ADD COLUMN started_at REAL;
+        ALTER TABLE jobs ADD COLUMN attempt_started_at REAL;
+        ALTER TABLE jobs ADD COLUMN ended_at REAL;
+        ALTER TABLE jobs ADD COLUMN productive_s REAL NOT NULL DEFAULT 0;
+        ALTER TABLE jobs ADD COLUMN sampled_at REAL;
+        ALTER TABLE jobs ADD COLUMN state_reason TEXT NOT NULL DEFAULT ''
+        """,
+    )
+
+
 # Migration N (index N-1) takes a database at version N-1 to version N. Append only.
-MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_migration_1,)
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_migration_1, _migration_2)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 TERMINAL_ACTION_STATES = ("succeeded", "failed", "skipped")
@@ -195,6 +219,40 @@ class NodeRecord:
     agent_version: str = ""
     drain_reason: str | None = None
     job: str | None = None
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """One row of the job table (the spec is the submitted JSON, validated by controller.jobs).
+
+    `nodes`/`nproc_per_node` are the placement the next attempt starts on; `attempt_nodes` the
+    nodes the current attempt was started on (what a restart must stop). `attempt_key` is the
+    idempotency key of the step that began the current attempt, so a step re-run after a crash
+    finds its attempt instead of beginning another.
+    """
+
+    name: str
+    spec: dict[str, Any]
+    state: str
+    nodes: tuple[str, ...]
+    attempt: int
+    nproc_per_node: int
+    min_nodes: int
+    restarts: int
+    created_at: float
+    updated_at: float
+    attempt_key: str | None = None
+    attempt_nodes: tuple[str, ...] = ()
+    rdzv_port: int | None = None
+    ckpt_step: int | None = None
+    last_step: int | None = None
+    hwm_step: int | None = None
+    started_at: float | None = None
+    attempt_started_at: float | None = None
+    ended_at: float | None = None
+    productive_s: float = 0.0
+    sampled_at: float | None = None
+    state_reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -402,6 +460,165 @@ class Store:
             }
             for r in self._query("SELECT * FROM jobs ORDER BY name")
         ]
+
+    @staticmethod
+    def _job(row: sqlite3.Row) -> JobRecord:
+        return JobRecord(
+            name=row["name"],
+            spec=json.loads(row["spec"]),
+            state=row["state"],
+            nodes=tuple(json.loads(row["nodes"])),
+            attempt=row["attempt"],
+            nproc_per_node=row["nproc_per_node"],
+            min_nodes=row["min_nodes"],
+            restarts=row["restarts"],
+            created_at=row["created_at"],
+            updated_at=row["updated_at"],
+            attempt_key=row["attempt_key"],
+            attempt_nodes=tuple(json.loads(row["attempt_nodes"])),
+            rdzv_port=row["rdzv_port"],
+            ckpt_step=row["ckpt_step"],
+            last_step=row["last_step"],
+            hwm_step=row["hwm_step"],
+            started_at=row["started_at"],
+            attempt_started_at=row["attempt_started_at"],
+            ended_at=row["ended_at"],
+            productive_s=row["productive_s"],
+            sampled_at=row["sampled_at"],
+            state_reason=row["state_reason"],
+        )
+
+    def get_job(self, name: str) -> JobRecord | None:
+        rows = self._query("SELECT * FROM jobs WHERE name = ?", (name,))
+        return self._job(rows[0]) if rows else None
+
+    def job_records(self) -> list[JobRecord]:
+        return [self._job(r) for r in self._query("SELECT * FROM jobs ORDER BY name")]
+
+    def submit_job(
+        self,
+        name: str,
+        *,
+        spec: dict[str, Any],
+        nodes: Sequence[str],
+        nproc_per_node: int,
+        min_nodes: int,
+        ts: float,
+        replace_states: Sequence[str],
+    ) -> JobRecord | None:
+        """Insert a job in state `pending`, or replace one whose state is in `replace_states`
+        (a finished job resubmitted; its attempt counter carries on so rendezvous ids and
+        command ids never repeat). None when a job of that name exists in another state."""
+        with self.transaction() as c:
+            row = c.execute("SELECT state FROM jobs WHERE name = ?", (name,)).fetchone()
+            if row is not None and row[0] not in replace_states:
+                return None
+            values = (_json(spec), _json(list(nodes)), nproc_per_node, min_nodes, ts)
+            if row is None:
+                c.execute(
+                    "INSERT INTO jobs (name, spec, state, nodes, nproc_per_node, min_nodes,"
+                    " created_at, updated_at) VALUES (?, ?, 'pending', ?, ?, ?, ?, ?)",
+                    (name, *values[:-1], ts, ts),
+                )
+            else:
+                c.execute(
+                    "UPDATE jobs SET spec = ?, nodes = ?, nproc_per_node = ?, min_nodes = ?,"
+                    " updated_at = ?, state = 'pending', state_reason = '', restarts = 0,"
+                    " started_at = NULL, ended_at = NULL, productive_s = 0, sampled_at = NULL,"
+                    " ckpt_step = NULL, last_step = NULL, hwm_step = NULL, attempt_nodes = '[]'"
+                    " WHERE name = ?",
+                    (*values, name),
+                )
+        return self.get_job(name)
+
+    def update_job(self, name: str, **changes: Any) -> JobRecord:
+        """Set columns of one job; tuples/lists (nodes) are stored as JSON."""
+        allowed = {
+            "state",
+            "nodes",
+            "nproc_per_node",
+            "ckpt_step",
+            "last_step",
+            "hwm_step",
+            "started_at",
+            "ended_at",
+            "productive_s",
+            "sampled_at",
+            "state_reason",
+            "attempt_started_at",
+        }
+        bad = set(changes) - allowed
+        if bad:
+            raise ValueError(f"cannot update job columns {sorted(bad)}")
+        if "nodes" in changes:
+            changes["nodes"] = _json(list(changes["nodes"]))
+        sets = ", ".join(f"{k} = ?" for k in changes)
+        with self.transaction() as c:
+            c.execute(
+                f"UPDATE jobs SET {sets}, updated_at = ? WHERE name = ?",  # noqa: S608
+                (*changes.values(), self._now(), name),
+            )
+        job = self.get_job(name)
+        if job is None:
+            raise KeyError(name)
+        return job
+
+    def begin_attempt(
+        self, name: str, *, key: str, rdzv_port: Callable[[int], int], ts: float
+    ) -> tuple[JobRecord, bool]:
+        """The attempt that step `key` starts: the current one if this key began it already
+        (a re-run after a crash), else attempt+1 on the job's current nodes, in one
+        transaction. Returns (job, began_now)."""
+        with self.transaction() as c:
+            row = c.execute(
+                "SELECT attempt, attempt_key, nodes FROM jobs WHERE name = ?", (name,)
+            ).fetchone()
+            if row is None:
+                raise KeyError(name)
+            began = row["attempt_key"] != key
+            if began:
+                attempt = int(row["attempt"]) + 1
+                c.execute(
+                    "UPDATE jobs SET attempt = ?, attempt_key = ?, attempt_nodes = nodes,"
+                    " rdzv_port = ?, restarts = restarts + CASE WHEN ? > 1 THEN 1 ELSE 0 END,"
+                    " state = 'starting', state_reason = '', attempt_started_at = ?,"
+                    " updated_at = ? WHERE name = ?",
+                    (attempt, key, rdzv_port(attempt), attempt, ts, ts, name),
+                )
+        job = self.get_job(name)
+        assert job is not None
+        return job, began
+
+    def set_job_placement(
+        self,
+        name: str,
+        *,
+        nodes: Sequence[str],
+        nproc_per_node: int,
+        assign: Sequence[str],
+        release: Sequence[str],
+    ) -> JobRecord:
+        """Move a job to a new node set in one transaction: `assign` nodes become active
+        members of the job (a spare leaves the pool), `release` nodes leave it."""
+        now = self._now()
+        with self.transaction() as c:
+            c.execute(
+                "UPDATE jobs SET nodes = ?, nproc_per_node = ?, updated_at = ? WHERE name = ?",
+                (_json(list(nodes)), nproc_per_node, now, name),
+            )
+            for node in release:
+                c.execute(
+                    "UPDATE nodes SET job = NULL, updated_at = ? WHERE name = ? AND job = ?",
+                    (now, node, name),
+                )
+            for node in assign:
+                c.execute(
+                    "UPDATE nodes SET job = ?, role = 'active', updated_at = ? WHERE name = ?",
+                    (name, now, node),
+                )
+        job = self.get_job(name)
+        assert job is not None
+        return job
 
     # --- events -----------------------------------------------------------------------------
 
@@ -889,6 +1106,7 @@ __all__ = [
     "TERMINAL_ACTION_STATES",
     "CommandRecord",
     "FreshNode",
+    "JobRecord",
     "NewAction",
     "NodeRecord",
     "Store",

@@ -86,6 +86,11 @@ class JobView:
     restarts: int = 0
     ettr: float | None = None  # effective training time ratio, 0..1
     ranks: int = 0
+    nproc_per_node: int = 0  # 0: not a submitted job (only seen in heartbeats)
+    min_nodes: int = 0
+    world_size: int = 0
+    state_reason: str = ""
+    started_at: float | None = None  # unix s, first time the job ran (ETTR's wall clock)
 
 
 @dataclass(frozen=True)

@@ -59,9 +59,14 @@ class LocalDrainBackend:
 
     name = "local"
 
-    def __init__(self, ops: NodeOps, *, stop_grace_s: float = 30.0) -> None:
+    def __init__(
+        self, ops: NodeOps, *, stop_grace_s: float = 30.0, silent_after_s: float | None = None
+    ) -> None:
         self._ops = ops
         self._grace_s = stop_grace_s
+        # A node silent for longer than this cannot answer stop_job: it is drained at once
+        # (the command stays queued for when its agent returns). None: always wait.
+        self._silent_after_s = silent_after_s
 
     def drain(self, node: str, *, reason: str, key: str) -> tuple[DrainState, dict[str, Any]]:
         state = self._ops.node_state(node)
@@ -79,10 +84,22 @@ class LocalDrainBackend:
             node, "stop_job", {"job": job, "grace_s": self._grace_s}, command_id=command_id
         )
         log.info("event=drain_stop_job node=%s job=%s command=%s", node, job, command_id)
+        if self._silent(node):
+            self._ops.set_node_state(node, "drained", reason=reason)
+            return "drained", {"command_id": command_id, "job": job, "silent": True}
         return "draining", {"command_id": command_id, "job": job, "reason": reason}
+
+    def _silent(self, node: str) -> bool:
+        if self._silent_after_s is None:
+            return False
+        age = self._ops.report_age_s(node)
+        return age is None or age > self._silent_after_s
 
     def poll(self, node: str, *, key: str, progress: dict[str, Any]) -> DrainState:
         if self._ops.node_state(node) == "drained":
+            return "drained"
+        if self._silent(node):
+            self._ops.set_node_state(node, "drained", reason=progress.get("reason"))
             return "drained"
         command_id = str(progress.get("command_id", ""))
         record = self._ops.command_status(command_id) if command_id else None

@@ -298,7 +298,9 @@ def test_node_silent_rule_may_drain_on_stale_data(make_core, core_clock):
     assert c.get_node("n1").state == "drained"
 
 
-def test_unavailable_action_kinds_are_skipped_with_a_timeline_entry(make_core, core_clock):
+def test_job_steps_for_a_node_without_a_job_are_skipped_with_a_timeline_entry(
+    make_core, core_clock
+):
     c = make_core()
     c.ingest_report(Reporter("n1").report(now=core_clock.now()), actor="a")
     decision = Decision(
@@ -318,7 +320,7 @@ def test_unavailable_action_kinds_are_skipped_with_a_timeline_entry(make_core, c
         ("restart", "skipped"),
     ]
     skipped = [t.message for t in detail.timeline if t.kind == "action_skipped"]
-    assert any("'replace' is not available" in m for m in skipped)
+    assert any("replace" in m and "no job runs on n1" in m for m in skipped)
 
 
 def test_open_incident_whose_condition_cleared_during_downtime_resolves_after_restart(

@@ -32,21 +32,22 @@ def test_reopening_keeps_data(tmp_path):
 
 def test_older_file_is_migrated_forward_in_order(tmp_path, monkeypatch):
     path = tmp_path / "c.db"
-    Store(path, now=_now).close()  # version 1
+    Store(path, now=_now).close()  # the current version
+    base = store_mod.SCHEMA_VERSION
     applied = []
 
-    def migration_2(c: sqlite3.Connection) -> None:
-        applied.append(2)
-        c.execute("ALTER TABLE jobs ADD COLUMN min_nodes INTEGER NOT NULL DEFAULT 1")
+    def migration_next(c: sqlite3.Connection) -> None:
+        applied.append(base + 1)
+        c.execute("ALTER TABLE jobs ADD COLUMN next_test INTEGER NOT NULL DEFAULT 1")
 
-    monkeypatch.setattr(store_mod, "MIGRATIONS", (*store_mod.MIGRATIONS, migration_2))
-    monkeypatch.setattr(store_mod, "SCHEMA_VERSION", 2)
+    monkeypatch.setattr(store_mod, "MIGRATIONS", (*store_mod.MIGRATIONS, migration_next))
+    monkeypatch.setattr(store_mod, "SCHEMA_VERSION", base + 1)
     s = Store(path, now=_now)
-    assert applied == [2] and s.schema_version() == 2
+    assert applied == [base + 1] and s.schema_version() == base + 1
     s.upsert_job("job-a", state="running", nodes=["n1"])
     s.close()
-    assert applied == [2]  # not applied twice
-    assert Store(path, now=_now).schema_version() == 2
+    assert applied == [base + 1]  # not applied twice
+    assert Store(path, now=_now).schema_version() == base + 1
 
 
 def test_failed_migration_leaves_the_file_at_its_old_version(tmp_path, monkeypatch):
@@ -57,13 +58,14 @@ def test_failed_migration_leaves_the_file_at_its_old_version(tmp_path, monkeypat
         c.execute("ALTER TABLE jobs ADD COLUMN x INTEGER")
         c.execute("THIS IS NOT SQL")
 
+    base = store_mod.SCHEMA_VERSION
     monkeypatch.setattr(store_mod, "MIGRATIONS", (*store_mod.MIGRATIONS, broken))
-    monkeypatch.setattr(store_mod, "SCHEMA_VERSION", 2)
+    monkeypatch.setattr(store_mod, "SCHEMA_VERSION", base + 1)
     with pytest.raises(StoreError):
         Store(path, now=_now)
     monkeypatch.undo()
     s = Store(path, now=_now)
-    assert s.schema_version() == 1
+    assert s.schema_version() == base
     cols = [r[1] for r in s._query("PRAGMA table_info(jobs)")]
     assert "x" not in cols
 

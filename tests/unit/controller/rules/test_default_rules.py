@@ -240,6 +240,19 @@ CASES = [
         resolve_within_s=320,
     ),
     Case(
+        "job_process_failed",
+        lambda c: c.signals.set_job_meta("job-a", nodes=["n1", "n2"], state="crashed"),
+        "job:job-a",
+        lambda c: c.signals.set_job_meta("job-a", nodes=["n1", "n2"], state="restarting"),
+    ),
+    Case(
+        "preemption_notice",
+        lambda c: c.nodes["n1"].event("preemption_notice"),
+        "node:n1",
+        _nothing,
+        resolve_within_s=620,
+    ),
+    Case(
         "throughput_drop",
         _ranks("job-a", samples_per_s=40.0),  # 160/256 = 62% of the peak
         "job:job-a",

@@ -155,4 +155,11 @@ def test_default_rules_export_keeps_most_rules() -> None:
     exported = {r["alert"] for r in doc["groups"][0]["rules"]}
     skipped = {w.split()[1].rstrip(":") for w in warnings}
     assert exported | skipped == set(load_rules([default_rules_path()]).names())
-    assert skipped <= {"node_silent", "spare_silent", "nan_loss", "gpu_lost"}
+    assert skipped <= {
+        "node_silent",
+        "spare_silent",
+        "nan_loss",
+        "gpu_lost",
+        "job_process_failed",
+        "preemption_notice",
+    }

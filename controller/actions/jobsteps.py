@@ -1,0 +1,647 @@
+"""The job steps of a remediation: checkpoint, replace, restart, rollback, stop and
+collect_stacks, all over controller.jobs.JobManager and the agents' commands.
+
+Every step keeps its progress in its action output (so a controller restart resumes where it
+was) and every command id derives from the step's idempotency key or the job attempt, so a
+repeated run queues nothing twice; a restart that already began attempt N finds it again in
+the job table (`begin_attempt` by key) and never begins N+1.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from controller.actions.base import ActionContext, Outcome, PermanentError
+from controller.jobs import RESUME_SKIP_ENV, JobManager, JobSpec, shrink_plan
+from controller.store import JobRecord
+
+log = logging.getLogger("trainguard.controller.jobsteps")
+
+# Restart phases measured into trainguard_controller_remediation_phase_seconds.
+PhaseObserver = Callable[[dict[str, float], "int | None"], None]
+
+
+def _no_job(ctx: ActionContext) -> Outcome:
+    where = ctx.params.get("node") or ctx.params.get("job") or ctx.action.target
+    return Outcome(message=f"skipped: no job runs on {where}", skipped=True)
+
+
+def _endpoint(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@dataclass
+class CheckpointHandler:
+    """`checkpoint`: ask every rank for a checkpoint (request id = the step's key) and wait
+    for its commit; fall back to the latest committed step when the sick node is silent, the
+    trainer reports the save failed, or the timeout passes. Output {"step", "proactive"}."""
+
+    jobs: JobManager
+    poll_interval_s: float = 0.5
+    kind: str = "checkpoint"
+    remediation: bool = True
+
+    def idempotent(self, params: dict[str, Any]) -> bool:
+        return True
+
+    def run(self, ctx: ActionContext) -> Outcome:
+        job = self.jobs.resolve(ctx.params)
+        if job is None:
+            return _no_job(ctx)
+        progress = dict(ctx.progress)
+        sick = ctx.params.get("node") if isinstance(ctx.params.get("node"), str) else None
+        if progress.get("phase") != "waiting":
+            step, ckpt = self.jobs.latest_steps(job.name)
+            progress = {
+                "phase": "waiting",
+                "job": job.name,
+                "request_id": ctx.action.idempotency_key,
+                "started_at": ctx.now,
+                "last_step": step,
+                "prior_ckpt": ckpt,
+            }
+            if ctx.incident is not None and job.state in ("running", "starting"):
+                # a disruptive plan follows: exits from here on are expected, not crashes
+                self.jobs.set_state(job.name, "restarting", reason=f"incident {ctx.incident.id}")
+            if job.state not in ("running", "starting", "restarting"):
+                return self._fallback(progress, ctx, why=f"job {job.name} is {job.state}")
+            if sick is not None and not self.jobs.reporting(sick):
+                return self._fallback(
+                    progress,
+                    ctx,
+                    why=f"{sick} is not reporting (its peers may be stuck in a collective)",
+                )
+            targets = [n for n in job.attempt_nodes if self.jobs.reporting(n)]
+            for node in targets:
+                self.jobs.nodes.queue_command(
+                    node,
+                    "checkpoint",
+                    {"job": job.name, "request_id": progress["request_id"]},
+                    command_id=f"ckpt-{ctx.action.idempotency_key}-{node}",
+                )
+            return Outcome(
+                message=f"checkpoint requested from {len(targets)} node(s) of job {job.name};"
+                " waiting for the commit",
+                output=progress,
+                done=False,
+                poll_after_s=self.poll_interval_s,
+            )
+        request_id = str(progress["request_id"])
+        for _, rank in self.jobs.ranks(job.name):
+            if rank.ckpt_request_id == request_id and rank.ckpt_step is not None:
+                took_s = ctx.now - float(progress["started_at"])
+                return Outcome(
+                    message=f"checkpoint committed at step {rank.ckpt_step} in {took_s:.1f} s",
+                    output={
+                        **progress,
+                        "phase": "done",
+                        "step": rank.ckpt_step,
+                        "proactive": True,
+                        "finished_at": ctx.now,
+                    },
+                )
+        if self.jobs.checkpoint_failed(job.name, request_id):
+            return self._fallback(progress, ctx, why="the trainer reported the checkpoint failed")
+        if sick is not None and not self.jobs.reporting(sick):
+            return self._fallback(progress, ctx, why=f"{sick} stopped reporting")
+        timeout_s = self.jobs.config.checkpoint_timeout_s
+        if ctx.now - float(progress["started_at"]) > timeout_s:
+            return self._fallback(progress, ctx, why=f"no commit within {timeout_s:g} s")
+        return Outcome(
+            message=f"checkpoint requested from job {job.name}; waiting for the commit",
+            output=progress,
+            done=False,
+            poll_after_s=self.poll_interval_s,
+        )
+
+    def _fallback(self, progress: dict[str, Any], ctx: ActionContext, *, why: str) -> Outcome:
+        _, ckpt = self.jobs.latest_steps(str(progress["job"]))
+        where = f"step {ckpt}" if ckpt is not None else "none yet (the job starts from scratch)"
+        return Outcome(
+            message=f"no proactive checkpoint ({why}); latest committed checkpoint: {where}",
+            output={
+                **progress,
+                "phase": "done",
+                "step": ckpt,
+                "proactive": False,
+                "finished_at": ctx.now,
+            },
+        )
+
+
+@dataclass
+class ReplaceHandler:
+    """`replace`: give the job a healthy node set. Unusable nodes (the incident's node,
+    drained, not reporting) are swapped for hot spares; with too few spares the job shrinks
+    to fewer nodes when it can keep its world size (min_nodes, max_nproc_per_node), else the
+    step waits (bounded) for a spare and then pages (fails)."""
+
+    jobs: JobManager
+    open_incident_nodes: Callable[[], set[str]]
+    poll_interval_s: float = 5.0
+    kind: str = "replace"
+    remediation: bool = True
+
+    def idempotent(self, params: dict[str, Any]) -> bool:
+        return True
+
+    def run(self, ctx: ActionContext) -> Outcome:
+        job = self.jobs.resolve(ctx.params)
+        if job is None:
+            return _no_job(ctx)
+        spec = self.jobs.spec(job)
+        started_at = float(ctx.progress.get("started_at", ctx.now))
+        sick = ctx.params.get("node")
+        bad = [n for n in job.nodes if n == sick or not self._usable(n)]
+        base = {"job": job.name, "started_at": started_at}
+        if not bad:
+            return Outcome(
+                message=f"job {job.name} needs no replacement: {', '.join(job.nodes)}",
+                output={**base, "nodes": list(job.nodes), "mode": "none"},
+            )
+        if job.state in ("running", "starting", "crashed"):
+            self.jobs.set_state(job.name, "restarting", reason=f"replacing {', '.join(bad)}")
+        open_nodes = self.open_incident_nodes()
+        spares = self.jobs.spares(
+            spec.spare_selector, open_incident_nodes=open_nodes, exclude=job.nodes
+        )
+        healthy = [n for n in job.nodes if n not in bad]
+        if len(spares) >= len(bad):
+            chosen = iter(spares)
+            swap = {b: next(chosen) for b in bad}
+            nodes = [swap.get(n, n) for n in job.nodes]
+            self.jobs.place(
+                job.name,
+                nodes=nodes,
+                nproc_per_node=job.nproc_per_node,
+                assign=list(swap.values()),
+                release=bad,
+            )
+            text = ", ".join(f"{b} -> {s}" for b, s in swap.items())
+            return Outcome(
+                message=f"replaced {text}; job {job.name} now on {', '.join(nodes)}",
+                output={**base, "nodes": nodes, "mode": "spare", "replaced": swap},
+            )
+        world = len(job.nodes) * job.nproc_per_node
+        candidates = healthy + spares
+        count = shrink_plan(
+            world_size=world,
+            healthy=len(candidates),
+            min_nodes=spec.floor,
+            max_nproc=spec.capacity_per_node,
+        )
+        if count is not None:
+            nodes = candidates[:count]
+            nproc = world // count
+            used = [s for s in spares if s in nodes]
+            dropped = [n for n in job.nodes if n not in nodes]
+            self.jobs.place(
+                job.name, nodes=nodes, nproc_per_node=nproc, assign=used, release=dropped
+            )
+            return Outcome(
+                message=(
+                    f"{len(spares)} spare(s) for {len(bad)} unusable node(s) ({', '.join(bad)}):"
+                    f" shrinking job {job.name} to {count} node(s) x {nproc} process(es),"
+                    f" world size {world} kept ({', '.join(nodes)})"
+                ),
+                output={**base, "nodes": nodes, "mode": "shrink", "nproc_per_node": nproc},
+            )
+        why = self._why_no_shrink(spec, job, world=world, available=len(candidates))
+        wait_s = (
+            spec.spare_wait_s if spec.spare_wait_s is not None else self.jobs.config.spare_wait_s
+        )
+        waited_since = float(ctx.progress.get("wait_since", ctx.now))
+        if ctx.now - waited_since >= wait_s:
+            self.jobs.set_state(job.name, "waiting", reason="no spare; paged")
+            raise PermanentError(
+                f"no spare for {', '.join(bad)} within {wait_s:g} s and no shrink ({why});"
+                " a person must add capacity"
+            )
+        self.jobs.set_state(job.name, "waiting", reason=f"no spare for {', '.join(bad)}")
+        return Outcome(
+            message=(
+                f"no spare for {', '.join(bad)} (selector {spec.spare_selector or 'any'}) and no"
+                f" shrink ({why}): waiting up to {wait_s:g} s for a spare, then paging"
+            ),
+            output={**base, "wait_since": waited_since},
+            done=False,
+            poll_after_s=self.poll_interval_s,
+        )
+
+    def _usable(self, node: str) -> bool:
+        rec = self.jobs.nodes.node_record(node)
+        return rec is not None and rec.state == "active" and self.jobs.reporting(node)
+
+    @staticmethod
+    def _why_no_shrink(spec: JobSpec, job: JobRecord, *, world: int, available: int) -> str:
+        if spec.min_nodes is None or available < spec.floor:
+            return f"{available} usable node(s), min_nodes {spec.floor}"
+        return (
+            f"{world} ranks do not fit {available} node(s) at up to"
+            f" {spec.capacity_per_node} per node; the trainer resumes only at the same world"
+            " size"
+        )
+
+
+@dataclass
+class RestartHandler:
+    """`restart` (and `rollback`): stop the current attempt (grace, bounded wait; a silent
+    node is not waited for), start attempt+1 on the job's node set, and succeed once a rank of
+    the new attempt reports a step past the checkpoint. Output {first_step, restarted_at}.
+
+    rollback: same nodes, from the newest committed checkpoint (the trainer never commits a
+    non-finite one), with the skip window in TRAINGUARD_RESUME_SKIP_BATCHES; skipped when the
+    trainer already rolled back in process."""
+
+    jobs: JobManager
+    observe: PhaseObserver = field(default=lambda phases, lost: None)
+    poll_interval_s: float = 0.5
+    kind: str = "restart"
+    remediation: bool = True
+
+    def idempotent(self, params: dict[str, Any]) -> bool:
+        return True
+
+    def run(self, ctx: ActionContext) -> Outcome:
+        job = self.jobs.resolve(ctx.params)
+        if job is None:
+            return _no_job(ctx)
+        key = ctx.action.idempotency_key
+        progress = dict(ctx.progress)
+        phase = progress.get("phase", "stop")
+        if job.attempt_key == key and phase == "stop":
+            phase = "start"  # this step began its attempt before a controller restart
+        if phase == "stop" and "stop_sent_at" not in progress:
+            return self._begin(ctx, job, progress)
+        if phase == "stop":
+            waiting = [
+                n
+                for n in progress.get("stopping", [])
+                if self.jobs.reporting(n) and self.jobs.runs_on(job.name, n)
+            ]
+            limit_s = self.jobs.config.stop_grace_s + self.jobs.config.stop_timeout_s
+            if waiting and ctx.now - float(progress["stop_sent_at"]) < limit_s:
+                return Outcome(
+                    message=f"waiting for attempt {job.attempt} to stop on {', '.join(waiting)}",
+                    output=progress,
+                    done=False,
+                    poll_after_s=self.poll_interval_s,
+                )
+            if waiting:
+                progress["stop_timed_out"] = waiting
+        if phase in ("stop", "start"):
+            return self._start(ctx, job, progress)
+        return self._confirm(ctx, job, progress)
+
+    def _begin(self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]) -> Outcome:
+        spec = self.jobs.spec(job)
+        first = job.attempt == 0
+        if not first and job.restarts >= spec.max_restarts:
+            self.jobs.set_state(job.name, "failed", reason=f"max_restarts {spec.max_restarts}")
+            raise PermanentError(
+                f"job {job.name} reached max_restarts ({spec.max_restarts}); not restarting"
+            )
+        step, ckpt = self.jobs.latest_steps(job.name)
+        previous = ctx.previous.get("checkpoint", {})
+        if isinstance(previous.get("step"), int):
+            ckpt = previous["step"]
+        if isinstance(previous.get("last_step"), int):
+            step = previous["last_step"]
+        progress.update(
+            phase="stop",
+            job=job.name,
+            ckpt_step=ckpt,
+            last_step=step,
+            old_pids=sorted({r.pid for _, r in self.jobs.ranks(job.name) if r.pid}),
+            stop_sent_at=ctx.now,
+        )
+        if self.kind == "rollback":
+            rolled = [
+                to
+                for ts, to in self.jobs.rollbacks(job.name)
+                if ctx.incident is None or ts >= ctx.incident.opened_at - 30.0
+            ]
+            if rolled:
+                return Outcome(
+                    message=f"skipped: the trainer already rolled back in process (to step"
+                    f" {rolled[-1]})",
+                    skipped=True,
+                )
+            progress["skip_batches"] = self._skip(spec, ctx, job.name, ckpt)
+        if not first:
+            reason = f"incident {ctx.incident.id}" if ctx.incident else "operator"
+            self.jobs.set_state(job.name, "restarting", reason=f"{self.kind} ({reason})")
+        stopping = [
+            n
+            for n in dict.fromkeys((*job.attempt_nodes, *job.nodes))
+            if self.jobs.runs_on(job.name, n)
+        ]
+        for node in stopping:
+            if not self.jobs.reporting(node):
+                continue
+            self.jobs.nodes.queue_command(
+                node,
+                "stop_job",
+                {"job": job.name, "grace_s": self.jobs.config.stop_grace_s},
+                command_id=f"stop-{ctx.action.idempotency_key}-{node}",
+            )
+        progress["stopping"] = stopping
+        if not stopping:
+            return self._start(ctx, job, progress)
+        return Outcome(
+            message=f"stopping attempt {job.attempt} on {', '.join(stopping)}",
+            output=progress,
+            done=False,
+            poll_after_s=self.poll_interval_s,
+        )
+
+    def _skip(self, spec: JobSpec, ctx: ActionContext, job: str, ckpt: int | None) -> int:
+        if spec.rollback_skip_batches is not None:
+            return spec.rollback_skip_batches
+        since = ctx.incident.opened_at - 60.0 if ctx.incident else 0.0
+        steps = [s for ts, s in self.jobs.nan_steps(job) if ts >= since]
+        if not steps or ckpt is None:
+            return 0
+        return max(0, max(steps) - ckpt)
+
+    def _start(self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]) -> Outcome:
+        spec = self.jobs.spec(job)
+        unusable = [
+            n
+            for n in job.nodes
+            if not self.jobs.reporting(n)
+            or (rec := self.jobs.nodes.node_record(n)) is None
+            or rec.state != "active"
+        ]
+        if unusable:
+            self.jobs.set_state(
+                job.name,
+                "crashed" if job.attempt else "pending",
+                reason=f"cannot start on {', '.join(unusable)}",
+            )
+            raise PermanentError(
+                f"cannot start job {job.name} on {', '.join(unusable)} (drained or not"
+                " reporting); a replace step must give it healthy nodes"
+            )
+        job, began = self.jobs.begin_attempt(job.name, key=ctx.action.idempotency_key)
+        nodes = list(job.attempt_nodes)
+        assert job.rdzv_port is not None
+        endpoint = _endpoint(self.jobs.address(nodes[0]), job.rdzv_port)
+        env = dict(spec.env)
+        if progress.get("skip_batches"):
+            env[RESUME_SKIP_ENV] = str(progress["skip_batches"])
+        for rank, node in enumerate(nodes):
+            args: dict[str, Any] = {
+                "job": job.name,
+                "attempt": job.attempt,
+                "command": list(spec.command),
+                "nproc_per_node": job.nproc_per_node,
+                "nnodes": len(nodes),
+                "node_rank": rank,
+                "rdzv_endpoint": endpoint,
+                "rdzv_id": f"{job.name}-{job.attempt}",
+                "env": env,
+            }
+            for name in ("ckpt_dir", "cwd", "python"):
+                value = getattr(spec, name)
+                if value is not None:
+                    args[name] = value
+            if spec.rdzv_conf:
+                args["rdzv_conf"] = dict(spec.rdzv_conf)
+            self.jobs.nodes.queue_command(
+                node, "start_job", args, command_id=f"start-{job.name}-{job.attempt}-{node}"
+            )
+        progress.update(phase="confirm", attempt=job.attempt, nodes=nodes, started_at=ctx.now)
+        progress.setdefault("stop_sent_at", ctx.now)
+        late = progress.get("stop_timed_out")
+        note = f" ({', '.join(late)} did not report stopping in time)" if late else ""
+        verb = "started" if began else "already started"
+        return Outcome(
+            message=f"attempt {job.attempt} {verb} on {', '.join(nodes)}"
+            f" (rendezvous {endpoint}){note}; waiting for a step past checkpoint"
+            f" {progress.get('ckpt_step')}",
+            output=progress,
+            done=False,
+            poll_after_s=self.poll_interval_s,
+        )
+
+    def _confirm(self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]) -> Outcome:
+        attempt = int(progress["attempt"])
+        nodes = list(progress["nodes"])
+        for node in nodes:
+            cmd = self.jobs.nodes.command_status(f"start-{job.name}-{attempt}-{node}")
+            if cmd is not None and cmd.ok is False and "already" not in cmd.result:
+                self.jobs.set_state(job.name, "crashed", reason=f"start_job failed on {node}")
+                raise PermanentError(f"start_job on {node} failed: {cmd.result or 'no detail'}")
+        for x in self.jobs.exits(job.name):
+            if x["attempt"] == attempt and x["code"] != 0 and not x["stopped"]:
+                raise PermanentError(
+                    f"attempt {attempt} exited on {x['node']} ({x['message'] or x['code']})"
+                    f" before training progressed: {x['tail'][-300:]}"
+                )
+        ckpt = progress.get("ckpt_step")
+        floor = ckpt if isinstance(ckpt, int) else 0
+        old_pids = set(progress.get("old_pids", []))
+        first: int | None = None
+        for node, rank in self.jobs.ranks(job.name):
+            if node not in nodes or (rank.pid and rank.pid in old_pids):
+                continue
+            proc = self.jobs.process(job.name, node)
+            if proc is not None and proc.attempt != attempt:
+                continue
+            if rank.step > floor and rank.phase != "exit":
+                first = rank.step if first is None else min(first, rank.step)
+        if first is None:
+            timeout_s = self.jobs.config.progress_timeout_s
+            if ctx.now - float(progress["started_at"]) > timeout_s:
+                self.jobs.set_state(job.name, "crashed", reason="no progress after restart")
+                raise PermanentError(
+                    f"attempt {attempt} showed no step past {floor} within {timeout_s:g} s"
+                )
+            return Outcome(
+                message=f"attempt {attempt} started; waiting for a step past checkpoint {ckpt}",
+                output=progress,
+                done=False,
+                poll_after_s=self.poll_interval_s,
+            )
+        current = self.jobs.get(job.name)
+        if current is not None and current.state != "running":
+            self.jobs.set_state(job.name, "running")
+        phases = self._phases(ctx, progress, now=ctx.now)
+        last = progress.get("last_step")
+        lost = max(0, last - floor) if isinstance(last, int) else None
+        self.observe(phases, lost)
+        text = ", ".join(f"{k} {v:.1f} s" for k, v in phases.items())
+        lost_text = f"; lost steps {lost}" if lost is not None else ""
+        return Outcome(
+            message=f"attempt {attempt} trains past checkpoint {ckpt} (step {first}); {text}"
+            f"{lost_text}",
+            output={
+                **progress,
+                "phase": "done",
+                "first_step": first,
+                "restarted_at": ctx.now,
+                "phases_s": phases,
+                "lost_steps": lost,
+            },
+        )
+
+    def _phases(
+        self, ctx: ActionContext, progress: dict[str, Any], *, now: float
+    ) -> dict[str, float]:
+        """detect = incident opened - condition since; checkpoint = the checkpoint step;
+        drain = checkpoint done (or incident opened) -> the replace step began; restart = stop
+        sent -> first step past the checkpoint; mttr = condition since -> that first step."""
+        phases: dict[str, float] = {}
+        restart_s = now - float(progress.get("stop_sent_at", progress["started_at"]))
+        phases["restart"] = restart_s
+        if ctx.incident is None:
+            return phases
+        opened = ctx.incident.opened_at
+        since_raw = ctx.params.get("since")
+        since = float(since_raw) if isinstance(since_raw, int | float) else opened
+        phases["detect"] = max(0.0, opened - since)
+        ckpt = ctx.previous.get("checkpoint", {})
+        if "finished_at" in ckpt and "started_at" in ckpt:
+            phases["checkpoint"] = float(ckpt["finished_at"]) - float(ckpt["started_at"])
+        drained = ctx.previous.get("drain")
+        replace = ctx.previous.get("replace", {})
+        if drained is not None and "started_at" in replace:
+            begin = float(ckpt.get("finished_at", opened))
+            phases["drain"] = max(0.0, float(replace["started_at"]) - begin)
+        phases["mttr"] = max(0.0, now - since)
+        return phases
+
+
+@dataclass
+class StopHandler:
+    """`stop`: stop the job on every node (grace), wait until none reports it (bounded)."""
+
+    jobs: JobManager
+    poll_interval_s: float = 0.5
+    kind: str = "stop"
+    remediation: bool = True
+
+    def idempotent(self, params: dict[str, Any]) -> bool:
+        return True
+
+    def run(self, ctx: ActionContext) -> Outcome:
+        job = self.jobs.resolve(ctx.params)
+        if job is None:
+            return _no_job(ctx)
+        progress = dict(ctx.progress)
+        if "sent_at" not in progress:
+            self.jobs.set_state(job.name, "stopping", reason=str(ctx.params.get("actor", "")))
+            nodes = [
+                n
+                for n in dict.fromkeys((*job.attempt_nodes, *job.nodes))
+                if self.jobs.runs_on(job.name, n) and self.jobs.reporting(n)
+            ]
+            for node in nodes:
+                self.jobs.nodes.queue_command(
+                    node,
+                    "stop_job",
+                    {"job": job.name, "grace_s": self.jobs.config.stop_grace_s},
+                    command_id=f"stop-{ctx.action.idempotency_key}-{node}",
+                )
+            progress = {"sent_at": ctx.now, "nodes": nodes}
+        waiting = [
+            n
+            for n in progress["nodes"]
+            if self.jobs.reporting(n) and self.jobs.runs_on(job.name, n)
+        ]
+        limit_s = self.jobs.config.stop_grace_s + self.jobs.config.stop_timeout_s
+        if waiting and ctx.now - float(progress["sent_at"]) < limit_s:
+            return Outcome(
+                message=f"stopping job {job.name} on {', '.join(waiting)}",
+                output=progress,
+                done=False,
+                poll_after_s=self.poll_interval_s,
+            )
+        self.jobs.set_state(job.name, "stopped", reason="stopped on request")
+        self.jobs.place(
+            job.name,
+            nodes=job.nodes,
+            nproc_per_node=job.nproc_per_node,
+            assign=[],
+            release=list(job.nodes),
+        )
+        late = f" ({', '.join(waiting)} did not confirm)" if waiting else ""
+        return Outcome(message=f"job {job.name} stopped{late}", output=progress)
+
+
+@dataclass
+class CollectStacksHandler:
+    """`collect_stacks`: ask each reporting node of the job for its ranks' Python stacks and
+    keep what comes back (bounded) in the output; never fails the plan (diagnosis only)."""
+
+    jobs: JobManager
+    poll_interval_s: float = 0.5
+    max_chars: int = 4000
+    kind: str = "collect_stacks"
+    remediation: bool = True
+
+    def idempotent(self, params: dict[str, Any]) -> bool:
+        return True
+
+    def run(self, ctx: ActionContext) -> Outcome:
+        job = self.jobs.resolve(ctx.params)
+        if job is None:
+            return _no_job(ctx)
+        progress = dict(ctx.progress)
+        if "sent_at" not in progress:
+            nodes = [n for n in job.attempt_nodes if self.jobs.reporting(n)]
+            for node in nodes:
+                self.jobs.nodes.queue_command(
+                    node,
+                    "collect_stacks",
+                    {"job": job.name},
+                    command_id=f"stacks-{ctx.action.idempotency_key}-{node}",
+                )
+            progress = {"sent_at": ctx.now, "nodes": nodes}
+        results: dict[str, str] = {}
+        for node in progress["nodes"]:
+            cmd = self.jobs.nodes.command_status(f"stacks-{ctx.action.idempotency_key}-{node}")
+            if cmd is not None and cmd.done_at is not None:
+                results[node] = ("" if cmd.ok else "failed: ") + cmd.result[: self.max_chars]
+        missing = [n for n in progress["nodes"] if n not in results]
+        timeout_s = self.jobs.config.stacks_timeout_s
+        if missing and ctx.now - float(progress["sent_at"]) < timeout_s:
+            return Outcome(
+                message=f"collecting stacks from {len(progress['nodes'])} node(s)",
+                output=progress,
+                done=False,
+                poll_after_s=self.poll_interval_s,
+            )
+        late = f"; no answer from {', '.join(missing)}" if missing else ""
+        return Outcome(
+            message=f"stacks from {len(results)} of {len(progress['nodes'])} node(s){late}",
+            output={**progress, "stacks": results},
+        )
+
+
+def job_handlers(
+    jobs: JobManager, *, open_incident_nodes: Callable[[], set[str]], observe: PhaseObserver
+) -> list[Any]:
+    """Every job step handler, ready for HandlerRegistry.register."""
+    return [
+        CheckpointHandler(jobs),
+        ReplaceHandler(jobs, open_incident_nodes),
+        RestartHandler(jobs, observe),
+        RestartHandler(jobs, observe, kind="rollback"),
+        StopHandler(jobs),
+        CollectStacksHandler(jobs),
+    ]
+
+
+__all__ = [
+    "CheckpointHandler",
+    "CollectStacksHandler",
+    "ReplaceHandler",
+    "RestartHandler",
+    "StopHandler",
+    "job_handlers",
+]

@@ -1,0 +1,595 @@
+"""Jobs: the job spec, the job table's lifecycle, the live view of each job's ranks and
+processes (from agent reports), ETTR accounting, and the operations the remediation steps
+(controller.actions.jobsteps) use: spare selection, placement, attempts and commands.
+
+States: pending (submitted) -> starting (start_job sent for an attempt) -> running (a rank of
+the attempt reports) -> restarting (a remediation or operator restart is under way) ->
+starting ...; crashed (a process exited non-zero without being asked: the
+`job_process_failed` rule restarts it); waiting (no spare yet); stopping -> stopped;
+completed (every node's processes exited 0 unasked); failed (gave up: max_restarts, no spare,
+a restart that never progressed).
+
+ETTR = productive_s / (end or now - started_at): productive time accrues between two samples
+while the job is running and its highest step advanced past every step it had reached
+before (re-done steps after a restore are not productive).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from agent.protocol import Event, JobProcess, RankState, Report
+from agent.strict import Invalid
+from controller.config import JobsConfig
+from controller.store import CommandRecord, JobRecord, NodeRecord, Store
+from controller.views import JobView
+
+log = logging.getLogger("trainguard.controller.jobs")
+
+_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# The agent sets these for every launch (agent.jobs.RESERVED_ENV); one more is ours: the
+# rollback's skip window, set by the controller on a rollback restart only.
+RESUME_SKIP_ENV = "TRAINGUARD_RESUME_SKIP_BATCHES"
+_RESERVED_ENV = frozenset(
+    {
+        "TRAINGUARD_JOB",
+        "TRAINGUARD_ATTEMPT",
+        "TRAINGUARD_NODE",
+        "TRAINGUARD_AGENT_SOCKET",
+        "TRAINGUARD_CONTROL_DIR",
+        "TRAINGUARD_CKPT_DIR",
+        "TRAINGUARD_LAUNCH_ID",
+        RESUME_SKIP_ENV,
+    }
+)
+ACTIVE_STATES = ("starting", "running", "restarting", "crashed", "waiting")
+FINISHED_STATES = ("stopped", "completed", "failed")
+# A sample gap longer than this is not counted as productive even if steps advanced (the
+# controller was down or the job was not observed).
+_MAX_PRODUCTIVE_GAP_S = 10.0
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A training job: what to run, where, and how it may be remediated.
+
+    World size = len(nodes) * nproc_per_node and it never changes: the trainer library
+    resumes only at the world size that wrote the checkpoint (CheckpointMismatch otherwise).
+    A shrink therefore keeps the world size by running more processes on fewer nodes, which
+    needs `max_nproc_per_node` headroom (e.g. GPUs per node); without it there is no shrink.
+    """
+
+    name: str
+    command: list[str]  # the training program and its arguments (torchrun runs it)
+    nodes: list[str]  # initial placement, in node-rank order
+    nproc_per_node: int = 1
+    min_nodes: int | None = None  # fewest nodes the job may run on; None = len(nodes)
+    max_nproc_per_node: int | None = None  # per-node capacity for a shrink; None = nproc
+    spare_selector: dict[str, str] = field(default_factory=dict)  # labels a spare must have
+    ckpt_dir: str | None = None  # exported to ranks as TRAINGUARD_CKPT_DIR
+    env: dict[str, str] = field(default_factory=dict)
+    max_restarts: int = 10  # controller restarts (any cause) before the job is failed
+    rdzv_port: int | None = None  # None: jobs.rdzv_port_base + attempt % rdzv_port_span
+    # Batches a controller rollback skips after the restored checkpoint; None = just past the
+    # step that went non-finite (nan step - checkpoint step).
+    rollback_skip_batches: int | None = None
+    spare_wait_s: float | None = None  # None: jobs.spare_wait_s
+    cwd: str | None = None
+    python: str | None = None
+    rdzv_conf: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not _JOB_NAME.fullmatch(self.name):
+            raise Invalid("name", f"must match {_JOB_NAME.pattern}, got {self.name!r}")
+        if not self.command or not self.command[0] or self.command[0].startswith("-"):
+            raise Invalid("command", "must be a non-empty list starting with the program")
+        if any("\0" in a for a in self.command):
+            raise Invalid("command", "contains a NUL byte")
+        if not self.nodes:
+            raise Invalid("nodes", "must name at least one node")
+        if len(set(self.nodes)) != len(self.nodes) or not all(self.nodes):
+            raise Invalid("nodes", "must be distinct non-empty node names")
+        if self.nproc_per_node < 1:
+            raise Invalid("nproc_per_node", f"must be >= 1, got {self.nproc_per_node}")
+        if self.min_nodes is not None and not 1 <= self.min_nodes <= len(self.nodes):
+            raise Invalid("min_nodes", f"must be within 1..{len(self.nodes)}, got {self.min_nodes}")
+        if self.max_nproc_per_node is not None and self.max_nproc_per_node < self.nproc_per_node:
+            raise Invalid("max_nproc_per_node", "must be >= nproc_per_node")
+        if self.max_restarts < 0:
+            raise Invalid("max_restarts", f"must be >= 0, got {self.max_restarts}")
+        if self.rdzv_port is not None and not 1 <= self.rdzv_port <= 65535:
+            raise Invalid("rdzv_port", f"must be a TCP port, got {self.rdzv_port}")
+        if self.rollback_skip_batches is not None and self.rollback_skip_batches < 0:
+            raise Invalid("rollback_skip_batches", "must be >= 0")
+        if self.spare_wait_s is not None and not (
+            math.isfinite(self.spare_wait_s) and self.spare_wait_s >= 0
+        ):
+            raise Invalid("spare_wait_s", "must be a finite number >= 0")
+        for name, value in self.env.items():
+            if not _ENV_NAME.fullmatch(name):
+                raise Invalid(f"env.{name}", "not a valid environment variable name")
+            if name in _RESERVED_ENV:
+                raise Invalid(f"env.{name}", "is set by trainguard (use ckpt_dir for the dir)")
+            if "\0" in value:
+                raise Invalid(f"env.{name}", "contains a NUL byte")
+        if "is_host" in self.rdzv_conf:
+            raise Invalid("rdzv_conf.is_host", "the controller chooses the rendezvous host")
+
+    @property
+    def world_size(self) -> int:
+        return len(self.nodes) * self.nproc_per_node
+
+    @property
+    def floor(self) -> int:
+        return self.min_nodes if self.min_nodes is not None else len(self.nodes)
+
+    @property
+    def capacity_per_node(self) -> int:
+        return self.max_nproc_per_node or self.nproc_per_node
+
+
+def shrink_plan(*, world_size: int, healthy: int, min_nodes: int, max_nproc: int) -> int | None:
+    """The largest node count in [min_nodes, healthy] that runs `world_size` ranks with equal
+    processes per node within `max_nproc`; None when there is none (no shrink)."""
+    for n in range(healthy, min_nodes - 1, -1):
+        if n >= 1 and world_size % n == 0 and world_size // n <= max_nproc:
+            return n
+    return None
+
+
+class NodeAccess(Protocol):
+    """What the job manager needs from the controller's node inventory and command queue."""
+
+    def node_record(self, node: str) -> NodeRecord | None: ...
+
+    def all_nodes(self) -> list[NodeRecord]: ...
+
+    def report_age_s(self, node: str) -> float | None: ...
+
+    def queue_command(
+        self, node: str, kind: str, args: dict[str, Any], *, command_id: str
+    ) -> None: ...
+
+    def command_status(self, command_id: str) -> CommandRecord | None: ...
+
+    def refresh_node(self, node: str) -> None:
+        """Re-read a node row the job manager changed in the store."""
+
+
+@dataclass
+class _Live:
+    """What the agents report now about one job (in memory; rebuilt from reports)."""
+
+    ranks: dict[str, tuple[RankState, ...]] = field(default_factory=dict)  # node -> ranks
+    procs: dict[str, JobProcess] = field(default_factory=dict)  # node -> its launch
+    exits: list[dict[str, Any]] = field(default_factory=list)  # recent job_exit events
+    nan_steps: list[tuple[float, int]] = field(default_factory=list)  # (ts, step)
+    rollbacks: list[tuple[float, int]] = field(default_factory=list)  # (ts, to_step)
+    ckpt_failed: list[tuple[float, str]] = field(default_factory=list)  # (ts, request_id)
+
+
+_KEEP_EVENTS = 64
+
+
+class JobManager:
+    """The job table plus the live view; thread-safe (report thread, tick, action worker)."""
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        nodes: NodeAccess,
+        config: JobsConfig,
+        node_silent_after_s: float,
+        clock_now: Callable[[], float],
+        on_state: Callable[[str, tuple[str, ...], str], None] = lambda job, nodes, state: None,
+    ) -> None:
+        self.store = store
+        self.nodes = nodes
+        self.config = config
+        self.node_silent_after_s = node_silent_after_s
+        self._now = clock_now
+        self._on_state = on_state
+        self._lock = threading.RLock()
+        self._live: dict[str, _Live] = {}
+        self._jobs: dict[str, JobRecord] = {j.name: j for j in store.job_records()}
+        self._node_job_ranks: dict[str, set[str]] = {}  # node -> jobs it reported ranks for
+        for j in self._jobs.values():
+            self._on_state(j.name, j.nodes, j.state)
+
+    # --- the job table ------------------------------------------------------------------------
+
+    def get(self, name: str) -> JobRecord | None:
+        with self._lock:
+            return self._jobs.get(name)
+
+    def records(self) -> list[JobRecord]:
+        with self._lock:
+            return [self._jobs[n] for n in sorted(self._jobs)]
+
+    def spec(self, job: JobRecord) -> JobSpec:
+        from agent.strict import build  # noqa: PLC0415
+
+        return build(JobSpec, job.spec, source=f"job {job.name}")
+
+    def submit(self, spec: JobSpec, *, now: float) -> JobRecord | None:
+        """Store a new job (pending); None if a job of that name is still active."""
+        from agent.protocol import to_wire  # noqa: PLC0415
+
+        rec = self.store.submit_job(
+            spec.name,
+            spec=to_wire(spec),
+            nodes=spec.nodes,
+            nproc_per_node=spec.nproc_per_node,
+            min_nodes=spec.floor,
+            ts=now,
+            replace_states=FINISHED_STATES,
+        )
+        if rec is not None:
+            self._remember(rec)
+        return rec
+
+    def _remember(self, rec: JobRecord) -> JobRecord:
+        with self._lock:
+            old = self._jobs.get(rec.name)
+            self._jobs[rec.name] = rec
+        if old is None or (old.state, old.nodes) != (rec.state, rec.nodes):
+            self._on_state(rec.name, rec.nodes, rec.state)
+        return rec
+
+    def set_state(self, name: str, state: str, *, reason: str = "") -> JobRecord:
+        now = self._now()
+        changes: dict[str, Any] = {"state": state, "state_reason": reason}
+        if state in FINISHED_STATES:
+            changes["ended_at"] = now
+        rec = self._remember(self.store.update_job(name, **changes))
+        log.info(
+            "event=job_state job=%s state=%s attempt=%d reason=%s",
+            name,
+            state,
+            rec.attempt,
+            reason or "-",
+        )
+        return rec
+
+    def begin_attempt(self, name: str, *, key: str) -> tuple[JobRecord, bool]:
+        job = self.get(name)
+        spec_port = job.spec.get("rdzv_port") if job is not None else None
+
+        def port(attempt: int) -> int:
+            if isinstance(spec_port, int):
+                return spec_port
+            return self.config.rdzv_port_base + attempt % self.config.rdzv_port_span
+
+        rec, began = self.store.begin_attempt(name, key=key, rdzv_port=port, ts=self._now())
+        self._remember(rec)
+        if began:
+            log.info(
+                "event=job_attempt job=%s attempt=%d nodes=%s key=%s",
+                name,
+                rec.attempt,
+                ",".join(rec.attempt_nodes),
+                key,
+            )
+        return rec, began
+
+    def place(
+        self,
+        name: str,
+        *,
+        nodes: Sequence[str],
+        nproc_per_node: int,
+        assign: Sequence[str],
+        release: Sequence[str],
+    ) -> JobRecord:
+        rec = self.store.set_job_placement(
+            name, nodes=nodes, nproc_per_node=nproc_per_node, assign=assign, release=release
+        )
+        for n in (*assign, *release):
+            self.nodes.refresh_node(n)
+        return self._remember(rec)
+
+    def job_of_node(self, node: str) -> JobRecord | None:
+        """The active job placed on (or still running on) `node`."""
+        with self._lock:
+            for j in self._jobs.values():
+                if j.state in ACTIVE_STATES and (node in j.nodes or node in j.attempt_nodes):
+                    return j
+            for name in self._node_job_ranks.get(node, ()):
+                found = self._jobs.get(name)
+                if found is not None and found.state in ACTIVE_STATES:
+                    return found
+        return None
+
+    def resolve(self, params: dict[str, Any]) -> JobRecord | None:
+        """The job a step is about: params["job"], else the job on params["node"]."""
+        name = params.get("job")
+        if isinstance(name, str) and name:
+            return self.get(name)
+        node = params.get("node")
+        return self.job_of_node(node) if isinstance(node, str) and node else None
+
+    # --- nodes --------------------------------------------------------------------------------
+
+    def reporting(self, node: str) -> bool:
+        age = self.nodes.report_age_s(node)
+        return age is not None and age <= self.node_silent_after_s
+
+    def address(self, node: str) -> str:
+        rec = self.nodes.node_record(node)
+        addr = rec.labels.get("address") if rec is not None else None
+        return addr or node
+
+    def healthy(self, node: str, *, open_incident_nodes: set[str]) -> bool:
+        rec = self.nodes.node_record(node)
+        return (
+            rec is not None
+            and rec.state == "active"
+            and self.reporting(node)
+            and node not in open_incident_nodes
+        )
+
+    def spares(
+        self, selector: dict[str, str], *, open_incident_nodes: set[str], exclude: Iterable[str]
+    ) -> list[str]:
+        """Hot spares a job may take: role spare, active, reporting, no open incident, no job,
+        carrying every selector label. Sorted by name (deterministic)."""
+        excluded = set(exclude)
+        out = []
+        for rec in self.nodes.all_nodes():
+            if rec.role != "spare" or rec.name in excluded or rec.job:
+                continue
+            if not self.healthy(rec.name, open_incident_nodes=open_incident_nodes):
+                continue
+            if any(rec.labels.get(k) != v for k, v in selector.items()):
+                continue
+            out.append(rec.name)
+        return sorted(out)
+
+    def drain_floor_reason(self, node: str, *, open_incident_nodes: set[str]) -> str | None:
+        """Why draining `node` would leave its job below min_nodes with no spare to take its
+        place (the safety budget asks before planning a drain); None when it may drain. A
+        node that no longer reports has already left the job, so draining it costs nothing."""
+        job = self.job_of_node(node)
+        if job is None or not self.reporting(node):
+            return None
+        others = [n for n in job.nodes if n != node and self.healthy(n, open_incident_nodes=set())]
+        spec = self.spec(job)
+        spares = self.spares(
+            spec.spare_selector, open_incident_nodes=open_incident_nodes, exclude=job.nodes
+        )
+        if len(others) + len(spares) >= spec.floor:
+            return None
+        return (
+            f"draining {node} would leave job {job.name} with {len(others)} node(s), below"
+            f" min_nodes {spec.floor}, and no spare; paging instead of draining"
+        )
+
+    # --- the live view (report path: cheap, in memory) ----------------------------------------
+
+    def note_report(self, node: str, report: Report) -> None:
+        with self._lock:
+            had = self._node_job_ranks.get(node, set())
+            now_jobs: dict[str, list[RankState]] = {}
+            for r in report.ranks:
+                now_jobs.setdefault(r.job, []).append(r)
+            for job in had - set(now_jobs):
+                live = self._live.get(job)
+                if live is not None:
+                    live.ranks.pop(node, None)
+            for job, ranks in now_jobs.items():
+                self._live.setdefault(job, _Live()).ranks[node] = tuple(ranks)
+            self._node_job_ranks[node] = set(now_jobs)
+            procs = {p.job: p for p in report.jobs}
+            for job, live in self._live.items():
+                if job not in procs:
+                    live.procs.pop(node, None)
+            for job, p in procs.items():
+                self._live.setdefault(job, _Live()).procs[node] = p
+
+    def note_events(self, node: str, events: Sequence[Event], *, now: float) -> None:
+        for e in events:
+            if e.kind == "job_exit" and e.job:
+                self._on_exit(node, e, now=now)
+            elif e.job and (
+                e.kind in ("nan_loss", "grad_norm_spike")
+                or (e.kind == "trainer_event" and e.message == "grad_norm_spike")
+            ):
+                step = e.data.get("step")
+                if isinstance(step, int):
+                    self._push(e.job, "nan_steps", (now, step))
+            elif e.job and (
+                e.kind == "nan_rollback"
+                or (e.kind == "trainer_event" and e.message == "nan_rollback")
+            ):
+                to_step = e.data.get("to_step")
+                self._push(e.job, "rollbacks", (now, to_step if isinstance(to_step, int) else -1))
+            elif e.kind == "checkpoint_failed" and e.job:
+                rid = e.data.get("request_id")
+                if isinstance(rid, str):
+                    self._push(e.job, "ckpt_failed", (now, rid))
+
+    def _push(self, job: str, attr: str, item: Any) -> None:
+        with self._lock:
+            items: list[Any] = getattr(self._live.setdefault(job, _Live()), attr)
+            items.append(item)
+            del items[:-_KEEP_EVENTS]
+
+    def _on_exit(self, node: str, e: Event, *, now: float) -> None:
+        attempt = e.data.get("attempt")
+        stopped = bool(e.data.get("stopped", False))
+        code = e.code if e.code is not None else 0
+        exit_info = {
+            "node": node,
+            "attempt": attempt,
+            "code": code,
+            "stopped": stopped,
+            "message": e.message,
+            "tail": str(e.data.get("output_tail", ""))[-2000:],
+            "ts": now,
+        }
+        assert e.job is not None
+        self._push(e.job, "exits", exit_info)
+        job = self.get(e.job)
+        if job is None or attempt != job.attempt or stopped:
+            return
+        if job.state in ("starting", "running") and code != 0:
+            self.set_state(
+                job.name, "crashed", reason=f"{node}: attempt {attempt} {e.message or code}"
+            )
+        elif job.state in ("starting", "running") and code == 0:
+            done = {
+                x["node"]
+                for x in self.exits(job.name)
+                if x["attempt"] == job.attempt and x["code"] == 0 and not x["stopped"]
+            }
+            if set(job.attempt_nodes) <= done:
+                self.set_state(job.name, "completed", reason="every node exited 0")
+
+    def exits(self, job: str) -> list[dict[str, Any]]:
+        with self._lock:
+            live = self._live.get(job)
+            return list(live.exits) if live else []
+
+    def nan_steps(self, job: str) -> list[tuple[float, int]]:
+        with self._lock:
+            live = self._live.get(job)
+            return list(live.nan_steps) if live else []
+
+    def rollbacks(self, job: str) -> list[tuple[float, int]]:
+        with self._lock:
+            live = self._live.get(job)
+            return list(live.rollbacks) if live else []
+
+    def checkpoint_failed(self, job: str, request_id: str) -> bool:
+        with self._lock:
+            live = self._live.get(job)
+            return live is not None and any(rid == request_id for _, rid in live.ckpt_failed)
+
+    def ranks(self, job: str) -> list[tuple[str, RankState]]:
+        """(node, rank state) of every rank the agents report for the job now."""
+        with self._lock:
+            live = self._live.get(job)
+            if live is None:
+                return []
+            return [(n, r) for n, rs in sorted(live.ranks.items()) for r in rs]
+
+    def process(self, job: str, node: str) -> JobProcess | None:
+        with self._lock:
+            live = self._live.get(job)
+            return live.procs.get(node) if live else None
+
+    def runs_on(self, job: str, node: str) -> bool:
+        """The node still reports processes (or ranks) of the job."""
+        with self._lock:
+            live = self._live.get(job)
+            if live is None:
+                return False
+            proc = live.procs.get(node)
+            if proc is not None and proc.state != "exited":
+                return True
+            return proc is None and bool(live.ranks.get(node))
+
+    def latest_steps(self, job: str) -> tuple[int | None, int | None]:
+        """(highest step, newest committed checkpoint step) over the reported ranks, falling
+        back to the last values stored for the job."""
+        ranks = self.ranks(job)
+        steps = [r.step for _, r in ranks]
+        ckpts = [r.ckpt_step for _, r in ranks if r.ckpt_step is not None]
+        rec = self.get(job)
+        step = max(steps) if steps else (rec.last_step if rec else None)
+        stored = rec.ckpt_step if rec else None
+        ckpt = max([*ckpts, *([stored] if stored is not None else [])], default=None)
+        return step, ckpt
+
+    # --- per tick -----------------------------------------------------------------------------
+
+    def tick(self, *, now: float) -> None:
+        """Move starting jobs to running, account ETTR, persist steps (few jobs: cheap)."""
+        for job in self.records():
+            if job.state not in ("starting", "running"):
+                continue
+            step, ckpt = self.latest_steps(job.name)
+            changes: dict[str, Any] = {}
+            if job.state == "starting" and self._attempt_running(job):
+                changes["state"] = "running"
+                if job.started_at is None:
+                    changes["started_at"] = now
+            running = job.state == "running" or "state" in changes
+            if step is not None and step != job.last_step:
+                changes["last_step"] = step
+                hwm = job.hwm_step if job.hwm_step is not None else (ckpt or 0)
+                if running and job.sampled_at is not None and job.last_step is not None:
+                    gap_s = now - job.sampled_at
+                    advanced = step - job.last_step
+                    new = step - max(job.last_step, hwm)
+                    if advanced > 0 and new > 0 and gap_s <= _MAX_PRODUCTIVE_GAP_S:
+                        changes["productive_s"] = job.productive_s + gap_s * new / advanced
+                if step > hwm:
+                    changes["hwm_step"] = step
+            if ckpt is not None and ckpt != job.ckpt_step:
+                changes["ckpt_step"] = ckpt
+            if running:
+                changes["sampled_at"] = now
+            if changes:
+                self._remember(self.store.update_job(job.name, **changes))
+
+    def _attempt_running(self, job: JobRecord) -> bool:
+        with self._lock:
+            live = self._live.get(job.name)
+            if live is None:
+                return False
+            for node in job.attempt_nodes:
+                proc = live.procs.get(node)
+                if proc is not None and proc.attempt == job.attempt and proc.state == "running":
+                    if live.ranks.get(node):
+                        return True
+        return False
+
+    # --- views --------------------------------------------------------------------------------
+
+    def ettr(self, job: JobRecord, *, now: float) -> float | None:
+        if job.started_at is None:
+            return None
+        end = job.ended_at if job.ended_at is not None else now
+        wall_s = end - job.started_at
+        if wall_s <= 0:
+            return None
+        return max(0.0, min(1.0, job.productive_s / wall_s))
+
+    def view(self, job: JobRecord, *, now: float) -> JobView:
+        step, ckpt = self.latest_steps(job.name)
+        return JobView(
+            name=job.name,
+            state=job.state,
+            nodes=job.nodes,
+            attempt=job.attempt,
+            last_step=step,
+            ckpt_step=ckpt,
+            restarts=job.restarts,
+            ettr=self.ettr(job, now=now),
+            ranks=len(self.ranks(job.name)),
+            nproc_per_node=job.nproc_per_node,
+            min_nodes=job.min_nodes,
+            world_size=len(job.nodes) * job.nproc_per_node,
+            state_reason=job.state_reason,
+            started_at=job.started_at,
+        )
+
+
+__all__ = [
+    "ACTIVE_STATES",
+    "FINISHED_STATES",
+    "RESUME_SKIP_ENV",
+    "JobManager",
+    "JobSpec",
+    "NodeAccess",
+    "shrink_plan",
+]
