@@ -385,14 +385,15 @@ class Agent:
             self._spool_trainer_events()  # the ranks' exit / checkpoint events of the stop
         if self.reporter is not None:
             reporter = self.reporter
+            final_timeout_s = min(FINAL_REPORT_TIMEOUT_S, self.config.controller.timeout_s)
             last = threading.Thread(
                 target=reporter.final_report,
-                kwargs={"timeout_s": FINAL_REPORT_TIMEOUT_S},
+                kwargs={"timeout_s": final_timeout_s},
                 name="final-report",
                 daemon=True,
             )
             last.start()
-            last.join(FINAL_REPORT_TIMEOUT_S + 0.5)
+            last.join(final_timeout_s + 0.5)
             reporter.close()
         if self.http is not None:
             self.http.close()

@@ -713,7 +713,9 @@ class JobRunner:
         deadline = self._clock.monotonic() + grace_s + _DRAIN_AFTER_EXIT_S + 5.0
         while True:
             with self._lock:
-                self._pending.extend(self.poll())
+                # poll() swaps self._pending out: take its result first, then keep it queued
+                events = self.poll()
+                self._pending.extend(events)
                 alive = [j for j in self._jobs.values() if j.state != "exited"]
             if not alive or self._clock.monotonic() >= deadline:
                 break
@@ -728,7 +730,8 @@ class JobRunner:
                 j.proc.wait(timeout=5.0)
         if alive:
             with self._lock:
-                self._pending.extend(self.poll())
+                events = self.poll()
+                self._pending.extend(events)
 
     # -- internals --------------------------------------------------------------------------
 

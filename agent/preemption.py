@@ -213,6 +213,7 @@ class PreemptionWatcher:
         self._on_notice = on_notice
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # one poll at a time: the notice is handed on once
         self._failing = False
         self.errors_total = 0
         self.notice: PreemptionNotice | None = None
@@ -229,6 +230,10 @@ class PreemptionWatcher:
 
     def check_once(self) -> PreemptionNotice | None:
         """One poll; returns the notice the first time one is seen (then always None)."""
+        with self._lock:
+            return self._check_locked()
+
+    def _check_locked(self) -> PreemptionNotice | None:
         if self.notice is not None:
             return None
         try:
