@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -37,6 +38,14 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 # Plan positions for rows added after the rule's own steps, so they sort after them.
 SEQ_ESCALATION = 1000
 SEQ_RESOLVE = 2000
+
+
+def _wire_value(value: float | None) -> float | str | None:
+    """A decision value for the timeline: JSON has no NaN, so non-finite values travel as the
+    wire's strings (a NaN loss is exactly what the nan_loss rule reports)."""
+    if value is None or math.isfinite(value):
+        return value
+    return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
 
 
 class InvalidTransition(ValueError):
@@ -164,11 +173,16 @@ class IncidentManager:
                         f"fired again {now - last.resolved_at:.0f} s after resolving, within the"
                         f" rule's cooldown ({d.cooldown_s:g} s): no new incident"
                     ),
-                    data={"value": d.value},
+                    data={"value": _wire_value(d.value)},
                 )
             return None, False
         node = d.target.node
-        detail = {"value": d.value, "since": d.since, "severity": d.severity, "labels": d.labels}
+        detail = {
+            "value": _wire_value(d.value),
+            "since": d.since,
+            "severity": d.severity,
+            "labels": d.labels,
+        }
         incident_id = self._store.create_incident(
             rule=d.rule,
             target_key=d.target.key,
@@ -324,7 +338,7 @@ class IncidentManager:
                     ts=now,
                     kind="condition_cleared",
                     message="condition cleared; resolving when the remediation in progress ends",
-                    data={"value": d.value},
+                    data={"value": _wire_value(d.value)},
                 )
             return False
         return self._resolve(incident_id, d, now=now)
@@ -357,7 +371,7 @@ class IncidentManager:
             "resolved",
             now=now,
             message=f"condition cleared: {d.summary}" if d.summary else "condition cleared",
-            data={"value": d.value},
+            data={"value": _wire_value(d.value)},
         )
         told = sorted(
             {

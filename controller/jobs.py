@@ -176,6 +176,8 @@ class _Live:
 
 
 _KEEP_EVENTS = 64
+# Steps whose work makes a job's processes exit (so an exit during them is no crash).
+_STOPPING_KINDS = frozenset({"checkpoint", "drain", "replace", "restart", "rollback", "stop"})
 
 
 class JobManager:
@@ -441,6 +443,8 @@ class JobManager:
         if job is None or attempt != job.attempt or stopped:
             return
         if job.state in ("starting", "running") and code != 0:
+            if self._remediation_open(job):
+                return  # a drain or restart of the job is stopping its processes
             self.set_state(
                 job.name, "crashed", reason=f"{node}: attempt {attempt} {e.message or code}"
             )
@@ -452,6 +456,17 @@ class JobManager:
             }
             if set(job.attempt_nodes) <= done:
                 self.set_state(job.name, "completed", reason="every node exited 0")
+
+    def _remediation_open(self, job: JobRecord) -> bool:
+        """A pending or running step that may stop this job's processes (read from the store,
+        so it holds across a controller restart)."""
+        nodes = {*job.nodes, *job.attempt_nodes}
+        for action, _ in self.store.open_actions():
+            if action.kind not in _STOPPING_KINDS:
+                continue
+            if action.params.get("job") == job.name or action.params.get("node") in nodes:
+                return True
+        return False
 
     def exits(self, job: str) -> list[dict[str, Any]]:
         with self._lock:

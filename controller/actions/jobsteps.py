@@ -29,6 +29,16 @@ def _no_job(ctx: ActionContext) -> Outcome:
     return Outcome(message=f"skipped: no job runs on {where}", skipped=True)
 
 
+def _job_of(jobs: JobManager, ctx: ActionContext) -> JobRecord | None:
+    """The step's job: the one it already pinned in its progress, else the one an earlier
+    step of the plan worked on (the node may have left the job since), else its params."""
+    for source in (ctx.progress, *ctx.previous.values()):
+        name = source.get("job")
+        if isinstance(name, str) and name:
+            return jobs.get(name)
+    return jobs.resolve(ctx.params)
+
+
 def _endpoint(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -48,7 +58,7 @@ class CheckpointHandler:
         return True
 
     def run(self, ctx: ActionContext) -> Outcome:
-        job = self.jobs.resolve(ctx.params)
+        job = _job_of(self.jobs, ctx)
         if job is None:
             return _no_job(ctx)
         progress = dict(ctx.progress)
@@ -63,10 +73,7 @@ class CheckpointHandler:
                 "last_step": step,
                 "prior_ckpt": ckpt,
             }
-            if ctx.incident is not None and job.state in ("running", "starting"):
-                # a disruptive plan follows: exits from here on are expected, not crashes
-                self.jobs.set_state(job.name, "restarting", reason=f"incident {ctx.incident.id}")
-            if job.state not in ("running", "starting", "restarting"):
+            if job.state not in ("running", "starting"):
                 return self._fallback(progress, ctx, why=f"job {job.name} is {job.state}")
             if sick is not None and not self.jobs.reporting(sick):
                 return self._fallback(
@@ -149,7 +156,7 @@ class ReplaceHandler:
         return True
 
     def run(self, ctx: ActionContext) -> Outcome:
-        job = self.jobs.resolve(ctx.params)
+        job = _job_of(self.jobs, ctx)
         if job is None:
             return _no_job(ctx)
         spec = self.jobs.spec(job)
@@ -266,7 +273,7 @@ class RestartHandler:
         return True
 
     def run(self, ctx: ActionContext) -> Outcome:
-        job = self.jobs.resolve(ctx.params)
+        job = _job_of(self.jobs, ctx)
         if job is None:
             return _no_job(ctx)
         key = ctx.action.idempotency_key
@@ -529,7 +536,7 @@ class StopHandler:
         return True
 
     def run(self, ctx: ActionContext) -> Outcome:
-        job = self.jobs.resolve(ctx.params)
+        job = _job_of(self.jobs, ctx)
         if job is None:
             return _no_job(ctx)
         progress = dict(ctx.progress)
@@ -547,7 +554,7 @@ class StopHandler:
                     {"job": job.name, "grace_s": self.jobs.config.stop_grace_s},
                     command_id=f"stop-{ctx.action.idempotency_key}-{node}",
                 )
-            progress = {"sent_at": ctx.now, "nodes": nodes}
+            progress = {"sent_at": ctx.now, "nodes": nodes, "job": job.name}
         waiting = [
             n
             for n in progress["nodes"]
@@ -588,7 +595,7 @@ class CollectStacksHandler:
         return True
 
     def run(self, ctx: ActionContext) -> Outcome:
-        job = self.jobs.resolve(ctx.params)
+        job = _job_of(self.jobs, ctx)
         if job is None:
             return _no_job(ctx)
         progress = dict(ctx.progress)
@@ -601,7 +608,7 @@ class CollectStacksHandler:
                     {"job": job.name},
                     command_id=f"stacks-{ctx.action.idempotency_key}-{node}",
                 )
-            progress = {"sent_at": ctx.now, "nodes": nodes}
+            progress = {"sent_at": ctx.now, "nodes": nodes, "job": job.name}
         results: dict[str, str] = {}
         for node in progress["nodes"]:
             cmd = self.jobs.nodes.command_status(f"stacks-{ctx.action.idempotency_key}-{node}")

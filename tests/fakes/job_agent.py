@@ -1,0 +1,182 @@
+"""A fake node agent for controller job tests: builds the Reports a real agent would send
+(ranks, job processes, job_exit / command_result events) and carries out the commands that
+come back the way agents/jobs.py and the trainer library do (start_job, stop_job,
+checkpoint, collect_stacks), with a shared checkpoint directory per job. Every command is
+recorded, so tests assert the exact commands the controller sent at each step."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.model import GpuSample
+from agent.protocol import Command, Event, JobProcess, RankState, Report, ReportResponse
+
+_pids = itertools.count(1000)
+
+
+@dataclass
+class SharedCheckpoints:
+    """The job's checkpoint directory (shared filesystem): committed steps by job."""
+
+    committed: dict[str, int] = field(default_factory=dict)
+    every_steps: int = 10
+
+
+@dataclass
+class _Launch:
+    attempt: int
+    nproc: int
+    pids: list[int]
+    step: int
+    state: str = "running"
+    request_id: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    node_rank: int = 0
+
+
+class FakeJobAgent:
+    def __init__(
+        self,
+        node: str,
+        *,
+        ckpts: SharedCheckpoints,
+        role: str = "active",
+        labels: dict[str, str] | None = None,
+    ) -> None:
+        self.node = node
+        self.ckpts = ckpts
+        self.role = role
+        self.labels = labels or {"address": "127.0.0.1"}
+        self.instance = f"{node}-inst"
+        self.seq = 0
+        self.event_id = 0
+        self.silent = False
+        self.commands: list[Command] = []
+        self._done: set[str] = set()
+        self._events: list[Event] = []
+        self.launches: dict[str, _Launch] = {}
+        self.gpus: tuple[GpuSample, ...] = ()
+        self.loss = 1.0
+
+    # --- what the agent sends -----------------------------------------------------------
+
+    def event(self, kind: str, **kw: Any) -> None:
+        self.event_id += 1
+        self._events.append(Event(id=self.event_id, kind=kind, ts=0.0, **kw))
+
+    def report(self, *, now: float) -> Report:
+        self.seq += 1
+        ranks: list[RankState] = []
+        jobs: list[JobProcess] = []
+        for job, launch in self.launches.items():
+            jobs.append(
+                JobProcess(job=job, attempt=launch.attempt, state=launch.state, pid=launch.pids[0])  # type: ignore[arg-type]
+            )
+            if launch.state != "running":
+                continue
+            ckpt = self.ckpts.committed.get(job)
+            for i, pid in enumerate(launch.pids):
+                ranks.append(
+                    RankState(
+                        job=job,
+                        rank=launch.node_rank * launch.nproc + i,
+                        local_rank=i,
+                        step=launch.step,
+                        pid=pid,
+                        loss=self.loss,
+                        step_time_s=0.5,
+                        ckpt_step=ckpt,
+                        ckpt_request_id=launch.request_id,
+                    )
+                )
+        events = tuple(self._events)
+        return Report(
+            node=self.node,
+            instance=self.instance,
+            seq=self.seq,
+            sent_at=now,
+            role_hint=self.role,  # type: ignore[arg-type]
+            labels=dict(self.labels),
+            gpus=self.gpus,
+            ranks=tuple(ranks),
+            jobs=tuple(jobs),
+            events=events,
+        )
+
+    def acked(self, response: ReportResponse) -> None:
+        self._events = [e for e in self._events if e.id > response.ack_event_id]
+        for cmd in response.commands:
+            if cmd.id in self._done:
+                continue
+            self._done.add(cmd.id)
+            self.commands.append(cmd)
+            ok, message = self._execute(cmd)
+            self.event("command_result", data={"command_id": cmd.id, "ok": ok, "message": message})
+
+    # --- the training loop, one call per simulated second -------------------------------
+
+    def train(self) -> None:
+        for job, launch in self.launches.items():
+            if launch.state != "running":
+                continue
+            launch.step += 1
+            if launch.step % self.ckpts.every_steps == 0:
+                self.ckpts.committed[job] = max(self.ckpts.committed.get(job, 0), launch.step)
+
+    def crash(self, job: str, *, code: int = 1) -> None:
+        """A rank dies (kill -9): torchrun exits non-zero, not asked to."""
+        launch = self.launches[job]
+        launch.state = "exited"
+        self.event(
+            "job_exit",
+            job=job,
+            code=code,
+            message=f"exited with code {code}",
+            data={"attempt": launch.attempt, "stopped": False, "output_tail": "worker failed"},
+        )
+
+    # --- commands -----------------------------------------------------------------------
+
+    def _execute(self, cmd: Command) -> tuple[bool, str]:
+        a = cmd.args
+        if cmd.kind == "start_job":
+            current = self.launches.get(a["job"])
+            if current is not None and current.state == "running":
+                if current.attempt == a["attempt"]:
+                    return False, f"attempt {a['attempt']} is already running"
+                return False, f"job {a['job']} attempt {current.attempt} is already running"
+            resume = self.ckpts.committed.get(a["job"], 0)
+            self.launches[a["job"]] = _Launch(
+                attempt=a["attempt"],
+                nproc=a["nproc_per_node"],
+                pids=[next(_pids) for _ in range(a["nproc_per_node"])],
+                step=resume,
+                env=dict(a.get("env", {})),
+                node_rank=a.get("node_rank", 0),
+            )
+            return True, "started"
+        if cmd.kind == "stop_job":
+            launch = self.launches.get(a["job"])
+            if launch is None or launch.state != "running":
+                return True, "not running"
+            launch.state = "exited"
+            self.event(
+                "job_exit",
+                job=a["job"],
+                code=-15,
+                message="killed by SIGTERM",
+                data={"attempt": launch.attempt, "stopped": True},
+            )
+            return True, "stopped"
+        if cmd.kind == "checkpoint":
+            launch = self.launches.get(a["job"])
+            if launch is None or launch.state != "running":
+                return False, "no ranks"
+            self.ckpts.committed[a["job"]] = launch.step
+            launch.request_id = a["request_id"]
+            return True, f"sent to {launch.nproc} ranks"
+        if cmd.kind == "collect_stacks":
+            return True, 'Thread 0x00007f (most recent call first):\n  File "train.py"'
+        return False, f"unknown command {cmd.kind}"

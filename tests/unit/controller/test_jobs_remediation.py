@@ -1,0 +1,362 @@
+"""The closed loop on a FakeClock: job submit, sick node -> checkpoint -> drain -> replace ->
+restart -> mitigated, shrink and no-spare waits, silent node, crashed process, NaN rollback,
+operator stop, the min_nodes floor, and a controller restart in the middle of a restart.
+Agents are FakeJobAgents fed through Controller.ingest_report; every command is recorded."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.clock import FakeClock
+from agent.strict import build
+from controller.core import Controller
+from controller.errors import Conflict
+from controller.jobs import JobSpec, shrink_plan
+from tests.fakes.job_agent import FakeJobAgent, SharedCheckpoints
+from tests.unit.controller.conftest import gpu
+
+RULES = """
+rules:
+  - name: gpu_dbe
+    scope: gpu
+    condition: ecc_uncorrected_volatile_total > 0
+    severity: critical
+    actions: [notify, checkpoint, drain, replace, restart]
+    summary: uncorrectable ECC errors
+  - name: node_silent
+    scope: node
+    condition: report_age_s > 5 and role == "active" and state == "active"
+    severity: critical
+    actions: [notify, checkpoint, drain, replace, restart]
+    summary: node silent
+  - name: job_process_failed
+    scope: job
+    condition: state == "crashed"
+    severity: critical
+    actions: [notify, replace, restart]
+    summary: training process exited unexpectedly
+  - name: nan_loss
+    scope: rank
+    condition: present(loss) and not finite(loss)
+    severity: critical
+    actions: [notify, rollback]
+    summary: NaN loss
+"""
+
+
+class Sim:
+    def __init__(self, make_core: Callable[..., Controller], clock: FakeClock, tmp: Path) -> None:
+        rules = tmp / "job_rules.yaml"
+        rules.write_text(RULES)
+        self.make_core = make_core
+        self.clock = clock
+        self.rules = str(rules)
+        self.c = self.new_controller()
+        self.ckpts = SharedCheckpoints()
+        self.agents: dict[str, FakeJobAgent] = {}
+
+    def new_controller(self) -> Controller:
+        return self.make_core(
+            rules=[self.rules],
+            jobs={
+                "checkpoint_timeout_s": 5.0,
+                "stop_grace_s": 2.0,
+                "stop_timeout_s": 5.0,
+                "spare_wait_s": 10.0,
+                "progress_timeout_s": 60.0,
+            },
+        )
+
+    def add(self, name: str, *, role: str = "active", **labels: str) -> FakeJobAgent:
+        agent = FakeJobAgent(
+            name, ckpts=self.ckpts, role=role, labels={"address": f"10.0.0.{len(self.agents)}"}
+        )
+        agent.labels.update(labels)
+        self.agents[name] = agent
+        self._report(agent)
+        return agent
+
+    def _report(self, agent: FakeJobAgent) -> None:
+        if not agent.silent:
+            agent.acked(self.c.ingest_report(agent.report(now=self.clock.now()), actor="t"))
+
+    def second(self, n: int = 1) -> None:
+        for _ in range(n):
+            self.clock.advance(1.0)
+            for agent in self.agents.values():
+                agent.train()
+                self._report(agent)
+            self.c.tick()
+
+    def until(self, cond: Callable[[], bool], *, max_s: int, what: str) -> None:
+        for _ in range(max_s):
+            if cond():
+                return
+            self.second()
+        assert cond(), f"not within {max_s} simulated s: {what}"
+
+    def submit(self, **spec: Any) -> None:
+        data = {"name": "job", "command": ["examples/train.py", "--steps", "1000"], **spec}
+        self.c.submit_job(build(JobSpec, data, source="test"), actor="ops")
+
+    def cmds(self, node: str, kind: str) -> list[dict[str, Any]]:
+        return [c.args for c in self.agents[node].commands if c.kind == kind]
+
+    def incident(self, rule: str) -> Any:
+        found = [i for i in self.c.list_incidents() if i.rule == rule]
+        assert found, f"no {rule} incident"
+        return self.c.get_incident(found[0].id)
+
+
+@pytest.fixture
+def sim(make_core, core_clock, tmp_path) -> Sim:
+    s = Sim(make_core, core_clock, tmp_path)
+    for name in ("n1", "n2"):
+        s.add(name)
+    s.add("n3", role="spare")
+    return s
+
+
+def running(sim: Sim, *, attempt: int) -> Callable[[], bool]:
+    def check() -> bool:
+        job = sim.c.get_job("job")
+        return job.state == "running" and job.attempt == attempt
+
+    return check
+
+
+def test_submit_starts_one_attempt_on_every_node_with_one_rendezvous_host(sim):
+    sim.submit(nodes=["n1", "n2"], nproc_per_node=2, ckpt_dir="/ck/job")
+    sim.until(running(sim, attempt=1), max_s=5, what="job running")
+    starts = [sim.cmds(n, "start_job") for n in ("n1", "n2")]
+    assert [len(s) for s in starts] == [1, 1]
+    a1, a2 = starts[0][0], starts[1][0]
+    assert (a1["node_rank"], a2["node_rank"]) == (0, 1)
+    assert a1["rdzv_endpoint"] == a2["rdzv_endpoint"] == "10.0.0.0:29501"
+    assert a1["rdzv_id"] == "job-1" and a1["attempt"] == 1 and a1["nnodes"] == 2
+    assert a1["ckpt_dir"] == "/ck/job" and a1["nproc_per_node"] == 2
+    job = sim.c.get_job("job")
+    assert (job.nodes, job.world_size, job.restarts) == (("n1", "n2"), 4, 0)
+
+
+def test_sick_node_is_checkpointed_drained_replaced_and_restarted(sim):
+    sim.submit(nodes=["n1", "n2"])
+    sim.until(running(sim, attempt=1), max_s=5, what="job running")
+    sim.second(13)
+    sim.agents["n1"].gpus = (gpu(0, dbe=1),)
+    sim.until(running(sim, attempt=2), max_s=30, what="restart onto the spare")
+    sim.until(
+        lambda: sim.incident("gpu_dbe").incident.state == "mitigated", max_s=10, what="mitigated"
+    )
+    detail = sim.incident("gpu_dbe")
+    kinds = [(a.kind, a.state) for a in detail.actions if a.kind != "notify"]
+    assert kinds == [(k, "succeeded") for k in ("checkpoint", "drain", "replace", "restart")]
+    # checkpoint: one request id, sent to both nodes, committed proactively
+    (req1,) = sim.cmds("n1", "checkpoint")
+    (req2,) = sim.cmds("n2", "checkpoint")
+    assert req1["request_id"] == req2["request_id"]
+    ckpt_out = sim.c.store.action_output(detail.actions[1].id)
+    assert ckpt_out["proactive"] is True and isinstance(ckpt_out["step"], int)
+    # drain stopped n1; the restart stopped n2 and started attempt 2 on n3 + n2
+    assert len(sim.cmds("n1", "stop_job")) == 1 and len(sim.cmds("n2", "stop_job")) == 1
+    assert sim.c.node_state("n1") == "drained"
+    assert [a["attempt"] for a in sim.cmds("n3", "start_job")] == [2]
+    assert [a["attempt"] for a in sim.cmds("n2", "start_job")] == [1, 2]
+    assert sim.cmds("n3", "start_job")[0]["node_rank"] == 0
+    job = sim.c.get_job("job")
+    assert job.nodes == ("n3", "n2") and job.restarts == 1
+    assert sim.c.get_node("n3").role == "active"
+    restart_out = sim.c.store.action_output(detail.actions[-1].id)
+    assert restart_out["first_step"] > ckpt_out["step"]
+    assert set(restart_out["phases_s"]) == {"detect", "checkpoint", "drain", "restart", "mttr"}
+    assert restart_out["lost_steps"] <= 1
+    timeline = " | ".join(t.message for t in detail.timeline)
+    assert "replaced n1 -> n3" in timeline and "lost steps" in timeline
+    assert sim.c.metrics.remediation_lost_steps.collect()[0].samples[0].value >= 0
+    mttr = [
+        s.value
+        for m in sim.c.metrics.remediation_phase_seconds.collect()
+        for s in m.samples
+        if s.name.endswith("_count") and s.labels.get("phase") == "mttr"
+    ]
+    assert mttr == [1.0]
+
+
+def test_no_spare_shrinks_to_fewer_nodes_keeping_the_world_size(sim):
+    sim.c.set_role("n3", role="active", actor="t")
+    sim.submit(nodes=["n1", "n2"], min_nodes=1, max_nproc_per_node=2)
+    sim.until(running(sim, attempt=1), max_s=5, what="job running")
+    sim.agents["n1"].gpus = (gpu(0, dbe=1),)
+    sim.until(running(sim, attempt=2), max_s=30, what="restart on one node")
+    job = sim.c.get_job("job")
+    assert (job.nodes, job.nproc_per_node, job.world_size) == (("n2",), 2, 2)
+    assert sim.cmds("n2", "start_job")[-1]["nnodes"] == 1
+    assert sim.cmds("n2", "start_job")[-1]["nproc_per_node"] == 2
+    timeline = " | ".join(t.message for t in sim.incident("gpu_dbe").timeline)
+    assert "shrinking job job to 1 node(s) x 2 process(es), world size 2 kept" in timeline
+
+
+def test_no_spare_and_no_shrink_waits_then_pages(sim):
+    sim.c.set_role("n3", role="active", actor="t")
+    sim.submit(nodes=["n1", "n2"], min_nodes=1)  # no max_nproc_per_node: world size cannot fit
+    sim.until(running(sim, attempt=1), max_s=5, what="job running")
+    sim.agents["n1"].gpus = (gpu(0, dbe=1),)
+    sim.until(lambda: sim.c.get_job("job").state == "waiting", max_s=20, what="waiting")
+    timeline = " | ".join(t.message for t in sim.incident("gpu_dbe").timeline)
+    assert "waiting up to 10 s for a spare" in timeline
+    assert "the trainer resumes only at the same world size" in timeline
+    sim.second(15)
+    detail = sim.incident("gpu_dbe")
+    states = {a.kind: a.state for a in detail.actions if a.kind != "notify"}
+    assert states["replace"] == "failed" and states["restart"] == "skipped"
+    assert any(a.params.get("page") for a in detail.actions if a.kind == "notify")
+    assert not sim.cmds("n2", "start_job")[1:]
+
+
+def test_spare_that_appears_while_waiting_is_taken(sim):
+    sim.c.set_role("n3", role="active", actor="t")
+    sim.submit(nodes=["n1", "n2"], min_nodes=1)
+    sim.until(running(sim, attempt=1), max_s=5, what="job running")
+    sim.agents["n1"].gpus = (gpu(0, dbe=1),)
+    sim.until(lambda: sim.c.get_job("job").state == "waiting", max_s=20, what="waiting")
+    sim.c.set_role("n3", role="spare", actor="t")
+    sim.until(running(sim, attempt=2), max_s=20, what="restart onto the new spare")
+    assert sim.c.get_job("job").nodes == ("n3", "n2")
+
+
+def test_silent_node_uses_the_latest_checkpoint_and_is_not_waited_for(sim):
+    sim.submit(nodes=["n1", "n2"])
+    sim.until(running(sim, attempt=1), max_s=5, what="job running")
+    sim.second(12)
+    committed = sim.ckpts.committed["job"]
+    sim.agents["n1"].silent = True
+    sim.until(running(sim, attempt=2), max_s=40, what="restart without n1")
+    detail = sim.incident("node_silent")
+    ckpt_out = sim.c.store.action_output(detail.actions[1].id)
+    assert ckpt_out["proactive"] is False and ckpt_out["step"] == committed
+    assert not sim.cmds("n2", "checkpoint")
+    assert sim.c.get_job("job").nodes == ("n3", "n2")
+    sim.until(
+        lambda: sim.incident("node_silent").incident.state == "resolved",
+        max_s=10,
+        what="resolved after the remediation",
+    )
+    kinds = [t.kind for t in sim.incident("node_silent").timeline]
+    assert kinds.index("mitigated") < kinds.index("resolved")
+
+
+def test_crashed_process_restarts_on_the_same_nodes_at_once(sim):
+    sim.submit(nodes=["n1", "n2"])
+    sim.until(running(sim, attempt=1), max_s=5, what="job running")
+    sim.second(5)
+    sim.agents["n2"].crash("job")
+    sim.until(running(sim, attempt=2), max_s=10, what="restart")
+    assert sim.c.get_job("job").nodes == ("n1", "n2")
+    assert len(sim.cmds("n1", "stop_job")) == 1  # the survivor is stopped first
+    assert not sim.cmds("n2", "stop_job")  # the crashed node runs nothing to stop
+    detail = sim.incident("job_process_failed")
+    assert [(a.kind, a.state) for a in detail.actions if a.kind != "notify"] == [
+        ("replace", "succeeded"),
+        ("restart", "succeeded"),
+    ]
+
+
+def test_stopped_exit_is_not_a_crash(sim):
+    sim.submit(nodes=["n1", "n2"])
+    sim.until(running(sim, attempt=1), max_s=5, what="job running")
+    sim.c.job_action("job", "stop", actor="ops")
+    sim.until(lambda: sim.c.get_job("job").state == "stopped", max_s=10, what="stopped")
+    sim.second(3)
+    assert not [i for i in sim.c.list_incidents() if i.rule == "job_process_failed"]
+    with pytest.raises(Conflict):
+        sim.c.job_action("job", "stop", actor="ops")
+
+
+def test_nan_loss_rolls_back_on_the_same_nodes_skipping_the_bad_batches(sim):
+    sim.submit(nodes=["n1", "n2"])
+    sim.until(running(sim, attempt=1), max_s=5, what="job running")
+    sim.second(13)  # checkpoint at step 10, now at step ~14
+    ckpt = sim.ckpts.committed["job"]
+    bad_step = sim.agents["n1"].launches["job"].step
+    sim.agents["n1"].event("nan_loss", job="job", rank=0, data={"step": bad_step})
+    sim.agents["n1"].loss = math.nan
+    sim.second()
+    sim.agents["n1"].loss = 1.0
+    sim.until(running(sim, attempt=2), max_s=15, what="rollback restart")
+    env = sim.cmds("n1", "start_job")[-1]["env"]
+    assert env["TRAINGUARD_RESUME_SKIP_BATCHES"] == str(bad_step - ckpt)
+    assert sim.c.get_job("job").nodes == ("n1", "n2")
+    assert sim.c.node_state("n1") == "active"
+
+
+def test_trainer_rollback_in_process_makes_the_controller_rollback_a_no_op(sim):
+    sim.submit(nodes=["n1", "n2"])
+    sim.until(running(sim, attempt=1), max_s=5, what="job running")
+    sim.second(3)
+    sim.agents["n1"].event(
+        "trainer_event", job="job", rank=0, message="nan_rollback", data={"step": 3, "to_step": 0}
+    )
+    sim.agents["n1"].loss = math.nan
+    sim.second(2)
+    sim.agents["n1"].loss = 1.0
+    sim.second(3)
+    rollback = [a for a in sim.incident("nan_loss").actions if a.kind == "rollback"]
+    assert rollback[0].state == "skipped" and "rolled back in process" in rollback[0].result
+    assert sim.c.get_job("job").attempt == 1
+
+
+def test_drain_that_would_leave_a_job_below_min_nodes_pages_instead(sim):
+    sim.c.set_role("n3", role="active", actor="t")
+    sim.submit(nodes=["n1", "n2"], min_nodes=2)
+    sim.until(running(sim, attempt=1), max_s=5, what="job running")
+    sim.agents["n1"].gpus = (gpu(0, dbe=1),)
+    sim.second(3)
+    detail = sim.incident("gpu_dbe")
+    states = {a.kind: a.state for a in detail.actions if a.kind != "notify"}
+    # a checkpoint is not disruptive: it still runs; the node stays in the job
+    assert states == {
+        "checkpoint": "succeeded",
+        **{k: "skipped" for k in ("drain", "replace", "restart")},
+    }
+    assert any("below min_nodes 2" in t.message for t in detail.timeline)
+    assert any(a.params.get("page") for a in detail.actions if a.kind == "notify")
+    assert sim.c.node_state("n1") == "active"
+    assert sim.c.get_job("job").state == "running"
+
+
+def test_controller_restart_mid_restart_never_starts_another_attempt(sim):
+    sim.submit(nodes=["n1", "n2"])
+    sim.until(running(sim, attempt=1), max_s=5, what="job running")
+    sim.agents["n1"].gpus = (gpu(0, dbe=1),)
+    sim.until(lambda: bool(sim.cmds("n3", "start_job")), max_s=30, what="start_job to spare")
+    # the controller dies right after queueing attempt 2 (state as on disk), then comes back
+    sim.c.stop()
+    sim.c = sim.new_controller()
+    sim.until(running(sim, attempt=2), max_s=20, what="restart confirmed after recovery")
+    sim.second(5)
+    starts = [a["attempt"] for n in ("n1", "n2", "n3") for a in sim.cmds(n, "start_job")]
+    assert sorted(starts) == [1, 1, 2, 2]
+    assert sim.c.get_job("job").attempt == 2
+
+
+@pytest.mark.parametrize(
+    ("world", "healthy", "min_nodes", "max_nproc", "expected"),
+    [
+        (4, 1, 1, 4, 1),
+        (4, 3, 1, 2, 2),
+        (4, 3, 1, 1, None),
+        (6, 4, 2, 3, 3),
+        (8, 3, 3, 8, None),
+    ],
+    ids=["one-node", "largest-divisor", "no-capacity", "three-of-four", "below-min"],
+)
+def test_shrink_plan_keeps_the_world_size(world, healthy, min_nodes, max_nproc, expected):
+    assert (
+        shrink_plan(world_size=world, healthy=healthy, min_nodes=min_nodes, max_nproc=max_nproc)
+        == expected
+    )
