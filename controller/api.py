@@ -34,8 +34,10 @@ from agent.protocol import FaultSpec, ProtocolError, Report, ReportResponse, to_
 from controller.auth import Permission, Principal, TokenStore
 from controller.errors import ServiceError
 from controller.fastwire import decoder, json_schema
+from controller.jobs import JobSpec
 from controller.service import ControllerService
 from controller.views import (
+    ActionView,
     AuditEntry,
     IncidentDetail,
     IncidentState,
@@ -523,6 +525,48 @@ def create_app(
     )
     async def get_job(name: str, _: Principal = Depends(reader)) -> Response:
         return _ok(await run_in_threadpool(service.get_job, name))
+
+    @app.post(
+        "/v1/jobs",
+        tags=["jobs"],
+        status_code=201,
+        response_class=Response,
+        openapi_extra=request_body(JobSpec),
+        responses={
+            201: {"description": "The job, starting", "content": _content(schemas.ref(JobView))},
+            **_errors(400, 401, 403, 409, 413, 422),
+        },
+    )
+    async def submit_job(request: Request, who: Principal = Depends(writer)) -> Response:
+        spec = await body_of(request, JobSpec)
+        view = await run_in_threadpool(call, service.submit_job, spec, actor=who.name)
+        log.info("event=job_submit job=%s actor=%s", spec.name, who.name)
+        return _ok(view, status=201)
+
+    def job_step(kind: str) -> Callable[..., Awaitable[Response]]:
+        async def handler(name: str, who: Principal = Depends(writer)) -> Response:
+            view = await run_in_threadpool(call, service.job_action, name, kind, actor=who.name)
+            log.info("event=job_%s job=%s actor=%s action=%s", kind, name, who.name, view.id)
+            return _ok(view, status=202)
+
+        return handler
+
+    for kind in ("checkpoint", "restart", "stop"):
+        app.post(
+            f"/v1/jobs/{{name}}/{kind}",
+            tags=["jobs"],
+            status_code=202,
+            response_class=Response,
+            name=f"job_{kind}",
+            summary=f"{kind.capitalize()} a job (an audited action step; poll the job)",
+            responses={
+                202: {
+                    "description": f"The {kind} step, as recorded",
+                    "content": _content(schemas.ref(ActionView)),
+                },
+                **_errors(400, 401, 403, 404, 409, 422),
+            },
+        )(job_step(kind))
 
     # --- silences ---
 

@@ -354,6 +354,19 @@ def _build_parser() -> argparse.ArgumentParser:
         "--for", dest="duration", help="fault duration, e.g. 30s (default: until cleared)"
     )
 
+    job = sub.add_parser("job", help="submit or stop a training job")
+    jsub = job.add_subparsers(dest="job_command", required=True, metavar="SUBCOMMAND")
+    submit = jsub.add_parser("submit", parents=[common, reads], help="submit a job spec (YAML)")
+    submit.add_argument("file")
+    jstop = jsub.add_parser("stop", parents=[common, reads], help="stop a job on every node")
+    jstop.add_argument("job")
+    for verb, text in (
+        ("checkpoint", "ask a job's ranks for a checkpoint now"),
+        ("restart", "restart a job from its latest checkpoint"),
+    ):
+        p = sub.add_parser(verb, parents=[common, reads], help=text)
+        p.add_argument("job")
+
     rules = sub.add_parser("rules", help="check, export or reload rules")
     rsub = rules.add_subparsers(dest="rules_command", required=True, metavar="SUBCOMMAND")
     check = rsub.add_parser("check", help="validate rule files offline")
@@ -497,6 +510,21 @@ def _run_api(args: argparse.Namespace, out: IO[str]) -> None:
             _print(out, args, "fault", data)
         else:
             out.write(f"fault {args.kind} queued for {args.node}: command {data['command_id']}\n")
+    elif cmd == "job" and args.job_command == "submit":
+        try:
+            spec = load_yaml(Path(args.file))
+        except ConfigError as e:
+            raise CliError(f"error: {e}", EXIT["usage"]) from None
+        if not isinstance(spec, dict):
+            raise CliError(f"error: {args.file}: a job spec must be a mapping", EXIT["usage"])
+        _print(out, args, "job", api.request("POST", "/v1/jobs", json=spec))
+    elif cmd in ("checkpoint", "restart") or (cmd == "job" and args.job_command == "stop"):
+        verb = "stop" if cmd == "job" else cmd
+        data = api.request("POST", f"/v1/jobs/{_quote(args.job)}/{verb}")
+        if args.output == "json":
+            _print(out, args, "action", data)
+        else:
+            out.write(f"{verb} of job {args.job}: step #{data['id']} {data['state']}\n")
     elif cmd == "rules" and args.rules_command == "reload":
         data = api.request("POST", "/v1/rules/reload")
         out.write(f"OK: {data['rules']} rules loaded\n")

@@ -9,7 +9,9 @@ from __future__ import annotations
 from typing import Protocol
 
 from agent.protocol import FaultSpec, Report, ReportResponse
+from controller.jobs import JobSpec
 from controller.views import (
+    ActionView,
     AuditEntry,
     IncidentDetail,
     IncidentView,
@@ -49,6 +51,14 @@ class ControllerService(Protocol):
     def list_jobs(self) -> list[JobView]: ...
 
     def get_job(self, name: str) -> JobView: ...
+
+    def submit_job(self, spec: JobSpec, *, actor: str) -> JobView:
+        """Store a job and start its first attempt. Raises BadRequest (unknown or drained
+        node), Conflict (the name or a node is taken by an active job)."""
+
+    def job_action(self, name: str, kind: str, *, actor: str) -> ActionView:
+        """Operator checkpoint / restart / stop of a job as an audited action step (it keeps
+        running in the background). Raises NotFound, Conflict (e.g. stop of a stopped job)."""
 
     def create_silence(
         self,

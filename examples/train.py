@@ -41,7 +41,9 @@ from agent.trainer import ResumableSampler, S3Config, Trainguard
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=40, help="last step to run (steps start at 1)")
-    p.add_argument("--ckpt-dir", required=True)
+    # Under trainguard's job backend the agent exports TRAINGUARD_CKPT_DIR (the job's ckpt_dir).
+    ckpt_default = os.environ.get("TRAINGUARD_CKPT_DIR")
+    p.add_argument("--ckpt-dir", required=ckpt_default is None, default=ckpt_default)
     p.add_argument("--checkpoint-every", type=int, default=10, help="0 = only on request")
     p.add_argument("--keep-last", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
@@ -144,6 +146,12 @@ def main(argv: list[str] | None = None) -> int:
         sigterm_grace_s=args.sigterm_grace_s,
     )
     step = tg.resume(first_step=1)
+    # A controller rollback (after a NaN) restarts the job with the skip window here: the data
+    # position moves that many batches past the restored checkpoint's, as the in-process
+    # rollback's skip_batches does. Only when a checkpoint was restored.
+    resume_skip = int(os.environ.get("TRAINGUARD_RESUME_SKIP_BATCHES", "0") or "0")
+    if resume_skip > 0 and step > 1:
+        sampler.mark_step(resume_skip)
     batches = sampler.batches(loader)
     while step <= args.steps:
         t0 = time.perf_counter()

@@ -13,8 +13,9 @@ from typing import Any
 
 from agent.clock import Clock, FakeClock
 from agent.protocol import Command, FaultSpec, Report, ReportResponse
-from controller.errors import BadRequest, NotFound
+from controller.errors import BadRequest, Conflict, NotFound
 from controller.views import (
+    ActionView,
     AuditEntry,
     IncidentDetail,
     IncidentView,
@@ -188,6 +189,31 @@ class FakeService:
             return self.jobs[name]
         except KeyError:
             raise NotFound(f"job {name} not found") from None
+
+    def submit_job(self, spec: Any, *, actor: str) -> JobView:
+        self._record("submit_job", spec.name, actor=actor)
+        if spec.name in self.jobs:
+            raise Conflict(f"job {spec.name!r} exists")
+        view = JobView(name=spec.name, state="starting", nodes=tuple(spec.nodes), attempt=1)
+        self.jobs[spec.name] = view
+        return view
+
+    def job_action(self, name: str, kind: str, *, actor: str) -> ActionView:
+        self._record("job_action", name, kind, actor=actor)
+        if name not in self.jobs:
+            raise NotFound(f"job {name} not found")
+        return ActionView(
+            id=1,
+            incident_id=None,
+            kind=kind,
+            target=name,
+            state="running",
+            attempts=1,
+            idempotency_key=f"operator:{kind}:{name}:1",
+            created_at=0.0,
+            updated_at=0.0,
+            params={"job": name, "actor": actor},
+        )
 
     def create_silence(
         self,
