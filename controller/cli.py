@@ -364,8 +364,8 @@ def _build_parser() -> argparse.ArgumentParser:
         ("checkpoint", "ask a job's ranks for a checkpoint now"),
         ("restart", "restart a job from its latest checkpoint"),
     ):
-        p = sub.add_parser(verb, parents=[common, reads], help=text)
-        p.add_argument("job")
+        verb_parser = sub.add_parser(verb, parents=[common, reads], help=text)
+        verb_parser.add_argument("job")
 
     rules = sub.add_parser("rules", help="check, export or reload rules")
     rsub = rules.add_subparsers(dest="rules_command", required=True, metavar="SUBCOMMAND")
