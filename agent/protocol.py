@@ -158,7 +158,7 @@ class Event:
     `id` increases strictly within one agent `instance`; (node, instance, id) is unique.
     kinds: "xid", "gpu_lost", "fallen_off_bus", "nvml_error", "nan_loss",
     "checkpoint_committed", "checkpoint_failed", "trainer_exit", "job_exit", "command_result",
-    "fault_injected".
+    "fault_injected", "preemption_notice".
     """
 
     id: int
@@ -197,6 +197,7 @@ CommandKind = Literal[
     #                 rdzv_endpoint, rdzv_id, env(dict), ckpt_dir
     "stop_job",  # args: job, grace_s                 -> SIGTERM process group, grace, SIGKILL
     "inject_fault",  # args: FaultSpec fields (sim backend only)
+    "collect_stacks",  # args: job -> SIGUSR1 to the job's local ranks, stacks in the result
 ]
 
 

@@ -19,13 +19,14 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast, get_args
 
 import httpx
 
 from agent.clock import Clock
 from agent.protocol import (
     Command,
+    CommandKind,
     Event,
     ProtocolError,
     Report,
@@ -220,7 +221,7 @@ class Reporter:
             return self._failed("error", None, f"{type(e).__name__}: {e}")
         if resp.status_code == 200:
             try:
-                answer = from_wire(ReportResponse, json.loads(resp.content))
+                answer = decode_response(resp.content)
             except (ValueError, ProtocolError) as e:
                 return self._failed("error", 200, f"bad response body: {e}")
             return self._succeeded(answer)
@@ -332,6 +333,33 @@ class Reporter:
                 next_mono = max(next_mono + self._interval_s, started)
             else:
                 next_mono = self._clock.monotonic() + outcome.retry_in_s
+
+
+_COMMAND_KINDS = frozenset(get_args(CommandKind))
+
+
+def decode_response(raw: bytes) -> ReportResponse:
+    """Strictly decode a ReportResponse, except that a command of a kind this agent does not
+    know is kept (and answered "unknown command kind" by the executor) instead of failing
+    the whole response: a newer controller must not stop an older agent's reporting."""
+    data = json.loads(raw)
+    unknown: dict[int, str] = {}
+    if isinstance(data, dict) and isinstance(data.get("commands"), list):
+        commands = list(data["commands"])
+        for i, c in enumerate(commands):
+            if isinstance(c, dict) and isinstance(c.get("kind"), str):
+                if c["kind"] not in _COMMAND_KINDS:
+                    unknown[i] = c["kind"]
+                    commands[i] = {**c, "kind": "checkpoint"}  # any known kind, to decode
+        data = {**data, "commands": commands}
+    answer = from_wire(ReportResponse, data)
+    if not unknown:
+        return answer
+    fixed = tuple(
+        dataclasses.replace(c, kind=cast(CommandKind, unknown[i])) if i in unknown else c
+        for i, c in enumerate(answer.commands)
+    )
+    return dataclasses.replace(answer, commands=fixed)
 
 
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,16 +23,27 @@ from agent.clock import Clock
 from agent.commands import CommandError, CommandResult, Handler
 from agent.protocol import Command, RankState
 
-__all__ = ["DUMP_MARKERS", "StackSource", "collect_stacks", "handles_signal", "stacks_handler"]
+__all__ = [
+    "DUMP_MARKERS",
+    "StackSource",
+    "collect_stacks",
+    "dump_lines",
+    "handles_signal",
+    "stacks_handler",
+]
 
 log = logging.getLogger("trainguard.agent.stacks")
 
-# faulthandler's thread headers: "Current thread 0x... (most recent call first):" and
-# "Thread 0x... (most recent call first):"
-DUMP_MARKERS = (b"Current thread 0x", b"Thread 0x")
+# What faulthandler writes: thread headers ("Current thread 0x... (most recent call first):",
+# "Thread 0x...", "Stack (...)" without all_threads) and frame lines ('  File "x.py", line 3
+# in f', "  <no Python frame>", "  ..." when cut). The job log also carries the ranks' own
+# output, written meanwhile: only these lines are kept.
+DUMP_MARKERS = (b"Current thread 0x", b"Thread 0x", b"Stack (most recent call first):")
+_HEADER = re.compile(r"^(Current thread 0x[0-9a-fA-F]+|Thread 0x[0-9a-fA-F]+|Stack) \(most recent")
+_FRAME = re.compile(r'^  (File ".*", line \d+ in \S.*|<no Python frame>|\.\.\.)$')
 POLL_S = 0.05
-# The dump is written by the signal handler in one go: once the log has stopped growing
-# for this long after a marker appeared, the rank's dump is complete.
+# The dump is written by the signal handler in one go: once no dump line has been added for
+# this long after the first appeared, the rank's dump is complete.
 SETTLE_S = 0.15
 
 
@@ -79,27 +91,37 @@ def _read_from(path: Path, offset: int, limit: int) -> bytes:
         return b""
 
 
+def dump_lines(raw: bytes) -> str:
+    """The faulthandler lines of `raw` (other output dropped), a blank line between threads."""
+    out: list[str] = []
+    for line in raw.decode("utf-8", errors="replace").splitlines():
+        if _HEADER.match(line):
+            if out:
+                out.append("")
+            out.append(line)
+        elif _FRAME.match(line) and out:
+            out.append(line)
+    return "\n".join(out) + ("\n" if out else "")
+
+
 def _wait_for_dump(
     path: Path, offset: int, *, deadline_mono: float, clock: Clock, read_limit: int
-) -> bytes | None:
-    """The log bytes written after `offset` once they hold a dump and stopped growing;
-    None when no dump appeared before the deadline."""
-    seen_size = -1
-    stable_since: float | None = None
+) -> str | None:
+    """The dump written to the log after `offset`, once it stopped growing; None when no
+    dump appeared before the deadline."""
+    seen = ""
+    stable_since = 0.0
     while True:
         now = clock.monotonic()
-        size = _file_size(path)
-        if size > offset:
-            new = _read_from(path, offset, read_limit)
-            if any(m in new for m in DUMP_MARKERS):
-                if size != seen_size:
-                    seen_size, stable_since = size, now
-                elif stable_since is not None and now - stable_since >= SETTLE_S:
-                    return new
-                if now >= deadline_mono:
-                    return new  # a dump that is still growing: return what is there
+        new = _read_from(path, offset, read_limit) if _file_size(path) > offset else b""
+        text = dump_lines(new) if any(m in new for m in DUMP_MARKERS) else ""
+        if text:
+            if text != seen:
+                seen, stable_since = text, now
+            elif now - stable_since >= SETTLE_S:
+                return text
         if now >= deadline_mono:
-            return None
+            return seen or None  # a dump still growing at the deadline: what is there
         clock.sleep(POLL_S)
 
 
@@ -159,9 +181,7 @@ def collect_stacks(
         if new is None:
             outcomes.append(_RankOutcome(r.rank, r.pid, "no_dump"))
         else:
-            outcomes.append(
-                _RankOutcome(r.rank, r.pid, "dumped", new.decode("utf-8", errors="replace"))
-            )
+            outcomes.append(_RankOutcome(r.rank, r.pid, "dumped", new))
     dumped = [o for o in outcomes if o.status == "dumped"]
     per_rank = max(256, max_bytes // max(1, len(dumped)) - 64)
     parts = [f"--- rank {o.rank} pid {o.pid} ---\n{_bounded(o.text, per_rank)}" for o in dumped]

@@ -13,7 +13,7 @@ import pytest
 from agent.clock import SYSTEM_CLOCK, FakeClock
 from agent.commands import CommandExecutor
 from agent.protocol import Command, RankState
-from agent.stacks import collect_stacks, handles_signal, stacks_handler
+from agent.stacks import collect_stacks, dump_lines, handles_signal, stacks_handler
 
 USR1_BIT = 1 << (signal.SIGUSR1 - 1)
 
@@ -60,6 +60,29 @@ def writing_signal(log: Path, sent: list[tuple[int, int]]) -> object:
             f.write(dump(pid))
 
     return send
+
+
+def test_only_faulthandler_lines_are_kept_from_interleaved_output() -> None:
+    raw = (
+        b'{"step": 7, "loss": 1.5}\n'
+        b"Thread 0x00007f01 (most recent call first):\n"
+        b'  File "/usr/lib/python3.11/threading.py", line 320 in wait\n'
+        b'{"step": 8, "loss": 1.4}\n'
+        b"\n"
+        b"Current thread 0x00007f02 (most recent call first):\n"
+        b'  File "/job/train.py", line 88 in main\n'
+        b"  <no Python frame>\n"
+        b"INFO checkpoint committed\n"
+    )
+    assert dump_lines(raw) == (
+        "Thread 0x00007f01 (most recent call first):\n"
+        '  File "/usr/lib/python3.11/threading.py", line 320 in wait\n'
+        "\n"
+        "Current thread 0x00007f02 (most recent call first):\n"
+        '  File "/job/train.py", line 88 in main\n'
+        "  <no Python frame>\n"
+    )
+    assert dump_lines(b'{"step": 9}\n') == ""
 
 
 def test_handles_signal_reads_sigcgt(tmp_path: Path) -> None:
@@ -147,7 +170,9 @@ def test_the_stack_text_is_bounded(tmp_path: Path) -> None:
 
     def huge_dump(pid: int, sig: int) -> None:
         with log.open("a") as f:
-            f.write("Thread 0x1 (most recent call first):\n" + "  File x.py, line 1\n" * 5000)
+            f.write(
+                "Thread 0x1 (most recent call first):\n" + '  File "x.py", line 1 in f\n' * 5000
+            )
 
     result = collect_stacks(
         job="j",

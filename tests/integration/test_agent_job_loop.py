@@ -1,0 +1,169 @@
+"""The agent side of the loop, end to end: a real agent process, a controller-shaped HTTP
+server handing out commands, and a real `examples/train.py` under torchrun (2 gloo ranks)
+started by `start_job`. checkpoint reaches the ranks and commits, collect_stacks returns
+both ranks' Python stacks, and a SIGTERM to the agent stops the job gracefully with the
+job's exit reaching the controller in the agent's last report."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from agent_proc import AgentProcess, FakeController, cleanup, short_tmpdir, wait_until
+
+from agent.protocol import Event, RankState
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+TOKEN = "job-loop-token"
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    d = short_tmpdir()
+    yield d
+    cleanup(d)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def result_of(controller: FakeController, command_id: str) -> Event | None:
+    for ev in controller.events_of("command_result"):
+        if ev.data.get("command_id") == command_id:
+            return ev
+    return None
+
+
+def latest_ranks(controller: FakeController) -> tuple[RankState, ...]:
+    with controller.lock:
+        return controller.reports[-1].ranks if controller.reports else ()
+
+
+def send(controller: FakeController, command: dict[str, Any]) -> Event:
+    with controller.lock:
+        controller.pending_commands.append(command)
+    ev: Event = wait_until(
+        lambda: result_of(controller, command["id"]),
+        what=f"the result of {command['kind']} {command['id']}",
+        timeout_s=30,
+    )
+    return ev
+
+
+def test_start_checkpoint_stacks_and_graceful_stop_of_a_real_training_job(workdir: Path) -> None:
+    controller = FakeController(TOKEN)
+    token = workdir / "token"
+    token.write_text(TOKEN)
+    token.chmod(0o600)
+    agent = AgentProcess(
+        workdir, "--controller", controller.url, "--token-file", str(token),
+        "--report-interval-s", "0.2", "--collect-interval-s", "0.2",
+        "--advertise-address", "127.0.0.1",
+    )  # fmt: skip
+    stopped = False
+    try:
+        started = send(
+            controller,
+            {
+                "id": "start-1",
+                "kind": "start_job",
+                "args": {
+                    "job": "demo",
+                    "attempt": 0,
+                    "command": [
+                        str(REPO / "examples" / "train.py"),
+                        "--steps",
+                        "100000",
+                        "--ckpt-dir",
+                        str(workdir / "ckpt"),
+                        "--checkpoint-every",
+                        "0",
+                        "--step-time-s",
+                        "0.05",
+                    ],
+                    "nproc_per_node": 2,
+                    "nnodes": 1,
+                    "node_rank": 0,
+                    "rdzv_endpoint": f"127.0.0.1:{free_port()}",
+                    "rdzv_id": "demo-0",
+                    "cwd": str(REPO),
+                },
+            },
+        )
+        assert started.data["ok"] is True, started.data["message"]
+        with controller.lock:
+            assert controller.reports[-1].labels.get("address") == "127.0.0.1"
+        wait_until(
+            lambda: (
+                len([r for r in latest_ranks(controller) if r.job == "demo" and r.step > 2]) == 2
+            ),
+            what="both ranks training (heartbeats in the report)",
+            timeout_s=90,
+        )
+        with controller.lock:
+            (job,) = controller.reports[-1].jobs
+        assert (job.job, job.attempt, job.state) == ("demo", 0, "running")
+
+        ckpt = send(
+            controller,
+            {"id": "ckpt-1", "kind": "checkpoint", "args": {"job": "demo", "request_id": "req-1"}},
+        )
+        assert ckpt.data["ok"] is True and ckpt.data["message"] == "sent to 2 rank(s)"
+        wait_until(
+            lambda: (
+                [r.ckpt_request_id for r in latest_ranks(controller) if r.job == "demo"]
+                == ["req-1", "req-1"]
+            ),
+            what="both ranks reporting the committed request",
+            timeout_s=60,
+        )
+        wait_until(
+            lambda: (
+                {
+                    e.rank
+                    for e in controller.events_of("checkpoint_committed")
+                    if e.data.get("request_id") == "req-1"
+                }
+                == {0, 1}
+            ),
+            what="checkpoint_committed events of both ranks",
+            timeout_s=30,
+        )
+
+        stacks = send(
+            controller, {"id": "stk-1", "kind": "collect_stacks", "args": {"job": "demo"}}
+        )
+        assert stacks.data["ok"] is True, stacks.data["message"]
+        text = stacks.data["stacks"]
+        assert "--- rank 0 pid" in text and "--- rank 1 pid" in text
+        assert 'train.py", line' in text and "in main" in text
+        assert len(text.encode()) <= 16384
+        assert [r["status"] for r in stacks.data["ranks"]] == ["dumped", "dumped"]
+        # the dump did not hurt the ranks: they keep stepping
+        before = max(r.step for r in latest_ranks(controller) if r.job == "demo")
+        wait_until(
+            lambda: min(r.step for r in latest_ranks(controller) if r.job == "demo") > before,
+            what="the ranks to keep training after the dump",
+            timeout_s=30,
+        )
+
+        assert agent.terminate(timeout_s=60) == 0
+        stopped = True
+        (exit_ev,) = controller.events_of("job_exit")
+        assert exit_ev.job == "demo" and exit_ev.data["stopped"] is True
+        assert exit_ev.data["killed"] is False, exit_ev.message
+        trainer_exits = {e.rank for e in controller.events_of("trainer_exit") if e.job == "demo"}
+        assert trainer_exits == {0, 1}
+    finally:
+        if not stopped:
+            print(agent.log()[-6000:])
+            agent.kill()
+        controller.stop()
