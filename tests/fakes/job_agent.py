@@ -53,6 +53,7 @@ class FakeJobAgent:
         self.seq = 0
         self.event_id = 0
         self.silent = False
+        self.hold = False  # launched ranks stay at their resume step (a slow start)
         self.commands: list[Command] = []
         self._done: set[str] = set()
         self._events: list[Event] = []
@@ -118,6 +119,8 @@ class FakeJobAgent:
     # --- the training loop, one call per simulated second -------------------------------
 
     def train(self) -> None:
+        if self.hold:
+            return
         for job, launch in self.launches.items():
             if launch.state != "running":
                 continue

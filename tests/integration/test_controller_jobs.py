@@ -1,0 +1,191 @@
+"""The closed loop through the real controller process: fake agents (driven by the test) post
+HTTP reports and carry out the commands on the responses. A sick node is checkpointed,
+drained, replaced by the spare and the job restarted, with the right commands at each step;
+with no spare the job shrinks; `kill -9` of the controller while the restart waits for the
+first step resumes it without another start_job."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agent.protocol import ReportResponse, decode_json, encode_json
+from tests.fakes.job_agent import FakeJobAgent, SharedCheckpoints
+from tests.integration.test_controller_kill9 import (
+    AGENT,
+    OP,
+    ControllerProc,
+    procs,  # noqa: F401  (fixture)
+    wait_for,
+)
+from tests.unit.controller.conftest import gpu
+
+RULES = """
+rules:
+  - name: gpu_dbe
+    scope: gpu
+    condition: ecc_uncorrected_volatile_total > 0
+    severity: critical
+    summary: uncorrectable ECC error
+    actions: [notify, checkpoint, drain, replace, restart]
+"""
+
+
+def write_config(tmp_path: Path) -> Path:
+    from controller.auth import hash_token  # noqa: PLC0415
+
+    (tmp_path / "rules.yaml").write_text(RULES)
+    (tmp_path / "tokens.yaml").write_text(
+        "tokens:\n"
+        f'  - {{name: ops, role: operator, sha256: "{hash_token("op-token")}"}}\n'
+        f'  - {{name: agents, role: agent, sha256: "{hash_token("agent-token")}"}}\n'
+    )
+    cfg = tmp_path / "controller.yaml"
+    cfg.write_text(
+        f"store: {{path: {tmp_path / 'c.db'}}}\n"
+        f"rules: [{tmp_path / 'rules.yaml'}]\n"
+        f"api: {{host: 127.0.0.1, port: 0, tokens_file: {tmp_path / 'tokens.yaml'}}}\n"
+        "tick_interval_s: 0.2\n"
+        "stale_after_s: 10\n"
+        "jobs: {checkpoint_timeout_s: 5, stop_grace_s: 1, stop_timeout_s: 3,"
+        " progress_timeout_s: 60, spare_wait_s: 30}\n"
+    )
+    return cfg
+
+
+class Fleet:
+    def __init__(self, names: dict[str, str]) -> None:
+        self.ckpts = SharedCheckpoints(every_steps=5)
+        self.agents = {
+            n: FakeJobAgent(n, ckpts=self.ckpts, role=role, labels={"address": "127.0.0.1"})
+            for n, role in names.items()
+        }
+        self.url = ""
+
+    def round(self) -> None:
+        for agent in self.agents.values():
+            agent.train()
+            if agent.silent:
+                continue
+            try:
+                r = httpx.post(
+                    f"{self.url}/v1/reports",
+                    content=encode_json(agent.report(now=0.0)),
+                    headers=AGENT,
+                    timeout=5,
+                )
+            except httpx.HTTPError:
+                continue  # the controller is down: keep the events, resend next round
+            if r.status_code == 200:
+                agent.acked(decode_json(ReportResponse, r.content))
+
+    def until(self, cond: Callable[[], bool], *, timeout_s: float, what: str) -> None:
+        def step() -> bool:
+            self.round()
+            return cond()
+
+        wait_for(step, timeout_s=timeout_s, what=what)
+
+    def job(self) -> dict:
+        return httpx.get(f"{self.url}/v1/jobs/job", headers=OP, timeout=5).json()
+
+    def incident(self) -> dict:
+        r = httpx.get(f"{self.url}/v1/incidents?limit=5", headers=OP, timeout=5).json()
+        return httpx.get(f"{self.url}/v1/incidents/{r[0]['id']}", headers=OP, timeout=5).json()
+
+    def starts(self) -> list[tuple[str, int]]:
+        return sorted(
+            (n, c.args["attempt"])
+            for n, a in self.agents.items()
+            for c in a.commands
+            if c.kind == "start_job"
+        )
+
+    def kinds(self, node: str) -> list[str]:
+        return [c.kind for c in self.agents[node].commands]
+
+
+def submit(fleet: Fleet, **spec: object) -> None:
+    body = {"name": "job", "command": ["examples/train.py"], "nodes": ["n1", "n2"], **spec}
+    r = httpx.post(f"{fleet.url}/v1/jobs", json=body, headers=OP, timeout=5)
+    assert r.status_code == 201, r.text
+
+
+def running(fleet: Fleet, attempt: int) -> Callable[[], bool]:
+    return lambda: (fleet.job()["state"], fleet.job()["attempt"]) == ("running", attempt)
+
+
+@pytest.mark.slow
+def test_sick_node_is_replaced_through_the_real_controller(tmp_path, procs):  # noqa: F811
+    procs.append(ControllerProc(write_config(tmp_path), tmp_path / "c.log"))
+    fleet = Fleet({"n1": "active", "n2": "active", "n3": "spare"})
+    fleet.url = procs[0].url
+    fleet.round()
+    submit(fleet)
+    fleet.until(running(fleet, 1), timeout_s=20, what="attempt 1 running")
+    fleet.agents["n1"].gpus = (gpu(0, dbe=1),)
+    fleet.until(
+        lambda: fleet.incident()["incident"]["state"] == "mitigated",
+        timeout_s=40,
+        what="mitigated",
+    )
+    assert fleet.kinds("n1") == ["start_job", "checkpoint", "stop_job"]
+    assert fleet.kinds("n2") == ["start_job", "checkpoint", "stop_job", "start_job"]
+    assert fleet.kinds("n3") == ["start_job"]
+    assert fleet.starts() == [("n1", 1), ("n2", 1), ("n2", 2), ("n3", 2)]
+    job = fleet.job()
+    assert job["nodes"] == ["n3", "n2"] and job["restarts"] == 1
+    steps = [(a["kind"], a["state"]) for a in fleet.incident()["actions"] if a["kind"] != "notify"]
+    assert steps == [(k, "succeeded") for k in ("checkpoint", "drain", "replace", "restart")]
+    metrics = httpx.get(f"{fleet.url}/metrics", timeout=5).text
+    assert 'trainguard_controller_remediation_phase_seconds_count{phase="mttr"} 1.0' in metrics
+
+
+@pytest.mark.slow
+def test_no_spare_shrinks_through_the_real_controller(tmp_path, procs):  # noqa: F811
+    procs.append(ControllerProc(write_config(tmp_path), tmp_path / "c.log"))
+    fleet = Fleet({"n1": "active", "n2": "active"})
+    fleet.url = procs[0].url
+    fleet.round()
+    submit(fleet, min_nodes=1, max_nproc_per_node=2)
+    fleet.until(running(fleet, 1), timeout_s=20, what="attempt 1 running")
+    fleet.agents["n1"].gpus = (gpu(0, dbe=1),)
+    fleet.until(running(fleet, 2), timeout_s=40, what="attempt 2 running on one node")
+    job = fleet.job()
+    assert (job["nodes"], job["nproc_per_node"], job["world_size"]) == (["n2"], 2, 2)
+    last = [c.args for c in fleet.agents["n2"].commands if c.kind == "start_job"][-1]
+    assert (last["nnodes"], last["nproc_per_node"]) == (1, 2)
+    timeline = " | ".join(t["message"] for t in fleet.incident()["timeline"])
+    assert "world size 2 kept" in timeline
+
+
+@pytest.mark.slow
+def test_kill9_mid_restart_resumes_without_another_start_job(tmp_path, procs):  # noqa: F811
+    cfg = write_config(tmp_path)
+    procs.append(ControllerProc(cfg, tmp_path / "c1.log"))
+    fleet = Fleet({"n1": "active", "n2": "active", "n3": "spare"})
+    fleet.url = procs[0].url
+    fleet.round()
+    submit(fleet)
+    fleet.until(running(fleet, 1), timeout_s=20, what="attempt 1 running")
+    fleet.agents["n3"].hold = True  # attempt 2 starts but shows no progress yet
+    fleet.agents["n2"].hold = True
+    fleet.agents["n1"].gpus = (gpu(0, dbe=1),)
+    fleet.until(lambda: ("n3", 2) in fleet.starts(), timeout_s=40, what="start_job attempt 2")
+    procs[0].kill9()
+    procs.append(ControllerProc(cfg, tmp_path / "c2.log"))
+    fleet.url = procs[1].url
+    for _ in range(5):
+        fleet.round()
+    fleet.agents["n3"].hold = False
+    fleet.agents["n2"].hold = False
+    fleet.until(
+        lambda: fleet.incident()["incident"]["state"] == "mitigated",
+        timeout_s=40,
+        what="mitigated after the restart",
+    )
+    assert fleet.starts() == [("n1", 1), ("n2", 1), ("n2", 2), ("n3", 2)]
+    assert fleet.job()["attempt"] == 2
