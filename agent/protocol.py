@@ -187,6 +187,14 @@ class Report:
     jobs: tuple[JobProcess, ...] = ()
     events: tuple[Event, ...] = ()
     health: dict[str, float] = field(default_factory=dict)  # agent self-health figures
+    # Delta reports (optional; an agent that never sets `full` sends full reports only).
+    # full=True: gpus/ib_ports are the whole hardware snapshot. full=False: a delta against
+    # the report `base_seq` (same instance) that the controller acknowledged: only the GPUs,
+    # NVLinks (within a listed GPU) and IB ports whose values changed are listed, each entry
+    # whole; an absent entry means "unchanged", never "gone" (a removal forces a full report).
+    # ranks, jobs, events, health and labels are always complete.
+    full: bool | None = None
+    base_seq: int | None = None
     v: int = PROTOCOL_VERSION
 
 
@@ -216,6 +224,10 @@ class ReportResponse:
     ack_event_id: int  # every event with id <= this (for the report's instance) is stored
     commands: tuple[Command, ...] = ()
     server_time: float = 0.0
+    # True: the controller cannot apply deltas for this agent (a new controller process, an
+    # unknown instance, a base_seq that is not the last report it applied): send a full
+    # report next. Only sent (when true) to agents that send `full`.
+    want_full: bool | None = None
     v: int = PROTOCOL_VERSION
 
 

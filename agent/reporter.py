@@ -4,6 +4,12 @@ Events get strictly increasing ids within this agent instance and stay in the sp
 controller acknowledges them, so an outage loses nothing (short of the spool overflowing,
 which drops the oldest and counts it). While the controller is down the reporter backs off
 exponentially with jitter; commands from responses are handed on once each.
+
+Delta reports: most hardware values do not change from one second to the next, so after a
+full report the controller acknowledged, a report lists only the GPUs, NVLinks and IB ports
+that changed since the last acknowledged one (`base_seq`), with a full snapshot every
+`full_report_every` reports, whenever something disappeared, and whenever the controller
+asks (`want_full`). Ranks, jobs, events and health always travel whole.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any, Literal, cast, get_args
 import httpx
 
 from agent.clock import Clock
+from agent.model import GpuSample, IbPortSample
 from agent.protocol import (
     Command,
     CommandKind,
@@ -39,6 +46,7 @@ log = logging.getLogger("trainguard.agent.reporter")
 ReportResult = Literal["ok", "error", "rejected"]
 REPORT_RESULTS: tuple[ReportResult, ...] = ("ok", "error", "rejected")
 SEEN_COMMANDS_MAX = 4096  # command ids remembered for dedupe (the controller resends a few)
+FULL_REPORT_EVERY = 30  # a full snapshot at least this often (reports), deltas in between
 
 
 class TokenError(ValueError):
@@ -157,6 +165,101 @@ class ReportOutcome:
 BuildReport = Callable[[int, tuple[Event, ...]], Report]
 
 
+class DeltaEncoder:
+    """Turns full reports into delta reports against the last one the controller acknowledged.
+
+    `prepare` gets the full report about to be sent and returns what to send; `acknowledged`
+    is told the outcome of the one sent. Only an acknowledged report (200 without
+    `want_full`) becomes the base, so a lost request or response never loses a change: the
+    next delta still lists everything changed since the base, and a controller that applied
+    the lost report answers `want_full` to the mismatching `base_seq`.
+    `full_every` <= 1 sends full reports only (still marked `full`, which new controllers
+    accept and old ones refuse; `enabled=False` sends the original report unchanged).
+    """
+
+    def __init__(self, *, full_every: int = FULL_REPORT_EVERY, enabled: bool = True) -> None:
+        self.full_every = full_every
+        self.enabled = enabled
+        self._base: Report | None = None  # last full snapshot the controller acknowledged
+        self._gpus: dict[int, GpuSample] = {}
+        self._ports: dict[tuple[str, int], IbPortSample] = {}
+        self._since_full = 0  # acknowledged deltas since the base's last full report
+        self._in_flight: Report | None = None  # full snapshot of the report being sent
+        self._sent_full = False
+        self.full_total = 0
+        self.delta_total = 0
+
+    def reset(self) -> None:
+        """Forget the base: the next report is full."""
+        self._base = None
+        self._gpus = {}
+        self._ports = {}
+
+    def prepare(self, report: Report) -> Report:
+        if not self.enabled:
+            self._in_flight = None
+            return report
+        self._in_flight = report
+        delta = None
+        if self._base is not None and self._since_full + 1 < self.full_every:
+            delta = self._delta(report)
+        self._sent_full = delta is None
+        if delta is None:
+            self.full_total += 1
+            return dataclasses.replace(report, full=True, base_seq=None)
+        self.delta_total += 1
+        return delta
+
+    def acknowledged(self, ok: bool, *, want_full: bool = False) -> None:
+        """The controller answered the prepared report (ok) or it may not have seen it."""
+        sent, self._in_flight = self._in_flight, None
+        if sent is None or not ok:
+            return
+        if want_full:
+            log.info("event=full_report_wanted seq=%d", sent.seq)
+            self.reset()
+            return
+        self._base = sent
+        self._gpus = {g.index: g for g in sent.gpus}
+        self._ports = {(p.device, p.port): p for p in sent.ib_ports}
+        self._since_full = 0 if self._sent_full else self._since_full + 1
+
+    def _delta(self, report: Report) -> Report | None:
+        """The delta of `report` against the base, or None where only a full report will do
+        (a GPU, NVLink or port appeared or disappeared)."""
+        assert self._base is not None
+        held_gpus, held_ports = self._gpus, self._ports
+        if len(report.gpus) != len(held_gpus) or len(report.ib_ports) != len(held_ports):
+            return None
+        gpus: list[GpuSample] = []
+        for g in report.gpus:
+            old = held_gpus.get(g.index)
+            if old is None:
+                return None
+            if g is old or g == old:
+                continue
+            links = g.nvlinks
+            if links != old.nvlinks:
+                if len(links) != len(old.nvlinks) or any(
+                    a.link != b.link for a, b in zip(links, old.nvlinks, strict=True)
+                ):
+                    return None
+                links = tuple(a for a, b in zip(links, old.nvlinks, strict=True) if a != b)
+            else:
+                links = ()
+            gpus.append(dataclasses.replace(g, nvlinks=links))
+        ports: list[IbPortSample] = []
+        for p in report.ib_ports:
+            old_port = held_ports.get((p.device, p.port))
+            if old_port is None:
+                return None
+            if p is not old_port and p != old_port:
+                ports.append(p)
+        return dataclasses.replace(
+            report, full=False, base_seq=self._base.seq, gpus=tuple(gpus), ib_ports=tuple(ports)
+        )
+
+
 class Reporter:
     """POSTs one Report per `interval_s` to `<url>/v1/reports`; see `report_once` and `run`."""
 
@@ -175,6 +278,7 @@ class Reporter:
         verify: bool | str = True,
         rng: random.Random | None = None,
         transport: httpx.BaseTransport | None = None,
+        full_report_every: int = FULL_REPORT_EVERY,
     ) -> None:
         self.endpoint = url.rstrip("/") + "/v1/reports"
         self._spool = spool
@@ -195,6 +299,7 @@ class Reporter:
         )
         self._seq = 0
         self._failures = 0
+        self.deltas = DeltaEncoder(full_every=full_report_every, enabled=full_report_every > 1)
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._down_logged = False
         self.results_total: dict[str, int] = dict.fromkeys(REPORT_RESULTS, 0)
@@ -210,7 +315,7 @@ class Reporter:
         """
         self._seq += 1
         events = self._spool.pending(self._max_events)
-        report = self._build(self._seq, events)
+        report = self.deltas.prepare(self._build(self._seq, events))
         body = encode_report(report)
         try:
             if timeout_s is None:
@@ -218,14 +323,22 @@ class Reporter:
             else:
                 resp = self._client.post(self.endpoint, content=body, timeout=timeout_s)
         except httpx.HTTPError as e:
+            self.deltas.acknowledged(False)
             return self._failed("error", None, f"{type(e).__name__}: {e}")
         if resp.status_code == 200:
             try:
                 answer = decode_response(resp.content)
             except (ValueError, ProtocolError) as e:
+                self.deltas.acknowledged(False)
                 return self._failed("error", 200, f"bad response body: {e}")
+            self.deltas.acknowledged(True, want_full=bool(answer.want_full))
             return self._succeeded(answer)
+        self.deltas.acknowledged(False)
         reason = _short_reason(resp)
+        if resp.status_code == 422 and self.deltas.enabled and _refuses_deltas(resp):
+            # a controller older than delta reports: full reports in the original shape
+            self.deltas.enabled = False
+            log.warning("event=delta_reports_off reason=%r", reason)
         if resp.status_code == 413 and self._max_events > 1:
             # the body was too large: carry fewer events per report from now on
             self._max_events = max(1, self._max_events // 2)
@@ -397,6 +510,19 @@ def _wire(value: Any) -> Any:
 def encode_report(report: Report) -> bytes:
     """The report as compact JSON bytes, exactly as `agent.protocol.encode_json` writes it."""
     return json.dumps(_wire(report), separators=(",", ":"), allow_nan=False).encode()
+
+
+def _refuses_deltas(resp: httpx.Response) -> bool:
+    """A 422 naming one of the delta fields as unknown: the controller predates them."""
+    try:
+        detail = resp.json().get("detail")
+    except (ValueError, AttributeError):
+        return False
+    return (
+        isinstance(detail, dict)
+        and detail.get("field") in ("full", "base_seq")
+        and detail.get("reason") == "unknown key"
+    )
 
 
 def _short_reason(resp: httpx.Response) -> str:

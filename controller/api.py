@@ -233,6 +233,8 @@ def create_app(
             started = time.perf_counter()
             try:
                 report = report_decoder.decode_json(raw)
+                if report.events:
+                    _check_event_ids(report)
             except ProtocolError as e:
                 raise _invalid(e) from None
             if ingest_executor is not None:
@@ -738,6 +740,15 @@ class _ReportFastPath:
         headers += [(k.lower().encode(), v.encode()) for k, v in (extra or {}).items()]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+_EVENT_ID_MAX = 2**63 - 1  # the store keeps event ids as 64-bit signed integers
+
+
+def _check_event_ids(report: Report) -> None:
+    for i, e in enumerate(report.events):
+        if e.id > _EVENT_ID_MAX:
+            raise ProtocolError(f"events[{i}].id", f"out of range: at most {_EVENT_ID_MAX}")
 
 
 def _invalid(e: ProtocolError) -> ApiError:

@@ -6,19 +6,29 @@ lives in memory and is flushed in one batch per tick; only a report carrying new
 writes (one small transaction). Commands ride on the response until a `command_result`
 event for their id arrives, so a lost response never loses a command.
 
+Delta reports: an agent that sends `full` may send only what changed since the report the
+controller last applied for its instance (`base_seq`); the SignalState keeps the merged
+snapshot. A delta the controller cannot apply on top of what it holds (a new controller
+process, another instance, a base that is not the last report applied) is still applied for
+what it lists, and the response asks for a full report (`want_full`).
+
 Threads: `start()` runs a tick thread (evaluation every tick_interval_s) and an action
-worker thread (so a slow webhook never delays detection). In-memory state and the
-SignalState are guarded by one lock; the store has its own.
+worker thread (so a slow webhook never delays detection). In-memory state is guarded by one
+lock; the store has its own. Rule evaluation does not hold that lock: while it runs, every
+change to the SignalState (reports above all) is queued, whole, and applied in order after
+it, so the engine sees one consistent state and never half a report, and ingest never waits
+for a tick.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +66,7 @@ from controller.views import (
 log = logging.getLogger("trainguard.controller")
 
 _RUNNING_JOB_STATES = ("starting", "running", "stopping")
+_DEFERRED_BATCH = 64  # queued SignalState changes applied per lock hold after a tick
 
 
 @dataclass
@@ -97,6 +108,10 @@ class Controller:
         self.metrics = ControllerMetrics()
         backends = backends or ActionBackends()
         self._lock = threading.RLock()
+        # SignalState changes queued while a tick evaluates (see `_signals_do`)
+        self._evaluating = False
+        self._deferred: list[Callable[[], None]] = []
+        self._tick_lock = threading.Lock()  # one evaluation at a time
         try:
             self.store = Store(config.store.path, now=clock.now)
         except StoreError as e:
@@ -117,6 +132,8 @@ class Controller:
         self._hwm: dict[str, tuple[str, int]] = {}  # node -> (instance, highest stored id)
         self._node_jobs: dict[str, str | None] = {}
         self._hw_counts: dict[str, tuple[int, int]] = {}  # node -> (gpus, ib ports)
+        # node -> (instance, seq of the last report applied whole, None: a full one is needed)
+        self._delta_base: dict[str, tuple[str, int | None]] = {}
         self._jobs_seen: dict[str, _JobSeen] = {}
         self._pending: dict[str, list[CommandRecord]] = {}
         for cmd in self.store.pending_commands():
@@ -333,23 +350,53 @@ class Controller:
         self._flush()
         self._expire_commands(now)
         self.jobs.tick(now=now)
-        with self._lock:
-            eval_started = time.perf_counter()
-            decisions, self._memory = evaluate(
-                rules=self._rules,
-                signals=self.signals,
-                now=now,
-                memory=self._memory,
-                stale_after_s=self.config.stale_after_s,
-            )
-            self.metrics.rule_eval_seconds.observe(time.perf_counter() - eval_started)
-            if self._seeded:
-                decisions = self._hold_seeded(decisions, now=now)
+        with self._tick_lock:
+            with self._lock:
+                self._evaluating = True
+                rules = self._rules
+            try:
+                eval_started = time.perf_counter()
+                decisions, self._memory = evaluate(
+                    rules=rules,
+                    signals=self.signals,
+                    now=now,
+                    memory=self._memory,
+                    stale_after_s=self.config.stale_after_s,
+                )
+                self.metrics.rule_eval_seconds.observe(time.perf_counter() - eval_started)
+            finally:
+                self._apply_deferred()
+            with self._lock:
+                if self._seeded:
+                    decisions = self._hold_seeded(decisions, now=now)
         self.apply_decisions(decisions, now=now)
         if not self.running:
             self.runner.run_due(now=now)
         self._update_gauges(now)
         self.metrics.tick_seconds.observe(time.perf_counter() - started)
+
+    def _signals_do(self, fn: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        """Change the SignalState now, or after the running evaluation. Caller holds _lock."""
+        if self._evaluating:
+            self._deferred.append(functools.partial(fn, *args, **kwargs))
+        else:
+            fn(*args, **kwargs)
+
+    def _apply_deferred(self) -> None:
+        """Apply the changes queued during an evaluation, in order, then stop queueing.
+
+        Only this (tick) thread changes the SignalState while `_evaluating` is set, so the
+        batches are applied without the lock: ingest keeps appending behind them meanwhile
+        instead of waiting for hundreds of queued reports."""
+        while True:
+            with self._lock:
+                batch = self._deferred[:_DEFERRED_BATCH]
+                del self._deferred[:_DEFERRED_BATCH]
+                if not batch:
+                    self._evaluating = False
+                    return
+            for fn in batch:
+                fn()
 
     def apply_decisions(self, decisions: Sequence[Decision], *, now: float) -> list[int]:
         """Feed decisions to the incident layer; returns ids of incidents opened."""
@@ -426,7 +473,9 @@ class Controller:
                     name, role=report.role_hint or "active", labels=dict(report.labels)
                 )
                 self._nodes[name] = node
-                self.signals.set_node_meta(name, role=node.role, state=node.state, job=node.job)
+                self._signals_do(
+                    self.signals.set_node_meta, name, role=node.role, state=node.state, job=node.job
+                )
                 log.info("event=node_registered node=%s role=%s actor=%s", name, node.role, actor)
             self._last_seen[name] = now
             self._reported.add(name)
@@ -437,7 +486,10 @@ class Controller:
                 agent_version=report.agent_version,
                 labels=dict(report.labels),
             )
-            self._hw_counts[name] = (len(report.gpus), len(report.ib_ports))
+            delta = report.full is False
+            want_full = self._check_delta_base(name, report) if report.full is not None else None
+            if not delta:
+                self._hw_counts[name] = (len(report.gpus), len(report.ib_ports))
             self._note_jobs(name, report)
             self.jobs.note_report(name, report)
             hwm = self._high_water_mark(name, report.instance)
@@ -452,10 +504,35 @@ class Controller:
                 self._store_events(name, report.instance, new_events)
                 hwm = new_events[-1].id
                 self._hwm[name] = (report.instance, hwm)
-            self.signals.ingest(report, now=now, new_events=new_events)
+            self._signals_do(self.signals.ingest, report, now=now, new_events=new_events)
             commands = self._commands_for(name, now)
         self.metrics.reports_total.inc()
-        return ReportResponse(ack_event_id=hwm, commands=commands, server_time=now)
+        return ReportResponse(
+            ack_event_id=hwm, commands=commands, server_time=now, want_full=want_full
+        )
+
+    def _check_delta_base(self, node: str, report: Report) -> bool | None:
+        """Track what the node's delta reports are based on; True: ask for a full report."""
+        if report.full:
+            self._delta_base[node] = (report.instance, report.seq)
+            return None
+        base = self._delta_base.get(node)
+        if base is not None and base[1] is not None and base == (report.instance, report.base_seq):
+            self._delta_base[node] = (report.instance, report.seq)
+            return None
+        # applied for what it lists (current values), but what it leaves out may differ
+        # from what is held: deltas stay refused until a full report arrives
+        self._delta_base[node] = (report.instance, None)
+        if base is None or base[1] is not None:
+            log.info(
+                "event=full_report_wanted node=%s instance=%s seq=%d base_seq=%s held=%s",
+                node,
+                report.instance,
+                report.seq,
+                report.base_seq,
+                "none" if base is None else f"{base[0]}/{base[1]}",
+            )
+        return True
 
     def _high_water_mark(self, node: str, instance: str) -> int:
         known = self._hwm.get(node)
@@ -546,7 +623,9 @@ class Controller:
         with self._lock:
             rec = self.store.update_node(node, state=state, drain_reason=reason)
             self._nodes[node] = rec
-            self.signals.set_node_meta(node, role=rec.role, state=rec.state, job=rec.job)
+            self._signals_do(
+                self.signals.set_node_meta, node, role=rec.role, state=rec.state, job=rec.job
+            )
         log.info("event=node_state node=%s state=%s", node, state)
 
     def queue_command(self, node: str, kind: str, args: dict[str, Any], *, command_id: str) -> None:
@@ -576,11 +655,13 @@ class Controller:
             return
         with self._lock:
             self._nodes[node] = rec
-            self.signals.set_node_meta(node, role=rec.role, state=rec.state, job=rec.job)
+            self._signals_do(
+                self.signals.set_node_meta, node, role=rec.role, state=rec.state, job=rec.job
+            )
 
     def _job_state_changed(self, job: str, nodes: tuple[str, ...], state: str) -> None:
         with self._lock:
-            self.signals.set_job_meta(job, nodes=nodes, state=state)
+            self._signals_do(self.signals.set_job_meta, job, nodes=nodes, state=state)
 
     def _observe_recovery(self, phases: dict[str, float], lost_steps: int | None) -> None:
         for phase, seconds in phases.items():
@@ -638,7 +719,9 @@ class Controller:
                 raise NotFound(f"node {name!r} not found")
             rec = self.store.update_node(name, role=role)
             self._nodes[name] = rec
-            self.signals.set_node_meta(name, role=rec.role, state=rec.state, job=rec.job)
+            self._signals_do(
+                self.signals.set_node_meta, name, role=rec.role, state=rec.state, job=rec.job
+            )
         self.store.audit(
             ts=self.clock.now(), actor=actor, action="set_role", target=name, detail={"role": role}
         )
@@ -891,7 +974,7 @@ class Controller:
             raise BadRequest(f"rules not reloaded, the running rules stay: {e}") from None
         with self._lock:
             self._rules = rules
-            self.signals.track(rules.history_needs())
+            self._signals_do(self.signals.track, rules.history_needs())
         self.metrics.known_rules(rules.names())
         self.store.audit(
             ts=self.clock.now(),

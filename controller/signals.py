@@ -15,6 +15,7 @@ nothing beyond the latest sample.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from collections import deque
@@ -22,7 +23,13 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, S
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from agent.model import GPU_VALUE_FIELDS, NVLINK_VALUE_FIELDS, GpuSample, IbPortSample
+from agent.model import (
+    GPU_VALUE_FIELDS,
+    NVLINK_VALUE_FIELDS,
+    GpuSample,
+    IbPortSample,
+    NvLinkSample,
+)
 from agent.protocol import Event, RankState, Report
 
 __all__ = [
@@ -580,7 +587,10 @@ class SignalState:
 
     def ingest(self, report: Report, *, now: float, new_events: Sequence[Event]) -> None:
         """Take one agent report received at `now` (controller's unix time). `new_events` are
-        the report's events not seen before (the caller dedupes resends)."""
+        the report's events not seen before (the caller dedupes resends).
+
+        A delta report (`full` is False) lists only changed GPUs, NVLinks and IB ports: they
+        are merged into what is held, and nothing it leaves out is dropped."""
         node = self._nodes.get(report.node)
         if node is None:
             node = self._nodes[report.node] = _NodeRec(report.node, now)
@@ -588,8 +598,9 @@ class SignalState:
             node.first_seen = now
         node.last_report_at = now
         node.role_hint = report.role_hint
-        self._ingest_gpus(node, report.gpus, now)
-        self._ingest_ports(node, report.ib_ports, now)
+        delta = report.full is False
+        self._ingest_gpus(node, report.gpus, now, delta=delta)
+        self._ingest_ports(node, report.ib_ports, now, delta=delta)
         jobs_touched = self._ingest_ranks(node, report.ranks, now)
         for event in new_events:
             self._ingest_event(node, event, now, jobs_touched)
@@ -631,19 +642,32 @@ class SignalState:
             s = series[key] = Series(since, float(old))
         s.update(now, float(new), min_spacing_s=self.min_spacing_s, horizon_s=self.history_s)
 
-    def _ingest_gpus(self, node: _NodeRec, gpus: Sequence[GpuSample], now: float) -> None:
+    def _ingest_gpus(
+        self, node: _NodeRec, gpus: Sequence[GpuSample], now: float, *, delta: bool = False
+    ) -> None:
         seen: set[int] = set()
         fields = self._gpu_fields
         link_fields = self._link_fields
         gpu_sig = self._gpu_sig
         link_sig = self._link_sig
-        for g in gpus:
+        for entry in gpus:
+            g = entry
             seen.add(g.index)
             rec = node.gpus.get(g.index)
-            # One C-level getter call per GPU and per link gives comparable tuples of just the
-            # tracked values; the field-by-field diff runs only when one of them moved.
             sig = gpu_sig(g)
-            lsig = [link_sig(ln) for ln in g.nvlinks] if link_fields else None
+            if delta and rec is not None and rec.sample is not None:
+                held_links = rec.sample.nvlinks
+                if not entry.nvlinks:
+                    # the usual delta entry: GPU values moved, its links did not
+                    g = dataclasses.replace(entry, nvlinks=held_links)
+                    lsig = rec.link_sig
+                else:
+                    g = _merge_links(entry, held_links)
+                    lsig = [link_sig(ln) for ln in g.nvlinks] if link_fields else None
+            else:
+                # One C-level getter call per GPU and per link gives comparable tuples of just
+                # the tracked values; the field-by-field diff runs only when one of them moved.
+                lsig = [link_sig(ln) for ln in g.nvlinks] if link_fields else None
             if rec is None:
                 rec = node.gpus[g.index] = _GpuRec(g.index, g, now)
                 rec.sig, rec.link_sig = sig, lsig
@@ -687,6 +711,8 @@ class SignalState:
                                 new=nv,
                                 now=now,
                             )
+        if delta:
+            return  # an absent GPU is unchanged, never gone
         # A GPU that vanished from the report (off the bus) keeps its event counters and
         # history, but its sample-derived signals become absent.
         for index, rec in node.gpus.items():
@@ -695,7 +721,9 @@ class SignalState:
                 rec.sig = rec.link_sig = None
                 rec.sig_id = rec.links_id = None
 
-    def _ingest_ports(self, node: _NodeRec, ports: Sequence[IbPortSample], now: float) -> None:
+    def _ingest_ports(
+        self, node: _NodeRec, ports: Sequence[IbPortSample], now: float, *, delta: bool = False
+    ) -> None:
         seen: set[tuple[str, int]] = set()
         tracked = self._tracked["ib_port"]
         derived = self._ib_derived
@@ -732,6 +760,8 @@ class SignalState:
                             )
             if rekey:
                 rec.sig_id = self._port_id(p)
+        if delta:
+            return  # an absent port is unchanged, never gone
         for key in [k for k in node.ports if k not in seen]:
             del node.ports[key]
 
@@ -1116,6 +1146,15 @@ class SignalState:
             if ctx.port is None:
                 return None
         return ctx
+
+
+def _merge_links(g: GpuSample, old_links: tuple[NvLinkSample, ...]) -> GpuSample:
+    """A delta GPU entry with its changed links laid over the links held (order kept)."""
+    changed = {ln.link: ln for ln in g.nvlinks}
+    merged = tuple(changed.pop(ln.link, ln) for ln in old_links)
+    if changed:  # a link not held before: appended (the next full report settles the set)
+        merged += tuple(changed.values())
+    return dataclasses.replace(g, nvlinks=merged)
 
 
 def _fatal_codes(catalog: XidCatalog | None) -> frozenset[int]:
