@@ -298,6 +298,7 @@ class Agent:
             "mode": hb.mode,
             "per_sender_rate_hz": hb.per_sender_rate_hz,
             "max_rate_hz": hb.max_rate_hz,
+            "proc_root": "/proc",  # forget ranks whose process exited
         }
         try:
             return HeartbeatServer(path=hb.socket_path, **kwargs)

@@ -80,6 +80,19 @@ class _Track:
     hb: Heartbeat
     seen_mono: float
     step_changed_mono: float
+    sender_pid: int = -1  # from the kernel's credentials, in the agent's pid namespace
+
+
+def _process_gone(pid: int, proc_root: str = "/proc") -> bool:
+    """The process has exited (no /proc entry, or a zombie waiting to be reaped)."""
+    try:
+        with open(f"{proc_root}/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False  # cannot tell (permissions): keep the rank
+    return stat[stat.rfind(b")") + 2 :][:1] in (b"Z", b"X")
 
 
 class _Bucket:
@@ -118,8 +131,11 @@ class HeartbeatServer:
         mode: int = 0o666,
         per_sender_rate_hz: float = 200.0,
         max_rate_hz: float = 5000.0,
+        proc_root: str | None = None,
     ) -> None:
         self.path = Path(path)
+        # With a proc root, ranks whose sending process exited are forgotten at once.
+        self._proc_root = proc_root
         self._clock = clock
         self._max_ranks = max_ranks
         self._rank_timeout_s = rank_timeout_s
@@ -252,7 +268,7 @@ class HeartbeatServer:
                 self._drop("unsupported_version" if e.field == "v" else "malformed")
             return
         with self._lock:
-            self._accept(hb, now_mono)
+            self._accept(hb, now_mono, sender_pid=pid)
 
     def _sender_allows(self, pid: int, now_mono: float) -> bool:
         bucket = self._senders.get(pid)
@@ -268,7 +284,7 @@ class HeartbeatServer:
     def _drop(self, reason: str) -> None:
         self.dropped_total[reason] += 1
 
-    def _accept(self, hb: Heartbeat, now_mono: float) -> None:
+    def _accept(self, hb: Heartbeat, now_mono: float, *, sender_pid: int = -1) -> None:
         key = (hb.job, hb.rank)
         track = self._ranks.get(key)
         if track is None:
@@ -283,6 +299,7 @@ class HeartbeatServer:
             track.step_changed_mono = now_mono
         track.hb = hb
         track.seen_mono = now_mono
+        track.sender_pid = sender_pid
         self.received_total += 1
         if hb.event:
             if len(self._events) == self._events.maxlen:
@@ -303,6 +320,18 @@ class HeartbeatServer:
         for key in [k for k, t in self._ranks.items() if t.seen_mono < cutoff]:
             del self._ranks[key]
             log.info("event=rank_forgotten job=%s rank=%d", key[0], key[1])
+        # A rank whose process exited (stopped, crashed, killed) is no silent rank: forget it
+        # at once, or a job restarted elsewhere would leave a rank that looks hung here.
+        # Only when the kernel told us the sender (SO_PASSCRED); a stopped process stays.
+        if self._proc_root is None:
+            return
+        for key in [
+            k
+            for k, t in self._ranks.items()
+            if t.sender_pid > 0 and _process_gone(t.sender_pid, self._proc_root)
+        ]:
+            del self._ranks[key]
+            log.info("event=rank_forgotten job=%s rank=%d reason=process_exited", key[0], key[1])
 
     # -- reading state ---------------------------------------------------------------------
 

@@ -5,7 +5,14 @@ Lifecycle (the only allowed moves; anything else raises InvalidTransition):
     open -> acting -> mitigated -> resolved
     open | acting | mitigated -> resolved
     open -> suppressed (a silence matched) -> resolved
-One unresolved incident per (rule, target key). Cooldown: a firing decision for a
+One unresolved incident per (rule, target key). Correlation: one fault often trips several
+rules (a DBE is both an uncorrectable ECC error and XID 48; a dead node is a silent node and a
+crashed job; one stopped rank silences every rank of the job). A decision that fires while an
+unresolved incident is remediating the same node or job is attached to that incident (a
+`correlated` timeline entry, no incident and no plan of its own), so one fault gets one
+remediation; when it asks to take a node out that the running plan does not, a drain of that
+node is appended to the plan (the restart treats a node with a pending drain as unusable).
+It stays attached until its own condition clears. Cooldown: a firing decision for a
 (rule, target) whose last incident resolved less than the rule's `cooldown_s` ago opens
 nothing; one timeline note is added to that last incident instead.
 """
@@ -36,7 +43,11 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 }
 
 # Plan positions for rows added after the rule's own steps, so they sort after them.
+SEQ_CORRELATED = 500
 SEQ_ESCALATION = 1000
+# Actions that take a node out of a job: a correlated decision asking for one gets a drain.
+_NODE_REMOVING = frozenset({"drain", "replace"})
+_JOB_ACTIVE_STATES = ("starting", "running", "restarting", "crashed", "waiting")
 SEQ_RESOLVE = 2000
 
 
@@ -83,8 +94,14 @@ class IncidentManager:
         self._open: dict[tuple[str, str], tuple[int, str]] = {}
         self._cooldown_noted: set[int] = set()
         self._resolve_after: dict[int, Decision] = {}  # cleared while remediating
+        # (rule, target key) -> the incident a correlated decision is attached to
+        self._attached: dict[tuple[str, str], int] = {}
         for inc in store.unresolved_incidents():
             self._open[(inc.rule, inc.target)] = (inc.id, inc.state)
+            for entry in store.timeline(inc.id):
+                rule, target = entry.data.get("rule"), entry.data.get("target")
+                if entry.kind == "correlated" and isinstance(rule, str) and isinstance(target, str):
+                    self._attached[(rule, target)] = inc.id
 
     # --- queries ----------------------------------------------------------------------------
 
@@ -154,8 +171,11 @@ class IncidentManager:
 
     def _on_firing(self, d: Decision, *, now: float) -> tuple[int | None, bool]:
         key = (d.rule, d.target.key)
-        if key in self._open:
+        if key in self._open or key in self._attached:
             return None, False
+        host = self._covering(d)
+        if host is not None:
+            return None, self._attach(host, d, now=now)
         last = self._store.last_incident(d.rule, d.target.key)
         if (
             last is not None
@@ -323,7 +343,102 @@ class IncidentManager:
             for channel in self._channels("critical", True) or [""]
         ]
 
+    # --- correlation --------------------------------------------------------------------------
+
+    def _job_of_node(self, node: str) -> str | None:
+        for job in self._store.job_records():
+            if job.state in _JOB_ACTIVE_STATES and (node in job.nodes or node in job.attempt_nodes):
+                return job.name
+        return None
+
+    def _covering(self, d: Decision) -> int | None:
+        """The unresolved incident whose remediation in progress covers this decision's node
+        or job, if any (the oldest such)."""
+        node = d.target.node
+        job = d.target.job or (self._job_of_node(node) if node is not None else None)
+        if node is None and job is None:
+            return None
+        for incident_id, state in sorted(self._open.values()):
+            if state not in ("open", "acting"):
+                continue
+            incident = self._store.get_incident(incident_id)
+            if incident is None:
+                continue
+            steps = [
+                a
+                for a in self._store.actions_for_incident(incident_id)
+                if a.kind in DISRUPTIVE_KINDS and a.state in ("pending", "running")
+            ]
+            if not steps:
+                continue
+            jobs = {incident.job, *(a.params.get("job") for a in steps)}
+            if incident.node is not None:
+                jobs.add(self._job_of_node(incident.node))
+            if (node is not None and incident.node == node) or (job is not None and job in jobs):
+                return incident_id
+        return None
+
+    def _attach(self, host_id: int, d: Decision, *, now: float) -> bool:
+        """Attach a correlated decision to the incident remediating its node or job; append a
+        drain when it wants its node out and the plan does not drain it. True if a step was
+        added."""
+        self._attached[(d.rule, d.target.key)] = host_id
+        node = d.target.node
+        rows: list[NewAction] = []
+        notes: list[tuple[str, str, dict[str, Any]]] = [
+            (
+                "correlated",
+                f"{d.rule} fired on {d.target.describe()}: part of this incident (its"
+                " remediation is already under way)",
+                {
+                    "rule": d.rule,
+                    "target": d.target.key,
+                    "value": _wire_value(d.value),
+                    "since": d.since,
+                },
+            )
+        ]
+        wants_out = node is not None and bool(_NODE_REMOVING & set(d.actions))
+        actions = self._store.actions_for_incident(host_id)
+        host = self._store.get_incident(host_id)
+        drained = any(a.kind == "drain" and a.params.get("node") == node for a in actions)
+        if wants_out and node is not None and not drained and (host is None or host.node != node):
+            budget = self._safety.budget(now=now)
+            state, result = "pending", ""
+            if not budget.allowed:
+                state, result = "skipped", f"skipped: {budget.reason}"
+            elif self._safety.dry_run:
+                state, result = "skipped", "skipped: dry-run (would run)"
+            rows.append(
+                NewAction(
+                    kind="drain",
+                    target=node,
+                    idempotency_key=f"{host_id}:correlated:drain:{node}",
+                    seq=SEQ_CORRELATED,
+                    params={
+                        "node": node,
+                        "rule": d.rule,
+                        "target": d.target.key,
+                        "reason": f"incident {host_id}: {d.summary or d.rule}",
+                    },
+                    state=state,
+                    result=result,
+                )
+            )
+            notes.append(("planned", f"plan: drain {node} ({d.rule}) {result}".strip(), {}))
+        self._store.add_actions(host_id, rows, ts=now, timeline=notes)
+        log.info(
+            "event=incident_correlated incident=%d rule=%s target=%s drain_added=%s",
+            host_id,
+            d.rule,
+            d.target.key,
+            bool(rows),
+        )
+        return any(r.state == "pending" for r in rows)
+
     def _on_resolved(self, d: Decision, *, now: float) -> bool:
+        if self._attached.pop((d.rule, d.target.key), None) is not None:
+            return False
         entry = self._open.get((d.rule, d.target.key))
         if entry is None:
             return False
@@ -473,6 +588,7 @@ class IncidentManager:
 
 
 __all__ = [
+    "SEQ_CORRELATED",
     "SEQ_ESCALATION",
     "SEQ_RESOLVE",
     "TRANSITIONS",

@@ -139,6 +139,53 @@ class CheckpointHandler:
         )
 
 
+def swap_or_shrink(
+    jobs: JobManager, job: JobRecord, spec: JobSpec, *, bad: list[str], open_nodes: set[str]
+) -> tuple[str, dict[str, Any]] | None:
+    """Place the job on a node set without `bad`: swap them for hot spares, else shrink
+    (keeping the world size) when the spec allows; (message, output) or None when neither
+    fits."""
+    spares = jobs.spares(spec.spare_selector, open_incident_nodes=open_nodes, exclude=job.nodes)
+    healthy = [n for n in job.nodes if n not in bad]
+    if len(spares) >= len(bad):
+        chosen = iter(spares)
+        swap = {b: next(chosen) for b in bad}
+        nodes = [swap.get(n, n) for n in job.nodes]
+        jobs.place(
+            job.name,
+            nodes=nodes,
+            nproc_per_node=job.nproc_per_node,
+            assign=list(swap.values()),
+            release=bad,
+        )
+        text = ", ".join(f"{b} -> {s}" for b, s in swap.items())
+        return (
+            f"replaced {text}; job {job.name} now on {', '.join(nodes)}",
+            {"nodes": nodes, "mode": "spare", "replaced": swap},
+        )
+    world = len(job.nodes) * job.nproc_per_node
+    candidates = healthy + spares
+    count = shrink_plan(
+        world_size=world,
+        healthy=len(candidates),
+        min_nodes=spec.floor,
+        max_nproc=spec.capacity_per_node,
+    )
+    if count is None:
+        return None
+    nodes = candidates[:count]
+    nproc = world // count
+    used = [s for s in spares if s in nodes]
+    dropped = [n for n in job.nodes if n not in nodes]
+    jobs.place(job.name, nodes=nodes, nproc_per_node=nproc, assign=used, release=dropped)
+    return (
+        f"{len(spares)} spare(s) for {len(bad)} unusable node(s) ({', '.join(bad)}):"
+        f" shrinking job {job.name} to {count} node(s) x {nproc} process(es),"
+        f" world size {world} kept ({', '.join(nodes)})",
+        {"nodes": nodes, "mode": "shrink", "nproc_per_node": nproc},
+    )
+
+
 @dataclass
 class ReplaceHandler:
     """`replace`: give the job a healthy node set. Unusable nodes (the incident's node,
@@ -171,51 +218,17 @@ class ReplaceHandler:
             )
         if job.state in ("running", "starting", "crashed"):
             self.jobs.set_state(job.name, "restarting", reason=f"replacing {', '.join(bad)}")
-        open_nodes = self.open_incident_nodes()
+        placed = swap_or_shrink(
+            self.jobs, job, spec, bad=bad, open_nodes=self.open_incident_nodes()
+        )
+        if placed is not None:
+            message, extra = placed
+            return Outcome(message=message, output={**base, **extra})
         spares = self.jobs.spares(
-            spec.spare_selector, open_incident_nodes=open_nodes, exclude=job.nodes
+            spec.spare_selector, open_incident_nodes=self.open_incident_nodes(), exclude=job.nodes
         )
-        healthy = [n for n in job.nodes if n not in bad]
-        if len(spares) >= len(bad):
-            chosen = iter(spares)
-            swap = {b: next(chosen) for b in bad}
-            nodes = [swap.get(n, n) for n in job.nodes]
-            self.jobs.place(
-                job.name,
-                nodes=nodes,
-                nproc_per_node=job.nproc_per_node,
-                assign=list(swap.values()),
-                release=bad,
-            )
-            text = ", ".join(f"{b} -> {s}" for b, s in swap.items())
-            return Outcome(
-                message=f"replaced {text}; job {job.name} now on {', '.join(nodes)}",
-                output={**base, "nodes": nodes, "mode": "spare", "replaced": swap},
-            )
         world = len(job.nodes) * job.nproc_per_node
-        candidates = healthy + spares
-        count = shrink_plan(
-            world_size=world,
-            healthy=len(candidates),
-            min_nodes=spec.floor,
-            max_nproc=spec.capacity_per_node,
-        )
-        if count is not None:
-            nodes = candidates[:count]
-            nproc = world // count
-            used = [s for s in spares if s in nodes]
-            dropped = [n for n in job.nodes if n not in nodes]
-            self.jobs.place(
-                job.name, nodes=nodes, nproc_per_node=nproc, assign=used, release=dropped
-            )
-            return Outcome(
-                message=(
-                    f"{len(spares)} spare(s) for {len(bad)} unusable node(s) ({', '.join(bad)}):"
-                    f" shrinking job {job.name} to {count} node(s) x {nproc} process(es),"
-                    f" world size {world} kept ({', '.join(nodes)})"
-                ),
-                output={**base, "nodes": nodes, "mode": "shrink", "nproc_per_node": nproc},
-            )
+        candidates = [n for n in job.nodes if n not in bad] + spares
         why = self._why_no_shrink(spec, job, world=world, available=len(candidates))
         wait_s = (
             spec.spare_wait_s if spec.spare_wait_s is not None else self.jobs.config.spare_wait_s
@@ -268,6 +281,9 @@ class RestartHandler:
     poll_interval_s: float = 0.5
     kind: str = "restart"
     remediation: bool = True
+    # Given: unusable nodes found at start are swapped for spares (or the job shrinks);
+    # None: the restart fails on them (a replace step must run first).
+    open_incident_nodes: Callable[[], set[str]] | None = None
 
     def idempotent(self, params: dict[str, Any]) -> bool:
         return True
@@ -289,10 +305,27 @@ class RestartHandler:
                 for n in progress.get("stopping", [])
                 if self.jobs.reporting(n) and self.jobs.runs_on(job.name, n)
             ]
+            # A node that died just before the restart still looks alive until its reports
+            # are node_silent_after_s old: wait (at most that long) until every node of the
+            # job has reported since the stop, or is silent and will be replaced.
+            sent_at = float(progress["stop_sent_at"])
+            unconfirmed = [
+                n
+                for n in job.nodes
+                if n not in waiting
+                and self.jobs.reporting(n)
+                and (age := self.jobs.nodes.report_age_s(n)) is not None
+                and ctx.now - age < sent_at
+            ]
             limit_s = self.jobs.config.stop_grace_s + self.jobs.config.stop_timeout_s
-            if waiting and ctx.now - float(progress["stop_sent_at"]) < limit_s:
+            if (waiting or unconfirmed) and ctx.now - sent_at < limit_s:
+                what = (
+                    f"attempt {job.attempt} to stop on {', '.join(waiting)}"
+                    if waiting
+                    else f"a report from {', '.join(unconfirmed)} since the stop"
+                )
                 return Outcome(
-                    message=f"waiting for attempt {job.attempt} to stop on {', '.join(waiting)}",
+                    message=f"waiting for {what}",
                     output=progress,
                     done=False,
                     poll_after_s=self.poll_interval_s,
@@ -365,6 +398,23 @@ class RestartHandler:
             poll_after_s=self.poll_interval_s,
         )
 
+    def _unusable(self, job: JobRecord) -> list[str]:
+        """Nodes of the job that cannot take part in a new attempt: not reporting, not
+        active, or about to be drained (a correlated incident's drain step is pending)."""
+        draining = {
+            a.params.get("node")
+            for a, _ in self.jobs.store.open_actions()
+            if a.kind == "drain" and a.state == "pending"
+        }
+        return [
+            n
+            for n in job.nodes
+            if not self.jobs.reporting(n)
+            or (rec := self.jobs.nodes.node_record(n)) is None
+            or rec.state != "active"
+            or n in draining
+        ]
+
     def _skip(self, spec: JobSpec, ctx: ActionContext, job: str, ckpt: int | None) -> int:
         if spec.rollback_skip_batches is not None:
             return spec.rollback_skip_batches
@@ -376,13 +426,26 @@ class RestartHandler:
 
     def _start(self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]) -> Outcome:
         spec = self.jobs.spec(job)
-        unusable = [
-            n
-            for n in job.nodes
-            if not self.jobs.reporting(n)
-            or (rec := self.jobs.nodes.node_record(n)) is None
-            or rec.state != "active"
-        ]
+        unusable = self._unusable(job)
+        if (
+            unusable
+            and self.open_incident_nodes is not None
+            and job.attempt_key != (ctx.action.idempotency_key)
+        ):
+            # a node died or is being drained since the plan began (or this restart has no
+            # replace step, e.g. rank_silent): restart on healthy nodes, swapping only the
+            # unusable ones for spares (or shrinking), instead of failing the restart
+            placed = swap_or_shrink(
+                self.jobs, job, spec, bad=unusable, open_nodes=self.open_incident_nodes()
+            )
+            if placed is not None:
+                progress["replaced"] = placed[1]
+                progress["replaced_message"] = placed[0]
+                log.info("event=restart_replaced job=%s %s", job.name, placed[0])
+                refreshed = self.jobs.get(job.name)
+                assert refreshed is not None
+                job = refreshed
+                unusable = self._unusable(job)
         if unusable:
             self.jobs.set_state(
                 job.name,
@@ -426,6 +489,8 @@ class RestartHandler:
         late = progress.get("stop_timed_out")
         note = f" ({', '.join(late)} did not report stopping in time)" if late else ""
         verb = "started" if began else "already started"
+        if progress.get("replaced_message"):
+            note += f" ({progress['replaced_message']})"
         return Outcome(
             message=f"attempt {job.attempt} {verb} on {', '.join(nodes)}"
             f" (rendezvous {endpoint}){note}; waiting for a step past checkpoint"
@@ -637,8 +702,8 @@ def job_handlers(
     return [
         CheckpointHandler(jobs),
         ReplaceHandler(jobs, open_incident_nodes),
-        RestartHandler(jobs, observe),
-        RestartHandler(jobs, observe, kind="rollback"),
+        RestartHandler(jobs, observe, open_incident_nodes=open_incident_nodes),
+        RestartHandler(jobs, observe, kind="rollback", open_incident_nodes=open_incident_nodes),
         StopHandler(jobs),
         CollectStacksHandler(jobs),
     ]
@@ -651,4 +716,5 @@ __all__ = [
     "RestartHandler",
     "StopHandler",
     "job_handlers",
+    "swap_or_shrink",
 ]

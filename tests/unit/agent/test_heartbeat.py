@@ -248,3 +248,20 @@ def test_fast_decoder_never_accepts_what_the_strict_decoder_rejects_or_decodes_d
 def test_fast_decoder_takes_the_common_heartbeat() -> None:
     hb = Heartbeat(job="j", rank=1, step=2, t=3.0, loss=1.5, samples_per_s=9.0, pid=4)
     assert _fast_decode(encode_json(hb)) == hb
+
+
+def test_rank_whose_process_exited_is_forgotten_but_a_live_one_stays(
+    sockdir: Path, clock: FakeClock, tmp_path: Path
+) -> None:
+    # a fake /proc: pid 200 runs, pid 201 is a zombie, pid 202 is gone
+    for pid, state in ((200, "S"), (201, "Z")):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} (python (x)) {state} 1 2 3\n")
+    srv = HeartbeatServer(path=sockdir / "hb.sock", clock=clock, proc_root=str(tmp_path))
+    try:
+        for rank, pid in ((0, 200), (1, 201), (2, 202), (3, -1)):
+            srv.handle_datagram(hb(rank=rank, step=5), pid=pid)
+        # the live rank stays, and so does one whose sender the kernel did not name
+        assert [r.rank for r in srv.ranks()] == [0, 3]
+    finally:
+        srv.close()
