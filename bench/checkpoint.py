@@ -7,7 +7,12 @@ first save also allocates those buffers, later ones reuse them, so both are repo
 write throughput is checkpoint bytes on disk / the writer's wall time (write + fsync + sha256
 + manifest + rename).
 
-    .venv/bin/python bench/checkpoint.py [--dir /path/on/target/disk] [--layers 5]
+The disk and the CPUs may be shared with other work, so one dd and one save say little:
+saves and dd runs alternate (dd, save, dd, save, ..., dd), each dd writes as many bytes as
+the checkpoint holds, each save is compared with the mean of the dd runs either side of it,
+and the medians are reported.
+
+    .venv/bin/python bench/checkpoint.py [--dir /path/on/target/disk] [--layers 5] [--saves 7]
 """
 
 from __future__ import annotations
@@ -32,21 +37,30 @@ from agent.trainer import Trainguard
 from agent.trainer.manifest import read_manifest
 
 
-def dd_throughput(directory: Path, size_mb: int) -> float:
+def dd_throughput(directory: Path, size_bytes: int) -> float:
+    """Bytes/s of `dd` writing `size_bytes` of zeros in 1 MiB blocks, then fsync."""
     target = directory / "dd.bin"
-    cmd = ["dd", "if=/dev/zero", f"of={target}", "bs=1M", f"count={size_mb}", "conv=fsync"]
+    cmd = [
+        "dd",
+        "if=/dev/zero",
+        f"of={target}",
+        "bs=1M",
+        f"count={size_bytes}",
+        "iflag=count_bytes",
+        "conv=fsync",
+    ]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, capture_output=True)
     dt = time.perf_counter() - t0
     target.unlink()
-    return size_mb * 1024 * 1024 / dt
+    return size_bytes / dt
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--dir", help="directory on the disk to measure (default: a temp dir)")
     p.add_argument("--layers", type=int, default=5, help="4096x4096 linear layers (67 MB each)")
-    p.add_argument("--saves", type=int, default=4)
+    p.add_argument("--saves", type=int, default=7)
     args = p.parse_args()
     torch.set_num_threads(2)
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="tgck-"))
@@ -72,8 +86,6 @@ def main() -> None:
         state_bytes = (work / "sync.pt").stat().st_size
         (work / "sync.pt").unlink()
 
-        dd_before = dd_throughput(work, state_bytes // (1024 * 1024))
-
         tg = Trainguard(
             model=model,
             optimizer=opt,
@@ -84,7 +96,8 @@ def main() -> None:
         )
         blocked: list[float] = []
         write_s: list[float] = []
-        write_bytes = 0
+        write_bps: list[float] = []
+        dd_bps = [dd_throughput(work, state_bytes)]
         for i in range(1, args.saves + 1):
             t0 = time.perf_counter()
             assert tg.save(i)
@@ -92,27 +105,32 @@ def main() -> None:
             assert tg.writer.wait(600)
             (res,) = tg.writer.take_results()
             assert res.ok, res.reason
-            write_s.append(res.duration_s)
             m = read_manifest(Path(res.path))
             write_bytes = sum(int(f["size"]) for f in m.files.values())
+            write_s.append(res.duration_s)
+            write_bps.append(write_bytes / res.duration_s)
+            dd_bps.append(dd_throughput(work, write_bytes))
         tg.close()
-        dd_after = dd_throughput(work, state_bytes // (1024 * 1024))
-        dd_bps = statistics.mean([dd_before, dd_after])
+        ratios = [w / statistics.mean(dd_bps[i : i + 2]) for i, w in enumerate(write_bps)]
         warm_blocked = statistics.median(blocked[1:]) if len(blocked) > 1 else blocked[0]
-        write_bps = write_bytes / statistics.median(write_s)
+        mib = 2**20
         print(json.dumps({
-            "param_mb": param_bytes / 2**20,
-            "state_mb": state_bytes / 2**20,
+            "param_mb": param_bytes / mib,
+            "state_mb": state_bytes / mib,
             "sync_torch_save_s": t_sync,
             "sync_torch_save_without_fsync_s": t_nofsync,
             "async_blocked_first_s": blocked[0],
             "async_blocked_warm_median_s": warm_blocked,
             "ratio_blocked_over_sync_warm": warm_blocked / t_sync,
             "ratio_blocked_over_sync_first": blocked[0] / t_sync,
-            "async_write_s_each": write_s,
-            "checkpoint_write_mb_per_s": write_bps / 2**20,
-            "dd_fsync_mb_per_s_before_after": [dd_before / 2**20, dd_after / 2**20],
-            "ratio_write_over_dd": write_bps / dd_bps,
+            "async_write_s_each": [round(s, 3) for s in write_s],
+            "checkpoint_write_mb_per_s_each": [round(b / mib) for b in write_bps],
+            "dd_fsync_mb_per_s_each": [round(b / mib) for b in dd_bps],
+            "ratio_write_over_dd_each": [round(r, 3) for r in ratios],
+            "checkpoint_write_mb_per_s_median": statistics.median(write_bps) / mib,
+            "dd_fsync_mb_per_s_median": statistics.median(dd_bps) / mib,
+            "ratio_write_over_dd_median": statistics.median(ratios),
+            "load_average_at_end": os.getloadavg(),
         }, indent=2))  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
