@@ -75,6 +75,25 @@ def make_data(*, seed: int, samples: int, features: int, classes: int) -> Tensor
     return TensorDataset(x, y)
 
 
+def average_gradients(model: nn.Module, world: int) -> None:
+    """All-reduce the gradients as one flat buffer in parameter order, every step the same.
+
+    Not DistributedDataParallel: DDP reduces its first iteration with buckets in reverse
+    parameter order and rebuilds them afterwards, so a process resumed at step k sums step
+    k+1's gradients in another order than the uninterrupted run did, and the losses drift
+    apart in the last bits. A fixed layout keeps resume bitwise exact."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
+    dist.all_reduce(flat)
+    flat /= world
+    offset = 0
+    for p in params:
+        assert p.grad is not None
+        n = p.grad.numel()
+        p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+        offset += n
+
+
 def fmt(v: float) -> float | str:
     if math.isnan(v):
         return "NaN"
@@ -106,8 +125,6 @@ def main(argv: list[str] | None = None) -> int:
     random.seed(args.seed + rank)
     np.random.seed(args.seed + rank)
     torch.manual_seed(args.seed + 1000 + rank)  # dropout differs per rank, reproducibly
-    if distributed:
-        model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.schedule_steps)
 
@@ -159,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(x), y)
         loss.backward()
+        if distributed:
+            average_gradients(model, world)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)
         opt.step()
         sched.step()
