@@ -1,0 +1,152 @@
+"""Chaos on a real local cluster (controller, six sim agents, torchrun jobs): a killed rank, a
+dead node, XID 79, and kill -9 of the controller in the middle of a remediation. Each
+scenario runs a fresh job on the node set the previous one left, injects its fault, and ends
+with the job trained to its last step, every loss equal to an uninterrupted run's, one
+incident with one restart and a complete timeline (tests/e2e/chaos.py)."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from controller.devcluster import ClusterConfig, DevCluster
+from tests.e2e.chaos import (
+    check_recovery,
+    job_spec,
+    new_incidents,
+    now,
+    reference_lines,
+    run_until_step,
+    start_reference,
+)
+
+pytestmark = pytest.mark.slow
+FAULT_STEP = 12
+
+
+class World:
+    def __init__(self, cluster: DevCluster) -> None:
+        self.cluster = cluster
+        self.nodes = ["node-1", "node-2", "node-3"]
+        self.reference: list[dict[str, Any]] = []
+
+    def after(self, job: str) -> None:
+        self.nodes = list(self.cluster.job(job)["nodes"])
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    config = ClusterConfig(
+        active=("node-1", "node-2", "node-3"),
+        spares=("spare-1", "spare-2", "spare-3"),
+        safety={"drain_budget": 100, "breaker_threshold": 100},
+        jobs={
+            "checkpoint_timeout_s": 5,
+            "stop_grace_s": 5,
+            "stop_timeout_s": 10,
+            "progress_timeout_s": 90,
+        },
+    )
+    with DevCluster(Path(tmp_path_factory.mktemp("chaos")) / "cluster", config) as cluster:
+        cluster.start()
+        ref = start_reference(cluster)
+        w = World(cluster)
+        w.reference = reference_lines(cluster, ref)
+        yield w
+    assert cluster.leftover_pids() == set()
+
+
+def test_kill9_of_a_rank_restarts_the_job_on_the_same_nodes(world: World) -> None:
+    c = world.cluster
+    run_until_step(c, job_spec(c, "rank-kill", world.nodes), FAULT_STEP)
+    since = now()
+    c.signal_rank("rank-kill", 1, signal.SIGKILL)
+    check_recovery(
+        c,
+        "rank-kill",
+        world.reference,
+        since=since,
+        fault_step=FAULT_STEP,
+        rules={"job_process_failed"},
+        steps=["replace", "restart"],
+    )
+    assert c.job("rank-kill")["nodes"] == world.nodes
+    world.after("rank-kill")
+
+
+def test_node_death_moves_the_job_to_a_spare(world: World) -> None:
+    c = world.cluster
+    dead = world.nodes[2]
+    run_until_step(c, job_spec(c, "node-death", world.nodes), FAULT_STEP)
+    since = now()
+    c.kill_node(dead)
+    detail = check_recovery(
+        c,
+        "node-death",
+        world.reference,
+        since=since,
+        fault_step=FAULT_STEP,
+        rules={"job_process_failed", "node_silent"},
+        steps=["restart"],
+    )
+    nodes = c.job("node-death")["nodes"]
+    assert dead not in nodes and len(nodes) == 3
+    # the silent node joined the same incident and was drained there
+    assert c.wait(lambda: c.node(dead)["state"] == "drained", timeout_s=30, what=f"{dead} drained")
+    kinds = [e["kind"] for e in c.incident(detail["incident"]["id"])["timeline"]]
+    assert "correlated" in kinds or detail["incident"]["rule"] == "node_silent"
+    world.after("node-death")
+
+
+def test_xid_79_drains_the_node_and_swaps_in_a_spare(world: World) -> None:
+    c = world.cluster
+    sick = world.nodes[1]
+    run_until_step(c, job_spec(c, "xid79", world.nodes), FAULT_STEP)
+    since = now()
+    c.inject(sick, "xid", gpu=0, code=79)
+    check_recovery(
+        c,
+        "xid79",
+        world.reference,
+        since=since,
+        fault_step=FAULT_STEP,
+        rules={"gpu_fatal_xid", "gpu_lost"},
+        steps=["checkpoint", "drain", "replace", "restart"],
+    )
+    nodes = c.job("xid79")["nodes"]
+    assert sick not in nodes and c.node(sick)["state"] == "drained"
+    world.after("xid79")
+
+
+def test_kill9_of_the_controller_mid_remediation_resumes_it_once(world: World) -> None:
+    c = world.cluster
+    sick = world.nodes[0]
+    run_until_step(c, job_spec(c, "ctl-kill", world.nodes), FAULT_STEP)
+    since = now()
+    c.inject(sick, "dbe", gpu=1)
+
+    def restart_running() -> bool:
+        for inc in new_incidents(c, since):
+            for a in c.incident(inc["id"])["actions"]:
+                if a["kind"] == "restart" and a["state"] == "running":
+                    return True
+        return False
+
+    c.wait(restart_running, timeout_s=60, what="the restart step to run")
+    c.kill_controller(signal.SIGKILL)
+    c.start_controller()
+    check_recovery(
+        c,
+        "ctl-kill",
+        world.reference,
+        since=since,
+        fault_step=FAULT_STEP,
+        rules={"gpu_uncorrectable_ecc", "gpu_fatal_xid"},
+        steps=["checkpoint", "drain", "replace", "restart"],
+    )
+    assert c.job("ctl-kill")["attempt"] == 2
+    assert sick not in c.job("ctl-kill")["nodes"]
