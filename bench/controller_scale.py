@@ -10,6 +10,13 @@ Prints: client-side report latency p50/p99, achieved report rate, controller CPU
 and the detection latency of a double-bit ECC error injected into one node's reports
 (report carrying it sent -> incident visible through GET /v1/incidents).
 
+Values move like a busy node's: every GPU's power (and now and then its temperature) and
+every IB port's data counters change each second; NVLink and error counters stay put. By
+default each simulated agent sends delta reports as `agent.reporter` does (a full report
+every 30, only the changed GPUs and ports in between, a full one whenever the controller
+answers `want_full`); `--full-only` sends full reports in the original shape, as agents
+without delta support do.
+
     .venv/bin/python bench/controller_scale.py --nodes 2048 --seconds 60
 """
 
@@ -42,9 +49,46 @@ AGENT_TOKEN = "bench-agent-token"
 OP_TOKEN = "bench-operator-token"
 DBE_NODE = "node-0000"
 DBE_GPU = 3
+FULL_EVERY = 30
+# Placeholders in a pre-encoded report: slot k is written as the integer _SLOT + k.
+_SLOT = 770_000_000
+SEQ, SENT_AT, BASE_SEQ = 0, 1, 2
 
 
-def _report(node: str, *, dbe: bool) -> Report:
+_VALUES: dict[tuple[int, int, int], list[bytes]] = {}
+
+
+def _slot_values(seq: int, sent_at: float, *, gpus: int, ports: int) -> list[bytes]:
+    """What the placeholders of report number `seq` say (see `_report`). All nodes send the
+    same values (only sent_at differs), so they are formatted once per seq: the generator
+    shares the controller's cores and must spend as little as it can."""
+    key = (seq, gpus, ports)
+    values = _VALUES.get(key)
+    if values is None:
+        if len(_VALUES) > 256:
+            _VALUES.clear()
+        values = _VALUES[key] = _format_values(seq, gpus=gpus, ports=ports)
+    out = values.copy()
+    out[SENT_AT] = b"%.3f" % sent_at
+    return out
+
+
+def _format_values(seq: int, *, gpus: int, ports: int) -> list[bytes]:
+    out = [b"%d" % seq, b"", b"%d" % (seq - 1)]
+    for i in range(gpus):
+        out.append(b"%.1f" % (48.0 + i + (seq // 7) % 3))  # temperature: now and then
+        out.append(b"%.1f" % (580.0 + (seq * 37 + i * 11) % 50))  # power: every second
+    for p in range(ports):
+        out.append(b"%d" % (123_456_789 + seq * 1_250_000 + p))  # port_xmit_data
+        out.append(b"%d" % (987_654_321 + seq * 1_250_000 + p))  # port_rcv_data
+    return out
+
+
+def _report(node: str, *, dbe: bool, mode: str = "legacy") -> Report:
+    """One node's report with placeholders for every value that moves. mode: "legacy" (no
+    delta fields), "full" (a full report of a delta-capable agent) or "delta" (what changes
+    every second: all GPUs without their NVLinks, all IB ports)."""
+    slot = iter(range(_SLOT + 3, _SLOT + 1000))
     gpus = []
     for i in range(8):
         links = tuple(
@@ -65,8 +109,8 @@ def _report(node: str, *, dbe: bool) -> Report:
                 uuid=f"GPU-{hashlib.md5(f'{node}/{i}'.encode()).hexdigest()[:16]}",
                 pci_bus_id=f"0000:{0x18 + i:02x}:00.0",
                 name="NVIDIA H100 80GB HBM3",
-                temperature_celsius=48.0 + i,
-                power_watts=612.5,
+                temperature_celsius=next(slot),
+                power_watts=next(slot),
                 utilization_gpu_percent=98.0,
                 utilization_memory_percent=61.0,
                 memory_used_bytes=71_000_000_000,
@@ -86,7 +130,7 @@ def _report(node: str, *, dbe: bool) -> Report:
                 remapped_rows_pending=False,
                 remapped_rows_failure=False,
                 pcie_replay_total=0,
-                nvlinks=links,
+                nvlinks=() if mode == "delta" else links,
             )
         )
     ports = tuple(
@@ -100,8 +144,8 @@ def _report(node: str, *, dbe: bool) -> Report:
             rate_gbps=400.0,
             link_layer="InfiniBand",
             counters={
-                "port_xmit_data": 123_456_789,
-                "port_rcv_data": 123_456_789,
+                "port_xmit_data": next(slot),
+                "port_rcv_data": next(slot),
                 "symbol_error": 0,
                 "link_downed": 0,
                 "link_error_recovery": 0,
@@ -117,37 +161,43 @@ def _report(node: str, *, dbe: bool) -> Report:
     return Report(
         node=node,
         instance="bench",
-        seq=123456789,
-        sent_at=1234567890.5,
+        seq=_SLOT + SEQ,
+        sent_at=_SLOT + SENT_AT,
         agent_version="bench",
         gpus=tuple(gpus),
         ib_ports=ports,
         events=events,
         labels={"rack": f"r{int(node[-4:]) // 32:03d}"},
+        full=None if mode == "legacy" else mode == "full",
+        base_seq=_SLOT + BASE_SEQ if mode == "delta" else None,
     )
 
 
 class Template:
-    """A report pre-encoded once; each send only formats seq and sent_at into it."""
+    """A report pre-encoded once; each send only formats the placeholders into it."""
 
     def __init__(self, report: Report) -> None:
-        raw = encode_json(report).decode()
-        a, rest = raw.split('"seq":123456789', 1)
-        b, c = rest.split('"sent_at":1234567890.5', 1)
-        self.parts = (a.encode(), b.encode(), c.encode())
+        raw = encode_json(report)
+        pieces = re.split(rb"\b(77\d{7})\b", raw)
+        self.parts = pieces[0::2]
+        self.slots = [int(x) - _SLOT for x in pieces[1::2]]
+        self.gpus, self.ports = len(report.gpus), len(report.ib_ports)
 
     def body(self, seq: int, sent_at: float) -> bytes:
-        a, b, c = self.parts
-        return b"".join((a, b'"seq":%d' % seq, b, b'"sent_at":%.3f' % sent_at, c))
+        values = _slot_values(seq, sent_at, gpus=self.gpus, ports=self.ports)
+        out = [self.parts[0]]
+        for k, part in zip(self.slots, self.parts[1:], strict=True):
+            out.append(values[k])
+            out.append(part)
+        return b"".join(out)
 
 
-async def _read_response(reader: asyncio.StreamReader) -> int:
+async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
     head = await reader.readuntil(b"\r\n\r\n")
     status = int(head[9:12])
     m = re.search(rb"(?i)content-length:\s*(\d+)", head)
-    if m:
-        await reader.readexactly(int(m.group(1)))
-    return status
+    body = await reader.readexactly(int(m.group(1))) if m else b""
+    return status, body
 
 
 async def _agent(
@@ -159,9 +209,12 @@ async def _agent(
     end: float,
     inject_at: float | None,
     out: dict[str, Any],
+    full_only: bool,
 ) -> None:
-    normal = Template(_report(node, dbe=False))
-    sick = Template(_report(node, dbe=True)) if inject_at is not None else None
+    modes = ("legacy",) if full_only else ("full", "delta")
+    normal = {m: Template(_report(node, dbe=False, mode=m)) for m in modes}
+    sick = {m: Template(_report(node, dbe=True, mode=m)) for m in modes} if inject_at else normal
+    since_full: int | None = None  # acknowledged deltas since the last full; None: need one
     reader, writer = await asyncio.open_connection(host, port)
     head = (
         f"POST /v1/reports HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {AGENT_TOKEN}\r\n"
@@ -178,17 +231,31 @@ async def _agent(
                 out["late"] += 1
             seq += 1
             sent_at = time.time()
-            tpl = normal
-            if sick is not None and inject_at is not None and sent_at >= inject_at:
-                tpl = sick
+            if full_only:
+                mode = "legacy"
+            elif since_full is None or since_full + 1 >= FULL_EVERY:
+                mode = "full"
+            else:
+                mode = "delta"
+            tpl = normal[mode]
+            if inject_at is not None and sent_at >= inject_at:
+                tpl = sick[mode]
                 out.setdefault("dbe_sent_at", sent_at)
             body = tpl.body(seq, sent_at)
             t0 = time.perf_counter()
             writer.write(head + b"%d\r\n\r\n" % len(body) + body)
-            status = await _read_response(reader)
+            status, answer = await _read_response(reader)
             out["lat"].append(time.perf_counter() - t0)
+            out["bytes"] += len(body)
+            out[mode] += 1
             if status != 200:
                 out["errors"] += 1
+                since_full = None
+            elif b'"want_full":true' in answer:
+                out["want_full"] += 1
+                since_full = None
+            else:
+                since_full = 0 if mode == "full" else (since_full or 0) + 1
             when += 1.0
     finally:
         writer.close()
@@ -202,8 +269,18 @@ def _worker(
     end: float,
     inject_at: float,
     q: Any,
+    full_only: bool,
 ) -> None:
-    out: dict[str, Any] = {"lat": [], "errors": 0, "late": 0}
+    out: dict[str, Any] = {
+        "lat": [],
+        "errors": 0,
+        "late": 0,
+        "bytes": 0,
+        "legacy": 0,
+        "full": 0,
+        "delta": 0,
+        "want_full": 0,
+    }
 
     async def run() -> None:
         tasks = []
@@ -219,6 +296,7 @@ def _worker(
                     end=end,
                     inject_at=inject_at if node == DBE_NODE else None,
                     out=out,
+                    full_only=full_only,
                 )
             )
         results = await asyncio.gather(*tasks, return_exceptions=True)
@@ -281,11 +359,13 @@ def _decode_bench(n: int = 2000) -> int:
     from controller.fastwire import decoder  # noqa: PLC0415
 
     raw = Template(_report("node-0001", dbe=False)).body(1, time.time())
+    delta = Template(_report("node-0001", dbe=False, mode="delta")).body(2, time.time())
     fast = decoder(Report)
-    out = {"report_bytes": len(raw)}
+    out: dict[str, Any] = {"report_bytes": len(raw), "delta_report_bytes": len(delta)}
     for name, fn in (
         ("generic", lambda: decode_json(Report, raw)),
         ("fastwire", lambda: fast.decode_json(raw)),
+        ("fastwire_delta", lambda: fast.decode_json(delta)),
     ):
         fn()
         times = []
@@ -312,6 +392,11 @@ def main() -> int:
         help="DBE at this many s into the measurement (default: half)",
     )
     ap.add_argument("--ingest-in-threadpool", action="store_true", help="controller option")
+    ap.add_argument(
+        "--full-only",
+        action="store_true",
+        help="full reports in the original shape (agents without delta reports)",
+    )
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--keep", action="store_true", help="keep the controller's store and log")
     ap.add_argument(
@@ -402,7 +487,9 @@ def _run(
     for w in range(args.procs):
         share = nodes[w :: args.procs]
         p = mp.get_context("fork").Process(
-            target=_worker, args=(share, host, port, start, end, inject_at, q), daemon=True
+            target=_worker,
+            args=(share, host, port, start, end, inject_at, q, args.full_only),
+            daemon=True,
         )
         p.start()
         workers.append(p)
@@ -432,6 +519,8 @@ def _run(
 
     lat: list[float] = []
     errors = late = 0
+    sent = {k: sum(r[k] for r in results) for k in ("legacy", "full", "delta", "want_full")}
+    body_bytes = sum(r["bytes"] for r in results)
     dbe_sent_at = None
     failures: list[str] = []
     loadgen_cpu_s = sum(r["cpu_s"] for r in results)
@@ -452,6 +541,9 @@ def _run(
         "seconds": args.seconds,
         "procs": args.procs,
         "ingest_in_threadpool": args.ingest_in_threadpool,
+        "full_only": args.full_only,
+        "reports_sent": sent,
+        "mean_body_bytes": body_bytes / max(1, sent["legacy"] + sent["full"] + sent["delta"]),
         "cores": os.cpu_count(),
         "report_rate_per_s": (count1 - count0) / (wall1 - wall0),
         "target_rate_per_s": float(args.nodes),
