@@ -48,7 +48,7 @@ from controller.views import (
     SilenceView,
 )
 
-__all__ = ["DrainRequest", "RoleRequest", "SilenceRequest", "create_app"]
+__all__ = ["DrainRequest", "RoleRequest", "SilenceRequest", "create_app", "encode_report_response"]
 
 log = logging.getLogger("trainguard.controller.api")
 
@@ -245,7 +245,7 @@ def create_app(
                 )
             else:
                 resp = service.ingest_report(report, actor=principal.name)
-            body = _json_bytes(to_wire(resp))
+            body = encode_report_response(resp)
             if report_latency is not None:
                 report_latency.observe(time.perf_counter() - started)
             return 200, body, None
@@ -759,6 +759,23 @@ class _Api(FastAPI):
             headers += [(k.lower().encode(), v.encode()) for k, v in extra.items()]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+def encode_report_response(resp: ReportResponse) -> bytes:
+    """The response as `to_wire` + compact JSON write it; the usual answer (no commands, a
+    finite server time) is formatted directly, which is most of the encoding's cost saved
+    on a path taken 2,048 times a second."""
+    if resp.commands or not math.isfinite(resp.server_time):
+        return _json_bytes(to_wire(resp))
+    want = b',"want_full":true' if resp.want_full else b""
+    if resp.want_full is False:
+        want = b',"want_full":false'
+    return b'{"ack_event_id":%d,"commands":[],"server_time":%s%s,"v":%d}' % (
+        resp.ack_event_id,
+        repr(resp.server_time).encode(),
+        want,
+        resp.v,
+    )
 
 
 _EVENT_ID_MAX = 2**63 - 1  # the store keeps event ids as 64-bit signed integers

@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 
 from agent.model import GpuSample, IbPortSample, NvLinkSample
-from agent.protocol import Event, Report, to_wire
+from agent.protocol import Command, Event, Report, ReportResponse, to_wire
 from agent.reporter import DeltaEncoder
+from controller.api import _json_bytes, encode_report_response
 from controller.model import Target
 from controller.rules import engine
 
@@ -254,3 +255,26 @@ def test_reports_arriving_during_evaluation_are_applied_whole_after_it(
     monkeypatch.setattr(engine, "evaluate", real)
     c.tick()
     assert [i.rule for i in c.list_incidents(node="n1")] == ["gpu_dbe"]
+
+
+@pytest.mark.parametrize(
+    "resp",
+    [
+        pytest.param(ReportResponse(ack_event_id=0, server_time=1700000000.123456), id="plain"),
+        pytest.param(ReportResponse(ack_event_id=2**63 - 1, server_time=1e-7), id="big-ack"),
+        pytest.param(
+            ReportResponse(ack_event_id=3, server_time=2.0, want_full=True), id="want-full"
+        ),
+        pytest.param(
+            ReportResponse(ack_event_id=3, server_time=2.0, want_full=False), id="want-full-false"
+        ),
+        pytest.param(
+            ReportResponse(
+                ack_event_id=1, commands=(Command(id="c1", kind="checkpoint", args={"job": "j"}),)
+            ),
+            id="with-command",
+        ),
+    ],
+)
+def test_report_response_fast_encoding_matches_the_wire_encoder(resp):
+    assert encode_report_response(resp) == _json_bytes(to_wire(resp))
