@@ -24,7 +24,6 @@ import secrets
 import shutil
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -124,38 +123,19 @@ class HashingWriter:
         return self._h.hexdigest()
 
 
-def hash_file(path: Path, *, chunk_bytes: int = _CHUNK_BYTES) -> tuple[int, str]:
-    """(size in bytes, sha256 hex) of a file.
-
-    A large file is read into one of two buffers while a second thread hashes the other
-    (readinto and hashlib both release the GIL), so verifying costs about the slower of
-    reading and hashing rather than their sum.
-    """
+def hash_file(path: Path) -> tuple[int, str]:
+    """(size in bytes, sha256 hex) of a file."""
     h = hashlib.sha256()
     size = 0
     with open(path, "rb", buffering=0) as f:
-        if os.fstat(f.fileno()).st_size <= chunk_bytes:
-            data = f.read()
-            h.update(data)
-            return len(data), h.hexdigest()
-        advise = getattr(os, "posix_fadvise", None)
-        if advise is not None:
-            with contextlib.suppress(OSError):
-                advise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        views = [memoryview(bytearray(chunk_bytes)) for _ in range(2)]
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainguard-verify") as ex:
-            hashing: Future[None] | None = None
-            k = 0
-            while True:
-                # views[k] is free: its hash finished before the previous block was queued.
-                n = f.readinto(views[k])
-                if hashing is not None:
-                    hashing.result()
-                if not n:
-                    break
-                hashing = ex.submit(h.update, views[k][:n])
-                size += n
-                k ^= 1
+        buf = bytearray(_CHUNK_BYTES)
+        view = memoryview(buf)
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            h.update(view[:n])
+            size += n
     return size, h.hexdigest()
 
 
