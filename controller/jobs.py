@@ -489,12 +489,17 @@ class JobManager:
             return live is not None and any(rid == request_id for _, rid in live.ckpt_failed)
 
     def ranks(self, job: str) -> list[tuple[str, RankState]]:
-        """(node, rank state) of every rank the agents report for the job now."""
+        """(node, rank state) of every rank the agents report for the job now. A node that
+        stopped reporting left its last ranks behind: they are stale, not current."""
         with self._lock:
             live = self._live.get(job)
             if live is None:
                 return []
-            return [(n, r) for n, rs in sorted(live.ranks.items()) for r in rs]
+            found = [(n, r) for n, rs in sorted(live.ranks.items()) for r in rs]
+        # outside the lock: reporting() takes the controller's lock (the report path takes
+        # that one first, then ours)
+        fresh = {n for n in {n for n, _ in found} if self.reporting(n)}
+        return [(n, r) for n, r in found if n in fresh]
 
     def process(self, job: str, node: str) -> JobProcess | None:
         with self._lock:

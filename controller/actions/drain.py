@@ -170,8 +170,11 @@ class DrainHandler:
             progress = ctx.progress
         else:
             if ctx.incident is not None:
+                # the rule that asked for this drain: a correlated decision's drain step
+                # carries its own rule (e.g. node_silent), which may act on stale data
+                rule = ctx.params.get("rule")
                 why = stale_drain_reason(
-                    rule=ctx.incident.rule,
+                    rule=rule if isinstance(rule, str) and rule else ctx.incident.rule,
                     report_age_s=self.ops.report_age_s(node),
                     stale_after_s=self.stale_after_s,
                     exempt_rules=self.stale_exempt_rules,
