@@ -551,6 +551,9 @@ def _run(
         "mean_body_bytes": body_bytes / max(1, sent["legacy"] + sent["full"] + sent["delta"]),
         "cores": os.cpu_count(),
         "report_rate_per_s": (count1 - count0) / (wall1 - wall0),
+        # rate and CPU are taken between two /metrics scrapes, which answer late under overload
+        "metrics_window_s": wall1 - wall0,
+        "controller_cpu_ms_per_report": (cpu1 - cpu0) * 1e3 / max(1.0, count1 - count0),
         "target_rate_per_s": float(args.nodes),
         "client_latency_p50_ms": _pct(measured, 0.50) * 1e3,
         "client_latency_p99_ms": _pct(measured, 0.99) * 1e3,

@@ -90,6 +90,14 @@ class _JobSeen:
     ckpt_step: int | None = None
 
 
+def _run_deferred(fn: Callable[[], None]) -> None:
+    # one bad report must not leave every later one queued behind it
+    try:
+        fn()
+    except Exception:
+        log.exception("event=deferred_signal_update_error")
+
+
 class Controller:
     """Implements controller.service.ControllerService."""
 
@@ -385,18 +393,26 @@ class Controller:
     def _apply_deferred(self) -> None:
         """Apply the changes queued during an evaluation, in order, then stop queueing.
 
-        Only this (tick) thread changes the SignalState while `_evaluating` is set, so the
-        batches are applied without the lock: ingest keeps appending behind them meanwhile
-        instead of waiting for hundreds of queued reports."""
-        while True:
+        Only this (tick) thread changes the SignalState while `_evaluating` is set, so what
+        was queued when the evaluation ended is applied in batches without the lock: ingest
+        goes on appending behind it meanwhile. What arrived during that catch-up is applied
+        under the lock, which bounds the work even when reports arrive faster than this
+        thread applies them (it would never catch up otherwise)."""
+        with self._lock:
+            backlog = len(self._deferred)
+        done = 0
+        while done < backlog:
             with self._lock:
-                batch = self._deferred[:_DEFERRED_BATCH]
-                del self._deferred[:_DEFERRED_BATCH]
-                if not batch:
-                    self._evaluating = False
-                    return
+                batch = self._deferred[done : done + _DEFERRED_BATCH]
             for fn in batch:
-                fn()
+                _run_deferred(fn)
+            done += len(batch)
+        with self._lock:
+            rest = self._deferred[done:]
+            self._deferred = []
+            for fn in rest:
+                _run_deferred(fn)
+            self._evaluating = False
 
     def apply_decisions(self, decisions: Sequence[Decision], *, now: float) -> list[int]:
         """Feed decisions to the incident layer; returns ids of incidents opened."""
