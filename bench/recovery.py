@@ -1,0 +1,139 @@
+"""Recovery benchmark: each fault class N times on a local cluster of real processes
+(controller, 3 active + 1 spare sim agents, examples/train.py under torchrun).
+
+    .venv/bin/python bench/recovery.py [--runs 3] [--faults dbe,xid79,kill_rank,node_death]
+
+Per fault class: median and max of detection (fault -> incident opened), MTTR (fault ->
+the restart step confirmed a step past the checkpoint) and lost steps (the controller's
+figure: last step seen before the fault - restored checkpoint step). Each run uses a fresh
+cluster, so runs do not share spares or drained nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from controller.devcluster import REPO_ROOT, ClusterConfig, DevCluster
+
+FAULTS = ("dbe", "xid79", "kill_rank", "node_death")
+TRAIN = ["--steps", "400", "--checkpoint-every", "10", "--step-time-s", "0.2", "--seed", "0"]
+
+
+def inject(cluster: DevCluster, fault: str, job: str) -> None:
+    if fault == "dbe":
+        cluster.inject("node-2", "dbe", gpu=1)
+    elif fault == "xid79":
+        cluster.inject("node-2", "xid", gpu=0, code=79)
+    elif fault == "kill_rank":
+        cluster.signal_rank(job, 1, signal.SIGKILL)
+    elif fault == "node_death":
+        cluster.kill_node("node-2")
+    else:
+        raise ValueError(fault)
+
+
+def one_run(fault: str, *, fault_step: int, root: Path) -> dict[str, Any]:
+    config = ClusterConfig(
+        safety={"drain_budget": 10},
+        jobs={"checkpoint_timeout_s": 10, "stop_grace_s": 10, "stop_timeout_s": 10},
+    )
+    with DevCluster(root / f"{fault}-{time.monotonic_ns()}", config) as c:
+        c.start()
+        job = "bench"
+        c.submit_job(
+            {
+                "name": job,
+                "command": ["examples/train.py", *TRAIN],
+                "nodes": ["node-1", "node-2", "node-3"],
+                "ckpt_dir": str(c.run_dir / "ckpt"),
+                "cwd": str(REPO_ROOT),
+            }
+        )
+        c.wait_job(
+            job,
+            lambda j: j["state"] == "running" and (j.get("last_step") or 0) >= fault_step,
+            timeout_s=120,
+            what="the job to train",
+        )
+        t_fault = time.time()
+        inject(c, fault, job)
+
+        def done() -> dict[str, Any] | None:
+            for inc in c.incidents():
+                if inc["opened_at"] < t_fault - 1:
+                    continue
+                detail = c.incident(inc["id"])
+                for a in detail["actions"]:
+                    if a["kind"] == "restart" and a["state"] == "failed":
+                        raise RuntimeError(f"{fault}: restart failed: {a['result']}")
+                    if a["kind"] == "restart" and a["state"] == "succeeded":
+                        return detail
+            return None
+
+        detail = c.wait(done, timeout_s=150, what=f"{fault}: recovery", interval_s=0.2)
+        inc = detail["incident"]
+        restart = next(e for e in detail["timeline"] if "step restart" in e["message"] and
+                       e["kind"] == "action_succeeded")  # fmt: skip
+        lost = re.search(r"lost steps (\d+)", restart["message"])
+        incidents = [i for i in c.incidents() if i["opened_at"] >= t_fault - 1]
+        return {
+            "fault": fault,
+            "rule": inc["rule"],
+            "incidents": len(incidents),
+            "detect_s": inc["opened_at"] - t_fault,
+            "mttr_s": restart["ts"] - t_fault,
+            "lost_steps": int(lost.group(1)) if lost else None,
+        }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--faults", default=",".join(FAULTS))
+    p.add_argument("--fault-step", type=int, default=15)
+    p.add_argument("--json", help="also write every run's figures here")
+    args = p.parse_args(argv)
+    faults = [f for f in args.faults.split(",") if f]
+    unknown = set(faults) - set(FAULTS)
+    if unknown:
+        p.error(f"unknown fault(s) {sorted(unknown)}; known: {', '.join(FAULTS)}")
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="tgbench") as tmp:
+        for fault in faults:
+            for i in range(args.runs):
+                r = one_run(fault, fault_step=args.fault_step, root=Path(tmp))
+                runs.append(r)
+                print(json.dumps({"run": i + 1, **r}), flush=True)
+    print("\n| fault | rule | runs | detect median / max (s) | MTTR median / max (s) |"
+          " lost steps median / max | incidents per fault |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for fault in faults:
+        rs = [r for r in runs if r["fault"] == fault]
+        det = [r["detect_s"] for r in rs]
+        mttr = [r["mttr_s"] for r in rs]
+        lost = [r["lost_steps"] for r in rs if r["lost_steps"] is not None]
+        rules = ", ".join(sorted({r["rule"] for r in rs}))
+        lost_text = f"{statistics.median(lost):g} / {max(lost)}" if lost else "n/a"
+        print(
+            f"| {fault} | {rules} | {len(rs)} | {statistics.median(det):.1f} / {max(det):.1f} |"
+            f" {statistics.median(mttr):.1f} / {max(mttr):.1f} | {lost_text} |"
+            f" {max(r['incidents'] for r in rs)} |"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(runs, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
