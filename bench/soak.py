@@ -1,0 +1,128 @@
+"""Soak: one long job on a local cluster, a fault at a fixed interval, the job's ETTR at the
+end (not run in CI).
+
+    .venv/bin/python bench/soak.py [--duration-s 1800] [--interval-s 300]
+
+Faults rotate over the classes that leave the cluster able to take the next one: a rank
+killed (`kill -9`, restarted on the same nodes) and, while a hot spare is free, a DBE on a
+node of the job (drained, replaced by the spare). Prints one line per fault (detection,
+MTTR, lost steps) and the controller's ETTR for the job (productive time / wall time since
+the job first ran).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from controller.devcluster import REPO_ROOT, ClusterConfig, DevCluster
+
+
+def recovered(c: DevCluster, t_fault: float) -> dict[str, Any] | None:
+    for inc in c.incidents():
+        if inc["opened_at"] < t_fault - 1:
+            continue
+        detail = c.incident(inc["id"])
+        for a in detail["actions"]:
+            if a["kind"] == "restart" and a["state"] == "failed":
+                raise RuntimeError(f"restart failed: {a['result']}")
+            if a["kind"] == "restart" and a["state"] == "succeeded":
+                return detail
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--duration-s", type=float, default=1800.0)
+    p.add_argument("--interval-s", type=float, default=300.0)
+    p.add_argument("--spares", type=int, default=2)
+    p.add_argument("--step-time-s", type=float, default=0.2)
+    args = p.parse_args(argv)
+    spares = tuple(f"spare-{i + 1}" for i in range(args.spares))
+    config = ClusterConfig(
+        spares=spares,
+        safety={"drain_budget": 100, "breaker_threshold": 100},
+        jobs={"checkpoint_timeout_s": 10, "stop_grace_s": 10, "stop_timeout_s": 10},
+    )
+    steps = int(args.duration_s / args.step_time_s) * 4  # never finishes within the soak
+    with (
+        tempfile.TemporaryDirectory(prefix="tgsoak") as tmp,
+        DevCluster(Path(tmp) / "cluster", config) as c,
+    ):
+        c.start()
+        job = "soak"
+        c.submit_job(
+            {
+                "name": job,
+                "command": ["examples/train.py", "--steps", str(steps), "--checkpoint-every",
+                            "20", "--step-time-s", str(args.step_time_s)],
+                "nodes": ["node-1", "node-2", "node-3"],
+                "ckpt_dir": str(c.run_dir / "ckpt"),
+                "cwd": str(REPO_ROOT),
+                "max_restarts": 1000,
+            }
+        )  # fmt: skip
+        c.wait_job(job, lambda j: j["state"] == "running", timeout_s=120, what="the job to run")
+        t_end = time.monotonic() + args.duration_s
+        n = 0
+        free = list(spares)
+        while time.monotonic() + args.interval_s <= t_end:
+            time.sleep(args.interval_s)  # the soak's own pacing, not a wait for a condition
+            n += 1
+            nodes = c.job(job)["nodes"]
+            t_fault = time.time()
+            if n % 2 == 0 and free:
+                kind = "dbe"
+                c.inject(nodes[1], "dbe", gpu=0)
+                free.pop()
+            else:
+                kind = "kill_rank"
+                c.signal_rank(job, 1, signal.SIGKILL)
+            detail = c.wait(lambda t=t_fault: recovered(c, t), timeout_s=180, what="recovery")
+            restart = next(
+                e
+                for e in detail["timeline"]
+                if e["kind"] == "action_succeeded" and "step restart" in e["message"]
+            )
+            lost = re.search(r"lost steps (\d+)", restart["message"])
+            print(
+                json.dumps(
+                    {
+                        "fault": n,
+                        "kind": kind,
+                        "rule": detail["incident"]["rule"],
+                        "detect_s": round(detail["incident"]["opened_at"] - t_fault, 2),
+                        "mttr_s": round(restart["ts"] - t_fault, 2),
+                        "lost_steps": int(lost.group(1)) if lost else None,
+                    }
+                ),
+                flush=True,
+            )
+        c.wait(lambda: time.monotonic() >= t_end, timeout_s=args.interval_s + 5, what="the end")
+        view = c.job(job)
+        print(
+            json.dumps(
+                {
+                    "faults": n,
+                    "duration_s": args.duration_s,
+                    "ettr": view.get("ettr"),
+                    "restarts": view.get("restarts"),
+                    "last_step": view.get("last_step"),
+                }
+            ),
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
