@@ -94,6 +94,8 @@ class Fleet:
 
     def incident(self) -> dict:
         r = httpx.get(f"{self.url}/v1/incidents?limit=5", headers=OP, timeout=5).json()
+        if not r:  # the tick that opens it may not have run yet
+            return {"incident": {"state": None}, "actions": []}
         return httpx.get(f"{self.url}/v1/incidents/{r[0]['id']}", headers=OP, timeout=5).json()
 
     def starts(self) -> list[tuple[str, int]]:
