@@ -11,7 +11,10 @@ Off unless the env var is set. Grammar (comma-separated rules, each optionally s
                             temporary directory and waits forever (a kill -9 mid-write test)
 
 A scope is `@stepK`, `@rankR`, `@stepK:rankR` (or `:rankR` after a step). Each step-scoped
-rule fires once per process. A bad spec raises ChaosSpecError at start, naming the rule.
+rule fires once per process, and only in the job's first attempt (`TRAINGUARD_ATTEMPT` unset
+or 1): the restart a fault triggers inherits the same env and resumes before step K, and
+firing again there would turn one injected fault into a crash loop. `slow` (not step-scoped)
+holds in every attempt. A bad spec raises ChaosSpecError at start, naming the rule.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["ChaosError", "ChaosRule", "ChaosSpecError", "parse_chaos"]
+__all__ = ["ChaosError", "ChaosRule", "ChaosSpecError", "for_attempt", "parse_chaos"]
 
 ChaosKind = Literal["slow", "hang", "raise", "nan", "pause_write"]
 _KINDS: tuple[str, ...] = ("slow", "hang", "raise", "nan", "pause_write")
@@ -110,3 +113,17 @@ def parse_chaos(spec: str) -> tuple[ChaosRule, ...]:
             raise ChaosSpecError(f"TRAINGUARD_CHAOS rule {text!r}: {kind} needs @stepK")
         rules.append(ChaosRule(kind=kind, step=step, rank=rank, fraction=fraction))  # type: ignore[arg-type]
     return tuple(rules)
+
+
+def for_attempt(rules: tuple[ChaosRule, ...], attempt: str | None) -> tuple[ChaosRule, ...]:
+    """The rules that apply in the job attempt `attempt` (the `TRAINGUARD_ATTEMPT` value;
+    None or empty outside a managed job): step-scoped rules only in attempt 1."""
+    if not attempt:
+        return rules
+    try:
+        number = int(attempt)
+    except ValueError:
+        raise ChaosSpecError(f"TRAINGUARD_ATTEMPT {attempt!r} is not an integer") from None
+    if number <= 1:
+        return rules
+    return tuple(r for r in rules if r.step is None)

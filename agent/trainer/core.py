@@ -35,7 +35,7 @@ from agent import __version__
 from agent.clock import SYSTEM_CLOCK, Clock
 from agent.protocol import Heartbeat, HeartbeatPhase
 from agent.trainer.channel import AgentChannel, agent_socket_path, control_socket_path, job_name
-from agent.trainer.chaos import ChaosError, ChaosRule, parse_chaos
+from agent.trainer.chaos import ChaosError, ChaosRule, for_attempt, parse_chaos
 from agent.trainer.checkpoint import (
     CheckpointWriter,
     SaveResult,
@@ -182,8 +182,9 @@ class Trainguard:
         self.sigterm_hard_exit = sigterm_hard_exit
         self.checkpoint_timeout_s = checkpoint_timeout_s
         self.clock = clock
-        self.chaos: tuple[ChaosRule, ...] = parse_chaos(
-            chaos if chaos is not None else os.environ.get("TRAINGUARD_CHAOS", "")
+        self.chaos: tuple[ChaosRule, ...] = for_attempt(
+            parse_chaos(chaos if chaos is not None else os.environ.get("TRAINGUARD_CHAOS", "")),
+            os.environ.get("TRAINGUARD_ATTEMPT"),
         )
         self._chaos_fired: set[ChaosRule] = set()
 

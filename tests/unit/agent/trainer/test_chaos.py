@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.trainer.chaos import ChaosRule, ChaosSpecError, parse_chaos
+from agent.trainer.chaos import ChaosRule, ChaosSpecError, for_attempt, parse_chaos
 
 
 @pytest.mark.parametrize(
@@ -67,3 +67,25 @@ def test_rule_scope_matches_step_and_rank() -> None:
     assert not rule.applies(step=30, rank=1)
     assert not rule.applies(step=29, rank=2)
     assert ChaosRule(kind="slow", fraction=0.2).applies(step=7, rank=5)
+
+
+@pytest.mark.parametrize(
+    ("attempt", "kinds"),
+    [
+        pytest.param(None, ["nan", "raise", "slow"], id="standalone-all"),
+        pytest.param("", ["nan", "raise", "slow"], id="empty-all"),
+        pytest.param("1", ["nan", "raise", "slow"], id="first-attempt-all"),
+        pytest.param("2", ["slow"], id="restart-only-unscoped"),
+        pytest.param("7", ["slow"], id="later-restart-only-unscoped"),
+    ],
+)
+def test_step_scoped_rules_fire_only_in_the_first_attempt(
+    attempt: str | None, kinds: list[str]
+) -> None:
+    rules = parse_chaos("nan@step17,raise@step3:rank1,slow=0.5@rank2")
+    assert [r.kind for r in for_attempt(rules, attempt)] == kinds
+
+
+def test_a_bad_attempt_value_fails_naming_it() -> None:
+    with pytest.raises(ChaosSpecError, match="TRAINGUARD_ATTEMPT 'x'"):
+        for_attempt(parse_chaos("nan@step1"), "x")
