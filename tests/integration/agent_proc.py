@@ -31,7 +31,7 @@ def agent_command() -> list[str]:
     return [sys.executable, "-m", "agent.main"]
 
 
-def wait_until(cond: Callable[[], Any], *, what: str, timeout_s: float = 15.0) -> Any:
+def wait_until(cond: Callable[[], Any], *, what: str, timeout_s: float = 30.0) -> Any:
     deadline = time.monotonic() + timeout_s
     while True:
         value = cond()

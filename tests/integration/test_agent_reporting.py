@@ -62,7 +62,11 @@ def test_outage_loses_no_event_and_receiver_dedupes_to_each_once(
             ),
             what="failed reports while the controller is down",
         )
-        assert (sample_value(agent.metrics(), "trainguard_agent_spool_events") or 0) >= 6
+        # the XID events are spooled by the collect loop, which may lag the failed reports
+        wait_until(
+            lambda: (sample_value(agent.metrics(), "trainguard_agent_spool_events") or 0) >= 6,
+            what="the outage's events in the spool",
+        )
 
         controller.start()
         wait_until(
