@@ -76,11 +76,14 @@ def check_recovery(
     fault_step: int,
     rules: set[str],
     steps: list[str],
+    poisoned_from: int | None = None,
 ) -> dict[str, Any]:
     """Wait for the job to finish, then check: it trained past the fault to the last step,
-    every logged loss equals the reference's, exactly one incident (of one of `rules`) with
-    one restart, and its timeline holds opened, each of `steps` succeeding, then mitigated,
-    in order with non-decreasing timestamps. Returns the incident detail."""
+    every logged loss equals the reference's (but those the first attempt logged after step
+    `poisoned_from`: a NaN fault there poisons the model on purpose, so they must be NaN),
+    exactly one incident (of one of `rules`) with one restart, and its timeline holds opened,
+    each of `steps` succeeding, then mitigated, in order with non-decreasing timestamps.
+    Returns the incident detail."""
     view = cluster.wait_job(
         job,
         lambda j: j["state"] in ("completed", "failed"),
@@ -94,6 +97,11 @@ def check_recovery(
     for attempt, line in cluster.step_lines(job):
         attempts.setdefault(attempt, []).append(line)
     assert len(attempts) == 2, sorted(attempts)
+    if poisoned_from is not None:
+        first = min(attempts)
+        poisoned = [x for x in attempts[first] if x["step"] > poisoned_from]
+        assert poisoned and all(x["loss"] == "NaN" for x in poisoned), poisoned
+        attempts[first] = [x for x in attempts[first] if x["step"] <= poisoned_from]
     assert compare_losses(list(attempts.values()), reference) == []
     logged = {x["step"] for lines in attempts.values() for x in lines}
     assert logged == set(range(1, STEPS + 1))

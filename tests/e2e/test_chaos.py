@@ -150,3 +150,40 @@ def test_kill9_of_the_controller_mid_remediation_resumes_it_once(world: World) -
     )
     assert c.job("ctl-kill")["attempt"] == 2
     assert sick not in c.job("ctl-kill")["nodes"]
+
+
+def test_nan_at_step_k_rolls_back_to_the_last_good_checkpoint_without_a_drain(
+    world: World,
+) -> None:
+    # The skip window is 0: this NaN comes from the chaos hook, not from the data, so with no
+    # batch skipped the recovered run must equal the uninterrupted reference bitwise at every
+    # step after the rollback (a stronger check than "finite after the fault"); the skip
+    # window's arithmetic is the sampler's, covered by its unit tests.
+    c = world.cluster
+    spec = job_spec(
+        c,
+        "nan",
+        world.nodes,
+        env={"TRAINGUARD_CHAOS": f"nan@step{FAULT_STEP}:rank0"},
+        rollback_skip_batches=0,
+    )
+    since = now()
+    run_until_step(c, spec, FAULT_STEP - 2)
+    detail = check_recovery(
+        c,
+        "nan",
+        world.reference,
+        since=since,
+        fault_step=FAULT_STEP,
+        rules={"nan_loss"},
+        steps=["rollback"],
+        poisoned_from=FAULT_STEP,
+    )
+    kinds = [a["kind"] for a in detail["actions"]]
+    assert "drain" not in kinds and "replace" not in kinds, kinds
+    assert c.job("nan")["nodes"] == world.nodes
+    assert all(c.node(n)["state"] == "active" for n in world.nodes)
+    # the rollback resumed from the newest checkpoint before the NaN, not from a later one
+    second = [x["step"] for a, x in c.step_lines("nan") if a == 2]
+    assert second[0] == (FAULT_STEP - 1) // 5 * 5 + 1, second[:3]
+    world.after("nan")
