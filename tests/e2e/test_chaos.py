@@ -187,3 +187,37 @@ def test_nan_at_step_k_rolls_back_to_the_last_good_checkpoint_without_a_drain(
     second = [x["step"] for a, x in c.step_lines("nan") if a == 2]
     assert second[0] == (FAULT_STEP - 1) // 5 * 5 + 1, second[:3]
     world.after("nan")
+
+
+def test_a_corrupt_latest_checkpoint_makes_the_restart_resume_from_the_previous_one(
+    world: World,
+) -> None:
+    c = world.cluster
+    spec = job_spec(c, "ckpt-corrupt", world.nodes)
+    run_until_step(c, spec, FAULT_STEP)
+    since = now()
+    # kill first: with a rank gone the others block in the next collective, so no newer
+    # checkpoint can commit after the byte flip below and before the restart loads one
+    c.signal_rank("ckpt-corrupt", 1, signal.SIGKILL)
+    ckpt_dir = Path(spec["ckpt_dir"])
+    committed = sorted(p for p in ckpt_dir.glob("step_*") if (p / "manifest.json").exists())
+    newest = committed[-1]
+    assert newest.name == f"step_{FAULT_STEP // 5 * 5:06d}", [p.name for p in committed]
+    shard = newest / "dcp" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    check_recovery(
+        c,
+        "ckpt-corrupt",
+        world.reference,
+        since=since,
+        fault_step=FAULT_STEP,
+        rules={"job_process_failed"},
+        steps=["replace", "restart"],
+    )
+    second = [x["step"] for a, x in c.step_lines("ckpt-corrupt") if a == 2]
+    assert second[0] == FAULT_STEP // 5 * 5 - 5 + 1, second[:3]
+    logs = [p.read_text(errors="replace") for _, a, p in c.job_logs("ckpt-corrupt") if a == 2]
+    assert any("event=checkpoint_skipped" in text and newest.name in text for text in logs)
+    world.after("ckpt-corrupt")
