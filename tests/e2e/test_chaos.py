@@ -6,14 +6,18 @@ incident with one restart and a complete timeline (tests/e2e/chaos.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
-from controller.devcluster import ClusterConfig, DevCluster
+from controller.devcluster import REPO_ROOT, ClusterConfig, DevCluster
 from tests.e2e.chaos import (
     check_recovery,
     job_spec,
@@ -29,13 +33,44 @@ FAULT_STEP = 12
 
 
 class World:
-    def __init__(self, cluster: DevCluster) -> None:
+    def __init__(self, cluster: DevCluster, rules_file: Path) -> None:
         self.cluster = cluster
+        self.rules_file = rules_file
         self.nodes = ["node-1", "node-2", "node-3"]
         self.reference: list[dict[str, Any]] = []
 
     def after(self, job: str) -> None:
         self.nodes = list(self.cluster.job(job)["nodes"])
+
+    @contextlib.contextmanager
+    def tuned_rules(self, overrides: dict[str, dict[str, Any]]) -> Iterator[None]:
+        """The shipped rules with `overrides` (rule name -> fields) while the block runs:
+        production thresholds would make a stall or straggler test minutes long."""
+        write_rules(self.rules_file, overrides)
+        self._reload()
+        try:
+            yield
+        finally:
+            write_rules(self.rules_file, {})
+            self._reload()
+
+    def _reload(self) -> None:
+        proc = self.cluster.controller
+        assert proc is not None and proc.popen is not None
+        before = proc.log().count("event=sighup_reload ")
+        proc.popen.send_signal(signal.SIGHUP)
+        self.cluster.wait(
+            lambda: proc.log().count("event=sighup_reload ") > before,
+            timeout_s=20,
+            what="the controller to reload its rules",
+        )
+
+
+def write_rules(path: Path, overrides: dict[str, dict[str, Any]]) -> None:
+    doc = yaml.safe_load((REPO_ROOT / "rules" / "default.yaml").read_text())
+    for rule in doc["rules"]:
+        rule.update(overrides.get(rule["name"], {}))
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +86,14 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
             "progress_timeout_s": 90,
         },
     )
-    with DevCluster(Path(tmp_path_factory.mktemp("chaos")) / "cluster", config) as cluster:
+    base = Path(tmp_path_factory.mktemp("chaos"))
+    rules_file = base / "rules.yaml"
+    write_rules(rules_file, {})
+    config = dataclasses.replace(config, rules=(str(rules_file),))
+    with DevCluster(base / "cluster", config) as cluster:
         cluster.start()
         ref = start_reference(cluster)
-        w = World(cluster)
+        w = World(cluster, rules_file)
         w.reference = reference_lines(cluster, ref)
         yield w
     assert cluster.leftover_pids() == set()
@@ -221,3 +260,33 @@ def test_a_corrupt_latest_checkpoint_makes_the_restart_resume_from_the_previous_
     logs = [p.read_text(errors="replace") for _, a, p in c.job_logs("ckpt-corrupt") if a == 2]
     assert any("event=checkpoint_skipped" in text and newest.name in text for text in logs)
     world.after("ckpt-corrupt")
+
+
+def test_a_stopped_rank_stalls_the_job_and_gets_stacks_collected_and_a_restart(
+    world: World,
+) -> None:
+    c = world.cluster
+    run_until_step(c, job_spec(c, "stall", world.nodes), FAULT_STEP)
+    stall = {"training_stall": {"condition": "step_age_s > 4 and heartbeat_age_s <= 30"}}
+    with world.tuned_rules(stall):
+        since = now()
+        stopped = c.signal_rank("stall", 1, signal.SIGSTOP)
+        try:
+            detail = check_recovery(
+                c,
+                "stall",
+                world.reference,
+                since=since,
+                fault_step=FAULT_STEP,
+                rules={"training_stall"},
+                steps=["collect_stacks", "restart"],
+            )
+        finally:
+            # the restart kills the stopped worker; if it did not, leave nothing stopped behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped.pid, signal.SIGCONT)
+                os.kill(stopped.pid, signal.SIGKILL)
+    assert c.job("stall")["nodes"] == world.nodes
+    kinds = [a["kind"] for a in detail["actions"]]
+    assert "drain" not in kinds, kinds
+    world.after("stall")
