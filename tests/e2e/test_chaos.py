@@ -1,8 +1,9 @@
 """Chaos on a real local cluster (controller, six sim agents, torchrun jobs): a killed rank, a
-dead node, XID 79, and kill -9 of the controller in the middle of a remediation. Each
-scenario runs a fresh job on the node set the previous one left, injects its fault, and ends
-with the job trained to its last step, every loss equal to an uninterrupted run's, one
-incident with one restart and a complete timeline (tests/e2e/chaos.py)."""
+dead node, XID 79, kill -9 of the controller in the middle of a remediation, NaN at step K,
+a corrupt newest checkpoint, and a stopped (stalled) rank. Each scenario runs a fresh job on
+the node set the previous one left, injects its fault, and ends with the job trained to its
+last step, every loss equal to an uninterrupted run's, one incident with one restart and a
+complete timeline (tests/e2e/chaos.py)."""
 
 from __future__ import annotations
 
@@ -189,6 +190,7 @@ def test_kill9_of_the_controller_mid_remediation_resumes_it_once(world: World) -
     )
     assert c.job("ctl-kill")["attempt"] == 2
     assert sick not in c.job("ctl-kill")["nodes"]
+    world.after("ctl-kill")
 
 
 def test_nan_at_step_k_rolls_back_to_the_last_good_checkpoint_without_a_drain(
