@@ -865,8 +865,10 @@ class Store:
         return {r[0]: int(r[1]) for r in rows}
 
     def timeline(self, incident_id: int) -> list[TimelineEntry]:
+        # by time, then insertion: the tick and the action worker stamp entries with the "now"
+        # each read, so insertion order can trail time by the width of a race
         rows = self._query(
-            "SELECT * FROM incident_timeline WHERE incident_id = ? ORDER BY id", (incident_id,)
+            "SELECT * FROM incident_timeline WHERE incident_id = ? ORDER BY ts, id", (incident_id,)
         )
         return [
             TimelineEntry(
