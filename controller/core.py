@@ -223,6 +223,8 @@ class Controller:
         self.runner.recover(now=clock.now())
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        # monotonic time the tick loop last finished a round (the watchdog's liveness check)
+        self._tick_beat: float | None = None
         self._update_gauges(clock.now())
 
     # --- setup helpers ------------------------------------------------------------------------
@@ -295,6 +297,7 @@ class Controller:
         if self._threads:
             return
         self._stop.clear()
+        self._tick_beat = time.monotonic()
         self._threads = [
             threading.Thread(target=self._tick_loop, name="trainguard-tick", daemon=True),
             threading.Thread(target=self._worker_loop, name="trainguard-actions", daemon=True),
@@ -322,6 +325,15 @@ class Controller:
     def rule_count(self) -> int:
         return len(self._rules.rules)
 
+    def ticking(self, *, within_s: float | None = None) -> bool:
+        """True while the tick thread runs and finished a round within `within_s` (default
+        max(10 s, 10 ticks)): what the systemd watchdog pings depend on."""
+        beat = self._tick_beat
+        if not self._threads or beat is None:
+            return False
+        limit_s = max(10.0, 10 * self.config.tick_interval_s) if within_s is None else within_s
+        return time.monotonic() - beat <= limit_s
+
     def _tick_loop(self) -> None:
         interval_s = self.config.tick_interval_s
         while not self._stop.is_set():
@@ -330,6 +342,7 @@ class Controller:
                 self.tick()
             except Exception:
                 log.exception("event=tick_error")
+            self._tick_beat = time.monotonic()
             self._stop.wait(max(0.0, interval_s - (time.monotonic() - started)))
 
     def _worker_loop(self) -> None:

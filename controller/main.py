@@ -148,6 +148,7 @@ def _serve(
 
     from agent.systemd import SystemdNotifier  # noqa: PLC0415
     from controller.api import create_app  # noqa: PLC0415
+    from controller.watchdog import watchdog_running  # noqa: PLC0415
 
     app = create_app(
         controller,
@@ -204,7 +205,8 @@ def _serve(
             scheme = "https" if config.api.tls_cert_file else "http"
             log.info("event=api_listening url=%s://%s:%d", scheme, host, port)
             notifier.ready(status=f"serving on {host}:{port}")
-        await task
+        async with watchdog_running(notifier, healthy=controller.ticking):
+            await task
 
     controller.start()
     code = EXIT_OK

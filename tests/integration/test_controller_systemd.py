@@ -1,0 +1,112 @@
+"""systemd integration of the controller: the unit file verifies clean, and a real
+trainguard-controller process speaks sd_notify (READY after it listens, WATCHDOG while its
+loops run, STOPPING on SIGTERM) on a NOTIFY_SOCKET."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from controller.auth import hash_token
+
+BIN = Path(sys.executable).parent
+UNIT = Path(__file__).resolve().parents[2] / "systemd" / "trainguard-controller.service"
+
+
+def wait_until(cond: Callable[[], bool], *, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_controller_unit_file_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("systemd-analyze is required in CI (Debian package 'systemd')")
+        pytest.skip("systemd-analyze not installed")
+    script = BIN / "trainguard-controller"
+    if not script.exists():
+        pytest.skip("trainguard-controller console script not installed (pip install -e .)")
+    text = UNIT.read_text()
+    for required in ("Type=notify", "NotifyAccess=main", "WatchdogSec=30s", "Restart=always"):
+        assert required in text, required
+    exec_line = next(line for line in text.splitlines() if line.startswith("ExecStart="))
+    binary = exec_line.split("=", 1)[1].split()[0]
+    unit = tmp_path / "trainguard-controller.service"
+    unit.write_text(text.replace(binary, str(script)))
+    proc = subprocess.run(
+        [analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60, check=False
+    )
+    # unknown keys are only warnings (exit 0): any output at all is a failure
+    assert proc.returncode == 0 and not proc.stderr.strip() and not proc.stdout.strip(), (
+        proc.stdout + proc.stderr
+    )
+
+
+@pytest.mark.slow
+def test_controller_notifies_ready_watchdog_and_stopping() -> None:
+    # a short directory: unix socket paths are limited to 107 bytes
+    workdir = Path(tempfile.mkdtemp(prefix="tgc-"))
+    (workdir / "rules.yaml").write_text("rules: []\n")
+    (workdir / "tokens.yaml").write_text(
+        f'tokens:\n  - {{name: ops, role: operator, sha256: "{hash_token("op-token")}"}}\n'
+    )
+    cfg = workdir / "controller.yaml"
+    cfg.write_text(
+        f"store: {{path: {workdir / 'c.db'}}}\n"
+        f"rules: [{workdir / 'rules.yaml'}]\n"
+        f"api: {{host: 127.0.0.1, port: 0, tokens_file: {workdir / 'tokens.yaml'}}}\n"
+        "tick_interval_s: 0.2\n"
+    )
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(workdir / "notify"))
+    notify.setblocking(False)
+    got: list[str] = []
+
+    def drain() -> list[str]:
+        try:
+            while True:
+                got.append(notify.recv(4096).decode())
+        except BlockingIOError:
+            pass
+        return got
+
+    # WatchdogSec=1 s: a ping every 0.5 s
+    env = {**os.environ, "NOTIFY_SOCKET": str(workdir / "notify"), "WATCHDOG_USEC": "1000000"}
+    log = workdir / "controller.log"
+    with log.open("w") as out:
+        popen = subprocess.Popen(
+            [str(BIN / "trainguard-controller"), "--config", str(cfg)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    try:
+        wait_until(lambda: any(m.startswith("READY=1") for m in drain()), what="READY=1")
+        assert "event=api_listening" in log.read_text()  # READY only once it listens
+        ready_at = next(i for i, m in enumerate(got) if m.startswith("READY=1"))
+        wait_until(
+            lambda: drain()[ready_at:].count("WATCHDOG=1") >= 3, what="watchdog pings after READY"
+        )
+        popen.send_signal(signal.SIGTERM)
+        assert popen.wait(timeout=30) == 0, log.read_text()
+        wait_until(lambda: "STOPPING=1" in drain(), what="STOPPING=1")
+    finally:
+        if popen.poll() is None:
+            popen.kill()
+            popen.wait(timeout=10)
+        notify.close()
+        shutil.rmtree(workdir, ignore_errors=True)
