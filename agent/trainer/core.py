@@ -230,7 +230,8 @@ class Trainguard:
             ),
             clock=clock,
         )
-        self._pool = SnapshotPool()
+        self._pool = SnapshotPool(clock=clock)
+        self._snapshot_prepared = False
 
         self.ckpt_step: int | None = None
         self.ckpt_request_id: str | None = None
@@ -345,6 +346,8 @@ class Trainguard:
         )
         self._last_mono = self.clock.monotonic()
         self._last_step = step
+        if not self._snapshot_prepared:
+            self._prepare_snapshot()
         return action
 
     def save(self, step: int, *, wait: bool = False) -> bool:
@@ -546,6 +549,22 @@ class Trainguard:
             snapshot_bytes=self._pool.bytes,
         )
         return True
+
+    def _prepare_snapshot(self) -> None:
+        """Once, after the first step (the state is complete only then: Adam creates its
+        moments in its first step): have the pool allocate and pre-fault the host buffers in
+        the background, so the first save only copies, like every later one."""
+        self._snapshot_prepared = True
+        try:
+            rank_state, tensors = self._capture(self._last_step)
+            self._pool.prepare({"rank": rank_state, "tensors": tensors})
+        except Exception as e:  # a save reports it; here it only costs the head start
+            log.warning(
+                "event=snapshot_prepare_failed job=%s rank=%d reason=%s",
+                self.job,
+                self.rank,
+                str(e).replace(" ", "_"),
+            )
 
     def _capture(self, step: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         msd, osd = self._model_optim_state()

@@ -7,12 +7,18 @@ never pickled Python objects.
 
 from __future__ import annotations
 
+import logging
+import mmap
 import random
+import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+
+from agent.clock import SYSTEM_CLOCK, Clock
 
 __all__ = [
     "SnapshotPool",
@@ -25,6 +31,9 @@ __all__ = [
 
 _TENSOR_REF = "__trainguard_tensor__"
 _PRIMITIVES = (int, float, bool, str, bytes, type(None))
+_PAGE_BYTES = mmap.PAGESIZE
+
+log = logging.getLogger("trainguard.trainer")
 
 
 def capture_rng() -> dict[str, Any]:
@@ -130,34 +139,178 @@ class SnapshotPool:
     Reusing the buffers between checkpoints avoids page-faulting fresh memory on every save,
     which is most of what a naive `.clone()` costs. Safe because at most one save is in flight:
     the writer is finished with the previous snapshot before the next one is taken.
+
+    `prepare(state)` moves that cost off the first save too: a background thread allocates
+    the buffers a snapshot of `state` needs and touches every page of them, so the first
+    `snapshot()` only copies. A snapshot taken while that thread is still working waits for
+    it rather than allocating a second set beside it: the thread is already faulting in the
+    same pages, so waiting costs at most what allocating would (the remaining part), and
+    memory stays at one set of buffers. Buffers whose path is no longer in the state, or whose
+    shape or dtype changed, are dropped (and reallocated) by the next `prepare` or `snapshot`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.clock = clock
         self._buffers: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self._wanted: list[_BufferSpec] | None = None
+        self._worker: threading.Thread | None = None
         self.bytes = 0
+        self.allocated_bytes = 0  # bytes the last snapshot() had to allocate itself
+        self.prepared_bytes = 0  # bytes the last preparation allocated in the background
+        self.prepare_s: float | None = None  # how long that took; None until one finished
+
+    @property
+    def held_bytes(self) -> int:
+        """Host memory held by the buffers now (what the next snapshot would reuse)."""
+        with self._lock:
+            return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def prepare(self, obj: Any) -> bool:
+        """Allocate and pre-fault, in a background thread, the buffers a snapshot of `obj`
+        needs; returns False when they are all there already. Reads only tensor shapes and
+        dtypes of `obj` (on the calling thread); never copies data."""
+        wanted: list[_BufferSpec] = []
+        _collect_specs(obj, "", wanted)
+        with self._lock:
+            all_fit = len(self._buffers) == len(wanted) and all(
+                _fits(self._buffers.get(s.path), s) for s in wanted
+            )
+            if self._worker is None and all_fit:
+                return False
+            self._wanted = wanted
+            if self._worker is None:
+                self._worker = threading.Thread(
+                    target=self._prepare_loop,
+                    name="trainguard-snapshot-prepare",
+                    daemon=True,  # pre-faulting must never keep a finished job alive
+                )
+                self._worker.start()
+        return True
+
+    def ready(self) -> bool:
+        """True when no preparation is in progress."""
+        with self._lock:
+            return self._worker is None
+
+    def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """Wait for the preparation in progress; True when none is left."""
+        with self._lock:
+            worker = self._worker
+        if worker is not None:
+            worker.join(timeout_s)
+        return self.ready()
 
     def snapshot(self, obj: Any) -> Any:
+        self.wait_ready()
         self.bytes = 0
+        self.allocated_bytes = 0
         any_cuda = [False]
-        out = self._copy(obj, "", any_cuda)
+        used: set[str] = set()
+        with self._lock:
+            out = self._copy(obj, "", any_cuda, used)
+            for stale in set(self._buffers) - used:
+                del self._buffers[stale]
         if any_cuda[0]:
             torch.cuda.synchronize()
         return out
 
-    def _copy(self, o: Any, path: str, any_cuda: list[bool]) -> Any:
+    def _prepare_loop(self) -> None:
+        while True:
+            with self._lock:
+                wanted, self._wanted = self._wanted, None
+                if wanted is None:
+                    self._worker = None
+                    return
+            t0 = self.clock.monotonic()
+            try:
+                self.prepared_bytes = self._allocate(wanted)
+            except Exception as e:
+                # Not fatal: a snapshot allocates whatever is missing itself (and reports
+                # the error there if it persists).
+                log.warning(
+                    "event=snapshot_prepare_failed reason=%s",
+                    f"{type(e).__name__}:_{e}".replace(" ", "_"),
+                )
+                continue
+            self.prepare_s = self.clock.monotonic() - t0
+            log.info(
+                "event=snapshot_prepared allocated_bytes=%d duration_s=%.3f",
+                self.prepared_bytes,
+                self.prepare_s,
+            )
+
+    def _allocate(self, wanted: list[_BufferSpec]) -> int:
+        names = {s.path for s in wanted}
+        with self._lock:
+            for stale in set(self._buffers) - names:
+                del self._buffers[stale]
+        total = 0
+        for spec in wanted:
+            with self._lock:
+                if _fits(self._buffers.get(spec.path), spec):
+                    continue
+                # Drop a misfit first, so old and new never coexist here (a save in flight
+                # keeps its own reference until it is done).
+                self._buffers.pop(spec.path, None)
+            buf = torch.empty(spec.shape, dtype=spec.dtype, device="cpu", pin_memory=spec.pinned)
+            if not spec.pinned:  # pinned memory is locked in, so already resident
+                _touch_pages(buf)
+            with self._lock:
+                self._buffers[spec.path] = buf
+            total += buf.numel() * buf.element_size()
+        return total
+
+    def _copy(self, o: Any, path: str, any_cuda: list[bool], used: set[str]) -> Any:
         if isinstance(o, torch.Tensor):
             src = o.detach()
             buf = self._buffers.get(path)
             if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
                 buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)
                 self._buffers[path] = buf
+                self.allocated_bytes += buf.numel() * buf.element_size()
             buf.copy_(src, non_blocking=src.is_cuda)
+            used.add(path)
             any_cuda[0] = any_cuda[0] or src.is_cuda
             self.bytes += buf.numel() * buf.element_size()
             return buf
         if isinstance(o, Mapping):
-            return {k: self._copy(v, f"{path}/{k}", any_cuda) for k, v in o.items()}
+            return {k: self._copy(v, f"{path}/{k}", any_cuda, used) for k, v in o.items()}
         if isinstance(o, list | tuple):
-            items = [self._copy(v, f"{path}/{i}", any_cuda) for i, v in enumerate(o)]
+            items = [self._copy(v, f"{path}/{i}", any_cuda, used) for i, v in enumerate(o)]
             return items if isinstance(o, list) else tuple(items)
         return o
+
+
+@dataclass(frozen=True)
+class _BufferSpec:
+    path: str
+    shape: torch.Size
+    dtype: torch.dtype
+    pinned: bool
+
+
+def _collect_specs(o: Any, path: str, out: list[_BufferSpec]) -> None:
+    """The buffers `SnapshotPool._copy` would use for `o`: same walk, same paths."""
+    if isinstance(o, torch.Tensor):
+        out.append(_BufferSpec(path, o.shape, o.dtype, o.is_cuda))
+    elif isinstance(o, Mapping):
+        for k, v in o.items():
+            _collect_specs(v, f"{path}/{k}", out)
+    elif isinstance(o, list | tuple):
+        for i, v in enumerate(o):
+            _collect_specs(v, f"{path}/{i}", out)
+
+
+def _fits(buf: torch.Tensor | None, spec: _BufferSpec) -> bool:
+    return buf is not None and buf.shape == spec.shape and buf.dtype == spec.dtype
+
+
+def _touch_pages(buf: torch.Tensor) -> None:
+    """Write one byte in every page, so the kernel maps (and zeroes) them now, not during
+    the copy of the first snapshot. The contents are overwritten by that copy anyway."""
+    if buf.numel() == 0:
+        return
+    raw = buf.view(-1).view(torch.uint8)
+    raw[::_PAGE_BYTES].zero_()
+    raw[-1:].zero_()
