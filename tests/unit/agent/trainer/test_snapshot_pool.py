@@ -1,0 +1,156 @@
+"""Host snapshot buffers prepared in the background: a first save that only copies, a save
+that comes before they are ready, shapes that change between saves, bitwise resume."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from trainer_helpers import TinyJob
+
+from agent.trainer import state as state_mod
+from agent.trainer.state import SnapshotPool
+
+GATE_TIMEOUT_S = 30.0
+
+
+def nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def hold_preparation_until_a_snapshot_waits(
+    monkeypatch: pytest.MonkeyPatch, pool: SnapshotPool
+) -> list[bool]:
+    """Stop the preparing thread at its first buffer until `pool.snapshot()` starts waiting
+    for it; returns a list that gets, per wait, whether the pool was ready at that moment."""
+    waiting = threading.Event()
+    ready_when_waited: list[bool] = []
+    touch: Callable[[torch.Tensor], None] = state_mod._touch_pages
+    wait_ready = pool.wait_ready
+
+    def gated_touch(buf: torch.Tensor) -> None:
+        if not waiting.wait(GATE_TIMEOUT_S):
+            raise AssertionError("no snapshot waited for the buffers being prepared")
+        touch(buf)
+
+    def spying_wait_ready(timeout_s: float | None = None) -> bool:
+        ready_when_waited.append(pool.ready())
+        waiting.set()
+        return wait_ready(timeout_s)
+
+    monkeypatch.setattr(state_mod, "_touch_pages", gated_touch)
+    monkeypatch.setattr(pool, "wait_ready", spying_wait_ready)
+    return ready_when_waited
+
+
+def test_prepared_buffers_are_reused_by_the_first_snapshot() -> None:
+    pool = SnapshotPool()
+    state = {"w": torch.randn(64, 1024), "opt": [torch.arange(10), 3], "step": 7}
+    assert pool.prepare(state)
+    assert pool.wait_ready(GATE_TIMEOUT_S)
+    assert pool.held_bytes == pool.prepared_bytes == nbytes(state["w"], state["opt"][0])
+    state["w"].add_(1)  # what counts is the state at snapshot time, not at prepare time
+    snap = pool.snapshot(state)
+    assert pool.allocated_bytes == 0, "the first snapshot should only copy"
+    assert torch.equal(snap["w"], state["w"]) and snap["w"].data_ptr() != state["w"].data_ptr()
+    assert torch.equal(snap["opt"][0], torch.arange(10)) and snap["opt"][1] == 3
+    assert snap["step"] == 7
+    assert not pool.prepare(state), "nothing left to prepare once every buffer fits"
+
+
+def test_snapshot_before_buffers_are_ready_waits_for_them_and_is_correct(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pool = SnapshotPool()
+    ready_when_waited = hold_preparation_until_a_snapshot_waits(monkeypatch, pool)
+    state = {"a": torch.randn(300, 300), "b": torch.randn(5)}
+    assert pool.prepare(state)
+    state["a"].mul_(2)
+    snap = pool.snapshot(state)
+    assert ready_when_waited == [False], "the snapshot came before the buffers were ready"
+    assert pool.allocated_bytes == 0, "it waited for the prepared buffers, no second set"
+    assert pool.held_bytes == nbytes(state["a"], state["b"])
+    assert torch.equal(snap["a"], state["a"]) and torch.equal(snap["b"], state["b"])
+
+
+def test_failed_preparation_leaves_the_snapshot_to_allocate_and_copy(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken_touch(buf: torch.Tensor) -> None:
+        raise RuntimeError("no memory")
+
+    monkeypatch.setattr(state_mod, "_touch_pages", broken_touch)
+    pool = SnapshotPool()
+    state = {"a": torch.randn(100), "b": torch.randn(7)}
+    with caplog.at_level("WARNING", logger="trainguard.trainer"):
+        assert pool.prepare(state)
+        assert pool.wait_ready(GATE_TIMEOUT_S)
+    assert "event=snapshot_prepare_failed" in caplog.text
+    snap = pool.snapshot(state)
+    assert pool.allocated_bytes == nbytes(state["a"], state["b"])
+    assert torch.equal(snap["a"], state["a"]) and torch.equal(snap["b"], state["b"])
+
+
+@pytest.mark.parametrize("prepare_again", [False, True], ids=["snapshot-only", "prepare-first"])
+def test_changed_shapes_get_new_buffers_and_the_old_ones_are_freed(prepare_again: bool) -> None:
+    pool = SnapshotPool()
+    first = {"keep": torch.randn(50), "grow": torch.randn(10), "gone": torch.randn(1000)}
+    pool.prepare(first)
+    pool.snapshot(first)
+    kept_ptr = pool.snapshot(first)["keep"].data_ptr()
+
+    second = {"keep": torch.randn(50), "grow": torch.randn(20, 3), "new": torch.ones(4).long()}
+    if prepare_again:
+        assert pool.prepare(second)
+        assert pool.wait_ready(GATE_TIMEOUT_S)
+    snap = pool.snapshot(second)
+
+    assert set(snap) == set(second)
+    for name, t in second.items():
+        assert torch.equal(snap[name], t) and snap[name].dtype == t.dtype, name
+    assert snap["keep"].data_ptr() == kept_ptr, "an unchanged buffer is reused"
+    assert pool.held_bytes == nbytes(*second.values()), "one set of buffers, the old ones freed"
+    changed = nbytes(second["grow"], second["new"])
+    assert pool.allocated_bytes == (0 if prepare_again else changed)
+
+
+def test_save_right_after_the_first_step_waits_for_the_buffers_and_resumes_bitwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    straight = TinyJob()
+    tg = straight.guard(tmp_path / "a")
+    expected = straight.run(tg, tg.resume(first_step=1), 8)
+    tg.close()
+
+    interrupted = TinyJob()
+    tg = interrupted.guard(tmp_path / "b")
+    ready_when_waited = hold_preparation_until_a_snapshot_waits(monkeypatch, tg._pool)
+    interrupted.run(tg, tg.resume(first_step=1), 1)  # the first step starts the preparation
+    assert tg.save(1, wait=True)
+    assert ready_when_waited == [False], "the save came before the buffers were ready"
+    assert tg._pool.allocated_bytes == 0, "the save used the prepared buffers"
+    assert tg.ckpt_step == 1
+    tg.close()
+
+    resumed = TinyJob(init_seed=99)  # other initial weights: everything must come from disk
+    tg = resumed.guard(tmp_path / "b")
+    start = tg.resume(first_step=1)
+    assert start == 2
+    got = resumed.run(tg, start, 8)
+    tg.close()
+    assert got == {s: expected[s] for s in range(2, 9)}
+
+
+def test_first_step_prepares_every_buffer_a_save_needs(tmp_path: Path) -> None:
+    job = TinyJob()
+    tg = job.guard(tmp_path)
+    job.run(tg, 1, 1)
+    assert tg._pool.wait_ready(GATE_TIMEOUT_S)
+    assert tg._pool.prepared_bytes > 0
+    assert tg.save(1, wait=True)
+    assert tg._pool.allocated_bytes == 0
+    assert tg._pool.held_bytes == tg._pool.bytes
+    tg.close()
