@@ -208,6 +208,7 @@ class Controller:
                 self.notifiers, severity=severity, page=page
             ),
             on_new_actions=self._wake.set,
+            jobs=self.jobs,
         )
         self.runner = ActionRunner(
             store=self.store,

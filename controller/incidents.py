@@ -12,9 +12,11 @@ unresolved incident is remediating the same node or job is attached to that inci
 `correlated` timeline entry, no incident and no plan of its own), so one fault gets one
 remediation; when it asks to take a node out that the running plan does not, a drain of that
 node is appended to the plan (the restart treats a node with a pending drain as unusable).
-It stays attached until its own condition clears. Cooldown: a firing decision for a
-(rule, target) whose last incident resolved less than the rule's `cooldown_s` ago opens
-nothing; one timeline note is added to that last incident instead.
+It stays attached until its own condition clears. What a finished remediation left behind
+(the node it drained or swapped out, the job's previous attempt) is attached the same way to
+the incident that did it, so it never remediates the job a second time. Cooldown: a firing
+decision for a (rule, target) whose last incident resolved less than the rule's `cooldown_s`
+ago opens nothing; one timeline note is added to that last incident instead.
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
+from agent.protocol import RankState
 from controller.actions.base import DISRUPTIVE_KINDS, ActionHandler, HandlerRegistry
 from controller.model import Decision
 from controller.safety import Safety
-from controller.store import NewAction, Store
+from controller.store import JobRecord, NewAction, Store
 from controller.views import ActionView, IncidentState, IncidentView
 
 log = logging.getLogger("trainguard.controller.incidents")
@@ -59,6 +62,14 @@ def _wire_value(value: float | None) -> float | str | None:
     return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
 
 
+class JobLookup(Protocol):
+    """The live job view the incident layer asks about (controller.jobs.JobManager)."""
+
+    def job_of_node(self, node: str) -> JobRecord | None: ...
+
+    def ranks(self, job: str) -> list[tuple[str, RankState]]: ...
+
+
 class InvalidTransition(ValueError):
     def __init__(self, incident_id: int, current: str, wanted: str) -> None:
         super().__init__(f"incident {incident_id}: cannot go from {current} to {wanted}")
@@ -83,8 +94,10 @@ class IncidentManager:
         registry: HandlerRegistry,
         channels: Callable[[str, bool], list[str]],
         on_new_actions: Callable[[], None] = lambda: None,
+        jobs: JobLookup | None = None,
     ) -> None:
         self._store = store
+        self._jobs = jobs
         self._safety = safety
         self._registry = registry
         self._channels = channels  # (severity, page) -> channel names
@@ -96,6 +109,9 @@ class IncidentManager:
         self._resolve_after: dict[int, Decision] = {}  # cleared while remediating
         # (rule, target key) -> the incident a correlated decision is attached to
         self._attached: dict[tuple[str, str], int] = {}
+        # (rule, target key) of decisions about an old attempt with no incident to note them
+        # on: ignored (logged once) until they clear
+        self._ignored: set[tuple[str, str]] = set()
         for inc in store.unresolved_incidents():
             self._open[(inc.rule, inc.target)] = (inc.id, inc.state)
             for entry in store.timeline(inc.id):
@@ -171,7 +187,7 @@ class IncidentManager:
 
     def _on_firing(self, d: Decision, *, now: float) -> tuple[int | None, bool]:
         key = (d.rule, d.target.key)
-        if key in self._open or key in self._attached:
+        if key in self._open or key in self._attached or key in self._ignored:
             return None, False
         host = self._covering(d)
         if host is not None:
@@ -196,6 +212,22 @@ class IncidentManager:
                     data={"value": _wire_value(d.value)},
                 )
             return None, False
+        hold: str | None = None
+        left = self._left_behind(d)
+        if left is not None:
+            host, why = left
+            if host is not None:
+                return None, self._attach(host, d, now=now, why=why)
+            if d.target.scope in ("rank", "job"):
+                self._ignored.add(key)
+                log.info(
+                    "event=decision_ignored rule=%s target=%s reason=%s",
+                    d.rule,
+                    d.target.key,
+                    why.replace(" ", "_"),
+                )
+                return None, False
+            hold = why  # a node an operator took out: tell people, remediate nothing
         node = d.target.node
         detail = {
             "value": _wire_value(d.value),
@@ -234,10 +266,11 @@ class IncidentManager:
                 data={"silence_id": silence.id},
             )
             return incident_id, False
-        return incident_id, self._plan(incident_id, d, now=now)
+        return incident_id, self._plan(incident_id, d, now=now, hold=hold)
 
-    def _plan(self, incident_id: int, d: Decision, *, now: float) -> bool:
-        """Write the incident's action plan (the intent rows) in one transaction."""
+    def _plan(self, incident_id: int, d: Decision, *, now: float, hold: str | None = None) -> bool:
+        """Write the incident's action plan (the intent rows) in one transaction. `hold`: why
+        no step but notifications may run (every other step is written skipped)."""
         rows: list[NewAction] = []
         notes: list[tuple[str, str, dict[str, Any]]] = []
         node = d.target.node
@@ -245,7 +278,9 @@ class IncidentManager:
         page_reason: str | None = None
         page_tag = ""
         disruptive = [k for k in d.actions if k in DISRUPTIVE_KINDS]
-        if disruptive and node is not None:
+        if hold is not None:
+            notes.append(("safety", hold, {"rule": d.rule, "node": node}))
+        elif disruptive and node is not None:
             breaker = self._safety.breaker(rule=d.rule, now=now)
             if breaker.open:
                 blocked = breaker.reason
@@ -293,7 +328,9 @@ class IncidentManager:
             if kind == "drain":
                 params["reason"] = f"incident {incident_id}: {d.summary or d.rule}"
             state, result = "pending", ""
-            if blocked is not None and kind in DISRUPTIVE_KINDS:
+            if hold is not None:
+                state, result = "skipped", f"skipped: {hold}"
+            elif blocked is not None and kind in DISRUPTIVE_KINDS:
                 state, result = "skipped", f"skipped: {blocked}"
             rows.append(
                 NewAction(
@@ -378,18 +415,89 @@ class IncidentManager:
                 return incident_id
         return None
 
-    def _attach(self, host_id: int, d: Decision, *, now: float) -> bool:
-        """Attach a correlated decision to the incident remediating its node or job; append a
-        drain when it wants its node out and the plan does not drain it. True if a step was
-        added."""
+    def _left_behind(self, d: Decision) -> tuple[int | None, str] | None:
+        """Is this decision about a node or a job attempt that a remediation already took out
+        of its job? (the incident to record it on or None, why); None when it is current.
+
+        A finished remediation no longer covers its job, yet its leftovers keep firing: the
+        dead node it swapped out goes node_silent, the old attempt's ranks go silent. Those
+        must not remediate the job again; a new fault on a node still in the job must."""
+        target = d.target
+        if target.scope in ("rank", "job"):
+            job = self._store.get_job(target.job) if target.job else None
+            if job is None or job.state not in _JOB_ACTIVE_STATES or job.attempt < 1:
+                return None
+            why = self._old_attempt(d, job)
+            return None if why is None else (self._attempt_incident(job), why)
+        node = target.node
+        if node is None:
+            return None
+        rec = self._store.get_node(node)
+        if rec is not None and rec.state in ("draining", "drained"):
+            drain = self._store.last_drain(node)
+            return (
+                drain.incident_id if drain is not None else None,
+                f"{node} is {rec.state}, out of every job already",
+            )
+        job = self._jobs.job_of_node(node) if self._jobs is not None else None
+        if (
+            job is not None
+            and job.state in _JOB_ACTIVE_STATES
+            and node not in job.nodes
+            and node not in job.attempt_nodes
+        ):
+            return (
+                self._attempt_incident(job),
+                f"{node} was taken out of job {job.name}, whose attempt {job.attempt} runs on"
+                f" {', '.join(job.attempt_nodes)}",
+            )
+        return None
+
+    def _old_attempt(self, d: Decision, job: JobRecord) -> str | None:
+        """Why a rank/job decision is about an attempt older than the job's current one."""
+        target = d.target
+        current = f"attempt {job.attempt} of job {job.name}"
+        if target.scope == "rank" and target.node is not None:
+            if job.attempt_nodes and target.node not in job.attempt_nodes:
+                return f"rank {target.rank} on {target.node} is not part of {current}"
+            began = self._store.action_by_key(job.attempt_key) if job.attempt_key else None
+            old_pids = (
+                set(self._store.action_output(began.id).get("old_pids", ()))
+                if began is not None
+                else set()
+            )
+            for node, rank in self._jobs.ranks(job.name) if self._jobs is not None else ():
+                if node == target.node and rank.rank == target.rank and rank.pid in old_pids:
+                    return f"rank {target.rank} (pid {rank.pid}) is a process of an earlier attempt"
+        started = job.attempt_started_at
+        if d.since is not None and started is not None and d.since < started:
+            return f"its condition began before {current} started"
+        return None
+
+    def _attempt_incident(self, job: JobRecord) -> int | None:
+        """The incident whose step began the job's current attempt (None: an operator's)."""
+        if not job.attempt_key:
+            return None
+        action = self._store.action_by_key(job.attempt_key)
+        return action.incident_id if action is not None else None
+
+    def _attach(self, host_id: int, d: Decision, *, now: float, why: str | None = None) -> bool:
+        """Attach a correlated decision to the incident remediating its node or job (or, with
+        `why`, to the incident whose finished remediation left that node or attempt behind);
+        append a drain when it wants its node out and the host never drained it. True if a
+        step was added."""
         self._attached[(d.rule, d.target.key)] = host_id
         node = d.target.node
         rows: list[NewAction] = []
+        reason = (
+            "part of this incident (its remediation is already under way)"
+            if why is None
+            else f"{why}; recorded on this incident, not remediated again"
+        )
         notes: list[tuple[str, str, dict[str, Any]]] = [
             (
                 "correlated",
-                f"{d.rule} fired on {d.target.describe()}: part of this incident (its"
-                " remediation is already under way)",
+                f"{d.rule} fired on {d.target.describe()}: {reason}",
                 {
                     "rule": d.rule,
                     "target": d.target.key,
@@ -402,6 +510,9 @@ class IncidentManager:
         actions = self._store.actions_for_incident(host_id)
         host = self._store.get_incident(host_id)
         drained = any(a.kind == "drain" and a.params.get("node") == node for a in actions)
+        if node is not None and why is not None:
+            rec = self._store.get_node(node)
+            drained = drained or rec is None or rec.state != "active"
         if wants_out and node is not None and not drained and (host is None or host.node != node):
             budget = self._safety.budget(now=now)
             state, result = "pending", ""
@@ -439,6 +550,7 @@ class IncidentManager:
     def _on_resolved(self, d: Decision, *, now: float) -> bool:
         if self._attached.pop((d.rule, d.target.key), None) is not None:
             return False
+        self._ignored.discard((d.rule, d.target.key))
         entry = self._open.get((d.rule, d.target.key))
         if entry is None:
             return False

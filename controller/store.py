@@ -942,6 +942,20 @@ class Store:
         rows = self._query("SELECT * FROM actions WHERE id = ?", (action_id,))
         return self._action(rows[0]) if rows else None
 
+    def action_by_key(self, idempotency_key: str) -> ActionView | None:
+        rows = self._query("SELECT * FROM actions WHERE idempotency_key = ?", (idempotency_key,))
+        return self._action(rows[0]) if rows else None
+
+    def last_drain(self, node: str) -> ActionView | None:
+        """The newest drain row of `node` that was not skipped or failed (an incident's or an
+        operator's)."""
+        rows = self._query(
+            "SELECT * FROM actions WHERE kind = 'drain' AND target = ?"
+            " AND state IN ('pending', 'running', 'succeeded') ORDER BY id DESC LIMIT 1",
+            (node,),
+        )
+        return self._action(rows[0]) if rows else None
+
     def action_output(self, action_id: int) -> dict[str, Any]:
         rows = self._query("SELECT output FROM actions WHERE id = ?", (action_id,))
         return json.loads(rows[0][0]) if rows else {}
