@@ -417,6 +417,7 @@ _FAST_TYPES: dict[str, tuple[type, ...]] = {
     "samples_per_s": _OPT_FLOAT,
     "tokens_per_s": _OPT_FLOAT,
     "step_time_s": _OPT_FLOAT,
+    "compute_time_s": _OPT_FLOAT,
     "phase": (str,),
     "ckpt_step": _OPT_INT,
     "ckpt_request_id": _OPT_STR,
@@ -427,7 +428,15 @@ _FAST_TYPES: dict[str, tuple[type, ...]] = {
 }
 _PHASES = frozenset(get_args(HeartbeatPhase))
 _REQUIRED = ("job", "rank", "step", "t")
-_FLOAT_FIELDS = ("t", "loss", "grad_norm", "samples_per_s", "tokens_per_s", "step_time_s")
+_FLOAT_FIELDS = (
+    "t",
+    "loss",
+    "grad_norm",
+    "samples_per_s",
+    "tokens_per_s",
+    "step_time_s",
+    "compute_time_s",
+)
 
 
 def _fast_decode(raw: bytes) -> Heartbeat | None:
@@ -481,6 +490,7 @@ def _rank_state(t: _Track, now_mono: float) -> RankState:
         samples_per_s=hb.samples_per_s,
         tokens_per_s=hb.tokens_per_s,
         step_time_s=hb.step_time_s,
+        compute_time_s=hb.compute_time_s,
         phase=hb.phase,
         heartbeat_age_s=max(0.0, now_mono - t.seen_mono),
         step_age_s=max(0.0, now_mono - t.step_changed_mono),

@@ -293,6 +293,11 @@ def _trainer_families(snap: AgentSnapshot, node: str) -> Iterator[Metric]:
             lambda r: r.step_time_s,
         ),
         (
+            "trainguard_trainer_compute_time_seconds",
+            "The rank's own work in the latest step, without waits in collectives.",
+            lambda r: r.compute_time_s,
+        ),
+        (
             "trainguard_trainer_heartbeat_age_seconds",
             "Since the rank's last heartbeat.",
             lambda r: r.heartbeat_age_s,

@@ -91,6 +91,8 @@ class Heartbeat:
     samples_per_s: float | None = None
     tokens_per_s: float | None = None
     step_time_s: float | None = None
+    # this rank's own work in the step (forward/backward; not waits in collectives), seconds
+    compute_time_s: float | None = None
     phase: HeartbeatPhase = "train"
     ckpt_step: int | None = None  # newest committed checkpoint step
     ckpt_request_id: str | None = None  # newest proactive request that committed
@@ -132,6 +134,7 @@ class RankState:
     samples_per_s: float | None = None
     tokens_per_s: float | None = None
     step_time_s: float | None = None
+    compute_time_s: float | None = None
     phase: str = "train"
     heartbeat_age_s: float = 0.0  # agent clock: now - last heartbeat received
     step_age_s: float = 0.0  # agent clock: now - when `step` last changed

@@ -191,6 +191,7 @@ _RANK_DOCS: dict[str, str] = {
     "samples_per_s": "rank throughput, samples/s",
     "tokens_per_s": "rank throughput, tokens/s",
     "step_time_s": "duration of the latest step, s",
+    "compute_time_s": "the rank's own work in the latest step (no collective waits), s",
     "heartbeat_age_s": "s since the rank's last heartbeat, plus the age of the node's report",
     "step_age_s": "s since the rank's step last changed, plus the age of the node's report",
     "ckpt_step": "newest committed checkpoint step",

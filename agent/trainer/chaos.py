@@ -2,7 +2,11 @@
 
 Off unless the env var is set. Grammar (comma-separated rules, each optionally scoped):
 
-    slow=0.2@rank1          this rank sleeps an extra 20 % of its measured step time, every step
+    slow=0.2@rank1          this rank sleeps an extra 20 % of its measured work, every step
+                            (of the time in `Trainguard.compute()` blocks when the loop uses
+                            them, else of its step time)
+    slow=0.5@step10:rank1   the same from step 10 on (in the first attempt only, like every
+                            step-scoped rule: the replacement node is not slow)
     hang@step30:rank2       rank 2 blocks forever at step 30 (a stuck collective, a dead GPU)
     raise@step25            every rank raises ChaosError at step 25
     nan@step17:rank0        the loss at step 17 is NaN and the model's first float parameter
@@ -13,7 +17,7 @@ Off unless the env var is set. Grammar (comma-separated rules, each optionally s
 A scope is `@stepK`, `@rankR`, `@stepK:rankR` (or `:rankR` after a step). Each step-scoped
 rule fires once per process, and only in the job's first attempt (`TRAINGUARD_ATTEMPT` unset
 or 1): the restart a fault triggers inherits the same env and resumes before step K, and
-firing again there would turn one injected fault into a crash loop. `slow` (not step-scoped)
+firing again there would turn one injected fault into a crash loop. `slow` without a step
 holds in every attempt. A bad spec raises ChaosSpecError at start, naming the rule.
 """
 
@@ -46,14 +50,16 @@ class ChaosError(RuntimeError):
 @dataclass(frozen=True)
 class ChaosRule:
     kind: ChaosKind
-    step: int | None = None  # None: every step (only for `slow`)
+    step: int | None = None  # `slow`: from this step on (None: every step); others: at it
     rank: int | None = None  # None: every rank
-    fraction: float = 0.0  # `slow`: extra sleep as a fraction of the measured step time
+    fraction: float = 0.0  # `slow`: extra sleep as a fraction of the measured work
 
     def applies(self, *, step: int, rank: int) -> bool:
         if self.rank is not None and self.rank != rank:
             return False
-        return self.step is None or self.step == step
+        if self.step is None:
+            return True
+        return step >= self.step if self.kind == "slow" else step == self.step
 
 
 def parse_chaos(spec: str) -> tuple[ChaosRule, ...]:

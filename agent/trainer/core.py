@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -246,6 +246,15 @@ class Trainguard:
         self._agree_cost_s = 0.0
         self._last_step = 0
         self._chaos_sleep_s = 0.0
+        # compute(): wall seconds of this step's blocks (CPU), or per step the CUDA event pairs
+        # not yet read (the GPU may still be running them) plus the host-side chaos sleeps
+        self._compute_s: float | None = None
+        self._compute_used = False
+        self._compute_cuda: bool | None = None
+        self._compute_events: list[tuple[Any, Any]] = []
+        self._compute_extra_s = 0.0
+        self._compute_pending: deque[tuple[list[tuple[Any, Any]], float]] = deque()
+        self._compute_last_s: float | None = None
         self._sigterm_at: float | None = None
         self._hard_exit_timer: threading.Timer | None = None
         self._closed = False
@@ -303,6 +312,7 @@ class Trainguard:
         now = self.clock.monotonic()
         step_time_s = None if self._last_mono is None else now - self._last_mono
         self._chaos(step, step_time_s)
+        compute_time_s = self._take_compute_time()
         loss_v = _as_float(loss)
         grad_v = _as_float(grad_norm)
         if self._chaos_fires("nan", step):
@@ -341,6 +351,7 @@ class Trainguard:
             loss=loss_v,
             grad_norm=grad_v,
             step_time_s=step_time_s,
+            compute_time_s=compute_time_s,
             samples=samples,
             tokens=tokens,
         )
@@ -349,6 +360,37 @@ class Trainguard:
         if not self._snapshot_prepared:
             self._prepare_snapshot()
         return action
+
+    @contextlib.contextmanager
+    def compute(self) -> Iterator[None]:
+        """Wrap this rank's own work of a step: forward and backward, but not the waits in
+        collectives (the gradient all-reduce). Blocks of one step add up (e.g. gradient
+        accumulation). The sum is sent as `compute_time_s` with the next `step()`: in a
+        synchronous job every rank's step time equals the slowest rank's, so only this time
+        tells which rank is the straggler. On CUDA it is measured with CUDA events (no
+        synchronisation; a step whose kernels are still running is reported when they are
+        done). With DistributedDataParallel the backward pass contains the gradient
+        all-reduce: wrap the forward pass and the loss only."""
+        cuda = self._compute_cuda
+        if cuda is None:
+            cuda = self._compute_cuda = any(p.is_cuda for p in self.model.parameters())
+        self._compute_used = True
+        start = end = None
+        if cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = self.clock.monotonic()
+        yield
+        slept_s = (self.clock.monotonic() - t0) * self._chaos_slow_fraction()
+        if slept_s:
+            self.clock.sleep(slept_s)
+        if cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._compute_events.append((start, end))
+            self._compute_extra_s += slept_s  # the GPU did not see the host's sleep
+        else:
+            self._compute_s = (self._compute_s or 0.0) + self.clock.monotonic() - t0
 
     def save(self, step: int, *, wait: bool = False) -> bool:
         """Checkpoint the state after `step` now (every rank must call it at the same step).
@@ -818,6 +860,7 @@ class Trainguard:
         loss: float | None = None,
         grad_norm: float | None = None,
         step_time_s: float | None = None,
+        compute_time_s: float | None = None,
         samples: int | None = None,
         tokens: int | None = None,
     ) -> None:
@@ -835,6 +878,7 @@ class Trainguard:
             "samples_per_s": samples / step_time_s if rate_ok and samples else None,  # type: ignore[operator]
             "tokens_per_s": tokens / step_time_s if rate_ok and tokens else None,  # type: ignore[operator]
             "step_time_s": step_time_s,
+            "compute_time_s": compute_time_s,
             "phase": phase,
             "ckpt_step": self.ckpt_step,
             "ckpt_request_id": self.ckpt_request_id,
@@ -891,11 +935,38 @@ class Trainguard:
             log.error("event=chaos_hang job=%s rank=%d step=%d", self.job, self.rank, step)
             while True:
                 time.sleep(3600)
+        if self._compute_used:
+            return  # compute() applies the slowdown to this rank's own work
         for rule in self.chaos:
             if rule.kind == "slow" and rule.applies(step=step, rank=self.rank) and step_time_s:
                 work_s = max(0.0, step_time_s - self._chaos_sleep_s)
                 self._chaos_sleep_s = work_s * rule.fraction
                 self.clock.sleep(self._chaos_sleep_s)
+
+    def _chaos_slow_fraction(self) -> float:
+        step = self._last_step + 1  # the step being computed
+        return sum(
+            r.fraction
+            for r in self.chaos
+            if r.kind == "slow" and r.applies(step=step, rank=self.rank)
+        )
+
+    def _take_compute_time(self) -> float | None:
+        """This step's compute() time (None if it used none); on CUDA the newest step whose
+        events have completed, without waiting for the GPU."""
+        if not self._compute_cuda:
+            took, self._compute_s = self._compute_s, None
+            return took
+        if self._compute_events:
+            self._compute_pending.append((self._compute_events, self._compute_extra_s))
+            self._compute_events, self._compute_extra_s = [], 0.0
+        while self._compute_pending and all(e.query() for _, e in self._compute_pending[0][0]):
+            pairs, extra_s = self._compute_pending.popleft()
+            self._compute_last_s = extra_s + sum(a.elapsed_time(b) for a, b in pairs) / 1000.0
+        if len(self._compute_pending) > 8:  # a GPU far behind: never hold events unbounded
+            self._compute_pending.popleft()
+        took, self._compute_last_s = self._compute_last_s, None
+        return took
 
     def _poison_model(self) -> None:
         with torch.no_grad():

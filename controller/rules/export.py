@@ -173,6 +173,7 @@ def _table() -> dict[tuple[str, str], PromSignal]:
         ("samples_per_s", "trainguard_trainer_samples_per_second"),
         ("tokens_per_s", "trainguard_trainer_tokens_per_second"),
         ("step_time_s", "trainguard_trainer_step_time_seconds"),
+        ("compute_time_s", "trainguard_trainer_compute_time_seconds"),
         ("heartbeat_age_s", "trainguard_trainer_heartbeat_age_seconds"),
         ("step_age_s", "trainguard_trainer_step_age_seconds"),
         ("ckpt_step", "trainguard_trainer_checkpoint_step"),

@@ -1,9 +1,9 @@
-"""Chaos on a real local cluster (controller, six sim agents, torchrun jobs): a killed rank, a
-dead node, XID 79, kill -9 of the controller in the middle of a remediation, NaN at step K,
-a corrupt newest checkpoint, and a stopped (stalled) rank. Each scenario runs a fresh job on
-the node set the previous one left, injects its fault, and ends with the job trained to its
-last step, every loss equal to an uninterrupted run's, one incident with one restart and a
-complete timeline (tests/e2e/chaos.py)."""
+"""Chaos on a real local cluster (controller, seven sim agents, torchrun jobs): a killed rank,
+a dead node, XID 79, kill -9 of the controller in the middle of a remediation, NaN at step K,
+a corrupt newest checkpoint, a stopped (stalled) rank and a slow rank (a straggler). Each
+scenario runs a fresh job on the node set the previous one left, injects its fault, and ends
+with the job trained to its last step, every loss equal to an uninterrupted run's, one
+incident with one restart and a complete timeline (tests/e2e/chaos.py)."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def write_rules(path: Path, overrides: dict[str, dict[str, Any]]) -> None:
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     config = ClusterConfig(
         active=("node-1", "node-2", "node-3"),
-        spares=("spare-1", "spare-2", "spare-3"),
+        spares=("spare-1", "spare-2", "spare-3", "spare-4"),
         safety={"drain_budget": 100, "breaker_threshold": 100},
         jobs={
             "checkpoint_timeout_s": 5,
@@ -292,3 +292,33 @@ def test_a_stopped_rank_stalls_the_job_and_gets_stacks_collected_and_a_restart(
     kinds = [a["kind"] for a in detail["actions"]]
     assert "drain" not in kinds, kinds
     world.after("stall")
+
+
+def test_a_slow_rank_is_told_by_its_compute_time_and_its_node_replaced(world: World) -> None:
+    # Every rank's step time is the slowest rank's (they wait for it at the all-reduce); only
+    # the compute time the trainer measures in Trainguard.compute() singles the slow one out.
+    # The slowdown holds from FAULT_STEP on in the first attempt only: a slow node, cured by
+    # its replacement. `for: 3s` instead of the shipped minute keeps the test short.
+    c = world.cluster
+    spec = job_spec(
+        c, "straggler", world.nodes, env={"TRAINGUARD_CHAOS": f"slow=1.0@step{FAULT_STEP}:rank1"}
+    )
+    with world.tuned_rules({"straggler": {"for": "3s"}}):
+        run_until_step(c, spec, FAULT_STEP)
+        since = now()
+        slow = next(r for r in c.rank_procs("straggler") if r.rank == 1)
+        detail = check_recovery(
+            c,
+            "straggler",
+            world.reference,
+            since=since,
+            fault_step=FAULT_STEP,
+            rules={"straggler"},
+            steps=["checkpoint", "drain", "replace", "restart"],
+        )
+    incident = detail["incident"]
+    assert (incident["target"], incident["node"]) == ("rank:straggler:1", slow.node), incident
+    nodes = c.job("straggler")["nodes"]
+    assert slow.node not in nodes and len(nodes) == 3
+    assert c.node(slow.node)["state"] == "drained"
+    world.after("straggler")

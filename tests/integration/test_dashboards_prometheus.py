@@ -98,7 +98,8 @@ def free_port() -> int:
 
 
 class TrainerSender:
-    """Three ranks of one job, 5 steps/s each; rank 2 is 50% slower (a straggler); every
+    """Three ranks of one job in step (a synchronous job: equal step times); rank 2 computes
+    50% longer (a straggler) and the others wait for it at the all-reduce; every
     5th step commits a checkpoint (event + level ckpt_step), like agent/trainer does."""
 
     def __init__(self, socket_path: Path) -> None:
@@ -129,7 +130,8 @@ class TrainerSender:
                         grad_norm=1.0 + 0.1 * rank,
                         samples_per_s=320.0 if rank < 2 else 213.0,
                         tokens_per_s=655_360.0 if rank < 2 else 436_000.0,
-                        step_time_s=0.10 if rank < 2 else 0.15,
+                        step_time_s=0.15,
+                        compute_time_s=0.08 if rank < 2 else 0.12,
                         ckpt_step=ckpt,
                         event="checkpoint_committed" if committed else None,
                         event_data={"step": step, "duration_s": 0.4 + 0.1 * rank}
@@ -491,8 +493,8 @@ def test_panel_values_reflect_the_injected_faults_and_the_job(stack: Stack) -> N
     assert scalar(cluster, "Hot spares available") == 1
     assert by("pool", cluster, "Spares left per pool") == {"default": 0, "h100": 1}
     assert scalar(cluster, "Open critical incidents") >= 1
-    # rank 2 steps 50% slower than the median of the three
-    score = by("rank", "training-job", "Straggler score (step time / job median)")
+    # rank 2 computes 50% longer than the median of the three
+    score = by("rank", "training-job", "Straggler score (compute time / job median)")
     assert score == {"0": 1.0, "1": 1.0, "2": pytest.approx(1.5)}
     durations = by("rank", "training-job", "Checkpoint save duration")
     assert durations == {"0": pytest.approx(0.4), "1": pytest.approx(0.5), "2": pytest.approx(0.6)}

@@ -36,7 +36,10 @@ HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
 # (dashboard, panel title) -> (rule, signal): the panel's alarm threshold is the rule's
 THRESHOLD_TIES = {
-    ("training-job", "Straggler score (step time / job median)"): ("straggler", "step_time_s"),
+    ("training-job", "Straggler score (compute time / job median)"): (
+        "straggler",
+        "compute_time_s",
+    ),
     ("training-job", "Heartbeat age"): ("rank_silent", "heartbeat_age_s"),
     ("training-job", "Step age"): ("training_stall", "step_age_s"),
     ("training-job", "Job throughput vs 15 min peak"): ("throughput_drop", "samples_per_s"),
@@ -146,7 +149,7 @@ def test_every_panel_has_a_unit_and_a_unique_id_and_fits_the_grid(name: str) -> 
         ("node-detail", "Memory used", "bytes"),
         ("node-detail", "SM clock", "hertz"),
         ("node-detail", "IB throughput", "Bps"),
-        ("training-job", "Step time per rank", "s"),
+        ("training-job", "Step and compute time per rank", "s"),
         ("training-job", "Checkpoint save duration", "s"),
         ("cluster-overview", "ETTR by job", "percentunit"),
     ],
@@ -437,7 +440,7 @@ def test_guide_only_thresholds_become_ties_once_a_rule_reads_the_signal(
 
 def test_threshold_extraction_reads_the_numbers_it_claims() -> None:
     rule = default_rules()["straggler"]
-    assert constants_for(rule.condition.ast, "step_time_s") == [pytest.approx(1.10)]
+    assert constants_for(rule.condition.ast, "compute_time_s") == [pytest.approx(1.10)]
     assert constants_for(default_rules()["rank_silent"].condition.ast, "heartbeat_age_s") == [30]
 
 

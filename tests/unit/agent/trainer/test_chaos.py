@@ -69,6 +69,14 @@ def test_rule_scope_matches_step_and_rank() -> None:
     assert ChaosRule(kind="slow", fraction=0.2).applies(step=7, rank=5)
 
 
+def test_a_step_scoped_slowdown_holds_from_that_step_on() -> None:
+    rule = parse_chaos("slow=0.5@step10:rank1")[0]
+    assert rule == ChaosRule(kind="slow", step=10, rank=1, fraction=0.5)
+    assert [s for s in (9, 10, 11, 50) if rule.applies(step=s, rank=1)] == [10, 11, 50]
+    assert not rule.applies(step=11, rank=0)
+    assert for_attempt((rule,), "2") == ()
+
+
 @pytest.mark.parametrize(
     ("attempt", "kinds"),
     [

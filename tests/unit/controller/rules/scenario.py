@@ -49,6 +49,7 @@ class SimRank:
     step: int = 100
     loss: float | None = 2.5
     step_time_s: float | None = 0.5
+    compute_time_s: float | None = 0.4
     samples_per_s: float | None = 64.0
     heartbeat_age_s: float = 0.2
     step_age_s: float = 0.2
@@ -62,6 +63,7 @@ class SimRank:
             step=self.step,
             loss=self.loss,
             step_time_s=self.step_time_s,
+            compute_time_s=self.compute_time_s,
             samples_per_s=self.samples_per_s,
             heartbeat_age_s=self.heartbeat_age_s,
             step_age_s=self.step_age_s,

@@ -225,9 +225,10 @@ CASES = [
     ),
     Case(
         "straggler",
-        _ranks("job-a", [3], step_time_s=0.6),  # 20% over the 0.5 s median
+        # 20% over the 0.4 s median in compute; step times stay equal, as in a synchronous job
+        _ranks("job-a", [3], compute_time_s=0.48),
         "rank:job-a:3",
-        _ranks("job-a", [3], step_time_s=0.5),
+        _ranks("job-a", [3], compute_time_s=0.4),
     ),
     Case(
         "nan_loss",
@@ -336,8 +337,22 @@ def test_straggler_needs_three_ranks_to_compare() -> None:
     c = Cluster(DEFAULT_RULES)
     c.add(make_node("n1"))
     c.add_job("small", nodes=["n1"], ranks_per_node=2)
-    c.rank("small", 1).step_time_s = 2.0
+    c.rank("small", 1).compute_time_s = 2.0
     c.run(90)
+    assert "straggler" not in c.rules_seen()
+
+
+def test_a_straggler_is_told_by_compute_time_not_by_the_shared_step_time() -> None:
+    """In a synchronous job every rank waits for the slowest at the all-reduce: equal step
+    times, one slow compute time. A rank whose step alone is long (it waited) is no
+    straggler; ranks that send no compute time are not compared."""
+    c = healthy_cluster()
+    _ranks("job-a", [2], step_time_s=0.9)(c)
+    c.run(120)
+    assert "straggler" not in c.rules_seen()
+    _ranks("job-a", compute_time_s=None)(c)
+    _ranks("job-a", [2], compute_time_s=2.0)(c)
+    c.run(120)
     assert "straggler" not in c.rules_seen()
 
 
