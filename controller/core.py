@@ -216,6 +216,7 @@ class Controller:
             config=config.actions,
             listener=self.incidents,
             counter=self.metrics,
+            gate=lambda action, now: self.incidents.notification_gate(action, now=now),
         )
         self._started_at = clock.now()
         self._reported: set[str] = set()  # nodes that reported since this process started
@@ -950,19 +951,27 @@ class Controller:
             expires_at=now + duration_s,
             comment=comment,
         )
+        touched = self.incidents.apply_silence(silence, now=now)
         self.store.audit(
             ts=now,
             actor=actor,
             action="create_silence",
             target=f"silence:{silence.id}",
-            detail={"rule": rule, "node": node, "duration_s": duration_s, "comment": comment},
+            detail={
+                "rule": rule,
+                "node": node,
+                "duration_s": duration_s,
+                "comment": comment,
+                "open_incidents": touched,
+            },
         )
         log.info(
-            "event=silence_created silence=%d rule=%s node=%s actor=%s",
+            "event=silence_created silence=%d rule=%s node=%s actor=%s open_incidents=%d",
             silence.id,
             rule,
             node,
             actor,
+            len(touched),
         )
         return silence
 

@@ -30,10 +30,11 @@ from typing import Any, Protocol
 
 from agent.protocol import RankState
 from controller.actions.base import DISRUPTIVE_KINDS, ActionHandler, HandlerRegistry
+from controller.actions.worker import step_label
 from controller.model import Decision
-from controller.safety import Safety
+from controller.safety import Safety, silence_matches
 from controller.store import JobRecord, NewAction, Store
-from controller.views import ActionView, IncidentState, IncidentView
+from controller.views import ActionView, IncidentState, IncidentView, SilenceView
 
 log = logging.getLogger("trainguard.controller.incidents")
 
@@ -68,6 +69,10 @@ class JobLookup(Protocol):
     def job_of_node(self, node: str) -> JobRecord | None: ...
 
     def ranks(self, job: str) -> list[tuple[str, RankState]]: ...
+
+
+def _is_trigger(action: ActionView) -> bool:
+    return action.params.get("event", "trigger") == "trigger"
 
 
 class InvalidTransition(ValueError):
@@ -624,6 +629,86 @@ class IncidentManager:
         ]
         self._store.add_actions(incident_id, rows, ts=now)
         return True
+
+    # --- silences -----------------------------------------------------------------------------
+
+    def apply_silence(self, silence: SilenceView, *, now: float) -> list[int]:
+        """A silence created while matching incidents are open: their pending notifications
+        are skipped ("suppressed by silence N"); their remediation goes on (a restart stopped
+        half-way leaves the job down, which is worse than finishing it). An open incident
+        with no remediation step left goes `suppressed`. Returns the incidents it touched."""
+        touched: list[int] = []
+        with self._lock:
+            for incident_id, state in sorted(self._open.values()):
+                if state == "suppressed":
+                    continue
+                incident = self._store.get_incident(incident_id)
+                if incident is None or not silence_matches(
+                    silence, rule=incident.rule, node=incident.node, now=now
+                ):
+                    continue
+                touched.append(incident_id)
+                why = f"suppressed by silence {silence.id}"
+                actions = self._store.actions_for_incident(incident_id)
+                skipped = 0
+                for a in actions:
+                    if a.kind == "notify" and a.state == "pending" and _is_trigger(a):
+                        skipped += 1
+                        self._store.update_action(
+                            a.id,
+                            state="skipped",
+                            ts=now,
+                            result=f"skipped: {why}",
+                            timeline=(
+                                incident_id,
+                                "action_skipped",
+                                f"{step_label(a)} skipped: {why}",
+                                {"action_id": a.id, "silence_id": silence.id},
+                            ),
+                        )
+                remediating = self._remediating(incident_id)
+                self._store.add_timeline(
+                    incident_id,
+                    ts=now,
+                    kind="silenced",
+                    message=(
+                        f"{why} ({silence.comment or 'no comment'}): {skipped} pending"
+                        " notification(s) skipped"
+                        + (
+                            "; the remediation in progress continues"
+                            if remediating
+                            else "; no remediation in progress"
+                        )
+                    ),
+                    data={"silence_id": silence.id, "skipped": skipped},
+                )
+                log.info(
+                    "event=incident_silenced incident=%d silence=%d skipped=%d remediating=%s",
+                    incident_id,
+                    silence.id,
+                    skipped,
+                    remediating,
+                )
+                if state == "open" and not remediating:
+                    self.transition(
+                        incident_id,
+                        "suppressed",
+                        now=now,
+                        message=f"{why}; no actions",
+                        data={"silence_id": silence.id},
+                    )
+        return touched
+
+    def notification_gate(self, action: ActionView, *, now: float) -> str | None:
+        """Why a notification step must not run now (a silence matches its incident), else
+        None. Resolves still go out: they close what the channel was already told."""
+        if action.kind != "notify" or action.incident_id is None or not _is_trigger(action):
+            return None
+        incident = self._store.get_incident(action.incident_id)
+        if incident is None:
+            return None
+        silence = self._safety.silence_for(rule=incident.rule, node=incident.node, now=now)
+        return None if silence is None else f"suppressed by silence {silence.id}"
 
     # --- action progress (ActionListener) -----------------------------------------------------
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Protocol
 
 from controller.actions.base import (
@@ -51,6 +52,11 @@ class ActionCounter(Protocol):
     def count(self, kind: str, result: str) -> None: ...
 
 
+# Why a step must not run now (it is then skipped with that reason), or None: the incident
+# layer's silence check for notifications.
+ActionGate = Callable[[ActionView, float], "str | None"]
+
+
 class ActionRunner:
     def __init__(
         self,
@@ -60,8 +66,10 @@ class ActionRunner:
         config: ActionsConfig,
         listener: ActionListener | None = None,
         counter: ActionCounter | None = None,
+        gate: ActionGate | None = None,
     ) -> None:
         self._store = store
+        self._gate = gate
         self._registry = registry
         self._config = config
         self.listener = listener
@@ -212,6 +220,10 @@ class ActionRunner:
     def _execute(self, action: ActionView, *, now: float) -> None:
         handler = self._registry.get(action.kind)
         first = action.state == "pending"
+        why = self._gate(action, now) if first and self._gate is not None else None
+        if why is not None:
+            self._finish(action, state="skipped", message=f"skipped: {why}", now=now, output=None)
+            return
         attempt = action.attempts + (1 if first else 0)
         incident_id = action.incident_id
         if first:
@@ -357,9 +369,14 @@ class ActionRunner:
 
     @staticmethod
     def _label(action: ActionView) -> str:
-        channel = action.params.get("channel")
-        suffix = f" ({channel})" if channel else ""
-        return f"step {action.kind}{suffix} #{action.id}"
+        return step_label(action)
 
 
-__all__ = ["ActionCounter", "ActionListener", "ActionRunner"]
+def step_label(action: ActionView) -> str:
+    """How the timeline names a step: "step notify (slack) #12", "step drain #13"."""
+    channel = action.params.get("channel")
+    suffix = f" ({channel})" if channel else ""
+    return f"step {action.kind}{suffix} #{action.id}"
+
+
+__all__ = ["ActionCounter", "ActionGate", "ActionListener", "ActionRunner", "step_label"]
