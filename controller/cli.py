@@ -222,6 +222,11 @@ def _describe(out: IO[str], obj: dict[str, Any], now: float, indent: str = "") -
             for item in value:
                 out.write(f"{indent}  -\n")
                 _describe(out, item, now, indent + "    ")
+        elif isinstance(value, str) and "\n" in value:
+            # multi-line text (collected stacks): a block, each line indented under its key
+            out.write(f"{indent}{key}: |\n")
+            for line in value.splitlines():
+                out.write(f"{indent}  {line}\n")
         elif key.endswith("_at") or key == "ts":
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(value))
             out.write(f"{label}{when} ({_ago(now, value)} ago)\n")

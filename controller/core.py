@@ -51,7 +51,15 @@ from controller.jobs import JobManager, JobSpec
 from controller.metrics import DEFAULT_SPARE_POOL, ControllerMetrics
 from controller.model import Decision, Target
 from controller.safety import Safety
-from controller.store import CommandRecord, FreshNode, NewAction, NodeRecord, Store, StoreError
+from controller.store import (
+    CommandRecord,
+    CommandResultRow,
+    FreshNode,
+    NewAction,
+    NodeRecord,
+    Store,
+    StoreError,
+)
 from controller.views import (
     ActionView,
     AuditEntry,
@@ -66,6 +74,8 @@ from controller.views import (
 log = logging.getLogger("trainguard.controller")
 
 _RUNNING_JOB_STATES = ("starting", "running", "stopping")
+# command_result fields the commands table has columns for; the rest is the result's data
+_RESULT_FIELDS = frozenset({"command_id", "kind", "ok", "message"})
 _DEFERRED_BATCH = 64  # queued SignalState changes applied per lock hold after a tick
 
 
@@ -575,13 +585,18 @@ class Controller:
         return hwm
 
     def _store_events(self, node: str, instance: str, events: Sequence[Any]) -> None:
-        results: list[tuple[str, bool, str]] = []
+        results: list[CommandResultRow] = []
         for e in events:
             if e.kind == "command_result":
                 command_id = e.data.get("command_id")
                 if isinstance(command_id, str):
                     results.append(
-                        (command_id, bool(e.data.get("ok", False)), str(e.data.get("message", "")))
+                        CommandResultRow(
+                            command_id=command_id,
+                            ok=bool(e.data.get("ok", False)),
+                            message=str(e.data.get("message", "")),
+                            data={k: v for k, v in e.data.items() if k not in _RESULT_FIELDS},
+                        )
                     )
         self.store.insert_events(
             node,
@@ -593,9 +608,9 @@ class Controller:
             self.metrics.events_total.labels(kind=e.kind).inc()
         self.jobs.note_events(node, events, now=self.clock.now())
         if results:
-            self._drop_pending(node, {cid for cid, _, _ in results})
-            for cid, ok, _ in results:
-                log.info("event=command_done command=%s node=%s ok=%s", cid, node, ok)
+            self._drop_pending(node, {r.command_id for r in results})
+            for r in results:
+                log.info("event=command_done command=%s node=%s ok=%s", r.command_id, node, r.ok)
             self._wake.set()  # a drain may be waiting on this result
 
     def _note_jobs(self, node: str, report: Report) -> None:

@@ -198,8 +198,17 @@ def _migration_2(c: sqlite3.Connection) -> None:
     )
 
 
+def _migration_3(c: sqlite3.Connection) -> None:
+    """What a command's result carried beyond its message (collect_stacks: the stack text)."""
+    _run_script(c, "ALTER TABLE commands ADD COLUMN data TEXT NOT NULL DEFAULT '{}'")
+
+
 # Migration N (index N-1) takes a database at version N-1 to version N. Append only.
-MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_migration_1, _migration_2)
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
+    _migration_1,
+    _migration_2,
+    _migration_3,
+)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 TERMINAL_ACTION_STATES = ("succeeded", "failed", "skipped")
@@ -266,6 +275,17 @@ class CommandRecord:
     done_at: float | None = None
     ok: bool | None = None
     result: str = ""
+    data: dict[str, Any] = field(default_factory=dict)  # the result's data beyond the message
+
+
+@dataclass(frozen=True)
+class CommandResultRow:
+    """A `command_result` event as the commands table keeps it."""
+
+    command_id: str
+    ok: bool
+    message: str
+    data: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -635,7 +655,7 @@ class Store:
         instance: str,
         events: Sequence[tuple[int, str, float, dict[str, Any]]],
         *,
-        command_results: Sequence[tuple[str, bool, str]] = (),
+        command_results: Sequence[CommandResultRow] = (),
     ) -> None:
         """Store (event_id, kind, ts, body) rows (duplicates ignored) and complete commands
         named by `command_result` events, in one transaction."""
@@ -650,9 +670,12 @@ class Store:
                 ],
             )
             c.executemany(
-                "UPDATE commands SET done_at = ?, ok = ?, result = ?"
+                "UPDATE commands SET done_at = ?, ok = ?, result = ?, data = ?"
                 " WHERE id = ? AND node = ? AND done_at IS NULL",
-                [(now, int(ok), msg, cid, node) for cid, ok, msg in command_results],
+                [
+                    (now, int(r.ok), r.message, _json(r.data), r.command_id, node)
+                    for r in command_results
+                ],
             )
 
     def count_events(self, node: str) -> int:
@@ -672,6 +695,7 @@ class Store:
             done_at=row["done_at"],
             ok=None if row["ok"] is None else bool(row["ok"]),
             result=row["result"],
+            data=json.loads(row["data"]),
         )
 
     def add_command(self, command_id: str, *, node: str, kind: str, args: dict[str, Any]) -> bool:

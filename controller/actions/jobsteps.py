@@ -16,7 +16,7 @@ from typing import Any
 
 from controller.actions.base import ActionContext, Outcome, PermanentError
 from controller.jobs import RESUME_SKIP_ENV, JobManager, JobSpec, shrink_plan
-from controller.store import JobRecord
+from controller.store import CommandRecord, JobRecord
 
 log = logging.getLogger("trainguard.controller.jobsteps")
 
@@ -645,14 +645,27 @@ class StopHandler:
         return Outcome(message=f"job {job.name} stopped{late}", output=progress)
 
 
+def bounded_text(text: str, *, limit_chars: int, where: str = "") -> str:
+    """`text` cut to `limit_chars` (the head: rank 0 first, the most recent call first), with a
+    marker saying how much was cut and where the whole text is."""
+    if len(text) <= limit_chars:
+        return text
+    cut = len(text) - limit_chars
+    tail = f"; the whole dump is in {where}" if where else ""
+    return f"{text[:limit_chars]}\n[... {cut} chars cut{tail} ...]"
+
+
 @dataclass
 class CollectStacksHandler:
     """`collect_stacks`: ask each reporting node of the job for its ranks' Python stacks and
-    keep what comes back (bounded) in the output; never fails the plan (diagnosis only)."""
+    keep what comes back in the output and in the step's timeline entry (`stacks`: node ->
+    text, bounded per node and in total, cut with a marker); never fails the plan
+    (diagnosis only)."""
 
     jobs: JobManager
     poll_interval_s: float = 0.5
-    max_chars: int = 4000
+    max_chars: int = 8000  # per node
+    max_total_chars: int = 64000  # over every node: a timeline entry must stay small
     kind: str = "collect_stacks"
     remediation: bool = True
 
@@ -674,12 +687,12 @@ class CollectStacksHandler:
                     command_id=f"stacks-{ctx.action.idempotency_key}-{node}",
                 )
             progress = {"sent_at": ctx.now, "nodes": nodes, "job": job.name}
-        results: dict[str, str] = {}
+        done: dict[str, CommandRecord] = {}
         for node in progress["nodes"]:
             cmd = self.jobs.nodes.command_status(f"stacks-{ctx.action.idempotency_key}-{node}")
             if cmd is not None and cmd.done_at is not None:
-                results[node] = ("" if cmd.ok else "failed: ") + cmd.result[: self.max_chars]
-        missing = [n for n in progress["nodes"] if n not in results]
+                done[node] = cmd
+        missing = [n for n in progress["nodes"] if n not in done]
         timeout_s = self.jobs.config.stacks_timeout_s
         if missing and ctx.now - float(progress["sent_at"]) < timeout_s:
             return Outcome(
@@ -688,10 +701,24 @@ class CollectStacksHandler:
                 done=False,
                 poll_after_s=self.poll_interval_s,
             )
+        per_node = min(self.max_chars, self.max_total_chars // max(1, len(done)))
+        stacks: dict[str, str] = {}
+        summary: dict[str, str] = {}
+        for node, cmd in done.items():
+            text = cmd.data.get("stacks")
+            where = cmd.data.get("log_path")
+            summary[node] = ("" if cmd.ok else "failed: ") + cmd.result[:500]
+            if isinstance(text, str) and text:
+                stacks[node] = bounded_text(
+                    text,
+                    limit_chars=per_node,
+                    where=f"{node}:{where}" if isinstance(where, str) else "",
+                )
         late = f"; no answer from {', '.join(missing)}" if missing else ""
+        got = sum(1 for n in done if n in stacks)
         return Outcome(
-            message=f"stacks from {len(results)} of {len(progress['nodes'])} node(s){late}",
-            output={**progress, "stacks": results},
+            message=f"stacks from {got} of {len(progress['nodes'])} node(s){late}",
+            output={**progress, "stacks": stacks, "results": summary},
         )
 
 
@@ -711,6 +738,7 @@ def job_handlers(
 
 __all__ = [
     "CheckpointHandler",
+    "bounded_text",
     "CollectStacksHandler",
     "ReplaceHandler",
     "RestartHandler",

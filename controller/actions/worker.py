@@ -52,6 +52,11 @@ class ActionCounter(Protocol):
     def count(self, kind: str, result: str) -> None: ...
 
 
+# Output keys copied into a step's final timeline entry: what a person reading the incident
+# needs and would otherwise not see (the API and `agentctl describe incident` show the
+# timeline, not action outputs). Handlers keep them bounded.
+TIMELINE_OUTPUT_KEYS = ("stacks",)
+
 # Why a step must not run now (it is then skipped with that reason), or None: the incident
 # layer's silence check for notifications.
 ActionGate = Callable[[ActionView, float], "str | None"]
@@ -341,13 +346,17 @@ class ActionRunner:
             state, "action_skipped"
         )
         text = f"{self._label(action)} {state}" + (f": {message}" if message else "")
+        data: dict[str, object] = {"action_id": action.id}
+        for key in TIMELINE_OUTPUT_KEYS:
+            if output is not None and key in output:
+                data[key] = output[key]
         self._store.update_action(
             action.id,
             state=state,
             ts=now,
             result=message,
             output=output,
-            timeline=(action.incident_id, kind, text, {"action_id": action.id})
+            timeline=(action.incident_id, kind, text, data)
             if action.incident_id is not None
             else None,
         )
@@ -379,4 +388,11 @@ def step_label(action: ActionView) -> str:
     return f"step {action.kind}{suffix} #{action.id}"
 
 
-__all__ = ["ActionCounter", "ActionGate", "ActionListener", "ActionRunner", "step_label"]
+__all__ = [
+    "TIMELINE_OUTPUT_KEYS",
+    "ActionCounter",
+    "ActionGate",
+    "ActionListener",
+    "ActionRunner",
+    "step_label",
+]

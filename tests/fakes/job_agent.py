@@ -60,6 +60,10 @@ class FakeJobAgent:
         self.launches: dict[str, _Launch] = {}
         self.gpus: tuple[GpuSample, ...] = ()
         self.loss = 1.0
+        # what collect_stacks dumps (the real agent: agent/stacks.py, data["stacks"])
+        self.stacks = (
+            '--- rank 0 pid 1000 ---\nThread 0x00007f (most recent call first):\n  File "train.py"'
+        )
 
     # --- what the agent sends -----------------------------------------------------------
 
@@ -114,7 +118,12 @@ class FakeJobAgent:
             self._done.add(cmd.id)
             self.commands.append(cmd)
             ok, message = self._execute(cmd)
-            self.event("command_result", data={"command_id": cmd.id, "ok": ok, "message": message})
+            data: dict[str, Any] = {"command_id": cmd.id, "ok": ok, "message": message}
+            if cmd.kind == "collect_stacks":
+                data.update(
+                    stacks=self.stacks, log_path=f"/var/lib/trainguard/{cmd.args['job']}.log"
+                )
+            self.event("command_result", data=data)
 
     # --- the training loop, one call per simulated second -------------------------------
 
@@ -181,5 +190,5 @@ class FakeJobAgent:
             launch.request_id = a["request_id"]
             return True, f"sent to {launch.nproc} ranks"
         if cmd.kind == "collect_stacks":
-            return True, 'Thread 0x00007f (most recent call first):\n  File "train.py"'
+            return True, "stacks of 1 of 1 rank(s)"
         return False, f"unknown command {cmd.kind}"

@@ -7,7 +7,7 @@ import sqlite3
 import pytest
 
 import controller.store as store_mod
-from controller.store import SCHEMA_VERSION, NewAction, Store, StoreError
+from controller.store import SCHEMA_VERSION, CommandResultRow, NewAction, Store, StoreError
 
 
 def _now() -> float:
@@ -143,3 +143,34 @@ def test_audit_log_is_newest_first(tmp_path):
     s.audit(ts=1.0, actor="alice", action="drain", target="n1", detail={"reason": "x"})
     s.audit(ts=2.0, actor="bob", action="undrain", target="n1", detail={})
     assert [e.actor for e in s.audit_log(limit=10)] == ["bob", "alice"]
+
+
+def test_command_result_data_is_kept_with_the_command(tmp_path):
+    s = Store(tmp_path / "c.db", now=_now)
+    s.add_command("stacks-1-n1", node="n1", kind="collect_stacks", args={"job": "j"})
+    result = CommandResultRow(
+        command_id="stacks-1-n1",
+        ok=True,
+        message="stacks of 1 of 1 rank(s)",
+        data={"stacks": "--- rank 0 ---\n  File x", "log_path": "/l"},
+    )
+    s.insert_events("n1", "i", [], command_results=[result])
+    cmd = s.get_command("stacks-1-n1")
+    assert (cmd.ok, cmd.result, cmd.data) == (True, result.message, result.data)
+
+
+def test_version_2_file_gains_command_data_and_keeps_its_commands(tmp_path, monkeypatch):
+    path = tmp_path / "c.db"
+    monkeypatch.setattr(store_mod, "MIGRATIONS", store_mod.MIGRATIONS[:2])
+    monkeypatch.setattr(store_mod, "SCHEMA_VERSION", 2)
+    old = Store(path, now=_now)
+    with old.transaction() as c:
+        c.execute(
+            "INSERT INTO commands (id, node, kind, args, created_at) VALUES (?, ?, ?, ?, ?)",
+            ("c1", "n1", "stop_job", "{}", 1.0),
+        )
+    old.close()
+    monkeypatch.undo()
+    s = Store(path, now=_now)
+    assert s.schema_version() == 3
+    assert s.get_command("c1").data == {}
