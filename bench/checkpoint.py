@@ -2,10 +2,14 @@
 and the background writer's throughput vs. raw disk throughput (dd with fsync), same run.
 
 The state is a few hundred MB of parameters plus Adam's two moments (~3x in total). The async
-figure is the time `Trainguard.save()` takes to return (snapshot into host buffers); the
-first save also allocates those buffers, later ones reuse them, so both are reported. The
-write throughput is checkpoint bytes on disk / the writer's wall time (write + fsync + sha256
-+ manifest + rename).
+figure is the time `Trainguard.save()` takes to return (snapshot into host buffers). The
+first save comes after `--steps-before-save` training steps through `Trainguard.step()`; the
+first `step()` has the host buffers allocated and pre-faulted in the background, so the first
+save only copies if they are ready by then (with 1 step it comes right after that step and
+waits for them: the worst case). `--no-prepare` switches the background preparation off, so
+the first save allocates the buffers itself, as it did before. First and later saves are
+reported separately. The write throughput is checkpoint bytes on disk / the writer's wall
+time (write + fsync + sha256 + manifest + rename).
 
 The disk and the CPUs may be shared with other work, so one dd and one save say little:
 saves and dd runs alternate (dd, save, dd, save, ..., dd), each dd writes as many bytes as
@@ -13,6 +17,7 @@ the checkpoint holds, each save is compared with the mean of the dd runs either 
 and the medians are reported.
 
     .venv/bin/python bench/checkpoint.py [--dir /path/on/target/disk] [--layers 5] [--saves 7]
+        [--steps-before-save 5] [--no-prepare]
 """
 
 from __future__ import annotations
@@ -61,7 +66,21 @@ def main() -> None:
     p.add_argument("--dir", help="directory on the disk to measure (default: a temp dir)")
     p.add_argument("--layers", type=int, default=5, help="4096x4096 linear layers (67 MB each)")
     p.add_argument("--saves", type=int, default=7)
+    p.add_argument(
+        "--steps-before-save",
+        type=int,
+        default=5,
+        help="training steps between setup and the first save (>= 1)",
+    )
+    p.add_argument(
+        "--no-prepare",
+        action="store_true",
+        help="no background buffer preparation: the first save allocates (the old behaviour)",
+    )
     args = p.parse_args()
+    if args.steps_before_save < 1:
+        p.error("--steps-before-save must be >= 1")
+    load_at_start = os.getloadavg()
     torch.set_num_threads(2)
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="tgck-"))
     base.mkdir(parents=True, exist_ok=True)
@@ -71,8 +90,13 @@ def main() -> None:
     try:
         model = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(args.layers)])
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-        model(torch.randn(4, 4096)).sum().backward()
-        opt.step()  # populates Adam's exp_avg / exp_avg_sq
+
+        def train_step() -> None:
+            opt.zero_grad()
+            model(torch.randn(4, 4096)).sum().backward()
+            opt.step()
+
+        train_step()  # populates Adam's exp_avg / exp_avg_sq for the synchronous save
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         state = {"model": model.state_dict(), "optim": opt.state_dict()}
 
@@ -94,14 +118,30 @@ def main() -> None:
             keep_last=1,
             handle_sigterm=False,
         )
+        if args.no_prepare:
+            tg._pool.prepare = lambda obj: False  # type: ignore[method-assign]
+        step_s: list[float] = []
+        step_call_s: list[float] = []
+        for i in range(1, args.steps_before_save + 1):
+            t0 = time.perf_counter()
+            train_step()
+            t1 = time.perf_counter()
+            tg.step(i)
+            step_call_s.append(time.perf_counter() - t1)
+            step_s.append(time.perf_counter() - t0)
+        ready_at_first_save = tg._pool.ready()
         blocked: list[float] = []
+        first_save_allocated = 0
         write_s: list[float] = []
         write_bps: list[float] = []
         dd_bps = [dd_throughput(work, state_bytes)]
-        for i in range(1, args.saves + 1):
+        first = args.steps_before_save
+        for i in range(first, first + args.saves):
             t0 = time.perf_counter()
             assert tg.save(i)
             blocked.append(time.perf_counter() - t0)
+            if i == first:
+                first_save_allocated = tg._pool.allocated_bytes
             assert tg.writer.wait(600)
             (res,) = tg.writer.take_results()
             assert res.ok, res.reason
@@ -115,12 +155,22 @@ def main() -> None:
         warm_blocked = statistics.median(blocked[1:]) if len(blocked) > 1 else blocked[0]
         mib = 2**20
         print(json.dumps({
+            "load_average_at_start": load_at_start,
+            "background_prepare": not args.no_prepare,
+            "steps_before_first_save": args.steps_before_save,
+            "train_step_s_each": [round(s, 3) for s in step_s],
+            "trainguard_step_call_s_each": [round(s, 4) for s in step_call_s],
+            "prepare_in_background_s": tg._pool.prepare_s,
+            "prepared_mb": tg._pool.prepared_bytes / mib,
+            "buffers_ready_at_first_save": ready_at_first_save,
+            "first_save_allocated_mb": first_save_allocated / mib,
             "param_mb": param_bytes / mib,
             "state_mb": state_bytes / mib,
             "sync_torch_save_s": t_sync,
             "sync_torch_save_without_fsync_s": t_nofsync,
             "async_blocked_first_s": blocked[0],
             "async_blocked_warm_median_s": warm_blocked,
+            "async_blocked_s_each": [round(b, 3) for b in blocked],
             "ratio_blocked_over_sync_warm": warm_blocked / t_sync,
             "ratio_blocked_over_sync_first": blocked[0] / t_sync,
             "async_write_s_each": [round(s, 3) for s in write_s],

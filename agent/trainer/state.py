@@ -7,9 +7,12 @@ never pickled Python objects.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
+import os
 import random
+import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,6 +35,7 @@ __all__ = [
 _TENSOR_REF = "__trainguard_tensor__"
 _PRIMITIVES = (int, float, bool, str, bytes, type(None))
 _PAGE_BYTES = mmap.PAGESIZE
+_TOUCH_CHUNK_BYTES = 8 << 20  # ~2,000 page faults: a few ms of CPU between stop checks
 
 log = logging.getLogger("trainguard.trainer")
 
@@ -142,11 +146,14 @@ class SnapshotPool:
 
     `prepare(state)` moves that cost off the first save too: a background thread allocates
     the buffers a snapshot of `state` needs and touches every page of them, so the first
-    `snapshot()` only copies. A snapshot taken while that thread is still working waits for
-    it rather than allocating a second set beside it: the thread is already faulting in the
-    same pages, so waiting costs at most what allocating would (the remaining part), and
-    memory stays at one set of buffers. Buffers whose path is no longer in the state, or whose
-    shape or dtype changed, are dropped (and reallocated) by the next `prepare` or `snapshot`.
+    `snapshot()` only copies. The thread runs at the lowest CPU priority (Linux), so it uses
+    idle CPU and does not slow the training loop down. A snapshot that comes while it is
+    still working takes over rather than waiting for it (a low-priority thread may be starved
+    for a long time on a busy machine) or allocating a second set beside it: the thread stops
+    at its next chunk, the snapshot keeps every buffer already made and allocates only the
+    rest, as it would without preparation. Memory stays at one set of buffers: buffers whose
+    path is no longer in the state, or whose shape or dtype changed, are dropped (and
+    reallocated) by the next `prepare` or `snapshot`.
     """
 
     def __init__(self, *, clock: Clock = SYSTEM_CLOCK) -> None:
@@ -155,10 +162,11 @@ class SnapshotPool:
         self._lock = threading.Lock()
         self._wanted: list[_BufferSpec] | None = None
         self._worker: threading.Thread | None = None
+        self._stop = threading.Event()
         self.bytes = 0
         self.allocated_bytes = 0  # bytes the last snapshot() had to allocate itself
         self.prepared_bytes = 0  # bytes the last preparation allocated in the background
-        self.prepare_s: float | None = None  # how long that took; None until one finished
+        self.prepare_s: float | None = None  # how long it took; None until one finished whole
 
     @property
     def held_bytes(self) -> int:
@@ -194,7 +202,7 @@ class SnapshotPool:
             return self._worker is None
 
     def wait_ready(self, timeout_s: float | None = None) -> bool:
-        """Wait for the preparation in progress; True when none is left."""
+        """Wait (without taking over) for the preparation in progress; True when none is left."""
         with self._lock:
             worker = self._worker
         if worker is not None:
@@ -202,7 +210,7 @@ class SnapshotPool:
         return self.ready()
 
     def snapshot(self, obj: Any) -> Any:
-        self.wait_ready()
+        self._take_over()
         self.bytes = 0
         self.allocated_bytes = 0
         any_cuda = [False]
@@ -215,11 +223,22 @@ class SnapshotPool:
             torch.cuda.synchronize()
         return out
 
+    def _take_over(self) -> None:
+        """Stop the preparation in progress at its next chunk (keeping what it made)."""
+        with self._lock:
+            worker = self._worker
+        if worker is None:
+            return
+        self._stop.set()
+        worker.join()
+        self._stop.clear()
+
     def _prepare_loop(self) -> None:
+        _lower_thread_priority()
         while True:
             with self._lock:
                 wanted, self._wanted = self._wanted, None
-                if wanted is None:
+                if wanted is None or self._stop.is_set():
                     self._worker = None
                     return
             t0 = self.clock.monotonic()
@@ -232,6 +251,9 @@ class SnapshotPool:
                     "event=snapshot_prepare_failed reason=%s",
                     f"{type(e).__name__}:_{e}".replace(" ", "_"),
                 )
+                continue
+            if self._stop.is_set():
+                log.info("event=snapshot_prepare_interrupted reason=snapshot_taken")
                 continue
             self.prepare_s = self.clock.monotonic() - t0
             log.info(
@@ -247,6 +269,8 @@ class SnapshotPool:
                 del self._buffers[stale]
         total = 0
         for spec in wanted:
+            if self._stop.is_set():
+                break
             with self._lock:
                 if _fits(self._buffers.get(spec.path), spec):
                     continue
@@ -255,8 +279,9 @@ class SnapshotPool:
                 self._buffers.pop(spec.path, None)
             buf = torch.empty(spec.shape, dtype=spec.dtype, device="cpu", pin_memory=spec.pinned)
             if not spec.pinned:  # pinned memory is locked in, so already resident
-                _touch_pages(buf)
+                _touch_pages(buf, self._stop)
             with self._lock:
+                # Kept even when stopped halfway: valid memory, the snapshot faults the rest.
                 self._buffers[spec.path] = buf
             total += buf.numel() * buf.element_size()
         return total
@@ -306,11 +331,23 @@ def _fits(buf: torch.Tensor | None, spec: _BufferSpec) -> bool:
     return buf is not None and buf.shape == spec.shape and buf.dtype == spec.dtype
 
 
-def _touch_pages(buf: torch.Tensor) -> None:
+def _touch_pages(buf: torch.Tensor, stop: threading.Event) -> None:
     """Write one byte in every page, so the kernel maps (and zeroes) them now, not during
-    the copy of the first snapshot. The contents are overwritten by that copy anyway."""
+    the copy of the first snapshot (whose copy overwrites them anyway). In chunks, so that a
+    snapshot waiting for `stop` to take effect waits for one chunk at most."""
     if buf.numel() == 0:
         return
     raw = buf.view(-1).view(torch.uint8)
-    raw[::_PAGE_BYTES].zero_()
+    for start in range(0, raw.numel(), _TOUCH_CHUNK_BYTES):
+        if stop.is_set():
+            return
+        raw[start : start + _TOUCH_CHUNK_BYTES : _PAGE_BYTES].zero_()
     raw[-1:].zero_()
+
+
+def _lower_thread_priority() -> None:
+    """Nice 19 for the calling thread only: on Linux the nice value is per thread (elsewhere
+    the same call would renice the whole process, so it is Linux only). Best effort."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)

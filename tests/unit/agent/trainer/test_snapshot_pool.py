@@ -1,5 +1,6 @@
 """Host snapshot buffers prepared in the background: a first save that only copies, a save
-that comes before they are ready, shapes that change between saves, bitwise resume."""
+that comes before they are ready (it takes over), shapes that change between saves, bitwise
+resume."""
 
 from __future__ import annotations
 
@@ -21,29 +22,23 @@ def nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def hold_preparation_until_a_snapshot_waits(
-    monkeypatch: pytest.MonkeyPatch, pool: SnapshotPool
-) -> list[bool]:
-    """Stop the preparing thread at its first buffer until `pool.snapshot()` starts waiting
-    for it; returns a list that gets, per wait, whether the pool was ready at that moment."""
-    waiting = threading.Event()
-    ready_when_waited: list[bool] = []
-    touch: Callable[[torch.Tensor], None] = state_mod._touch_pages
-    wait_ready = pool.wait_ready
+def hold_preparation_until_a_snapshot_takes_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> threading.Event:
+    """Stop the preparing thread in its first buffer until a snapshot tells it to stop (if
+    none does, the preparation fails and the snapshot has to allocate every buffer). The
+    returned event is set once the thread is held there."""
+    touch: Callable[[torch.Tensor, threading.Event], None] = state_mod._touch_pages
+    held = threading.Event()
 
-    def gated_touch(buf: torch.Tensor) -> None:
-        if not waiting.wait(GATE_TIMEOUT_S):
-            raise AssertionError("no snapshot waited for the buffers being prepared")
-        touch(buf)
-
-    def spying_wait_ready(timeout_s: float | None = None) -> bool:
-        ready_when_waited.append(pool.ready())
-        waiting.set()
-        return wait_ready(timeout_s)
+    def gated_touch(buf: torch.Tensor, stop: threading.Event) -> None:
+        held.set()
+        if not stop.wait(GATE_TIMEOUT_S):
+            raise AssertionError("no snapshot took over the buffers being prepared")
+        touch(buf, stop)
 
     monkeypatch.setattr(state_mod, "_touch_pages", gated_touch)
-    monkeypatch.setattr(pool, "wait_ready", spying_wait_ready)
-    return ready_when_waited
+    return held
 
 
 def test_prepared_buffers_are_reused_by_the_first_snapshot() -> None:
@@ -61,25 +56,30 @@ def test_prepared_buffers_are_reused_by_the_first_snapshot() -> None:
     assert not pool.prepare(state), "nothing left to prepare once every buffer fits"
 
 
-def test_snapshot_before_buffers_are_ready_waits_for_them_and_is_correct(
+def test_snapshot_before_buffers_are_ready_takes_over_and_is_correct(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    held = hold_preparation_until_a_snapshot_takes_over(monkeypatch)
     pool = SnapshotPool()
-    ready_when_waited = hold_preparation_until_a_snapshot_waits(monkeypatch, pool)
     state = {"a": torch.randn(300, 300), "b": torch.randn(5)}
     assert pool.prepare(state)
+    assert held.wait(GATE_TIMEOUT_S), "the preparation never reached its first buffer"
     state["a"].mul_(2)
     snap = pool.snapshot(state)
-    assert ready_when_waited == [False], "the snapshot came before the buffers were ready"
-    assert pool.allocated_bytes == 0, "it waited for the prepared buffers, no second set"
-    assert pool.held_bytes == nbytes(state["a"], state["b"])
+    assert pool.ready()
+    # "a" was being prepared (kept, although not pre-faulted); "b" was not reached yet
+    assert pool.allocated_bytes == nbytes(state["b"]), "only the missing buffer is allocated"
+    assert pool.held_bytes == nbytes(state["a"], state["b"]), "one set of buffers"
     assert torch.equal(snap["a"], state["a"]) and torch.equal(snap["b"], state["b"])
+    state["b"].add_(1)
+    assert torch.equal(pool.snapshot(state)["b"], state["b"])
+    assert pool.allocated_bytes == 0
 
 
 def test_failed_preparation_leaves_the_snapshot_to_allocate_and_copy(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def broken_touch(buf: torch.Tensor) -> None:
+    def broken_touch(buf: torch.Tensor, stop: threading.Event) -> None:
         raise RuntimeError("no memory")
 
     monkeypatch.setattr(state_mod, "_touch_pages", broken_touch)
@@ -117,7 +117,7 @@ def test_changed_shapes_get_new_buffers_and_the_old_ones_are_freed(prepare_again
     assert pool.allocated_bytes == (0 if prepare_again else changed)
 
 
-def test_save_right_after_the_first_step_waits_for_the_buffers_and_resumes_bitwise(
+def test_save_right_after_the_first_step_takes_over_the_buffers_and_resumes_bitwise(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     straight = TinyJob()
@@ -125,13 +125,13 @@ def test_save_right_after_the_first_step_waits_for_the_buffers_and_resumes_bitwi
     expected = straight.run(tg, tg.resume(first_step=1), 8)
     tg.close()
 
+    held = hold_preparation_until_a_snapshot_takes_over(monkeypatch)
     interrupted = TinyJob()
     tg = interrupted.guard(tmp_path / "b")
-    ready_when_waited = hold_preparation_until_a_snapshot_waits(monkeypatch, tg._pool)
     interrupted.run(tg, tg.resume(first_step=1), 1)  # the first step starts the preparation
+    assert held.wait(GATE_TIMEOUT_S), "the preparation never reached its first buffer"
     assert tg.save(1, wait=True)
-    assert ready_when_waited == [False], "the save came before the buffers were ready"
-    assert tg._pool.allocated_bytes == 0, "the save used the prepared buffers"
+    assert 0 < tg._pool.allocated_bytes < tg._pool.bytes, "it kept the buffer being prepared"
     assert tg.ckpt_step == 1
     tg.close()
 
