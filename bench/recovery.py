@@ -1,12 +1,14 @@
 """Recovery benchmark: each fault class N times on a local cluster of real processes
 (controller, 3 active + 1 spare sim agents, examples/train.py under torchrun).
 
-    .venv/bin/python bench/recovery.py [--runs 3] [--faults dbe,xid79,kill_rank,node_death]
+    .venv/bin/python bench/recovery.py [--runs 3] [--faults dbe,xid79,kill_rank,...]
 
 Per fault class: median and max of detection (fault -> incident opened), MTTR (fault ->
 the restart step confirmed a step past the checkpoint) and lost steps (the controller's
 figure: last step seen before the fault - restored checkpoint step). Each run uses a fresh
-cluster, so runs do not share spares or drained nodes.
+cluster, so runs do not share spares or drained nodes. `straggler` slows rank 1's compute
+to twice the others' from the fault step on (`TRAINGUARD_CHAOS=slow=1.0@stepK:rank1`) and
+runs the shipped rules, so its detection includes the rule's one-minute `for:`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from controller.devcluster import REPO_ROOT, ClusterConfig, DevCluster
 
-FAULTS = ("dbe", "xid79", "kill_rank", "node_death")
+FAULTS = ("dbe", "xid79", "kill_rank", "node_death", "straggler")
 TRAIN = ["--steps", "400", "--checkpoint-every", "10", "--step-time-s", "0.2", "--seed", "0"]
 
 
@@ -39,6 +41,8 @@ def inject(cluster: DevCluster, fault: str, job: str) -> None:
         cluster.signal_rank(job, 1, signal.SIGKILL)
     elif fault == "node_death":
         cluster.kill_node("node-2")
+    elif fault == "straggler":
+        pass  # the job's chaos slowdown began at the fault step
     else:
         raise ValueError(fault)
 
@@ -58,6 +62,11 @@ def one_run(fault: str, *, fault_step: int, root: Path) -> dict[str, Any]:
                 "nodes": ["node-1", "node-2", "node-3"],
                 "ckpt_dir": str(c.run_dir / "ckpt"),
                 "cwd": str(REPO_ROOT),
+                "env": (
+                    {"TRAINGUARD_CHAOS": f"slow=1.0@step{fault_step}:rank1"}
+                    if fault == "straggler"
+                    else {}
+                ),
             }
         )
         c.wait_job(
