@@ -318,9 +318,27 @@ def _worker(
     q.put(out)
 
 
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def _cpu_s(pid: int, *, children: bool = True) -> float:
+    """CPU seconds of the controller and (`children`) its live child processes (ingest
+    workers)."""
+    total = 0
+    for p in [pid, *(_children(pid) if children else [])]:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return out
 
 
 def _hist(metrics: str, name: str) -> tuple[float, float, list[tuple[float, float]]]:
@@ -403,6 +421,12 @@ def main() -> int:
     )
     ap.add_argument("--ingest-in-threadpool", action="store_true", help="controller option")
     ap.add_argument(
+        "--ingest-workers",
+        type=int,
+        default=0,
+        help="controller option: processes serving the port and handing reports over",
+    )
+    ap.add_argument(
         "--full-only",
         action="store_true",
         help="full reports in the original shape (agents without delta reports)",
@@ -447,6 +471,7 @@ def main() -> int:
     ]
     if args.ingest_in_threadpool:
         cmd.append("--ingest-in-threadpool")
+    cmd += ["--ingest-workers", str(args.ingest_workers)]
     log_path = tmp / "controller.log"
     with log_path.open("w") as log_f:
         proc = subprocess.Popen(cmd, stdout=log_f, stderr=subprocess.STDOUT)
@@ -512,6 +537,8 @@ def _run(
         time.sleep(0.05)
     m0 = client.get("/metrics").text
     cpu0, wall0 = _cpu_s(proc.pid), time.monotonic()
+    core0 = _cpu_s(proc.pid, children=False)
+    load0 = os.getloadavg()[0]
     detected_at = None
     while time.time() < end:
         if detected_at is None and time.time() >= inject_at - 0.5:
@@ -522,6 +549,8 @@ def _run(
         else:
             time.sleep(0.2)
     cpu1, wall1 = _cpu_s(proc.pid), time.monotonic()
+    core1 = _cpu_s(proc.pid, children=False)
+    load1 = os.getloadavg()[0]
     m1 = client.get("/metrics").text
     results = [q.get(timeout=120) for _ in workers]
     for p in workers:
@@ -551,6 +580,9 @@ def _run(
         "seconds": args.seconds,
         "procs": args.procs,
         "ingest_in_threadpool": args.ingest_in_threadpool,
+        "ingest_workers": args.ingest_workers,
+        # 1-minute load average at the start and the end of the window (this run included)
+        "load_average": [round(load0, 2), round(load1, 2)],
         "full_only": args.full_only,
         "reports_sent": sent,
         "mean_body_bytes": body_bytes / max(1, sent["legacy"] + sent["full"] + sent["delta"]),
@@ -570,6 +602,9 @@ def _run(
         "late_sends": late,
         "failures": failures,
         "controller_cpu_cores": (cpu1 - cpu0) / (wall1 - wall0),
+        # the controller process alone (without its ingest workers)
+        "core_cpu_cores": (core1 - core0) / (wall1 - wall0),
+        "core_cpu_ms_per_report": (core1 - core0) * 1e3 / max(1.0, count1 - count0),
         "loadgen_cpu_cores": loadgen_cpu_s / (end - start),
         "ingest_server": _hist_delta(
             _hist(m0, "trainguard_controller_report_ingest_seconds"),

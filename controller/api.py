@@ -230,6 +230,15 @@ def create_app(
         try:
             principal = _authenticate(tokens, headers.get(b"authorization"), "report")
             raw = await _read_limited(headers.get(b"content-length"), receive, max_body_bytes)
+        except ApiError as e:
+            return e.status, _json_bytes({"error": e.error, "detail": e.detail}), e.headers
+        return await ingest_body(raw, principal.name)
+
+    async def ingest_body(raw: bytes, actor: str) -> tuple[int, bytes, dict[str, str] | None]:
+        """Decode and ingest the body of a report whose sender is already authenticated as
+        `actor` and whose size is within the limit: the part of POST /v1/reports after the
+        HTTP layer, shared with the ingest worker processes (`controller.ingest`)."""
+        try:
             started = time.perf_counter()
             try:
                 report = report_decoder.decode_json(raw)
@@ -241,10 +250,10 @@ def create_app(
                 loop = asyncio.get_running_loop()
                 resp = await loop.run_in_executor(
                     ingest_executor,
-                    functools.partial(service.ingest_report, report, actor=principal.name),
+                    functools.partial(service.ingest_report, report, actor=actor),
                 )
             else:
-                resp = service.ingest_report(report, actor=principal.name)
+                resp = service.ingest_report(report, actor=actor)
             body = encode_report_response(resp)
             if report_latency is not None:
                 report_latency.observe(time.perf_counter() - started)
@@ -678,6 +687,7 @@ def create_app(
 
     app.openapi = openapi  # type: ignore[method-assign]
     app.report_handler = handle_report
+    app.report_ingest = ingest_body
     return app
 
 
@@ -730,6 +740,8 @@ class _Api(FastAPI):
     were a visible share of a core. Everything else goes through FastAPI unchanged."""
 
     report_handler: Any = None
+    # (raw body, actor) -> (status, body, extra headers): reports handed over by ingest workers
+    report_ingest: Any = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         handle = self.report_handler

@@ -110,6 +110,11 @@ class TokenStore:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def entries(self) -> list[tuple[str, Role, str]]:
+        """(name, role, sha256 hex) of every token, as the constructor takes them: what
+        another process needs to check the same tokens (hashes only, never a token)."""
+        return [(p.name, p.role, digest.hex()) for digest, p in self._entries]
+
     def authenticate(self, token: str) -> Principal | None:
         if not token:
             return None

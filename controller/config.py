@@ -89,8 +89,14 @@ class ApiConfig:
     # PEM certificate and key; both or neither (plain HTTP behind a TLS proxy).
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
+    # Processes that serve the port (HTTP, token check, body limit) and hand report bodies to
+    # the controller process, which decodes and ingests them (controller/ingest.py).
+    # 0 = the controller process serves everything itself. See BENCHMARKS.md "Controller scale".
+    ingest_workers: int = 0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.ingest_workers <= 64:
+            raise Invalid("ingest_workers", f"must be within 0..64, got {self.ingest_workers}")
         if not 0 <= self.port <= 65535:
             raise Invalid("port", f"must be within 0..65535, got {self.port}")
         _positive("max_body_bytes", self.max_body_bytes)

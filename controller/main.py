@@ -2,6 +2,8 @@
 
 SIGHUP reloads the rules (a bad file is logged and the running rules stay); SIGTERM/SIGINT
 stop serving, then stop the controller (threads joined, store flushed and closed).
+With `api.ingest_workers: N` (`--ingest-workers N`) the port is served by N worker processes
+that hand reports to this one (`controller.ingest`); they are stopped before the controller.
 Exit codes: 0 clean stop, 1 runtime failure, 2 bad configuration or usage.
 """
 
@@ -72,6 +74,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="tuning: ingest reports in the threadpool instead of on the event loop",
     )
+    p.add_argument(
+        "--ingest-workers",
+        type=int,
+        default=None,
+        help="processes serving the API port and handing reports over (api.ingest_workers); "
+        "0 = serve everything in this process",
+    )
     return p.parse_args(argv)
 
 
@@ -107,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "api.port": args.port,
         "store.path": args.db,
         "safety.dry_run": True if args.dry_run else None,
+        "api.ingest_workers": args.ingest_workers,
     }
     try:
         config = load_config(args.config, overrides=overrides)
@@ -168,7 +178,19 @@ def _serve(
         http="auto",  # httptools when installed: a C parser for 2,048 reports a second
         timeout_keep_alive=75,  # agents keep one connection and post every second
     )
-    server = uvicorn.Server(uv_config)
+    server: Any = uvicorn.Server(uv_config)
+    if config.api.ingest_workers > 0:
+        from controller.ingest import IngestFrontend  # noqa: PLC0415
+
+        server = IngestFrontend(
+            app,
+            workers=config.api.ingest_workers,
+            tokens=tokens,
+            max_body_bytes=config.api.max_body_bytes,
+            tls_cert_file=config.api.tls_cert_file,
+            tls_key_file=config.api.tls_key_file,
+            log_level=logging.getLevelName(logging.getLogger().level).lower(),
+        )
     notifier = SystemdNotifier()
 
     def reload_rules() -> None:

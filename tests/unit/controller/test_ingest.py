@@ -1,0 +1,163 @@
+"""controller.ingest: the channel's frames, and forwarded requests run through the real app."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from agent.clock import FakeClock
+from agent.protocol import Report, encode_json
+from controller.api import create_app
+from controller.auth import TokenStore
+from controller.config import load_config
+from controller.core import Controller
+from controller.ingest import (
+    HEADER,
+    JSON_BODY,
+    KIND_ANSWER,
+    KIND_REPORT,
+    FrameError,
+    call_asgi,
+    decode_answer,
+    decode_http,
+    decode_report,
+    encode_answer,
+    encode_frame,
+    encode_http,
+    encode_report,
+    read_frame,
+)
+
+
+def test_frames_round_trip() -> None:
+    frame = encode_frame(KIND_REPORT, 7, encode_report("agents", b'{"v":1}'))
+    length, kind, request_id = HEADER.unpack(frame[: HEADER.size])
+    assert (length, kind, request_id) == (len(frame) - HEADER.size, KIND_REPORT, 7)
+    assert decode_report(frame[HEADER.size :]) == ("agents", b'{"v":1}')
+
+    meta = {"method": "GET", "path": "/v1/nodes", "headers": [["x", "y"]]}
+    assert decode_http(encode_http(meta, b"body")) == (meta, b"body")
+
+    headers = [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]
+    assert decode_answer(encode_answer(401, headers, b"{}")) == (401, headers, b"{}")
+    assert decode_answer(encode_answer(200, [], b"")) == (200, [], b"")
+    # a JSON answer travels without headers; the worker adds them
+    assert decode_answer(encode_answer(200, [], b"{}", flags=JSON_BODY)) == (
+        200,
+        [(b"content-type", b"application/json"), (b"content-length", b"2")],
+        b"{}",
+    )
+
+
+@pytest.mark.parametrize(
+    ("decode", "payload", "reason"),
+    [
+        pytest.param(decode_report, b"\x00", "shorter", id="report-short"),
+        pytest.param(decode_report, b"\x00\x09ab", "runs past", id="report-actor-past-end"),
+        pytest.param(decode_http, b"\x00\x00\x00\x10{}", "runs past", id="http-head-past-end"),
+        pytest.param(decode_http, b"\x00\x00\x00\x01{", "not JSON", id="http-head-not-json"),
+        pytest.param(decode_http, b"\x00\x00\x00\x02[]", "not an object", id="http-head-list"),
+        pytest.param(decode_answer, b"\x00\xc8\x00\x00\x00\x00\x09", "run past", id="answer-past"),
+        pytest.param(decode_answer, b"\x00\xc8", "shorter", id="answer-short"),
+    ],
+)
+def test_malformed_payloads_are_frame_errors(decode: Any, payload: bytes, reason: str) -> None:
+    with pytest.raises(FrameError, match=reason):
+        decode(payload)
+
+
+@pytest.mark.parametrize(
+    ("frame", "reason"),
+    [
+        pytest.param(HEADER.pack(0, 99, 1), "unknown frame kind", id="unknown-kind"),
+        pytest.param(HEADER.pack(1 << 20, KIND_ANSWER, 1), "exceeds", id="too-large"),
+    ],
+)
+def test_read_frame_refuses_bad_frames(frame: bytes, reason: str) -> None:
+    async def read() -> None:
+        reader = asyncio.StreamReader()
+        reader.feed_data(frame)
+        reader.feed_eof()
+        await read_frame(reader, max_bytes=1024)
+
+    with pytest.raises(FrameError, match=reason):
+        asyncio.run(read())
+
+
+def test_read_frame_at_eof_raises_incomplete_read() -> None:
+    async def read() -> None:
+        reader = asyncio.StreamReader()
+        reader.feed_data(encode_frame(KIND_ANSWER, 3, b"abc")[:-1])
+        reader.feed_eof()
+        await read_frame(reader, max_bytes=1024)
+
+    with pytest.raises(asyncio.IncompleteReadError):
+        asyncio.run(read())
+
+
+@pytest.fixture
+def app(tmp_path: Any) -> Any:
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("rules: []\n")
+    config = load_config(
+        None,
+        overrides={
+            "store.path": str(tmp_path / "c.db"),
+            "rules": [str(rules)],
+            "api.tokens_file": str(tmp_path / "tokens.yaml"),
+        },
+    )
+    controller = Controller(config, clock=FakeClock(1_000.0))
+    tokens = TokenStore.from_plaintext({"op": ("ops", "operator"), "ag": ("agents", "agent")})
+    try:
+        yield create_app(controller, tokens=tokens, max_body_bytes=4096, metrics_registry=None)
+    finally:
+        controller.stop()
+
+
+def _meta(method: str, path: str, *, token: str | None = None, query: str = "") -> dict[str, Any]:
+    headers = [["host", "x"]]
+    if token is not None:
+        headers.append(["authorization", f"Bearer {token}"])
+    return {"method": method, "path": path, "query_string": query, "headers": headers}
+
+
+def test_forwarded_requests_get_the_apps_answers(app: Any) -> None:
+    async def run() -> list[tuple[int, dict[bytes, bytes], Any]]:
+        out = []
+        for meta in (
+            _meta("GET", "/healthz"),
+            _meta("GET", "/v1/nodes"),
+            _meta("GET", "/v1/nodes", token="ag"),
+            _meta("GET", "/v1/incidents", token="op", query="limit=0"),
+            _meta("GET", "/v1/nodes", token="op"),
+        ):
+            status, headers, body = await call_asgi(app, meta, b"")
+            out.append((status, dict(headers), json.loads(body)))
+        return out
+
+    health, no_token, agent, bad_query, nodes = asyncio.run(run())
+    assert health[:1] == (200,) and health[2] == {"status": "ok"}
+    assert no_token[0] == 401 and no_token[1][b"www-authenticate"] == b"Bearer"
+    assert agent[0] == 403
+    assert bad_query[0] == 422 and bad_query[2]["detail"][0]["field"] == "query.limit"
+    assert nodes == (200, nodes[1], [])
+    assert nodes[1][b"content-type"] == b"application/json"
+
+
+def test_report_ingest_decodes_and_ingests_a_handed_over_body(app: Any) -> None:
+    body = encode_json(Report(node="node-3", instance="i", seq=1, sent_at=1_000.0))
+
+    async def run() -> tuple[Any, Any, Any]:
+        ok = await app.report_ingest(body, "agents")
+        invalid = await app.report_ingest(b'{"v": 1}', "agents")
+        status, _, listed = await call_asgi(app, _meta("GET", "/v1/nodes", token="op"), b"")
+        return ok, invalid, (status, json.loads(listed))
+
+    ok, invalid, (status, nodes) = asyncio.run(run())
+    assert ok[0] == 200 and json.loads(ok[1])["ack_event_id"] == 0
+    assert invalid[0] == 422 and json.loads(invalid[1])["error"] == "invalid body"
+    assert status == 200 and [n["name"] for n in nodes] == ["node-3"]
