@@ -150,10 +150,11 @@ class SnapshotPool:
     idle CPU and does not slow the training loop down. A snapshot that comes while it is
     still working takes over rather than waiting for it (a low-priority thread may be starved
     for a long time on a busy machine) or allocating a second set beside it: the thread stops
-    at its next chunk, the snapshot keeps every buffer already made and allocates only the
-    rest, as it would without preparation. Memory stays at one set of buffers: buffers whose
-    path is no longer in the state, or whose shape or dtype changed, are dropped (and
-    reallocated) by the next `prepare` or `snapshot`.
+    at its next chunk (8 MiB of pages; pinned memory is not touched, so there it finishes
+    the buffer it is allocating), the snapshot keeps every buffer already made and allocates
+    only the rest, as it would without preparation. Memory stays at one set of buffers:
+    buffers whose path is no longer in the state, or whose shape or dtype changed, are
+    dropped (and reallocated) by the next `prepare` or `snapshot`.
     """
 
     def __init__(self, *, clock: Clock = SYSTEM_CLOCK) -> None:
