@@ -12,7 +12,7 @@ from agent.clock import FakeClock
 from agent.protocol import Report, encode_json
 from controller.api import create_app
 from controller.auth import TokenStore
-from controller.config import load_config
+from controller.config import ConfigError, load_config
 from controller.core import Controller
 from controller.ingest import (
     HEADER,
@@ -30,6 +30,21 @@ from controller.ingest import (
     encode_report,
     read_frame,
 )
+
+
+@pytest.mark.parametrize("workers", [-1, 65], ids=["negative", "above-64"])
+def test_ingest_workers_out_of_range_fails_naming_the_key(tmp_path: Any, workers: int) -> None:
+    cfg = tmp_path / "controller.yaml"
+    cfg.write_text(f"api: {{ingest_workers: {workers}}}\n")
+    with pytest.raises(ConfigError, match=r"api\.ingest_workers"):
+        load_config(str(cfg))
+
+
+def test_ingest_workers_default_and_flag_override(tmp_path: Any) -> None:
+    cfg = tmp_path / "controller.yaml"
+    cfg.write_text("{}\n")
+    assert load_config(str(cfg)).api.ingest_workers == 0
+    assert load_config(str(cfg), overrides={"api.ingest_workers": 3}).api.ingest_workers == 3
 
 
 def test_frames_round_trip() -> None:
