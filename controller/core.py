@@ -777,8 +777,15 @@ class Controller:
     def _operator_step(self, kind: str, name: str, *, actor: str, detail: dict[str, Any]) -> None:
         if self.node_state(name) is None:
             raise NotFound(f"node {name!r} not found")
+        self._run_operator_step(kind, "node", name, actor=actor, audit=kind, detail=detail)
+
+    def _run_operator_step(
+        self, kind: str, scope: str, name: str, *, actor: str, audit: str, detail: dict[str, Any]
+    ) -> ActionView:
+        """An operator's step on a node or job: audit-logged, written as an action row keyed
+        by the audit id (no incident), run now; a failed step is a 400 with its reason."""
         now = self.clock.now()
-        audit_id = self.store.audit(ts=now, actor=actor, action=kind, target=name, detail=detail)
+        audit_id = self.store.audit(ts=now, actor=actor, action=audit, target=name, detail=detail)
         (action_id,) = self.store.add_actions(
             None,
             [
@@ -786,15 +793,17 @@ class Controller:
                     kind=kind,
                     target=name,
                     idempotency_key=f"operator:{kind}:{name}:{audit_id}",
-                    params={"node": name, "actor": actor, **detail},
+                    params={scope: name, "actor": actor, **detail},
                 )
             ],
             ts=now,
         )
         action = self.runner.run_one(action_id, now=now)
+        self._wake.set()
         log.info(
-            "event=operator_%s node=%s actor=%s action=%d state=%s",
-            kind,
+            "event=operator_%s %s=%s actor=%s action=%d state=%s",
+            audit,
+            scope,
             name,
             actor,
             action_id,
@@ -802,10 +811,10 @@ class Controller:
         )
         if action.state == "failed":
             raise BadRequest(f"{kind} {name} failed: {action.result}")
+        return action
 
     def drain(self, name: str, *, reason: str, actor: str) -> NodeView:
         self._operator_step("drain", name, actor=actor, detail={"reason": reason})
-        self._wake.set()
         return self.get_node(name)
 
     def undrain(self, name: str, *, actor: str) -> NodeView:
@@ -912,35 +921,9 @@ class Controller:
         return self._job_step(kind, name, actor=actor, detail={})
 
     def _job_step(self, kind: str, job: str, *, actor: str, detail: dict[str, Any]) -> ActionView:
-        now = self.clock.now()
-        audit_id = self.store.audit(
-            ts=now, actor=actor, action=f"job_{kind}", target=job, detail=detail
+        return self._run_operator_step(
+            kind, "job", job, actor=actor, audit=f"job_{kind}", detail=detail
         )
-        (action_id,) = self.store.add_actions(
-            None,
-            [
-                NewAction(
-                    kind=kind,
-                    target=job,
-                    idempotency_key=f"operator:{kind}:{job}:{audit_id}",
-                    params={"job": job, "actor": actor, **detail},
-                )
-            ],
-            ts=now,
-        )
-        action = self.runner.run_one(action_id, now=now)
-        self._wake.set()
-        log.info(
-            "event=operator_job_%s job=%s actor=%s action=%d state=%s",
-            kind,
-            job,
-            actor,
-            action_id,
-            action.state,
-        )
-        if action.state == "failed":
-            raise BadRequest(f"{kind} {job} failed: {action.result}")
-        return action
 
     # --- service: silences, faults, audit, rules ----------------------------------------------
 

@@ -44,15 +44,12 @@ def _endpoint(host: str, port: int) -> str:
 
 
 @dataclass
-class CheckpointHandler:
-    """`checkpoint`: ask every rank for a checkpoint (request id = the step's key) and wait
-    for its commit; fall back to the latest committed step when the sick node is silent, the
-    trainer reports the save failed, or the timeout passes. Output {"step", "proactive"}."""
+class JobStep:
+    """What every job step shares: it is idempotent for its key (its command ids derive from
+    the key or the job attempt), and it runs on the step's job, `skipped` when there is none.
+    Subclasses implement `run_job`, with `progress` a copy of the step's saved output."""
 
     jobs: JobManager
-    poll_interval_s: float = 0.5
-    kind: str = "checkpoint"
-    remediation: bool = True
 
     def idempotent(self, params: dict[str, Any]) -> bool:
         return True
@@ -61,7 +58,23 @@ class CheckpointHandler:
         job = _job_of(self.jobs, ctx)
         if job is None:
             return _no_job(ctx)
-        progress = dict(ctx.progress)
+        return self.run_job(ctx, job, dict(ctx.progress))
+
+    def run_job(self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]) -> Outcome:
+        raise NotImplementedError
+
+
+@dataclass
+class CheckpointHandler(JobStep):
+    """`checkpoint`: ask every rank for a checkpoint (request id = the step's key) and wait
+    for its commit; fall back to the latest committed step when the sick node is silent, the
+    trainer reports the save failed, or the timeout passes. Output {"step", "proactive"}."""
+
+    poll_interval_s: float = 0.5
+    kind: str = "checkpoint"
+    remediation: bool = True
+
+    def run_job(self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]) -> Outcome:
         sick = ctx.params.get("node") if isinstance(ctx.params.get("node"), str) else None
         if progress.get("phase") != "waiting":
             step, ckpt = self.jobs.latest_steps(job.name)
@@ -187,25 +200,18 @@ def swap_or_shrink(
 
 
 @dataclass
-class ReplaceHandler:
+class ReplaceHandler(JobStep):
     """`replace`: give the job a healthy node set. Unusable nodes (the incident's node,
     drained, not reporting) are swapped for hot spares; with too few spares the job shrinks
     to fewer nodes when it can keep its world size (min_nodes, max_nproc_per_node), else the
     step waits (bounded) for a spare and then pages (fails)."""
 
-    jobs: JobManager
     open_incident_nodes: Callable[[], set[str]]
     poll_interval_s: float = 5.0
     kind: str = "replace"
     remediation: bool = True
 
-    def idempotent(self, params: dict[str, Any]) -> bool:
-        return True
-
-    def run(self, ctx: ActionContext) -> Outcome:
-        job = _job_of(self.jobs, ctx)
-        if job is None:
-            return _no_job(ctx)
+    def run_job(self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]) -> Outcome:
         spec = self.jobs.spec(job)
         started_at = float(ctx.progress.get("started_at", ctx.now))
         sick = ctx.params.get("node")
@@ -267,7 +273,7 @@ class ReplaceHandler:
 
 
 @dataclass
-class RestartHandler:
+class RestartHandler(JobStep):
     """`restart` (and `rollback`): stop the current attempt (grace, bounded wait; a silent
     node is not waited for), start attempt+1 on the job's node set, and succeed once a rank of
     the new attempt reports a step past the checkpoint. Output {first_step, restarted_at}.
@@ -276,7 +282,6 @@ class RestartHandler:
     non-finite one), with the skip window in TRAINGUARD_RESUME_SKIP_BATCHES; skipped when the
     trainer already rolled back in process."""
 
-    jobs: JobManager
     observe: PhaseObserver = field(default=lambda phases, lost: None)
     poll_interval_s: float = 0.5
     kind: str = "restart"
@@ -285,15 +290,8 @@ class RestartHandler:
     # None: the restart fails on them (a replace step must run first).
     open_incident_nodes: Callable[[], set[str]] | None = None
 
-    def idempotent(self, params: dict[str, Any]) -> bool:
-        return True
-
-    def run(self, ctx: ActionContext) -> Outcome:
-        job = _job_of(self.jobs, ctx)
-        if job is None:
-            return _no_job(ctx)
+    def run_job(self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]) -> Outcome:
         key = ctx.action.idempotency_key
-        progress = dict(ctx.progress)
         phase = progress.get("phase", "stop")
         if job.attempt_key == key and phase == "stop":
             phase = "start"  # this step began its attempt before a controller restart
@@ -589,22 +587,14 @@ class RestartHandler:
 
 
 @dataclass
-class StopHandler:
+class StopHandler(JobStep):
     """`stop`: stop the job on every node (grace), wait until none reports it (bounded)."""
 
-    jobs: JobManager
     poll_interval_s: float = 0.5
     kind: str = "stop"
     remediation: bool = True
 
-    def idempotent(self, params: dict[str, Any]) -> bool:
-        return True
-
-    def run(self, ctx: ActionContext) -> Outcome:
-        job = _job_of(self.jobs, ctx)
-        if job is None:
-            return _no_job(ctx)
-        progress = dict(ctx.progress)
+    def run_job(self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]) -> Outcome:
         if "sent_at" not in progress:
             self.jobs.set_state(job.name, "stopping", reason=str(ctx.params.get("actor", "")))
             nodes = [
@@ -656,27 +646,19 @@ def bounded_text(text: str, *, limit_chars: int, where: str = "") -> str:
 
 
 @dataclass
-class CollectStacksHandler:
+class CollectStacksHandler(JobStep):
     """`collect_stacks`: ask each reporting node of the job for its ranks' Python stacks and
     keep what comes back in the output and in the step's timeline entry (`stacks`: node ->
     text, bounded per node and in total, cut with a marker); never fails the plan
     (diagnosis only)."""
 
-    jobs: JobManager
     poll_interval_s: float = 0.5
     max_chars: int = 8000  # per node
     max_total_chars: int = 64000  # over every node: a timeline entry must stay small
     kind: str = "collect_stacks"
     remediation: bool = True
 
-    def idempotent(self, params: dict[str, Any]) -> bool:
-        return True
-
-    def run(self, ctx: ActionContext) -> Outcome:
-        job = _job_of(self.jobs, ctx)
-        if job is None:
-            return _no_job(ctx)
-        progress = dict(ctx.progress)
+    def run_job(self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]) -> Outcome:
         if "sent_at" not in progress:
             nodes = [n for n in job.attempt_nodes if self.jobs.reporting(n)]
             for node in nodes:
@@ -738,6 +720,7 @@ def job_handlers(
 
 __all__ = [
     "CheckpointHandler",
+    "JobStep",
     "bounded_text",
     "CollectStacksHandler",
     "ReplaceHandler",

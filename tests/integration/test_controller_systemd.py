@@ -10,25 +10,15 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from agent_proc import cleanup, short_tmpdir, wait_until
 
 from controller.auth import hash_token
 
 BIN = Path(sys.executable).parent
 UNIT = Path(__file__).resolve().parents[2] / "systemd" / "trainguard-controller.service"
-
-
-def wait_until(cond: Callable[[], bool], *, what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def test_controller_unit_file_passes_systemd_analyze_verify(tmp_path: Path) -> None:
@@ -58,8 +48,7 @@ def test_controller_unit_file_passes_systemd_analyze_verify(tmp_path: Path) -> N
 
 @pytest.mark.slow
 def test_controller_notifies_ready_watchdog_and_stopping() -> None:
-    # a short directory: unix socket paths are limited to 107 bytes
-    workdir = Path(tempfile.mkdtemp(prefix="tgc-"))
+    workdir = short_tmpdir()  # unix socket paths are limited to 108 bytes
     (workdir / "rules.yaml").write_text("rules: []\n")
     (workdir / "tokens.yaml").write_text(
         f'tokens:\n  - {{name: ops, role: operator, sha256: "{hash_token("op-token")}"}}\n'
@@ -109,4 +98,4 @@ def test_controller_notifies_ready_watchdog_and_stopping() -> None:
             popen.kill()
             popen.wait(timeout=10)
         notify.close()
-        shutil.rmtree(workdir, ignore_errors=True)
+        cleanup(workdir)
