@@ -6,18 +6,22 @@ figure is the time `Trainguard.save()` takes to return (snapshot into host buffe
 first save comes after `--steps-before-save` training steps through `Trainguard.step()`; the
 first `step()` has the host buffers allocated and pre-faulted in the background, so the first
 save only copies if they are ready by then (with 1 step it comes right after that step and
-waits for them: the worst case). `--no-prepare` switches the background preparation off, so
-the first save allocates the buffers itself, as it did before. First and later saves are
-reported separately. The write throughput is checkpoint bytes on disk / the writer's wall
-time (write + fsync + sha256 + manifest + rename).
+takes over from the preparation: the worst case). `--no-prepare` switches the background
+preparation off, so the first save allocates the buffers itself, as it did before;
+`--prepare-priority normal` runs it at the loop's own CPU priority instead of nice 19. The
+training loop keeps both cores busy; `--host-idle-s` adds a sleep to every step, standing in
+for the time the host thread of a GPU-bound loop waits for the device (the CPU a low-priority
+preparation can use). First and later saves are reported separately. The write throughput
+is checkpoint bytes on disk / the writer's wall time (write + fsync + sha256 + manifest +
+rename).
 
 The disk and the CPUs may be shared with other work, so one dd and one save say little:
-saves and dd runs alternate (dd, save, dd, save, ..., dd), each dd writes as many bytes as
-the checkpoint holds, each save is compared with the mean of the dd runs either side of it,
-and the medians are reported.
+saves and dd runs alternate (dd, training steps, save, dd, save, ..., dd), each dd writes
+as many bytes as the checkpoint holds, each save is compared with the mean of the dd runs
+either side of it, and the medians are reported.
 
     .venv/bin/python bench/checkpoint.py [--dir /path/on/target/disk] [--layers 5] [--saves 7]
-        [--steps-before-save 5] [--no-prepare]
+        [--steps-before-save 5] [--no-prepare | --prepare-priority normal] [--host-idle-s 0]
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import torch
 from torch import nn
 
 from agent.trainer import Trainguard
+from agent.trainer import state as state_mod
 from agent.trainer.manifest import read_manifest
 
 
@@ -76,6 +81,13 @@ def main() -> None:
         "--no-prepare",
         action="store_true",
         help="no background buffer preparation: the first save allocates (the old behaviour)",
+    )
+    p.add_argument("--prepare-priority", choices=["low", "normal"], default="low")
+    p.add_argument(
+        "--host-idle-s",
+        type=float,
+        default=0.0,
+        help="sleep per training step (a GPU-bound loop's host thread waiting for the device)",
     )
     args = p.parse_args()
     if args.steps_before_save < 1:
@@ -120,11 +132,16 @@ def main() -> None:
         )
         if args.no_prepare:
             tg._pool.prepare = lambda obj: False  # type: ignore[method-assign]
+        if args.prepare_priority == "normal":
+            state_mod._lower_thread_priority = lambda: None
+        # The first dd runs before the steps: no idle gap between the last step and save 1.
+        dd_bps = [dd_throughput(work, state_bytes)]
         step_s: list[float] = []
         step_call_s: list[float] = []
         for i in range(1, args.steps_before_save + 1):
             t0 = time.perf_counter()
             train_step()
+            time.sleep(args.host_idle_s)
             t1 = time.perf_counter()
             tg.step(i)
             step_call_s.append(time.perf_counter() - t1)
@@ -134,7 +151,6 @@ def main() -> None:
         first_save_allocated = 0
         write_s: list[float] = []
         write_bps: list[float] = []
-        dd_bps = [dd_throughput(work, state_bytes)]
         first = args.steps_before_save
         for i in range(first, first + args.saves):
             t0 = time.perf_counter()
@@ -156,7 +172,8 @@ def main() -> None:
         mib = 2**20
         print(json.dumps({
             "load_average_at_start": load_at_start,
-            "background_prepare": not args.no_prepare,
+            "background_prepare": "off" if args.no_prepare else args.prepare_priority,
+            "host_idle_s_per_step": args.host_idle_s,
             "steps_before_first_save": args.steps_before_save,
             "train_step_s_each": [round(s, 3) for s in step_s],
             "trainguard_step_call_s_each": [round(s, 4) for s in step_call_s],
