@@ -449,6 +449,11 @@ class IngestFrontend:
                         )
                         answer = encode_answer(*_error(500, "internal error"))
                     out.append(encode_frame(KIND_ANSWER, request_id, answer))
+                    if frames:
+                        # back-to-back ingests re-take the controller's lock before the tick
+                        # thread, woken by its release, gets the GIL to take it: hand the GIL
+                        # over between them so a long batch does not starve the tick
+                        time.sleep(0)
                     if len(out) >= _FLUSH_EVERY:
                         channel.write(b"".join(out))
                         out.clear()
