@@ -7,12 +7,13 @@ The first save comes after `--steps-before-save` training steps through `Traingu
 the first `step()` has the host buffers allocated and pre-faulted in the background, so the
 first save only copies if they are ready by then (with 1 step it comes right after that step
 and takes over from the preparation: the worst case). `--no-prepare` switches the background
-preparation off, so the first save allocates the buffers itself, as it did before. The
-training loop keeps both cores busy, so the preparation takes its CPU from the loop;
-`--host-idle-s` adds a sleep to every step, standing in for the time the host thread of a
-GPU-bound loop waits for the device (idle CPU the preparation can use). First and later
-saves are reported separately. The write throughput is checkpoint bytes on disk / the
-writer's wall time (write + fsync + sha256 + manifest + rename).
+preparation off, so the first save allocates the buffers itself, as it did before;
+`--prepare-priority normal` runs it at the loop's priority instead of nice 19. The training
+loop keeps both cores busy (a nice-19 preparation gets little CPU then); `--host-idle-s`
+adds a sleep to every step, standing in for the time the host thread of a GPU-bound loop
+waits for the device (idle CPU the preparation can use). First and later saves are reported
+separately. The write throughput is checkpoint bytes on disk / the writer's wall time (write
++ fsync + sha256 + manifest + rename).
 
 The disk and the CPUs may be shared with other work, so one dd and one save say little:
 saves and dd runs alternate (dd, training steps, save, dd, save, ..., dd), each dd writes
@@ -20,7 +21,7 @@ as many bytes as the checkpoint holds, each save is compared with the mean of th
 either side of it, and the medians are reported.
 
     .venv/bin/python bench/checkpoint.py [--dir /path/on/target/disk] [--layers 5] [--saves 7]
-        [--steps-before-save 5] [--no-prepare] [--host-idle-s 0]
+        [--steps-before-save 5] [--no-prepare | --prepare-priority normal] [--host-idle-s 0]
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import torch
 from torch import nn
 
 from agent.trainer import Trainguard
+from agent.trainer import state as state_mod
 from agent.trainer.manifest import read_manifest
 
 
@@ -80,6 +82,7 @@ def main() -> None:
         action="store_true",
         help="no background buffer preparation: the first save allocates (the old behaviour)",
     )
+    p.add_argument("--prepare-priority", choices=["low", "normal"], default="low")
     p.add_argument(
         "--host-idle-s",
         type=float,
@@ -129,6 +132,8 @@ def main() -> None:
         )
         if args.no_prepare:
             tg._pool.prepare = lambda obj: False  # type: ignore[method-assign]
+        if args.prepare_priority == "normal":
+            state_mod._lower_thread_priority = lambda: None
         # The first dd runs before the steps: no idle gap between the last step and save 1.
         dd_bps = [dd_throughput(work, state_bytes)]
         step_s: list[float] = []
@@ -167,7 +172,7 @@ def main() -> None:
         mib = 2**20
         print(json.dumps({
             "load_average_at_start": load_at_start,
-            "background_prepare": not args.no_prepare,
+            "background_prepare": "off" if args.no_prepare else args.prepare_priority,
             "host_idle_s_per_step": args.host_idle_s,
             "steps_before_first_save": args.steps_before_save,
             "train_step_s_each": [round(s, 3) for s in step_s],

@@ -7,9 +7,12 @@ never pickled Python objects.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
+import os
 import random
+import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -143,15 +146,17 @@ class SnapshotPool:
 
     `prepare(state)` moves that cost off the first save too: a background thread allocates
     the buffers a snapshot of `state` needs and touches every page of them, so the first
-    `snapshot()` only copies. A snapshot never waits for that thread to finish: if it comes
-    while the thread is still working, it takes over. The thread stops at its next chunk (8
-    MiB of pages; pinned memory is not touched, so there it finishes the buffer it is
-    allocating), and the snapshot keeps every buffer already made and allocates only the
-    rest, as it would without preparation (waiting would cost about the same on an idle
-    machine, but on a busy one it would depend on how the scheduler treats the thread).
-    Memory stays at one set of buffers: buffers whose path is no longer in the state, or
-    whose shape or dtype changed, are dropped (and reallocated) by the next `prepare` or
-    `snapshot`.
+    `snapshot()` only copies. The thread runs at the lowest CPU priority (nice 19, Linux),
+    so it uses idle CPU only: at normal priority it competed with the loop's own threads
+    and, on a loop that kept the cores busy, cost the loop more time than the first save
+    gained (BENCHMARKS.md). A snapshot never waits for it to finish (a low-priority thread
+    may be starved for long on a busy machine), nor allocates a second set beside it: if it
+    comes while the thread is still working, it takes over. The thread stops at its next
+    chunk (8 MiB of pages; pinned memory is not touched, so there it finishes the buffer it
+    is allocating), and the snapshot keeps every buffer already made and allocates only the
+    rest, as it would without preparation. Memory stays at one set of buffers: buffers whose
+    path is no longer in the state, or whose shape or dtype changed, are dropped (and
+    reallocated) by the next `prepare` or `snapshot`.
     """
 
     def __init__(self, *, clock: Clock = SYSTEM_CLOCK) -> None:
@@ -232,6 +237,7 @@ class SnapshotPool:
         self._stop.clear()
 
     def _prepare_loop(self) -> None:
+        _lower_thread_priority()
         while True:
             with self._lock:
                 wanted, self._wanted = self._wanted, None
@@ -340,3 +346,11 @@ def _touch_pages(buf: torch.Tensor, stop: threading.Event) -> None:
             return
         raw[start : start + _TOUCH_CHUNK_BYTES : _PAGE_BYTES].zero_()
     raw[-1:].zero_()
+
+
+def _lower_thread_priority() -> None:
+    """Nice 19 for the calling thread only: on Linux the nice value is per thread (elsewhere
+    the same call would renice the whole process, so it is Linux only). Best effort."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
