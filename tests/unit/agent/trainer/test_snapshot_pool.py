@@ -4,6 +4,8 @@ resume."""
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -154,3 +156,21 @@ def test_first_step_prepares_every_buffer_a_save_needs(tmp_path: Path) -> None:
     assert tg._pool.allocated_bytes == 0
     assert tg._pool.held_bytes == tg._pool.bytes
     tg.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux only")
+def test_preparing_thread_runs_at_the_lowest_cpu_priority_and_the_caller_keeps_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[int] = []
+
+    def recording_touch(buf: torch.Tensor, stop: threading.Event) -> None:
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    monkeypatch.setattr(state_mod, "_touch_pages", recording_touch)
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    pool = SnapshotPool()
+    assert pool.prepare({"a": torch.zeros(3)})
+    assert pool.wait_ready(GATE_TIMEOUT_S)
+    assert seen == [19]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
