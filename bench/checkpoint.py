@@ -201,6 +201,8 @@ def main() -> None:
         }, indent=2))  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        if not args.dir:
+            shutil.rmtree(base, ignore_errors=True)  # our own temp dir
 
 
 if __name__ == "__main__":
