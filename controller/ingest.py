@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "ANSWER_MAX_BYTES",
     "JSON_BODY",
     "HEADER",
     "KIND_ANSWER",
@@ -85,6 +86,9 @@ _FLUSH_EVERY = 32
 _YIELD_EVERY = 16
 # room for a forwarded request's method, path, query and headers beyond the body limit
 _META_ALLOWANCE_BYTES = 1024 * 1024
+# largest frame a worker takes from the core: answers are not bound by the request body limit
+# (a GET of every incident or node can be megabytes), only guarded against a corrupt length
+ANSWER_MAX_BYTES = 1 << 30
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -729,8 +733,7 @@ async def _worker(args: argparse.Namespace) -> int:
     chan = socket.socket(fileno=args.channel_fd)
     reader, writer = await asyncio.open_unix_connection(sock=chan)
     channel = _CoreChannel(reader, writer)
-    max_frame_bytes = args.max_body_bytes + _META_ALLOWANCE_BYTES
-    reading = asyncio.create_task(channel.read_loop(max_frame_bytes=max_frame_bytes))
+    reading = asyncio.create_task(channel.read_loop(max_frame_bytes=ANSWER_MAX_BYTES))
     waits = {
         asyncio.create_task(channel.tokens_changed.wait()),
         asyncio.create_task(channel.closed.wait()),

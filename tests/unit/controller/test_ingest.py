@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from typing import Any
 
 import pytest
@@ -15,11 +16,14 @@ from controller.auth import TokenStore
 from controller.config import ConfigError, load_config
 from controller.core import Controller
 from controller.ingest import (
+    ANSWER_MAX_BYTES,
     HEADER,
     JSON_BODY,
     KIND_ANSWER,
+    KIND_HTTP,
     KIND_REPORT,
     FrameError,
+    _CoreChannel,
     call_asgi,
     decode_answer,
     decode_http,
@@ -100,6 +104,32 @@ def test_read_frame_refuses_bad_frames(frame: bytes, reason: str) -> None:
 
     with pytest.raises(FrameError, match=reason):
         asyncio.run(read())
+
+
+def test_the_worker_takes_answers_larger_than_the_request_body_limit() -> None:
+    """A GET of every incident can be megabytes: the worker's channel must pass it whole."""
+    big = b"[" + b"0," * (3 * 1024 * 1024) + b"0]"
+
+    async def run() -> tuple[int, bytes]:
+        core_end, worker_end = socket.socketpair()
+        core_end.setblocking(False)
+        reader, writer = await asyncio.open_unix_connection(sock=worker_end)
+        channel = _CoreChannel(reader, writer)
+        reading = asyncio.create_task(channel.read_loop(max_frame_bytes=ANSWER_MAX_BYTES))
+        asking = asyncio.create_task(channel.request(KIND_HTTP, b"ignored"))
+        loop = asyncio.get_running_loop()
+        header = await loop.sock_recv(core_end, HEADER.size)
+        _, _, request_id = HEADER.unpack(header)
+        answer = encode_frame(KIND_ANSWER, request_id, encode_answer(200, [], big, flags=JSON_BODY))
+        await loop.sock_sendall(core_end, answer)
+        status, _, body = await asyncio.wait_for(asking, timeout=10)
+        core_end.close()
+        await asyncio.wait_for(reading, timeout=10)
+        writer.close()
+        return status, body
+
+    status, body = asyncio.run(run())
+    assert (status, len(body)) == (200, len(big))
 
 
 def test_read_frame_at_eof_raises_incomplete_read() -> None:
