@@ -251,6 +251,11 @@ class JobManager:
         changes: dict[str, Any] = {"state": state, "state_reason": reason}
         if state in FINISHED_STATES:
             changes["ended_at"] = now
+        if state == "running":
+            current = self.get(name)
+            if current is not None and current.started_at is None:
+                # the restart step can see the first attempt train before the tick does
+                changes["started_at"] = now
         rec = self._remember(self.store.update_job(name, **changes))
         log.info(
             "event=job_state job=%s state=%s attempt=%d reason=%s",
@@ -540,9 +545,11 @@ class JobManager:
             changes: dict[str, Any] = {}
             if job.state == "starting" and self._attempt_running(job):
                 changes["state"] = "running"
-                if job.started_at is None:
-                    changes["started_at"] = now
             running = job.state == "running" or "state" in changes
+            if running and job.started_at is None:
+                # ETTR's wall clock starts with the first productive sample, whichever path
+                # marked the job running; productive time before it would push ETTR past 1
+                changes["started_at"] = now
             if step is not None and step != job.last_step:
                 changes["last_step"] = step
                 hwm = job.hwm_step if job.hwm_step is not None else (ckpt or 0)

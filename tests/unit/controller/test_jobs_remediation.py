@@ -360,3 +360,36 @@ def test_shrink_plan_keeps_the_world_size(world, healthy, min_nodes, max_nproc, 
         shrink_plan(world_size=world, healthy=healthy, min_nodes=min_nodes, max_nproc=max_nproc)
         == expected
     )
+
+
+def ettr_and_start(sim: Sim) -> tuple[float | None, float | None]:
+    job = sim.c.get_job("job")
+    return job.ettr, job.started_at
+
+
+def test_ettr_starts_when_the_job_first_runs_even_if_a_step_marked_it_running(sim):
+    # The restart step's confirmation may mark a job running before the tick's own check
+    # does; ETTR's wall clock must start then too, or the productive time counted without
+    # it pushes ETTR to 1 after the next restart.
+    sim.submit(nodes=["n1", "n2"])
+    assert sim.c.get_job("job").state == "starting"
+    marked_at = sim.clock.now()
+    sim.c.jobs.set_state("job", "running")
+    assert ettr_and_start(sim)[1] == marked_at
+    sim.second(30)
+    ettr, started = ettr_and_start(sim)
+    assert started == marked_at
+    assert ettr is not None and 0.8 < ettr <= 1.0
+
+
+def test_ettr_counts_a_restart_as_lost_time(sim):
+    sim.submit(nodes=["n1", "n2"])
+    sim.until(running(sim, attempt=1), max_s=5, what="job running")
+    sim.second(60)
+    before = ettr_and_start(sim)[0]
+    assert before is not None and before > 0.9
+    sim.agents["n1"].gpus = (gpu(0, dbe=1),)
+    sim.until(running(sim, attempt=2), max_s=30, what="restart onto the spare")
+    sim.second(5)
+    after = ettr_and_start(sim)[0]
+    assert after is not None and after < before
