@@ -53,6 +53,7 @@ __all__ = ["DrainRequest", "RoleRequest", "SilenceRequest", "create_app", "encod
 log = logging.getLogger("trainguard.controller.api")
 
 T = TypeVar("T")
+H = TypeVar("H", bound=Callable[..., Any])
 
 
 @dataclass(frozen=True)
@@ -279,6 +280,31 @@ def create_app(
     def call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return fn(*args, **kwargs)
 
+    def answer(
+        description: str, schema: dict[str, Any], errors: tuple[int, ...], *, status: int = 200
+    ) -> dict[int | str, dict[str, Any]]:
+        """A route's documented answers: its success (`status`), then the error codes it gives."""
+        ok = {"description": description, "content": _content(schema)}
+        return {status: ok, **_errors(*errors)}
+
+    def route(
+        method: str,
+        path: str,
+        tag: str,
+        responses: dict[int | str, dict[str, Any]],
+        **options: Any,
+    ) -> Callable[[H], H]:
+        """Register a route the way every route here is: raw `Response` answers (encoded by
+        `_ok`) and the documented `responses`."""
+        return app.api_route(
+            path,
+            methods=[method],
+            tags=[tag],
+            response_class=Response,
+            responses=responses,
+            **options,
+        )
+
     # --- exception handlers ---
 
     @app.exception_handler(ApiError)
@@ -317,20 +343,20 @@ def create_app(
 
     # --- health and metrics (no auth: probes and Prometheus scrape them) ---
 
-    @app.get(
+    @route(
+        "GET",
         "/healthz",
-        tags=["meta"],
-        response_class=Response,
-        responses={200: {"description": "Alive", "content": _content(schemas.ref(Health))}},
+        "meta",
+        {200: {"description": "Alive", "content": _content(schemas.ref(Health))}},
     )
     async def healthz() -> Response:
         return _ok(Health(status="ok"))
 
-    @app.get(
+    @route(
+        "GET",
         "/metrics",
-        tags=["meta"],
-        response_class=Response,
-        responses={
+        "meta",
+        {
             200: {
                 "description": "Prometheus text exposition",
                 "content": {"text/plain": {"schema": {"type": "string"}}},
@@ -343,18 +369,16 @@ def create_app(
 
     # --- reports (agents) ---
 
-    @app.post(
+    @route(
+        "POST",
         "/v1/reports",
-        tags=["agents"],
-        response_class=Response,
+        "agents",
         openapi_extra=request_body(Report),
-        responses={
-            200: {
-                "description": "Acknowledged events and commands for the node",
-                "content": _content(schemas.ref(ReportResponse)),
-            },
-            **_errors(400, 401, 403, 413, 422),
-        },
+        responses=answer(
+            "Acknowledged events and commands for the node",
+            schemas.ref(ReportResponse),
+            (400, 401, 403, 413, 422),
+        ),
     )
     async def post_report(
         request: Request,
@@ -367,44 +391,29 @@ def create_app(
 
     # --- nodes ---
 
-    @app.get(
-        "/v1/nodes",
-        tags=["nodes"],
-        response_class=Response,
-        responses={
-            200: {"description": "All nodes", "content": _content(schemas.array(NodeView))},
-            **_errors(401, 403),
-        },
-    )
+    @route("GET", "/v1/nodes", "nodes", answer("All nodes", schemas.array(NodeView), (401, 403)))
     async def list_nodes(_: Principal = Depends(reader)) -> Response:
         return _ok(await run_in_threadpool(service.list_nodes))
 
-    @app.get(
+    @route(
+        "GET",
         "/v1/nodes/{name}",
-        tags=["nodes"],
-        response_class=Response,
-        responses={
-            200: {"description": "One node", "content": _content(schemas.ref(NodeView))},
-            **_errors(401, 403, 404, 422),
-        },
+        "nodes",
+        answer("One node", schemas.ref(NodeView), (401, 403, 404, 422)),
     )
     async def get_node(name: str, _: Principal = Depends(reader)) -> Response:
         return _ok(await run_in_threadpool(service.get_node, name))
 
-    node_changed = {
-        200: {
-            "description": "The node after the change",
-            "content": _content(schemas.ref(NodeView)),
-        },
-        **_errors(400, 401, 403, 404, 409, 413, 422),
-    }
+    node_changed = answer(
+        "The node after the change", schemas.ref(NodeView), (400, 401, 403, 404, 409, 413, 422)
+    )
 
-    @app.post(
+    @route(
+        "POST",
         "/v1/nodes/{name}/drain",
-        tags=["nodes"],
-        response_class=Response,
+        "nodes",
+        node_changed,
         openapi_extra=request_body(DrainRequest),
-        responses=node_changed,
     )
     async def drain(request: Request, name: str, who: Principal = Depends(writer)) -> Response:
         req = await body_of(request, DrainRequest)
@@ -412,23 +421,18 @@ def create_app(
         log.info("event=drain node=%s actor=%s", name, who.name)
         return _ok(view)
 
-    @app.post(
-        "/v1/nodes/{name}/undrain",
-        tags=["nodes"],
-        response_class=Response,
-        responses=node_changed,
-    )
+    @route("POST", "/v1/nodes/{name}/undrain", "nodes", node_changed)
     async def undrain(name: str, who: Principal = Depends(writer)) -> Response:
         view = await run_in_threadpool(call, service.undrain, name, actor=who.name)
         log.info("event=undrain node=%s actor=%s", name, who.name)
         return _ok(view)
 
-    @app.put(
+    @route(
+        "PUT",
         "/v1/nodes/{name}/role",
-        tags=["nodes"],
-        response_class=Response,
+        "nodes",
+        node_changed,
         openapi_extra=request_body(RoleRequest),
-        responses=node_changed,
     )
     async def set_role(request: Request, name: str, who: Principal = Depends(writer)) -> Response:
         req = await body_of(request, RoleRequest)
@@ -436,19 +440,18 @@ def create_app(
         log.info("event=set_role node=%s role=%s actor=%s", name, req.role, who.name)
         return _ok(view)
 
-    @app.post(
+    @route(
+        "POST",
         "/v1/nodes/{name}/faults",
-        tags=["nodes"],
-        status_code=202,
-        response_class=Response,
+        "nodes",
         openapi_extra=request_body(FaultSpec),
-        responses={
-            202: {
-                "description": "Fault queued for the node's agent (sim backend only)",
-                "content": _content(schemas.ref(FaultAccepted)),
-            },
-            **_errors(400, 401, 403, 404, 409, 413, 422),
-        },
+        responses=answer(
+            "Fault queued for the node's agent (sim backend only)",
+            schemas.ref(FaultAccepted),
+            (400, 401, 403, 404, 409, 413, 422),
+            status=202,
+        ),
+        status_code=202,
     )
     async def inject_fault(
         request: Request, name: str, who: Principal = Depends(writer)
@@ -458,31 +461,17 @@ def create_app(
         log.info("event=inject_fault node=%s kind=%s actor=%s", name, spec.kind, who.name)
         return _ok(FaultAccepted(command_id=command_id), status=202)
 
-    @app.get(
-        "/v1/spares",
-        tags=["nodes"],
-        response_class=Response,
-        responses={
-            200: {"description": "Hot spares", "content": _content(schemas.array(NodeView))},
-            **_errors(401, 403),
-        },
-    )
+    @route("GET", "/v1/spares", "nodes", answer("Hot spares", schemas.array(NodeView), (401, 403)))
     async def list_spares(_: Principal = Depends(reader)) -> Response:
         return _ok(await run_in_threadpool(service.list_spares))
 
     # --- incidents ---
 
-    @app.get(
+    @route(
+        "GET",
         "/v1/incidents",
-        tags=["incidents"],
-        response_class=Response,
-        responses={
-            200: {
-                "description": "Incidents, newest first",
-                "content": _content(schemas.array(IncidentView)),
-            },
-            **_errors(401, 403, 422),
-        },
+        "incidents",
+        answer("Incidents, newest first", schemas.array(IncidentView), (401, 403, 422)),
     )
     async def list_incidents(
         state: IncidentState | None = None,
@@ -496,57 +485,43 @@ def create_app(
             )
         )
 
-    @app.get(
+    @route(
+        "GET",
         "/v1/incidents/{incident_id}",
-        tags=["incidents"],
-        response_class=Response,
-        responses={
-            200: {
-                "description": "An incident with its timeline and actions",
-                "content": _content(schemas.ref(IncidentDetail)),
-            },
-            **_errors(401, 403, 404, 422),
-        },
+        "incidents",
+        answer(
+            "An incident with its timeline and actions",
+            schemas.ref(IncidentDetail),
+            (401, 403, 404, 422),
+        ),
     )
     async def get_incident(incident_id: int, _: Principal = Depends(reader)) -> Response:
         return _ok(await run_in_threadpool(service.get_incident, incident_id))
 
     # --- jobs ---
 
-    @app.get(
-        "/v1/jobs",
-        tags=["jobs"],
-        response_class=Response,
-        responses={
-            200: {"description": "All jobs", "content": _content(schemas.array(JobView))},
-            **_errors(401, 403),
-        },
-    )
+    @route("GET", "/v1/jobs", "jobs", answer("All jobs", schemas.array(JobView), (401, 403)))
     async def list_jobs(_: Principal = Depends(reader)) -> Response:
         return _ok(await run_in_threadpool(service.list_jobs))
 
-    @app.get(
+    @route(
+        "GET",
         "/v1/jobs/{name}",
-        tags=["jobs"],
-        response_class=Response,
-        responses={
-            200: {"description": "One job", "content": _content(schemas.ref(JobView))},
-            **_errors(401, 403, 404, 422),
-        },
+        "jobs",
+        answer("One job", schemas.ref(JobView), (401, 403, 404, 422)),
     )
     async def get_job(name: str, _: Principal = Depends(reader)) -> Response:
         return _ok(await run_in_threadpool(service.get_job, name))
 
-    @app.post(
+    @route(
+        "POST",
         "/v1/jobs",
-        tags=["jobs"],
-        status_code=201,
-        response_class=Response,
+        "jobs",
         openapi_extra=request_body(JobSpec),
-        responses={
-            201: {"description": "The job, starting", "content": _content(schemas.ref(JobView))},
-            **_errors(400, 401, 403, 409, 413, 422),
-        },
+        responses=answer(
+            "The job, starting", schemas.ref(JobView), (400, 401, 403, 409, 413, 422), status=201
+        ),
+        status_code=201,
     )
     async def submit_job(request: Request, who: Principal = Depends(writer)) -> Response:
         spec = await body_of(request, JobSpec)
@@ -563,32 +538,28 @@ def create_app(
         return handler
 
     for kind in ("checkpoint", "restart", "stop"):
-        app.post(
+        route(
+            "POST",
             f"/v1/jobs/{{name}}/{kind}",
-            tags=["jobs"],
+            "jobs",
+            answer(
+                f"The {kind} step, as recorded",
+                schemas.ref(ActionView),
+                (400, 401, 403, 404, 409, 422),
+                status=202,
+            ),
             status_code=202,
-            response_class=Response,
             name=f"job_{kind}",
             summary=f"{kind.capitalize()} a job (an audited action step; poll the job)",
-            responses={
-                202: {
-                    "description": f"The {kind} step, as recorded",
-                    "content": _content(schemas.ref(ActionView)),
-                },
-                **_errors(400, 401, 403, 404, 409, 422),
-            },
         )(job_step(kind))
 
     # --- silences ---
 
-    @app.get(
+    @route(
+        "GET",
         "/v1/silences",
-        tags=["silences"],
-        response_class=Response,
-        responses={
-            200: {"description": "Silences", "content": _content(schemas.array(SilenceView))},
-            **_errors(401, 403, 422),
-        },
+        "silences",
+        answer("Silences", schemas.array(SilenceView), (401, 403, 422)),
     )
     async def list_silences(
         include_expired: bool = False, _: Principal = Depends(reader)
@@ -597,16 +568,15 @@ def create_app(
             await run_in_threadpool(call, service.list_silences, include_expired=include_expired)
         )
 
-    @app.post(
+    @route(
+        "POST",
         "/v1/silences",
-        tags=["silences"],
-        status_code=201,
-        response_class=Response,
+        "silences",
         openapi_extra=request_body(SilenceRequest),
-        responses={
-            201: {"description": "The new silence", "content": _content(schemas.ref(SilenceView))},
-            **_errors(400, 401, 403, 413, 422),
-        },
+        responses=answer(
+            "The new silence", schemas.ref(SilenceView), (400, 401, 403, 413, 422), status=201
+        ),
+        status_code=201,
     )
     async def create_silence(request: Request, who: Principal = Depends(writer)) -> Response:
         req = await body_of(request, SilenceRequest)
@@ -624,12 +594,12 @@ def create_app(
         log.info("event=silence_created silence=%s actor=%s", view.id, who.name)
         return _ok(view, status=201)
 
-    @app.delete(
+    @route(
+        "DELETE",
         "/v1/silences/{silence_id}",
-        tags=["silences"],
+        "silences",
+        {204: {"description": "Deleted"}, **_errors(401, 403, 404, 422)},
         status_code=204,
-        response_class=Response,
-        responses={204: {"description": "Deleted"}, **_errors(401, 403, 404, 422)},
     )
     async def delete_silence(silence_id: int, who: Principal = Depends(writer)) -> Response:
         await run_in_threadpool(call, service.delete_silence, silence_id, actor=who.name)
@@ -638,34 +608,22 @@ def create_app(
 
     # --- audit and rules ---
 
-    @app.get(
+    @route(
+        "GET",
         "/v1/audit",
-        tags=["audit"],
-        response_class=Response,
-        responses={
-            200: {
-                "description": "Audit log, newest first",
-                "content": _content(schemas.array(AuditEntry)),
-            },
-            **_errors(401, 403, 422),
-        },
+        "audit",
+        answer("Audit log, newest first", schemas.array(AuditEntry), (401, 403, 422)),
     )
     async def audit(
         limit: int = Query(100, ge=1, le=10_000), _: Principal = Depends(reader)
     ) -> Response:
         return _ok(await run_in_threadpool(call, service.audit_log, limit=limit))
 
-    @app.post(
+    @route(
+        "POST",
         "/v1/rules/reload",
-        tags=["rules"],
-        response_class=Response,
-        responses={
-            200: {
-                "description": "Rules reloaded",
-                "content": _content(schemas.ref(RulesReloaded)),
-            },
-            **_errors(400, 401, 403),
-        },
+        "rules",
+        answer("Rules reloaded", schemas.ref(RulesReloaded), (400, 401, 403)),
     )
     async def reload_rules(who: Principal = Depends(writer)) -> Response:
         count = await run_in_threadpool(call, service.reload_rules, actor=who.name)
