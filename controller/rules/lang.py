@@ -320,23 +320,22 @@ class _Parser:
             )
 
     def _or(self) -> Node:
-        left = self._and()
-        while self._is("kw", "or"):
-            t = self._take()
-            right = self._and()
-            self._bool_operand(left, "or")
-            self._bool_operand(right, "or")
-            left = Or(left, right, t.pos)
-        return left
+        return self._logic_chain("or", Or, self._and)
 
     def _and(self) -> Node:
-        left = self._not()
-        while self._is("kw", "and"):
+        return self._logic_chain("and", And, self._not)
+
+    def _logic_chain(
+        self, kw: str, make: type[And] | type[Or], operand: Callable[[], Node]
+    ) -> Node:
+        """`operand (kw operand)*`, left-associative, every operand true/false."""
+        left = operand()
+        while self._is("kw", kw):
             t = self._take()
-            right = self._not()
-            self._bool_operand(left, "and")
-            self._bool_operand(right, "and")
-            left = And(left, right, t.pos)
+            right = operand()
+            self._bool_operand(left, kw)
+            self._bool_operand(right, kw)
+            left = make(left, right, t.pos)
         return left
 
     def _not(self) -> Node:
@@ -411,18 +410,17 @@ class _Parser:
             return tuple(items)
 
     def _add(self) -> Node:
-        left = self._mul()
-        while self._is("op") and self.tok.text in ("+", "-"):
-            t = self._take()
-            right = self._mul()
-            left = self._arith(t, left, right)
-        return left
+        return self._arith_chain(("+", "-"), self._mul)
 
     def _mul(self) -> Node:
-        left = self._unary()
-        while self._is("op") and self.tok.text in ("*", "/"):
+        return self._arith_chain(("*", "/"), self._unary)
+
+    def _arith_chain(self, ops: tuple[str, ...], operand: Callable[[], Node]) -> Node:
+        """`operand (op operand)*` for the operators `ops`, left-associative."""
+        left = operand()
+        while self._is("op") and self.tok.text in ops:
             t = self._take()
-            right = self._unary()
+            right = operand()
             left = self._arith(t, left, right)
         return left
 
@@ -640,34 +638,23 @@ def _compile(node: Node, scope: str) -> Fn:
             return (v in items) != negate
 
         return in_list
-    if isinstance(node, And):
+    if isinstance(node, And | Or):
         a = _compile(node.left, scope)
         b = _compile(node.right, scope)
+        # three-valued logic: the deciding value (False for and, True for or) wins over an
+        # unknown (None) side; otherwise an unknown side makes the result unknown
+        decides = isinstance(node, Or)
 
-        def and_(c: EvalContext) -> Any:
+        def logic(c: EvalContext) -> Any:
             x = a(c)
-            if x is False:
-                return False
+            if x is decides:
+                return decides
             y = b(c)
-            if y is False:
-                return False
-            return None if x is None or y is None else True
+            if y is decides:
+                return decides
+            return None if x is None or y is None else not decides
 
-        return and_
-    if isinstance(node, Or):
-        a = _compile(node.left, scope)
-        b = _compile(node.right, scope)
-
-        def or_(c: EvalContext) -> Any:
-            x = a(c)
-            if x is True:
-                return True
-            y = b(c)
-            if y is True:
-                return True
-            return None if x is None or y is None else False
-
-        return or_
+        return logic
     if isinstance(node, Not):
         f = _compile(node.operand, scope)
 
