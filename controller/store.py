@@ -16,6 +16,7 @@ whole BEGIN IMMEDIATE ... COMMIT so multi-statement changes are atomic.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sqlite3
 import threading
@@ -23,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from controller.views import (
     ActionView,
@@ -316,6 +317,71 @@ def _json(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), sort_keys=True, allow_nan=False)
 
 
+def _json_list(values: Iterable[Any]) -> str:
+    return _json(list(values))
+
+
+_R = TypeVar("_R")
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
+
+
+def _from_row(cls: type[_R], row: sqlite3.Row, **decoded: Any) -> _R:
+    """The dataclass `cls` from the row's columns of the same names; `decoded` gives the
+    fields not stored as they are read (JSON text, another column's name, computed)."""
+    stored = {name: row[name] for name in _field_names(cls) if name not in decoded}
+    return cls(**stored, **decoded)
+
+
+_TIMELINE_INSERT = (
+    "INSERT INTO incident_timeline (incident_id, ts, kind, message, data) VALUES (?, ?, ?, ?, ?)"
+)
+
+
+def _note(
+    c: sqlite3.Connection,
+    incident_id: int,
+    *,
+    ts: float,
+    kind: str,
+    message: str,
+    data: dict[str, Any],
+    touch: bool,
+) -> None:
+    """Add one timeline entry; `touch`: also move the incident's updated_at to `ts`."""
+    c.execute(_TIMELINE_INSERT, (incident_id, ts, kind, message, _json(data)))
+    if touch:
+        c.execute("UPDATE incidents SET updated_at = ? WHERE id = ?", (ts, incident_id))
+
+
+# the columns `update_node` / `update_job` may set
+_NODE_COLUMNS = frozenset({"role", "state", "drain_reason", "job", "labels"})
+_JOB_COLUMNS = frozenset(
+    {
+        "state",
+        "nodes",
+        "nproc_per_node",
+        "ckpt_step",
+        "last_step",
+        "hwm_step",
+        "started_at",
+        "ended_at",
+        "productive_s",
+        "sampled_at",
+        "state_reason",
+        "attempt_started_at",
+    }
+)
+
+
 class Store:
     """The SQLite store. Open with `Store(path, now=...)`; migrates older files forward."""
 
@@ -367,6 +433,30 @@ class Store:
         with self._lock:
             return self._conn.execute(sql, args).fetchall()
 
+    def _update_row(
+        self,
+        kind: str,
+        name: str,
+        changes: dict[str, Any],
+        allowed: frozenset[str],
+        *,
+        encode: dict[str, Callable[[Any], str]],
+    ) -> None:
+        """Set `changes` (columns in `allowed`; those in `encode` stored as it writes them) and
+        updated_at on the row `name` of the `kind` table (nodes, jobs)."""
+        bad = set(changes) - allowed
+        if bad:
+            raise ValueError(f"cannot update {kind} columns {sorted(bad)}")
+        for column, to_text in encode.items():
+            if column in changes:
+                changes[column] = to_text(changes[column])
+        sets = ", ".join(f"{k} = ?" for k in changes)
+        with self.transaction() as c:
+            c.execute(
+                f"UPDATE {kind}s SET {sets}, updated_at = ? WHERE name = ?",  # noqa: S608
+                (*changes.values(), self._now(), name),
+            )
+
     def schema_version(self) -> int:
         with self._lock:
             row = self._conn.execute("SELECT version FROM schema_version").fetchone()
@@ -392,17 +482,7 @@ class Store:
 
     @staticmethod
     def _node(row: sqlite3.Row) -> NodeRecord:
-        return NodeRecord(
-            name=row["name"],
-            role=row["role"],
-            state=row["state"],
-            labels=json.loads(row["labels"]),
-            last_report_at=row["last_report_at"],
-            instance=row["instance"],
-            agent_version=row["agent_version"],
-            drain_reason=row["drain_reason"],
-            job=row["job"],
-        )
+        return _from_row(NodeRecord, row, labels=json.loads(row["labels"]))
 
     def list_nodes(self) -> list[NodeRecord]:
         return [self._node(r) for r in self._query("SELECT * FROM nodes ORDER BY name")]
@@ -425,18 +505,7 @@ class Store:
 
     def update_node(self, name: str, **changes: Any) -> NodeRecord:
         """Set columns of one node (role, state, drain_reason, job, labels)."""
-        allowed = {"role", "state", "drain_reason", "job", "labels"}
-        bad = set(changes) - allowed
-        if bad:
-            raise ValueError(f"cannot update node columns {sorted(bad)}")
-        if "labels" in changes:
-            changes["labels"] = _json(changes["labels"])
-        sets = ", ".join(f"{k} = ?" for k in changes)
-        with self.transaction() as c:
-            c.execute(
-                f"UPDATE nodes SET {sets}, updated_at = ? WHERE name = ?",  # noqa: S608
-                (*changes.values(), self._now(), name),
-            )
+        self._update_row("node", name, changes, _NODE_COLUMNS, encode={"labels": _json})
         node = self.get_node(name)
         if node is None:
             raise KeyError(name)
@@ -483,29 +552,12 @@ class Store:
 
     @staticmethod
     def _job(row: sqlite3.Row) -> JobRecord:
-        return JobRecord(
-            name=row["name"],
+        return _from_row(
+            JobRecord,
+            row,
             spec=json.loads(row["spec"]),
-            state=row["state"],
             nodes=tuple(json.loads(row["nodes"])),
-            attempt=row["attempt"],
-            nproc_per_node=row["nproc_per_node"],
-            min_nodes=row["min_nodes"],
-            restarts=row["restarts"],
-            created_at=row["created_at"],
-            updated_at=row["updated_at"],
-            attempt_key=row["attempt_key"],
             attempt_nodes=tuple(json.loads(row["attempt_nodes"])),
-            rdzv_port=row["rdzv_port"],
-            ckpt_step=row["ckpt_step"],
-            last_step=row["last_step"],
-            hwm_step=row["hwm_step"],
-            started_at=row["started_at"],
-            attempt_started_at=row["attempt_started_at"],
-            ended_at=row["ended_at"],
-            productive_s=row["productive_s"],
-            sampled_at=row["sampled_at"],
-            state_reason=row["state_reason"],
         )
 
     def get_job(self, name: str) -> JobRecord | None:
@@ -553,31 +605,7 @@ class Store:
 
     def update_job(self, name: str, **changes: Any) -> JobRecord:
         """Set columns of one job; tuples/lists (nodes) are stored as JSON."""
-        allowed = {
-            "state",
-            "nodes",
-            "nproc_per_node",
-            "ckpt_step",
-            "last_step",
-            "hwm_step",
-            "started_at",
-            "ended_at",
-            "productive_s",
-            "sampled_at",
-            "state_reason",
-            "attempt_started_at",
-        }
-        bad = set(changes) - allowed
-        if bad:
-            raise ValueError(f"cannot update job columns {sorted(bad)}")
-        if "nodes" in changes:
-            changes["nodes"] = _json(list(changes["nodes"]))
-        sets = ", ".join(f"{k} = ?" for k in changes)
-        with self.transaction() as c:
-            c.execute(
-                f"UPDATE jobs SET {sets}, updated_at = ? WHERE name = ?",  # noqa: S608
-                (*changes.values(), self._now(), name),
-            )
+        self._update_row("job", name, changes, _JOB_COLUMNS, encode={"nodes": _json_list})
         job = self.get_job(name)
         if job is None:
             raise KeyError(name)
@@ -685,16 +713,11 @@ class Store:
 
     @staticmethod
     def _command(row: sqlite3.Row) -> CommandRecord:
-        return CommandRecord(
-            id=row["id"],
-            node=row["node"],
-            kind=row["kind"],
+        return _from_row(
+            CommandRecord,
+            row,
             args=json.loads(row["args"]),
-            created_at=row["created_at"],
-            delivered_at=row["delivered_at"],
-            done_at=row["done_at"],
             ok=None if row["ok"] is None else bool(row["ok"]),
-            result=row["result"],
             data=json.loads(row["data"]),
         )
 
@@ -742,20 +765,8 @@ class Store:
 
     @staticmethod
     def _incident(row: sqlite3.Row) -> IncidentView:
-        return IncidentView(
-            id=row["id"],
-            rule=row["rule"],
-            target=row["target_key"],
-            target_text=row["target_text"],
-            severity=row["severity"],
-            state=row["state"],
-            opened_at=row["opened_at"],
-            updated_at=row["updated_at"],
-            resolved_at=row["resolved_at"],
-            summary=row["summary"],
-            node=row["node"],
-            job=row["job"],
-        )
+        # the view's `target` is the key; the table's `target` column is the JSON target
+        return _from_row(IncidentView, row, target=row["target_key"])
 
     def create_incident(
         self,
@@ -791,9 +802,7 @@ class Store:
             )
             incident_id = int(cur.lastrowid or 0)
             c.executemany(
-                "INSERT INTO incident_timeline (incident_id, ts, kind, message, data)"
-                " VALUES (?, ?, ?, ?, ?)",
-                [(incident_id, ts, k, m, _json(d)) for k, m, d in timeline],
+                _TIMELINE_INSERT, [(incident_id, ts, k, m, _json(d)) for k, m, d in timeline]
             )
         return incident_id
 
@@ -814,11 +823,7 @@ class Store:
                 " WHERE id = ?",
                 (state, ts, state, ts, incident_id),
             )
-            c.execute(
-                "INSERT INTO incident_timeline (incident_id, ts, kind, message, data)"
-                " VALUES (?, ?, ?, ?, ?)",
-                (incident_id, ts, kind, message, _json(data or {})),
-            )
+            _note(c, incident_id, ts=ts, kind=kind, message=message, data=data or {}, touch=False)
 
     def add_timeline(
         self,
@@ -830,12 +835,7 @@ class Store:
         data: dict[str, Any] | None = None,
     ) -> None:
         with self.transaction() as c:
-            c.execute(
-                "INSERT INTO incident_timeline (incident_id, ts, kind, message, data)"
-                " VALUES (?, ?, ?, ?, ?)",
-                (incident_id, ts, kind, message, _json(data or {})),
-            )
-            c.execute("UPDATE incidents SET updated_at = ? WHERE id = ?", (ts, incident_id))
+            _note(c, incident_id, ts=ts, kind=kind, message=message, data=data or {}, touch=True)
 
     def get_incident(self, incident_id: int) -> IncidentView | None:
         rows = self._query("SELECT * FROM incidents WHERE id = ?", (incident_id,))
@@ -894,30 +894,13 @@ class Store:
         rows = self._query(
             "SELECT * FROM incident_timeline WHERE incident_id = ? ORDER BY ts, id", (incident_id,)
         )
-        return [
-            TimelineEntry(
-                ts=r["ts"], kind=r["kind"], message=r["message"], data=json.loads(r["data"])
-            )
-            for r in rows
-        ]
+        return [_from_row(TimelineEntry, r, data=json.loads(r["data"])) for r in rows]
 
     # --- actions ----------------------------------------------------------------------------
 
     @staticmethod
     def _action(row: sqlite3.Row) -> ActionView:
-        return ActionView(
-            id=row["id"],
-            incident_id=row["incident_id"],
-            kind=row["kind"],
-            target=row["target"],
-            state=row["state"],
-            attempts=row["attempts"],
-            idempotency_key=row["idempotency_key"],
-            created_at=row["created_at"],
-            updated_at=row["updated_at"],
-            result=row["result"],
-            params=json.loads(row["params"]),
-        )
+        return _from_row(ActionView, row, params=json.loads(row["params"]))
 
     def add_actions(
         self,
@@ -956,9 +939,7 @@ class Store:
                 ids.append(int(row[0]))
             if incident_id is not None:
                 c.executemany(
-                    "INSERT INTO incident_timeline (incident_id, ts, kind, message, data)"
-                    " VALUES (?, ?, ?, ?, ?)",
-                    [(incident_id, ts, k, m, _json(d)) for k, m, d in timeline],
+                    _TIMELINE_INSERT, [(incident_id, ts, k, m, _json(d)) for k, m, d in timeline]
                 )
         return ids
 
@@ -1032,12 +1013,7 @@ class Store:
             )
             if timeline is not None:
                 incident_id, kind, message, data = timeline
-                c.execute(
-                    "INSERT INTO incident_timeline (incident_id, ts, kind, message, data)"
-                    " VALUES (?, ?, ?, ?, ?)",
-                    (incident_id, ts, kind, message, _json(data)),
-                )
-                c.execute("UPDATE incidents SET updated_at = ? WHERE id = ?", (ts, incident_id))
+                _note(c, incident_id, ts=ts, kind=kind, message=message, data=data, touch=True)
 
     def count_auto_drains(self, *, since: float) -> int:
         """Automatic (incident-driven) drains that were not skipped/failed since `since`."""
@@ -1052,16 +1028,8 @@ class Store:
 
     @staticmethod
     def _silence(row: sqlite3.Row, now: float) -> SilenceView:
-        return SilenceView(
-            id=row["id"],
-            rule=row["rule"],
-            node=row["node"],
-            created_by=row["created_by"],
-            created_at=row["created_at"],
-            expires_at=row["expires_at"],
-            comment=row["comment"],
-            active=row["deleted_at"] is None and row["expires_at"] > now,
-        )
+        active = row["deleted_at"] is None and row["expires_at"] > now
+        return _from_row(SilenceView, row, active=active)
 
     def add_silence(
         self,
@@ -1127,17 +1095,7 @@ class Store:
 
     def audit_log(self, *, limit: int = 100) -> list[AuditEntry]:
         rows = self._query("SELECT * FROM audit_log ORDER BY id DESC LIMIT ?", (limit,))
-        return [
-            AuditEntry(
-                id=r["id"],
-                ts=r["ts"],
-                actor=r["actor"],
-                action=r["action"],
-                target=r["target"],
-                detail=json.loads(r["detail"]),
-            )
-            for r in rows
-        ]
+        return [_from_row(AuditEntry, r, detail=json.loads(r["detail"])) for r in rows]
 
 
 __all__ = [
