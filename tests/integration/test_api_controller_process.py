@@ -5,114 +5,50 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from controller_proc import (
+    AGENT,
+    BIN,
+    OP,
+    ControllerProcess,
+    dbe_rules,
+    start_controller,
+    wait_for,
+    write_config,
+)
 
 from agent.model import GpuSample
 from agent.protocol import Report, encode_json
-from controller.auth import hash_token
 from controller.cli import main as agentctl
 
-BIN = Path(sys.executable).parent
-RULE = """
-rules:
-  - name: gpu_dbe
-    scope: gpu
-    condition: ecc_uncorrected_volatile_total > 0
-    severity: critical
-    summary: uncorrectable ECC error
-    actions: [notify]
-"""
-OP = {"Authorization": "Bearer op-token"}
-AGENT = {"Authorization": "Bearer agent-token"}
-
-
-def wait_for(cond: Callable[[], bool], *, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.05)
-
-
-def write_config(tmp_path: Path) -> Path:
-    (tmp_path / "rules.yaml").write_text(RULE)
-    (tmp_path / "tokens.yaml").write_text(
-        "tokens:\n"
-        f'  - {{name: ops-alice, role: operator, sha256: "{hash_token("op-token")}"}}\n'
-        f'  - {{name: agents, role: agent, sha256: "{hash_token("agent-token")}"}}\n'
-    )
-    cfg = tmp_path / "controller.yaml"
-    cfg.write_text(
-        f"store: {{path: {tmp_path / 'c.db'}}}\n"
-        f"rules: [{tmp_path / 'rules.yaml'}]\n"
-        f"api: {{host: 127.0.0.1, port: 0, tokens_file: {tmp_path / 'tokens.yaml'}}}\n"
-    )
-    return cfg
-
-
-@dataclass
-class Proc:
-    popen: subprocess.Popen[str]
-    log: Path
-
-    def text(self) -> str:
-        return self.log.read_text()
-
-    @property
-    def url(self) -> str:
-        m = re.search(r"event=api_listening url=(\S+)", self.text())
-        assert m, self.text()
-        return m.group(1)
+RULE = dbe_rules()
 
 
 @pytest.fixture
-def controller(tmp_path: Path) -> Iterator[Proc]:
-    cfg = write_config(tmp_path)
-    log = tmp_path / "controller.log"
-    with log.open("w") as f:
-        popen = subprocess.Popen(
-            # --db and --dry-run override the file: the store must land at the flag's path
-            [
-                str(BIN / "trainguard-controller"),
-                "--config",
-                str(cfg),
-                "--db",
-                str(tmp_path / "flag.db"),
-                "--dry-run",
-            ],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-    proc = Proc(popen, log)
+def controller(tmp_path: Path) -> Iterator[ControllerProcess]:
+    proc = start_controller(
+        write_config(tmp_path, rules=RULE),
+        log_path=tmp_path / "controller.log",
+        # --db and --dry-run override the file: the store must land at the flag's path
+        args=["--db", str(tmp_path / "flag.db"), "--dry-run"],
+    )
     try:
-        wait_for(
-            lambda: "event=api_listening" in proc.text() or popen.poll() is not None,
-            timeout_s=30,
-            what="the controller to listen",
-        )
-        assert popen.poll() is None, proc.text()
         yield proc
     finally:
-        if popen.poll() is None:
-            popen.kill()
-            popen.wait(timeout=10)
+        proc.kill()
 
 
 @pytest.mark.slow
 def test_controller_serves_reports_reloads_on_sighup_and_stops_on_sigterm(
-    controller: Proc, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    controller: ControllerProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TRAINGUARD_TOKEN", "op-token")
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
@@ -140,7 +76,7 @@ def test_controller_serves_reports_reloads_on_sighup_and_stops_on_sigterm(
         (tmp_path / "rules.yaml").write_text(RULE.replace("> 0", "> > 0"))
         controller.popen.send_signal(signal.SIGHUP)
         wait_for(
-            lambda: "event=sighup_reload_failed" in controller.text(),
+            lambda: "event=sighup_reload_failed" in controller.log(),
             timeout_s=15,
             what="the failed reload to be logged",
         )
@@ -148,7 +84,7 @@ def test_controller_serves_reports_reloads_on_sighup_and_stops_on_sigterm(
         (tmp_path / "rules.yaml").write_text(RULE + second)
         controller.popen.send_signal(signal.SIGHUP)
         wait_for(
-            lambda: "event=sighup_reload rules=2" in controller.text(),
+            lambda: "event=sighup_reload rules=2" in controller.log(),
             timeout_s=15,
             what="the good reload to be logged",
         )
@@ -156,10 +92,10 @@ def test_controller_serves_reports_reloads_on_sighup_and_stops_on_sigterm(
         assert any(a["action"] == "reload_rules" and a["actor"] == "sighup" for a in audit)
 
     controller.popen.send_signal(signal.SIGTERM)
-    assert controller.popen.wait(timeout=30) == 0, controller.text()
+    assert controller.popen.wait(timeout=30) == 0, controller.log()
     assert (tmp_path / "flag.db").exists()
     assert not (tmp_path / "c.db").exists()
-    text = controller.text()
+    text = controller.log()
     assert "event=controller_stopped" in text
     assert "op-token" not in text
     assert "agent-token" not in text

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from controller_proc import dbe_rules
 
 from agent.clock import SYSTEM_CLOCK
 from agent.protocol import FaultSpec
@@ -256,15 +257,7 @@ def test_token_hash_prints_tokens_file_line() -> None:
     assert run("token", "hash", stdin="")[0] == 2
 
 
-RULE = """
-rules:
-  - name: gpu_dbe
-    scope: gpu
-    condition: ecc_uncorrected_volatile_total > 0
-    severity: critical
-    summary: uncorrectable ECC error
-    actions: [notify]
-"""
+RULE = dbe_rules()
 
 
 def test_rules_check_ok_and_bad(tmp_path: Path) -> None:

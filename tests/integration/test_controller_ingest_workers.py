@@ -6,106 +6,50 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from agent_proc import AgentProcess, cleanup, short_tmpdir
+from controller_proc import (
+    AGENT,
+    OP,
+    ControllerProcess,
+    dbe_rules,
+    wait_for,
+    write_config,
+)
 
 from agent.protocol import Report, encode_json
-from controller.auth import hash_token
 
-BIN = Path(sys.executable).parent
-RULE = """
-rules:
-  - name: gpu_dbe
-    scope: gpu
-    condition: ecc_uncorrected_volatile_total > 0
-    severity: critical
-    summary: uncorrectable ECC error
-    actions: [notify]
-"""
-OP = {"Authorization": "Bearer op-token"}
-AGENT = {"Authorization": "Bearer agent-token"}
 MAX_BODY_BYTES = 64 * 1024
 
 
-def wait_for(cond: Callable[[], object], *, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.05)
-
-
-@dataclass
-class Proc:
-    popen: subprocess.Popen[str]
-    log: Path
-
-    def text(self) -> str:
-        return self.log.read_text()
-
-    @property
-    def url(self) -> str:
-        m = re.search(r"event=api_listening url=(\S+)", self.text())
-        assert m, self.text()
-        return m.group(1)
+class Proc(ControllerProcess):
+    """The controller with its ingest workers."""
 
     def ready_workers(self) -> dict[int, int]:
         """worker index -> pid of the latest worker that said it was ready."""
-        found = re.findall(r"event=ingest_worker_ready worker=(\d+) pid=(\d+)", self.text())
+        found = re.findall(r"event=ingest_worker_ready worker=(\d+) pid=(\d+)", self.log())
         return {int(w): int(pid) for w, pid in found}
 
 
-def start_controller(tmp_path: Path, *, workers: int = 2) -> Proc:
-    (tmp_path / "rules.yaml").write_text(RULE)
-    (tmp_path / "tokens.yaml").write_text(
-        "tokens:\n"
-        f'  - {{name: ops-alice, role: operator, sha256: "{hash_token("op-token")}"}}\n'
-        f'  - {{name: agents, role: agent, sha256: "{hash_token("agent-token")}"}}\n'
-    )
-    cfg = tmp_path / "controller.yaml"
-    cfg.write_text(
-        f"store: {{path: {tmp_path / 'c.db'}}}\n"
-        f"rules: [{tmp_path / 'rules.yaml'}]\n"
-        f"api: {{host: 127.0.0.1, port: 0, tokens_file: {tmp_path / 'tokens.yaml'},"
-        f" max_body_bytes: {MAX_BODY_BYTES}}}\n"
-    )
-    log = tmp_path / "controller.log"
-    with log.open("w") as f:
-        popen = subprocess.Popen(
-            [
-                str(BIN / "trainguard-controller"),
-                "--config",
-                str(cfg),
-                "--ingest-workers",
-                str(workers),
-            ],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-    proc = Proc(popen, log)
-    wait_for(
-        lambda: "event=api_listening" in proc.text() or popen.poll() is not None,
-        timeout_s=60,
-        what="the controller and its workers to listen",
-    )
-    assert popen.poll() is None, proc.text()
-    assert len(proc.ready_workers()) == workers, proc.text()
+def start(tmp_path: Path, *, workers: int = 2) -> Proc:
+    cfg = write_config(tmp_path, rules=dbe_rules(), max_body_bytes=MAX_BODY_BYTES)
+    proc = Proc(cfg, log_path=tmp_path / "controller.log", args=["--ingest-workers", str(workers)])
+    try:
+        proc.wait_listening(timeout_s=60, what="the controller and its workers to listen")
+        assert len(proc.ready_workers()) == workers, proc.log()
+    except BaseException:
+        stop(proc)
+        raise
     return proc
 
 
 def stop(proc: Proc) -> None:
-    if proc.popen.poll() is None:
-        proc.popen.kill()
-        proc.popen.wait(timeout=10)
+    proc.kill()
     for pid in proc.ready_workers().values():
         _kill_quietly(pid)
 
@@ -129,7 +73,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def controller(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    proc = start_controller(tmp_path_factory.mktemp("ingest"))
+    proc = start(tmp_path_factory.mktemp("ingest"))
     try:
         yield proc
     finally:
@@ -175,7 +119,7 @@ def test_a_real_agent_reports_through_the_workers_and_runs_the_command_on_the_re
     finally:
         agent.terminate()
         cleanup(workdir)
-    assert "agent-token" not in controller.text()
+    assert "agent-token" not in controller.log()
 
 
 @pytest.mark.parametrize(
@@ -229,7 +173,7 @@ def test_a_killed_worker_is_replaced_and_reports_keep_flowing(controller: Proc) 
         timeout_s=30,
         what="worker 0 to be restarted",
     )
-    assert "event=ingest_worker_exited worker=0" in controller.text()
+    assert "event=ingest_worker_exited worker=0" in controller.log()
     assert not _alive(before[0])
     assert controller.ready_workers()[1] == before[1]
     # new connections land on either worker; all of them are answered by the core
@@ -240,21 +184,21 @@ def test_a_killed_worker_is_replaced_and_reports_keep_flowing(controller: Proc) 
 
 @pytest.mark.slow
 def test_sigterm_stops_the_workers_then_the_controller(tmp_path: Path) -> None:
-    proc = start_controller(tmp_path)
+    proc = start(tmp_path)
     try:
         pids = list(proc.ready_workers().values())
         assert all(_alive(pid) for pid in pids)
         proc.popen.send_signal(signal.SIGTERM)
-        assert proc.popen.wait(timeout=30) == 0, proc.text()
-        assert not [pid for pid in pids if _alive(pid)], proc.text()
-        assert "event=controller_stopped" in proc.text()
+        assert proc.popen.wait(timeout=30) == 0, proc.log()
+        assert not [pid for pid in pids if _alive(pid)], proc.log()
+        assert "event=controller_stopped" in proc.log()
     finally:
         stop(proc)
 
 
 @pytest.mark.slow
 def test_a_killed_controller_takes_its_workers_with_it(tmp_path: Path) -> None:
-    proc = start_controller(tmp_path)
+    proc = start(tmp_path)
     try:
         pids = list(proc.ready_workers().values())
         proc.popen.kill()

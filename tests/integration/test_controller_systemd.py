@@ -6,18 +6,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from agent_proc import cleanup, short_tmpdir, wait_until
+from controller_proc import BIN, ControllerProcess, write_config
 
-from controller.auth import hash_token
-
-BIN = Path(sys.executable).parent
 UNIT = Path(__file__).resolve().parents[2] / "systemd" / "trainguard-controller.service"
 
 
@@ -49,17 +45,7 @@ def test_controller_unit_file_passes_systemd_analyze_verify(tmp_path: Path) -> N
 @pytest.mark.slow
 def test_controller_notifies_ready_watchdog_and_stopping() -> None:
     workdir = short_tmpdir()  # unix socket paths are limited to 108 bytes
-    (workdir / "rules.yaml").write_text("rules: []\n")
-    (workdir / "tokens.yaml").write_text(
-        f'tokens:\n  - {{name: ops, role: operator, sha256: "{hash_token("op-token")}"}}\n'
-    )
-    cfg = workdir / "controller.yaml"
-    cfg.write_text(
-        f"store: {{path: {workdir / 'c.db'}}}\n"
-        f"rules: [{workdir / 'rules.yaml'}]\n"
-        f"api: {{host: 127.0.0.1, port: 0, tokens_file: {workdir / 'tokens.yaml'}}}\n"
-        "tick_interval_s: 0.2\n"
-    )
+    cfg = write_config(workdir, rules="rules: []\n", tick_interval_s=0.2)
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(workdir / "notify"))
     notify.setblocking(False)
@@ -75,27 +61,17 @@ def test_controller_notifies_ready_watchdog_and_stopping() -> None:
 
     # WatchdogSec=1 s: a ping every 0.5 s
     env = {**os.environ, "NOTIFY_SOCKET": str(workdir / "notify"), "WATCHDOG_USEC": "1000000"}
-    log = workdir / "controller.log"
-    with log.open("w") as out:
-        popen = subprocess.Popen(
-            [str(BIN / "trainguard-controller"), "--config", str(cfg)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
+    proc = ControllerProcess(cfg, log_path=workdir / "controller.log", env=env)
     try:
         wait_until(lambda: any(m.startswith("READY=1") for m in drain()), what="READY=1")
-        assert "event=api_listening" in log.read_text()  # READY only once it listens
+        assert "event=api_listening" in proc.log()  # READY only once it listens
         ready_at = next(i for i, m in enumerate(got) if m.startswith("READY=1"))
         wait_until(
             lambda: drain()[ready_at:].count("WATCHDOG=1") >= 3, what="watchdog pings after READY"
         )
-        popen.send_signal(signal.SIGTERM)
-        assert popen.wait(timeout=30) == 0, log.read_text()
+        assert proc.terminate(timeout_s=30) == 0, proc.log()
         wait_until(lambda: "STOPPING=1" in drain(), what="STOPPING=1")
     finally:
-        if popen.poll() is None:
-            popen.kill()
-            popen.wait(timeout=10)
+        proc.kill()
         notify.close()
         cleanup(workdir)
