@@ -11,49 +11,30 @@ from pathlib import Path
 
 import httpx
 import pytest
+from controller_proc import (
+    AGENT,
+    OP,
+    controllers,  # noqa: F401  (fixture)
+    dbe_rules,
+    start_controller,
+    wait_for,
+    write_config,
+)
 
 from agent.protocol import ReportResponse, decode_json, encode_json
 from tests.fakes.job_agent import FakeJobAgent, SharedCheckpoints
-from tests.integration.test_controller_kill9 import (
-    AGENT,
-    OP,
-    ControllerProc,
-    procs,  # noqa: F401  (fixture)
-    wait_for,
-)
 from tests.unit.controller.conftest import gpu
 
-RULES = """
-rules:
-  - name: gpu_dbe
-    scope: gpu
-    condition: ecc_uncorrected_volatile_total > 0
-    severity: critical
-    summary: uncorrectable ECC error
-    actions: [notify, checkpoint, drain, replace, restart]
-"""
 
-
-def write_config(tmp_path: Path) -> Path:
-    from controller.auth import hash_token  # noqa: PLC0415
-
-    (tmp_path / "rules.yaml").write_text(RULES)
-    (tmp_path / "tokens.yaml").write_text(
-        "tokens:\n"
-        f'  - {{name: ops, role: operator, sha256: "{hash_token("op-token")}"}}\n'
-        f'  - {{name: agents, role: agent, sha256: "{hash_token("agent-token")}"}}\n'
+def config(tmp_path: Path) -> Path:
+    return write_config(
+        tmp_path,
+        rules=dbe_rules(["notify", "checkpoint", "drain", "replace", "restart"]),
+        tick_interval_s=0.2,
+        stale_after_s=10,
+        extra_yaml="jobs: {checkpoint_timeout_s: 5, stop_grace_s: 1, stop_timeout_s: 3,"
+        " progress_timeout_s: 60, spare_wait_s: 30}\n",
     )
-    cfg = tmp_path / "controller.yaml"
-    cfg.write_text(
-        f"store: {{path: {tmp_path / 'c.db'}}}\n"
-        f"rules: [{tmp_path / 'rules.yaml'}]\n"
-        f"api: {{host: 127.0.0.1, port: 0, tokens_file: {tmp_path / 'tokens.yaml'}}}\n"
-        "tick_interval_s: 0.2\n"
-        "stale_after_s: 10\n"
-        "jobs: {checkpoint_timeout_s: 5, stop_grace_s: 1, stop_timeout_s: 3,"
-        " progress_timeout_s: 60, spare_wait_s: 30}\n"
-    )
-    return cfg
 
 
 class Fleet:
@@ -121,10 +102,10 @@ def running(fleet: Fleet, attempt: int) -> Callable[[], bool]:
 
 
 @pytest.mark.slow
-def test_sick_node_is_replaced_through_the_real_controller(tmp_path, procs):  # noqa: F811
-    procs.append(ControllerProc(write_config(tmp_path), tmp_path / "c.log"))
+def test_sick_node_is_replaced_through_the_real_controller(tmp_path, controllers):  # noqa: F811
+    controllers.append(start_controller(config(tmp_path), log_path=tmp_path / "c.log"))
     fleet = Fleet({"n1": "active", "n2": "active", "n3": "spare"})
-    fleet.url = procs[0].url
+    fleet.url = controllers[0].url
     fleet.round()
     submit(fleet)
     fleet.until(running(fleet, 1), timeout_s=20, what="attempt 1 running")
@@ -147,10 +128,10 @@ def test_sick_node_is_replaced_through_the_real_controller(tmp_path, procs):  # 
 
 
 @pytest.mark.slow
-def test_no_spare_shrinks_through_the_real_controller(tmp_path, procs):  # noqa: F811
-    procs.append(ControllerProc(write_config(tmp_path), tmp_path / "c.log"))
+def test_no_spare_shrinks_through_the_real_controller(tmp_path, controllers):  # noqa: F811
+    controllers.append(start_controller(config(tmp_path), log_path=tmp_path / "c.log"))
     fleet = Fleet({"n1": "active", "n2": "active"})
-    fleet.url = procs[0].url
+    fleet.url = controllers[0].url
     fleet.round()
     submit(fleet, min_nodes=1, max_nproc_per_node=2)
     fleet.until(running(fleet, 1), timeout_s=20, what="attempt 1 running")
@@ -165,11 +146,11 @@ def test_no_spare_shrinks_through_the_real_controller(tmp_path, procs):  # noqa:
 
 
 @pytest.mark.slow
-def test_kill9_mid_restart_resumes_without_another_start_job(tmp_path, procs):  # noqa: F811
-    cfg = write_config(tmp_path)
-    procs.append(ControllerProc(cfg, tmp_path / "c1.log"))
+def test_kill9_mid_restart_resumes_without_another_start_job(tmp_path, controllers):  # noqa: F811
+    cfg = config(tmp_path)
+    controllers.append(start_controller(cfg, log_path=tmp_path / "c1.log"))
     fleet = Fleet({"n1": "active", "n2": "active", "n3": "spare"})
-    fleet.url = procs[0].url
+    fleet.url = controllers[0].url
     fleet.round()
     submit(fleet)
     fleet.until(running(fleet, 1), timeout_s=20, what="attempt 1 running")
@@ -177,9 +158,9 @@ def test_kill9_mid_restart_resumes_without_another_start_job(tmp_path, procs):  
     fleet.agents["n2"].hold = True
     fleet.agents["n1"].gpus = (gpu(0, dbe=1),)
     fleet.until(lambda: ("n3", 2) in fleet.starts(), timeout_s=40, what="start_job attempt 2")
-    procs[0].kill9()
-    procs.append(ControllerProc(cfg, tmp_path / "c2.log"))
-    fleet.url = procs[1].url
+    controllers[0].kill()
+    controllers.append(start_controller(cfg, log_path=tmp_path / "c2.log"))
+    fleet.url = controllers[1].url
     for _ in range(5):
         fleet.round()
     fleet.agents["n3"].hold = False
