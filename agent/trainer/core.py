@@ -414,6 +414,7 @@ class Trainguard:
                 "event=checkpoint_abandoned job=%s rank=%d reason=timeout", self.job, self.rank
             )
         self._collect_results()
+        self._pool.close()
         self._events.append(("exit", {}))
         self._send(step=-1, phase="exit")
         self.channel.close()

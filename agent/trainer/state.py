@@ -7,6 +7,7 @@ never pickled Python objects.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import mmap
@@ -14,6 +15,7 @@ import os
 import random
 import sys
 import threading
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -196,8 +198,15 @@ class SnapshotPool:
                     name="trainguard-snapshot-prepare",
                     daemon=True,  # pre-faulting must never keep a finished job alive
                 )
+                _PREPARING.add(self)
                 self._worker.start()
         return True
+
+    def close(self) -> None:
+        """Stop the preparation in progress (keeping what it made) and wait for its thread.
+        A thread left inside torch while the interpreter exits aborts the process
+        ("terminate called without an active exception"): close() and exit both stop it."""
+        self._take_over()
 
     def ready(self) -> bool:
         """True when no preparation is in progress."""
@@ -328,6 +337,17 @@ def _collect_specs(o: Any, path: str, out: list[_BufferSpec]) -> None:
     elif isinstance(o, list | tuple):
         for i, v in enumerate(o):
             _collect_specs(v, f"{path}/{i}", out)
+
+
+_PREPARING: weakref.WeakSet[SnapshotPool] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_preparations() -> None:
+    # atexit runs before the interpreter tears down torch; a loop that never called close()
+    # must still exit cleanly
+    for pool in list(_PREPARING):
+        pool.close()
 
 
 def _fits(buf: torch.Tensor | None, spec: _BufferSpec) -> bool:

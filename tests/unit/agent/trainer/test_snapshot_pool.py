@@ -5,6 +5,7 @@ resume."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 from collections.abc import Callable
@@ -174,3 +175,28 @@ def test_preparing_thread_runs_at_the_lowest_cpu_priority_and_the_caller_keeps_i
     assert pool.wait_ready(GATE_TIMEOUT_S)
     assert seen == [19]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+
+
+EXIT_WHILE_PREPARING = """
+import sys, torch
+from agent.trainer.state import SnapshotPool
+pool = SnapshotPool()
+assert pool.prepare({"w": [torch.empty(64 * 1024 * 1024) for _ in range(4)]})
+sys.exit(0)
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch
+def test_exiting_while_buffers_are_prepared_exits_cleanly() -> None:
+    # A preparing thread still inside torch at interpreter exit aborted the process
+    # ("terminate called without an active exception", exit -6): exit stops it first.
+    root = Path(__file__).resolve().parents[4]
+    done = subprocess.run(
+        [sys.executable, "-c", EXIT_WHILE_PREPARING],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
