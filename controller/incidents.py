@@ -475,7 +475,9 @@ class IncidentManager:
                 if node == target.node and rank.rank == target.rank and rank.pid in old_pids:
                     return f"rank {target.rank} (pid {rank.pid}) is a process of an earlier attempt"
         started = job.attempt_started_at
-        if d.since is not None and started is not None and d.since < started:
+        disruptive = any(k in DISRUPTIVE_KINDS for k in d.actions)
+        if disruptive and d.since is not None and started is not None and d.since < started:
+            # a notify-only rule (throughput_drop) that outlasts a restart still tells someone
             return f"its condition began before {current} started"
         return None
 

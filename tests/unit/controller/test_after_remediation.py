@@ -132,13 +132,19 @@ def test_hardware_rule_on_a_node_an_operator_drained_notifies_but_remediates_not
         assert states[kind] == ("skipped", "skipped: n1 is drained, out of every job already")
 
 
-def _decision(target: Target, *, rule: str, since: float) -> Decision:
+def _decision(
+    target: Target,
+    *,
+    rule: str,
+    since: float,
+    actions: tuple[str, ...] = ("notify", "collect_stacks", "restart"),
+) -> Decision:
     return Decision(
         rule=rule,
         target=target,
         state="firing",
         severity="critical",
-        actions=("notify", "collect_stacks", "restart"),
+        actions=actions,
         since=since,
     )
 
@@ -185,3 +191,22 @@ def test_current_attempt_rank_decision_opens_an_incident(sim: Sim) -> None:  # n
     detail = sim.c.get_incident(opened)
     assert [a.kind for a in detail.actions if a.kind != "notify"] == ["collect_stacks", "restart"]
     assert all(a.state == "pending" for a in detail.actions if a.kind != "notify")
+
+
+def test_a_notify_only_rule_that_outlasts_a_restart_still_notifies(sim: Sim) -> None:  # noqa: F811
+    # throughput_drop began before the restart and still holds after it: nothing to
+    # remediate twice, but someone should hear of it
+    _crash_restart_without_n1(sim)
+    job = sim.c.store.get_job("job")
+    assert job is not None and job.attempt_started_at is not None
+    now = sim.clock.now()
+    drop = _decision(
+        Target(scope="job", job="job"),
+        rule="throughput_drop",
+        since=job.attempt_started_at - 1,
+        actions=("notify",),
+    )
+    (opened,) = sim.c.apply_decisions([drop], now=now)
+    detail = sim.c.get_incident(opened)
+    assert detail.incident.rule == "throughput_drop"
+    assert [a.kind for a in detail.actions] == ["notify"] * len(detail.actions)
