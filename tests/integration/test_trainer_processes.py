@@ -5,6 +5,7 @@ and asked for a checkpoint through one rank's real control socket.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -23,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 
+from agent.jobs import LAUNCH_ID_ENV, find_launch_processes
 from agent.protocol import Control, Heartbeat, decode_json, encode_json
 from agent.trainer.checkpoint import load_rank_file, read_tensor_file
 from agent.trainer.manifest import find_latest_good, list_committed, read_manifest
@@ -49,6 +51,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+_RUNS: list[Run] = []
+
+
+@pytest.fixture(autouse=True)
+def no_run_left_behind() -> Iterator[None]:
+    """Every launch of a test ends with the test: a run that hangs on purpose (chaos) or was
+    killed leaves no worker behind."""
+    yield
+    runs, _RUNS[:] = list(_RUNS), []
+    for run in runs:
+        run.kill()
+
+
 class Run:
     """One launch of the example (alone or under torchrun) in its own process group."""
 
@@ -65,11 +80,15 @@ class Run:
                 "--rdzv-id", "tgtest", "--max-restarts", "0",
                 TRAIN, *args,
             ]  # fmt: skip
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+        # torchrun puts its workers in sessions of their own, out of reach of killpg: the
+        # launch marker the agent uses finds them (agent.jobs.find_launch_processes)
+        self.launch_id = f"test-{os.getpid()}-{time.monotonic_ns()}"
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env, LAUNCH_ID_ENV: self.launch_id}
         with open(self.out, "wb") as out, open(self.err, "wb") as err:
             self.proc = subprocess.Popen(
                 cmd, stdout=out, stderr=err, env=full_env, cwd=REPO, start_new_session=True
             )
+        _RUNS.append(self)
 
     def lines(self) -> list[dict[str, Any]]:
         out = []
@@ -87,12 +106,20 @@ class Run:
             self.kill()
             raise AssertionError(f"run did not finish in {timeout_s}s: {self.stderr()}") from None
 
+    def live_pids(self) -> set[int]:
+        return find_launch_processes(leader_pid=self.proc.pid, launch_id=self.launch_id)
+
     def kill(self) -> None:
+        """SIGKILL the launcher and every worker of this launch; wait until none is left."""
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        for pid in self.live_pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         self.proc.wait(30)
+        wait_for(lambda: not self.live_pids(), timeout_s=30, what="the run's workers to exit")
 
     def stderr(self) -> str:
         return self.err.read_text()[-3000:]
