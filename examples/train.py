@@ -204,7 +204,10 @@ def main(argv: list[str] | None = None) -> int:
             if action.stop or action.rollback:
                 line["action"] = "stop" if action.stop else "rollback"
                 line["reason"] = action.reason
-            print(json.dumps(line), flush=True)
+            # one write: print() writes the text and the newline separately, and a log line
+            # from another thread (stderr goes to the same job log) could land in between
+            sys.stdout.write(json.dumps(line) + "\n")
+            sys.stdout.flush()
         if action.stop:
             break
         if action.rollback:
