@@ -652,6 +652,9 @@ class DevCluster:
         return sorted(out, key=lambda x: x[0])
 
 
+_DECODER = json.JSONDecoder()
+
+
 def read_step_lines(path: Path) -> list[dict[str, Any]]:
     """The JSON step lines (`{"step": ...}`) in a log of examples/train.py; a line cut short
     by a kill is ignored."""
@@ -665,7 +668,9 @@ def read_step_lines(path: Path) -> list[dict[str, Any]]:
         if not _STEP_LINE.match(line):
             continue
         with contextlib.suppress(ValueError):
-            obj = json.loads(line)
+            # the line's JSON object; anything after it (another process's output that
+            # landed on the same line of the shared log) is not part of it
+            obj, _ = _DECODER.raw_decode(line)
             if isinstance(obj, dict) and isinstance(obj.get("step"), int):
                 out.append(obj)
     return out
