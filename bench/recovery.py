@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import signal
 import statistics
 import sys
@@ -26,7 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from controller.devcluster import REPO_ROOT, ClusterConfig, DevCluster
+from controller.devcluster import REPO_ROOT, ClusterConfig, DevCluster, restart_result
 
 FAULTS = ("dbe", "xid79", "kill_rank", "node_death", "straggler")
 TRAIN = ["--steps", "400", "--checkpoint-every", "10", "--step-time-s", "0.2", "--seed", "0"]
@@ -78,31 +77,22 @@ def one_run(fault: str, *, fault_step: int, root: Path) -> dict[str, Any]:
         t_fault = time.time()
         inject(c, fault, job)
 
-        def done() -> dict[str, Any] | None:
-            for inc in c.incidents():
-                if inc["opened_at"] < t_fault - 1:
-                    continue
-                detail = c.incident(inc["id"])
-                for a in detail["actions"]:
-                    if a["kind"] == "restart" and a["state"] == "failed":
-                        raise RuntimeError(f"{fault}: restart failed: {a['result']}")
-                    if a["kind"] == "restart" and a["state"] == "succeeded":
-                        return detail
-            return None
-
-        detail = c.wait(done, timeout_s=150, what=f"{fault}: recovery", interval_s=0.2)
+        detail = c.wait(
+            lambda: c.restarted_since(t_fault),
+            timeout_s=150,
+            what=f"{fault}: recovery",
+            interval_s=0.2,
+        )
         inc = detail["incident"]
-        restart = next(e for e in detail["timeline"] if "step restart" in e["message"] and
-                       e["kind"] == "action_succeeded")  # fmt: skip
-        lost = re.search(r"lost steps (\d+)", restart["message"])
+        restarted_at, lost = restart_result(detail)
         incidents = [i for i in c.incidents() if i["opened_at"] >= t_fault - 1]
         return {
             "fault": fault,
             "rule": inc["rule"],
             "incidents": len(incidents),
             "detect_s": inc["opened_at"] - t_fault,
-            "mttr_s": restart["ts"] - t_fault,
-            "lost_steps": int(lost.group(1)) if lost else None,
+            "mttr_s": restarted_at - t_fault,
+            "lost_steps": lost,
         }
 
 

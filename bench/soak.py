@@ -14,30 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from controller.devcluster import REPO_ROOT, ClusterConfig, DevCluster
-
-
-def recovered(c: DevCluster, t_fault: float) -> dict[str, Any] | None:
-    for inc in c.incidents():
-        if inc["opened_at"] < t_fault - 1:
-            continue
-        detail = c.incident(inc["id"])
-        for a in detail["actions"]:
-            if a["kind"] == "restart" and a["state"] == "failed":
-                raise RuntimeError(f"restart failed: {a['result']}")
-            if a["kind"] == "restart" and a["state"] == "succeeded":
-                return detail
-    return None
+from controller.devcluster import REPO_ROOT, ClusterConfig, DevCluster, restart_result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,13 +72,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 kind = "kill_rank"
                 c.signal_rank(job, 1, signal.SIGKILL)
-            detail = c.wait(lambda t=t_fault: recovered(c, t), timeout_s=180, what="recovery")
-            restart = next(
-                e
-                for e in detail["timeline"]
-                if e["kind"] == "action_succeeded" and "step restart" in e["message"]
-            )
-            lost = re.search(r"lost steps (\d+)", restart["message"])
+            detail = c.wait(lambda t=t_fault: c.restarted_since(t), timeout_s=180, what="recovery")
+            restarted_at, lost = restart_result(detail)
             print(
                 json.dumps(
                     {
@@ -101,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
                         "kind": kind,
                         "rule": detail["incident"]["rule"],
                         "detect_s": round(detail["incident"]["opened_at"] - t_fault, 2),
-                        "mttr_s": round(restart["ts"] - t_fault, 2),
-                        "lost_steps": int(lost.group(1)) if lost else None,
+                        "mttr_s": round(restarted_at - t_fault, 2),
+                        "lost_steps": lost,
                     }
                 ),
                 flush=True,

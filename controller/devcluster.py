@@ -600,6 +600,20 @@ class DevCluster:
         out: dict[str, Any] = self.api("GET", f"/v1/incidents/{incident_id}")
         return out
 
+    def restarted_since(self, t: float) -> dict[str, Any] | None:
+        """The detail of an incident opened at or after `t` (1 s of clock slack) whose restart
+        step succeeded; None while none has. A failed restart raises ClusterError."""
+        for inc in self.incidents():
+            if inc["opened_at"] < t - 1:
+                continue
+            detail = self.incident(inc["id"])
+            for a in detail["actions"]:
+                if a["kind"] == "restart" and a["state"] == "failed":
+                    raise ClusterError(f"incident {inc['id']}: restart failed: {a['result']}")
+                if a["kind"] == "restart" and a["state"] == "succeeded":
+                    return detail
+        return None
+
     def wait(
         self, cond: Callable[[], T | None], *, timeout_s: float, what: str, interval_s: float = 0.1
     ) -> T:
@@ -650,6 +664,17 @@ class DevCluster:
         for _, attempt, path in self.job_logs(job):
             out += [(attempt, line) for line in read_step_lines(path)]
         return sorted(out, key=lambda x: x[0])
+
+
+def restart_result(detail: Mapping[str, Any]) -> tuple[float, int | None]:
+    """(when the restart step succeeded, the lost steps it reported) from an incident detail."""
+    entry = next(
+        e
+        for e in detail["timeline"]
+        if e["kind"] == "action_succeeded" and "step restart" in e["message"]
+    )
+    lost = re.search(r"lost steps (\d+)", entry["message"])
+    return entry["ts"], int(lost.group(1)) if lost else None
 
 
 _DECODER = json.JSONDecoder()
