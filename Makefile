@@ -4,18 +4,21 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+SRC := agent controller contract trainer devkit rules tests bench examples
+# strict editable install: a link per file, so a new module needs a reinstall
+PKG_FILES := $(shell find agent controller contract trainer devkit rules -name "*.py" -o -name "*.yaml" -o -name py.typed 2>/dev/null)
 DEB_PACKAGES := prometheus systemd
 
 .PHONY: test demo venv deps lint typecheck unit integration e2e bench clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(PKG_FILES)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# the local CPU build of torch first, so the `trainer` extra is already satisfied
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[all]'
+	$(BIN)/pip install -q -e '.[all,dev]' --config-settings editable_mode=strict
 	touch $(STAMP)
 
 deps:
@@ -27,8 +30,8 @@ deps:
 	else echo "not root: skipping Debian packages ($(DEB_PACKAGES))"; fi
 
 lint: venv
-	$(BIN)/ruff check agent controller tests bench examples
-	$(BIN)/ruff format --check agent controller tests bench examples
+	$(BIN)/ruff check $(SRC)
+	$(BIN)/ruff format --check $(SRC)
 
 typecheck: venv
 	$(BIN)/mypy

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from agent.protocol import Command, Control, FaultSpec, ProtocolError, from_wire
+from trainguard.protocol import Command, Control, FaultSpec, ProtocolError, from_wire
 
 log = logging.getLogger("trainguard.agent.commands")
 

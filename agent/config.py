@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from agent.strict import ConfigError, Invalid, apply_overrides, build, load_file
+from trainguard.strict import ConfigError, Invalid, apply_overrides, build, load_file
 
 DEFAULT_CONFIG_PATH = "/etc/trainguard/agent.yaml"
 DEFAULT_HEARTBEAT_SOCKET = "/run/trainguard/heartbeat.sock"

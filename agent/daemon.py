@@ -22,20 +22,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent import __version__
-from agent.clock import SYSTEM_CLOCK, Clock
-from agent.commands import CommandExecutor, CommandResult, default_executor
-from agent.config import DEFAULT_HEARTBEAT_SOCKET, DEFAULT_JOBS_WORK_DIR, AgentConfig
-from agent.heartbeat import HeartbeatServer, TrainerEvent
-from agent.jobs import JobRunner, job_handlers
-from agent.metrics import AgentHttpServer, AgentSnapshot, SnapshotCollector
-from agent.model import EventSource, GpuCollector, GpuSample, HardwareEvent, IbCollector
-from agent.preemption import MetadataProbe, PreemptionNotice, PreemptionWatcher, build_probe
-from agent.protocol import Command, Control, Event, FaultSpec, Report
-from agent.reporter import EventSpool, Reporter, read_token
-from agent.sim import SimHardware
-from agent.stacks import stacks_handler
-from agent.systemd import SystemdNotifier
+from trainguard import __version__
+from trainguard.agent.commands import CommandExecutor, CommandResult, default_executor
+from trainguard.agent.config import DEFAULT_HEARTBEAT_SOCKET, DEFAULT_JOBS_WORK_DIR, AgentConfig
+from trainguard.agent.heartbeat import HeartbeatServer, TrainerEvent
+from trainguard.agent.jobs import JobRunner, job_handlers
+from trainguard.agent.metrics import AgentHttpServer, AgentSnapshot, SnapshotCollector
+from trainguard.agent.preemption import (
+    MetadataProbe,
+    PreemptionNotice,
+    PreemptionWatcher,
+    build_probe,
+)
+from trainguard.agent.reporter import EventSpool, Reporter, read_token
+from trainguard.agent.sim import SimHardware
+from trainguard.agent.stacks import stacks_handler
+from trainguard.clock import SYSTEM_CLOCK, Clock
+from trainguard.model import EventSource, GpuCollector, GpuSample, HardwareEvent, IbCollector
+from trainguard.protocol import Command, Control, Event, FaultSpec, Report
+from trainguard.systemd import SystemdNotifier
 
 log = logging.getLogger("trainguard.agent")
 
@@ -86,8 +91,8 @@ def build_backends(config: AgentConfig, *, node: str, clock: Clock) -> Backends:
             gpu=sim, ib=sim.ib, event_sources=[("xid", sim)], sim=sim, closers=[sim.close]
         )
     try:
-        from agent.collectors.infiniband import SysfsIbCollector  # noqa: PLC0415
-        from agent.collectors.nvml import NvmlGpuCollector  # noqa: PLC0415
+        from trainguard.agent.collectors.infiniband import SysfsIbCollector  # noqa: PLC0415
+        from trainguard.agent.collectors.nvml import NvmlGpuCollector  # noqa: PLC0415
     except ImportError as e:
         raise StartupError(f"nvml backend unavailable: {e}") from None
     try:
@@ -97,7 +102,7 @@ def build_backends(config: AgentConfig, *, node: str, clock: Clock) -> Backends:
     backends = Backends(gpu=gpu, ib=SysfsIbCollector(root=hw.ib_sysfs_root), closers=[gpu.close])
     if hw.kmsg_path:
         try:
-            from agent.collectors.xid import KmsgXidSource  # noqa: PLC0415
+            from trainguard.agent.collectors.xid import KmsgXidSource  # noqa: PLC0415
 
             xid = KmsgXidSource(path=hw.kmsg_path, bus_to_index=gpu.bus_id_to_index, clock=clock)
             backends.event_sources.append(("xid", xid))
@@ -116,7 +121,7 @@ def build_backends(config: AgentConfig, *, node: str, clock: Clock) -> Backends:
 def _xid_severity() -> Callable[[int], str] | None:
     """The optional `severity` label for XID counters, if the XID catalog is available."""
     try:
-        from agent.xid_catalog import XidCatalog  # noqa: PLC0415
+        from trainguard.xid_catalog import XidCatalog  # noqa: PLC0415
 
         catalog = XidCatalog.load()
     except Exception:

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_args
 
-from agent.clock import Clock
-from agent.protocol import (
+from trainguard.clock import Clock
+from trainguard.protocol import (
     HEARTBEAT_MAX_BYTES,
     PROTOCOL_VERSION,
     Control,

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal
 
-from agent.clock import SYSTEM_CLOCK, Clock
-from agent.commands import CommandResult, Handler
-from agent.protocol import Command, Event, JobProcess
-from agent.strict import ConfigError, Invalid, build
+from trainguard.agent.commands import CommandResult, Handler
+from trainguard.clock import SYSTEM_CLOCK, Clock
+from trainguard.protocol import Command, Event, JobProcess
+from trainguard.strict import ConfigError, Invalid, build
 
 __all__ = [
     "JOB_EXIT",
@@ -817,7 +817,7 @@ class JobRunner:
 
 
 def job_handlers(runner: JobRunner) -> dict[str, Handler]:
-    """`start_job` / `stop_job` handlers for `agent.commands.CommandExecutor.register`."""
+    """`start_job` / `stop_job` handlers for `CommandExecutor.register` (agent.commands)."""
 
     def start_job(cmd: Command) -> CommandResult:
         spec = parse_start_job(cmd.args)

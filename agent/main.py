@@ -20,11 +20,11 @@ from typing import Any, get_args
 
 import httpx
 
-from agent import __version__
-from agent.config import load_config
-from agent.daemon import Agent, StartupError
-from agent.protocol import FaultKind
-from agent.strict import ConfigError
+from trainguard import __version__
+from trainguard.agent.config import load_config
+from trainguard.agent.daemon import Agent, StartupError
+from trainguard.protocol import FaultKind
+from trainguard.strict import ConfigError
 
 PROG = "trainguard-agent"
 _FLAG_TO_KEY = {

@@ -21,8 +21,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from agent.model import GpuSample, IbPortSample
-from agent.protocol import FaultSpec, ProtocolError, RankState, from_wire
+from trainguard.model import GpuSample, IbPortSample
+from trainguard.protocol import FaultSpec, ProtocolError, RankState, from_wire
 
 log = logging.getLogger("trainguard.agent.metrics")
 

@@ -17,8 +17,8 @@ from typing import Protocol
 
 import httpx
 
-from agent.clock import Clock
-from agent.config import PreemptionConfig
+from trainguard.agent.config import PreemptionConfig
+from trainguard.clock import Clock
 
 __all__ = [
     "AWS_TOKEN_TTL_S",

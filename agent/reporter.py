@@ -29,9 +29,9 @@ from typing import Any, Literal, cast, get_args
 
 import httpx
 
-from agent.clock import Clock
-from agent.model import GpuSample, IbPortSample
-from agent.protocol import (
+from trainguard.clock import Clock
+from trainguard.model import GpuSample, IbPortSample
+from trainguard.protocol import (
     Command,
     CommandKind,
     Event,
@@ -479,7 +479,7 @@ _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 
 
 def _wire(value: Any) -> Any:
-    """`agent.protocol.to_wire` with the field names cached per class: same output (a test
+    """`trainguard.protocol.to_wire` with the field names cached per class: same output (a test
     compares them), ~3x faster, which matters for a report sent every second forever."""
     t = type(value)
     if t is float:
@@ -508,7 +508,7 @@ def _wire(value: Any) -> Any:
 
 
 def encode_report(report: Report) -> bytes:
-    """The report as compact JSON bytes, exactly as `agent.protocol.encode_json` writes it."""
+    """The report as compact JSON bytes, exactly as `trainguard.protocol.encode_json` writes it."""
     return json.dumps(_wire(report), separators=(",", ":"), allow_nan=False).encode()
 
 

@@ -13,9 +13,9 @@ import threading
 import uuid
 from dataclasses import dataclass, field
 
-from agent.clock import Clock
-from agent.model import GpuCollection, GpuSample, HardwareEvent, IbPortSample, NvLinkSample
-from agent.protocol import FaultSpec
+from trainguard.clock import Clock
+from trainguard.model import GpuCollection, GpuSample, HardwareEvent, IbPortSample, NvLinkSample
+from trainguard.protocol import FaultSpec
 
 GPU_NAME = "NVIDIA H100 80GB HBM3"
 GPU_MEMORY_BYTES = 80 * 1024**3

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from agent.clock import Clock
-from agent.commands import CommandError, CommandResult, Handler
-from agent.protocol import Command, RankState
+from trainguard.agent.commands import CommandError, CommandResult, Handler
+from trainguard.clock import Clock
+from trainguard.protocol import Command, RankState
 
 __all__ = [
     "DUMP_MARKERS",

@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from agent.protocol import Heartbeat, encode_json
+from trainguard.protocol import Heartbeat, encode_json
 
 TARGET_CPU_PERCENT = 2.0
 TARGET_RSS_MB = 80.0
@@ -38,7 +38,7 @@ TARGET_RSS_MB = 80.0
 
 def agent_command() -> list[str]:
     script = Path(sys.executable).with_name("trainguard-agent")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "agent.main"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "trainguard.agent.main"]
 
 
 def cpu_seconds(pid: int) -> float:

@@ -42,9 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 from torch import nn
 
-from agent.trainer import Trainguard
-from agent.trainer import state as state_mod
-from agent.trainer.manifest import read_manifest
+from trainguard.trainer import Trainguard
+from trainguard.trainer import state as state_mod
+from trainguard.trainer.manifest import read_manifest
 
 
 def dd_throughput(directory: Path, size_bytes: int) -> float:

@@ -12,7 +12,7 @@ and the detection latency of a double-bit ECC error injected into one node's rep
 
 Values move like a busy node's: every GPU's power (and now and then its temperature) and
 every IB port's data counters change each second; NVLink and error counters stay put. By
-default each simulated agent sends delta reports as `agent.reporter` does (a full report
+default each simulated agent sends delta reports as `trainguard.agent.reporter` does (a full report
 every 30, only the changed GPUs and ports in between, a full one whenever the controller
 answers `want_full`); `--full-only` sends full reports in the original shape, as agents
 without delta support do.
@@ -41,8 +41,8 @@ from typing import Any
 
 import httpx
 
-from agent.model import GpuSample, IbPortSample, NvLinkSample
-from agent.protocol import Event, Report, encode_json
+from trainguard.model import GpuSample, IbPortSample, NvLinkSample
+from trainguard.protocol import Event, Report, encode_json
 
 ROOT = Path(__file__).resolve().parents[1]
 AGENT_TOKEN = "bench-agent-token"
@@ -383,8 +383,8 @@ def _pct(values: list[float], p: float) -> float:
 
 
 def _decode_bench(n: int = 2000) -> int:
-    from agent.protocol import decode_json  # noqa: PLC0415
-    from controller.fastwire import decoder  # noqa: PLC0415
+    from trainguard.fastwire import decoder  # noqa: PLC0415
+    from trainguard.protocol import decode_json  # noqa: PLC0415
 
     raw = Template(_report("node-0001", dbe=False)).body(1, time.time())
     delta = Template(_report("node-0001", dbe=False, mode="delta")).body(2, time.time())
@@ -436,7 +436,7 @@ def main() -> int:
     ap.add_argument(
         "--decode-only",
         action="store_true",
-        help="only time decoding one report: agent.protocol.decode_json vs controller.fastwire",
+        help="only time decoding one report: protocol.decode_json vs fastwire",
     )
     args = ap.parse_args()
     if args.decode_only:

@@ -25,7 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from controller.devcluster import REPO_ROOT, ClusterConfig, DevCluster, restart_result
+from trainguard.devkit.devcluster import REPO_ROOT, ClusterConfig, DevCluster, restart_result
 
 FAULTS = ("dbe", "xid79", "kill_rank", "node_death", "straggler")
 TRAIN = ["--steps", "400", "--checkpoint-every", "10", "--step-time-s", "0.2", "--seed", "0"]

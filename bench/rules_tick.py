@@ -11,10 +11,10 @@ import argparse
 import statistics
 import time
 
-from agent.model import GpuSample, IbPortSample, NvLinkSample
-from agent.protocol import RankState, Report
-from controller.rules import EngineMemory, default_rules_path, evaluate, load_rules
-from controller.signals import SignalState
+from trainguard.controller.rules import EngineMemory, default_rules_path, evaluate, load_rules
+from trainguard.controller.signals import SignalState
+from trainguard.model import GpuSample, IbPortSample, NvLinkSample
+from trainguard.protocol import RankState, Report
 
 T0 = 1_700_000_000.0
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from controller.devcluster import REPO_ROOT, ClusterConfig, DevCluster, restart_result
+from trainguard.devkit.devcluster import REPO_ROOT, ClusterConfig, DevCluster, restart_result
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 import torch.distributed as dist
 
-from agent.trainer import Trainguard
+from trainguard.trainer import Trainguard
 
 DRAIN = """
 import socket, sys

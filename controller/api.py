@@ -1,8 +1,8 @@
 """The controller's REST API (`/v1`): routes, bearer auth by role, body limits, error shape.
 
 The API calls only `ControllerService`. Every body is decoded by the wire decoders of
-`controller.fastwire` (strict, field paths in errors) and every answer is encoded with
-`agent.protocol.to_wire` (non-finite floats as strings), so no NaN ever reaches JSON. The
+`trainguard.fastwire` (strict, field paths in errors) and every answer is encoded with
+`trainguard.protocol.to_wire` (non-finite floats as strings), so no NaN ever reaches JSON. The
 OpenAPI document at `/v1/openapi.json` is generated from the same wire schemas.
 Errors are always `{"error": "...", "detail": ...}`; bad input gets a 4xx, never a 5xx.
 """
@@ -30,13 +30,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from agent.protocol import FaultSpec, ProtocolError, Report, ReportResponse, to_wire
-from controller.auth import Permission, Principal, TokenStore
-from controller.errors import ServiceError
-from controller.fastwire import decoder, json_schema
-from controller.jobs import JobSpec
-from controller.service import ControllerService
-from controller.views import (
+from trainguard.controller.auth import Permission, Principal, TokenStore
+from trainguard.controller.errors import ServiceError
+from trainguard.controller.jobs import JobSpec
+from trainguard.controller.service import ControllerService
+from trainguard.controller.views import (
     ActionView,
     AuditEntry,
     IncidentDetail,
@@ -47,6 +45,8 @@ from controller.views import (
     NodeView,
     SilenceView,
 )
+from trainguard.fastwire import decoder, json_schema
+from trainguard.protocol import FaultSpec, ProtocolError, Report, ReportResponse, to_wire
 
 __all__ = ["DrainRequest", "RoleRequest", "SilenceRequest", "create_app", "encode_report_response"]
 
@@ -238,7 +238,7 @@ def create_app(
     async def ingest_body(raw: bytes, actor: str) -> tuple[int, bytes, dict[str, str] | None]:
         """Decode and ingest the body of a report whose sender is already authenticated as
         `actor` and whose size is within the limit: the part of POST /v1/reports after the
-        HTTP layer, shared with the ingest worker processes (`controller.ingest`)."""
+        HTTP layer, shared with the ingest worker processes (`trainguard.controller.ingest`)."""
         try:
             started = time.perf_counter()
             try:

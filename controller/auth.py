@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from agent.strict import ConfigError, Invalid, build, load_yaml
+from trainguard.strict import ConfigError, Invalid, build, load_yaml
 
 __all__ = [
     "PERMISSIONS",

@@ -24,7 +24,7 @@ from urllib.parse import quote
 
 import httpx
 
-from agent.strict import ConfigError, build, load_yaml
+from trainguard.strict import ConfigError, build, load_yaml
 
 __all__ = ["EXIT", "AgentctlConfig", "format_age", "main", "parse_duration"]
 
@@ -536,7 +536,7 @@ def _run_api(args: argparse.Namespace, out: IO[str]) -> None:
 
 
 def _rules_offline(args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
-    from controller.rules.loader import RuleError, load_rules  # noqa: PLC0415
+    from trainguard.controller.rules.loader import RuleError, load_rules  # noqa: PLC0415
 
     try:
         ruleset = load_rules([Path(p) for p in args.paths])
@@ -549,7 +549,7 @@ def _rules_offline(args: argparse.Namespace, out: IO[str], err: IO[str]) -> None
         return
     import yaml  # noqa: PLC0415
 
-    from controller.rules.export import to_prometheus_rules  # noqa: PLC0415
+    from trainguard.controller.rules.export import to_prometheus_rules  # noqa: PLC0415
 
     doc, warnings = to_prometheus_rules(ruleset)
     for w in warnings:
@@ -558,7 +558,7 @@ def _rules_offline(args: argparse.Namespace, out: IO[str], err: IO[str]) -> None
 
 
 def _token_hash(stdin: IO[str], out: IO[str]) -> None:
-    from controller.auth import hash_token  # noqa: PLC0415
+    from trainguard.controller.auth import hash_token  # noqa: PLC0415
 
     token = stdin.read().strip()
     if not token:

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from agent.strict import ConfigError, Invalid, apply_overrides, build, load_file
+from trainguard.rules import shipped_dir
+from trainguard.strict import ConfigError, Invalid, apply_overrides, build, load_file
 
 DEFAULT_CONFIG_PATH = "/etc/trainguard/controller.yaml"
 
@@ -26,13 +27,8 @@ def _positive(key: str, value: float) -> None:
 
 
 def default_rules_paths() -> list[str]:
-    """The shipped rules directory: the rules loader knows where it is installed."""
-    try:
-        from controller.rules.loader import default_rules_path  # noqa: PLC0415
-    except ImportError:
-        # Source checkout without the loader yet: rules/ sits next to the package.
-        return [str(Path(__file__).resolve().parent.parent / "rules")]
-    return [str(default_rules_path())]
+    """The shipped rules directory (package data of `trainguard.rules`)."""
+    return [str(shipped_dir())]
 
 
 @dataclass(frozen=True)

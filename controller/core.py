@@ -32,26 +32,29 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.clock import SYSTEM_CLOCK, Clock
-from agent.protocol import Command, FaultSpec, Report, ReportResponse, to_wire
-from agent.strict import ConfigError
-from controller.actions.base import ActionHandler, HandlerRegistry
-from controller.actions.drain import (
+from trainguard.clock import SYSTEM_CLOCK, Clock
+from trainguard.controller.actions.base import ActionHandler, HandlerRegistry
+from trainguard.controller.actions.drain import (
     DrainBackend,
     DrainHandler,
     LocalDrainBackend,
     UndrainHandler,
 )
-from controller.actions.notify import Notifier, NotifyHandler, build_notifiers, channels_for
-from controller.actions.worker import ActionRunner
-from controller.config import ControllerConfig
-from controller.errors import BadRequest, Conflict, NotFound
-from controller.incidents import IncidentManager
-from controller.jobs import JobManager, JobSpec
-from controller.metrics import DEFAULT_SPARE_POOL, ControllerMetrics
-from controller.model import Decision, Target
-from controller.safety import Safety
-from controller.store import (
+from trainguard.controller.actions.notify import (
+    Notifier,
+    NotifyHandler,
+    build_notifiers,
+    channels_for,
+)
+from trainguard.controller.actions.worker import ActionRunner
+from trainguard.controller.config import ControllerConfig
+from trainguard.controller.errors import BadRequest, Conflict, NotFound
+from trainguard.controller.incidents import IncidentManager
+from trainguard.controller.jobs import JobManager, JobSpec
+from trainguard.controller.metrics import DEFAULT_SPARE_POOL, ControllerMetrics
+from trainguard.controller.model import Decision, Target
+from trainguard.controller.safety import Safety
+from trainguard.controller.store import (
     CommandRecord,
     CommandResultRow,
     FreshNode,
@@ -60,7 +63,7 @@ from controller.store import (
     Store,
     StoreError,
 )
-from controller.views import (
+from trainguard.controller.views import (
     ActionView,
     AuditEntry,
     IncidentDetail,
@@ -70,6 +73,8 @@ from controller.views import (
     NodeView,
     SilenceView,
 )
+from trainguard.protocol import Command, FaultSpec, Report, ReportResponse, to_wire
+from trainguard.strict import ConfigError
 
 log = logging.getLogger("trainguard.controller")
 
@@ -118,8 +123,8 @@ class Controller:
         clock: Clock = SYSTEM_CLOCK,
         backends: ActionBackends | None = None,
     ) -> None:
-        from controller.rules.engine import EngineMemory  # noqa: PLC0415
-        from controller.signals import SignalState  # noqa: PLC0415
+        from trainguard.controller.rules.engine import EngineMemory  # noqa: PLC0415
+        from trainguard.controller.signals import SignalState  # noqa: PLC0415
 
         self.config = config
         self.clock = clock
@@ -195,7 +200,7 @@ class Controller:
             )
         )
         self.registry.register(UndrainHandler(backend=drain_backend))
-        from controller.actions.jobsteps import job_handlers  # noqa: PLC0415
+        from trainguard.controller.actions.jobsteps import job_handlers  # noqa: PLC0415
 
         for job_handler in job_handlers(
             self.jobs,
@@ -242,7 +247,7 @@ class Controller:
     # --- setup helpers ------------------------------------------------------------------------
 
     def _load_rules(self) -> Any:
-        from controller.rules.loader import RuleError, load_rules  # noqa: PLC0415
+        from trainguard.controller.rules.loader import RuleError, load_rules  # noqa: PLC0415
 
         try:
             return load_rules(self.config.rules)
@@ -250,14 +255,14 @@ class Controller:
             raise ConfigError(e.file, f"rule {e.rule}" if e.rule else "rules", e.reason) from None
 
     def _load_xid_catalog(self) -> Any:
-        from agent.xid_catalog import XidCatalog  # noqa: PLC0415
+        from trainguard.xid_catalog import XidCatalog  # noqa: PLC0415
 
         return XidCatalog.load(self.config.xid_catalog or None)
 
     def _seed_memory(self, memory_cls: Any) -> Any:
         """Open incidents become 'firing' engine memory, so one whose condition cleared while
         the controller was down is resolved on the first tick instead of staying open."""
-        from controller.rules.engine import MemoryEntry  # noqa: PLC0415
+        from trainguard.controller.rules.engine import MemoryEntry  # noqa: PLC0415
 
         entries: dict[tuple[str, str], Any] = {}
         for inc in self.store.unresolved_incidents():
@@ -279,7 +284,7 @@ class Controller:
     def _hold_seeded(self, decisions: list[Decision], *, now: float) -> list[Decision]:
         """After a restart the signals are empty: a seeded incident must not resolve before
         its node has reported again (nor, without a node, within stale_after_s of start)."""
-        from controller.rules.engine import EngineMemory  # noqa: PLC0415
+        from trainguard.controller.rules.engine import EngineMemory  # noqa: PLC0415
 
         kept: list[Decision] = []
         held: dict[tuple[str, str], Any] = {}
@@ -376,7 +381,7 @@ class Controller:
     def tick(self, *, now: float | None = None) -> None:
         """One round: flush freshness, time out commands, evaluate rules, apply decisions.
         Without `start()` it also runs the due action steps (tests drive it step by step)."""
-        from controller.rules.engine import evaluate  # noqa: PLC0415
+        from trainguard.controller.rules.engine import evaluate  # noqa: PLC0415
 
         now = self.clock.now() if now is None else now
         started = time.perf_counter()
@@ -1002,7 +1007,7 @@ class Controller:
         return self.store.audit_log(limit=limit)
 
     def reload_rules(self, *, actor: str) -> int:
-        from controller.rules.loader import RuleError, load_rules  # noqa: PLC0415
+        from trainguard.controller.rules.loader import RuleError, load_rules  # noqa: PLC0415
 
         try:
             rules = load_rules(self.config.rules)

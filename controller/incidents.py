@@ -28,13 +28,13 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
-from agent.protocol import RankState
-from controller.actions.base import DISRUPTIVE_KINDS, ActionHandler, HandlerRegistry
-from controller.actions.worker import step_label
-from controller.model import Decision
-from controller.safety import Safety, silence_matches
-from controller.store import JobRecord, NewAction, Store
-from controller.views import ActionView, IncidentState, IncidentView, SilenceView
+from trainguard.controller.actions.base import DISRUPTIVE_KINDS, ActionHandler, HandlerRegistry
+from trainguard.controller.actions.worker import step_label
+from trainguard.controller.model import Decision
+from trainguard.controller.safety import Safety, silence_matches
+from trainguard.controller.store import JobRecord, NewAction, Store
+from trainguard.controller.views import ActionView, IncidentState, IncidentView, SilenceView
+from trainguard.protocol import RankState
 
 log = logging.getLogger("trainguard.controller.incidents")
 

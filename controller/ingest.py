@@ -1,7 +1,7 @@
 """Ingest workers: N processes that serve the controller's HTTP port and hand reports to it.
 
 With `api.ingest_workers: N` (N > 0) the controller process (the core) binds the listening
-socket and starts N worker processes (`python -m controller.ingest`) that inherit it and
+socket and starts N worker processes (`python -m trainguard.controller.ingest`) that inherit it and
 accept on it. A worker parses HTTP and, for `POST /v1/reports`, checks the bearer token
 (agent role, 401/403 as the core answers them) and the body limit (413), then hands the raw
 body (bytes) to the core over its own unix socket pair; the core decodes and ingests it
@@ -363,7 +363,7 @@ class IngestFrontend:
         cmd = [
             sys.executable,
             "-m",
-            "controller.ingest",
+            "trainguard.controller.ingest",
             "--worker",
             str(slot.index),
             "--listen-fd",
@@ -619,7 +619,7 @@ class _CoreChannel:
         return await future
 
     async def read_loop(self, *, max_frame_bytes: int) -> None:
-        from controller.auth import TokenStore  # noqa: PLC0415
+        from trainguard.controller.auth import TokenStore  # noqa: PLC0415
 
         try:
             while True:
@@ -665,7 +665,7 @@ class _WorkerApp:
         await send({"type": "http.response.body", "body": body})
 
     async def _report(self, scope: Any, receive: Any) -> tuple[int, Headers, bytes]:
-        from controller.api import ApiError, _authenticate, _read_limited  # noqa: PLC0415
+        from trainguard.controller.api import ApiError, _authenticate, _read_limited  # noqa: PLC0415
 
         headers = dict(scope["headers"])
         try:
@@ -784,7 +784,7 @@ async def _worker(args: argparse.Namespace) -> int:
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m controller.ingest",
+        prog="python -m trainguard.controller.ingest",
         description="trainguard controller ingest worker (started by the controller itself)",
     )
     p.add_argument("--worker", type=int, required=True)
@@ -801,7 +801,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     _die_with_parent(args.parent_pid)
-    from controller.main import _new_event_loop, _setup_logging  # noqa: PLC0415
+    from trainguard.controller.main import _new_event_loop, _setup_logging  # noqa: PLC0415
 
     _setup_logging(args.log_level)
     # the core owns reloads and Ctrl-C: it stops its workers itself

@@ -24,11 +24,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from agent.protocol import Event, JobProcess, RankState, Report
-from agent.strict import Invalid
-from controller.config import JobsConfig
-from controller.store import CommandRecord, JobRecord, NodeRecord, Store
-from controller.views import JobView
+from trainguard.controller.config import JobsConfig
+from trainguard.controller.store import CommandRecord, JobRecord, NodeRecord, Store
+from trainguard.controller.views import JobView
+from trainguard.protocol import Event, JobProcess, RankState, Report
+from trainguard.strict import Invalid
 
 log = logging.getLogger("trainguard.controller.jobs")
 
@@ -217,13 +217,13 @@ class JobManager:
             return [self._jobs[n] for n in sorted(self._jobs)]
 
     def spec(self, job: JobRecord) -> JobSpec:
-        from agent.strict import build  # noqa: PLC0415
+        from trainguard.strict import build  # noqa: PLC0415
 
         return build(JobSpec, job.spec, source=f"job {job.name}")
 
     def submit(self, spec: JobSpec, *, now: float) -> JobRecord | None:
         """Store a new job (pending); None if a job of that name is still active."""
-        from agent.protocol import to_wire  # noqa: PLC0415
+        from trainguard.protocol import to_wire  # noqa: PLC0415
 
         rec = self.store.submit_job(
             spec.name,

@@ -107,9 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     _setup_logging(args.log_level or "info")
 
-    from agent.strict import ConfigError  # noqa: PLC0415
-    from controller.auth import load_tokens  # noqa: PLC0415
-    from controller.config import load_config  # noqa: PLC0415
+    from trainguard.controller.auth import load_tokens  # noqa: PLC0415
+    from trainguard.controller.config import load_config  # noqa: PLC0415
+    from trainguard.strict import ConfigError  # noqa: PLC0415
 
     overrides: dict[str, Any] = {
         "api.host": args.host,
@@ -131,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "event=no_tokens tokens_file=%s detail=every_request_is_401", config.api.tokens_file
         )
 
-    from controller.core import Controller  # noqa: PLC0415
+    from trainguard.controller.core import Controller  # noqa: PLC0415
 
     try:
         controller = Controller(config)
@@ -156,9 +156,9 @@ def _serve(
 ) -> int:
     import uvicorn  # noqa: PLC0415
 
-    from agent.systemd import SystemdNotifier  # noqa: PLC0415
-    from controller.api import create_app  # noqa: PLC0415
-    from controller.watchdog import watchdog_running  # noqa: PLC0415
+    from trainguard.controller.api import create_app  # noqa: PLC0415
+    from trainguard.controller.watchdog import watchdog_running  # noqa: PLC0415
+    from trainguard.systemd import SystemdNotifier  # noqa: PLC0415
 
     app = create_app(
         controller,
@@ -180,7 +180,7 @@ def _serve(
     )
     server: Any = uvicorn.Server(uv_config)
     if config.api.ingest_workers > 0:
-        from controller.ingest import IngestFrontend  # noqa: PLC0415
+        from trainguard.controller.ingest import IngestFrontend  # noqa: PLC0415
 
         server = IngestFrontend(
             app,
@@ -194,7 +194,7 @@ def _serve(
     notifier = SystemdNotifier()
 
     def reload_rules() -> None:
-        from controller.errors import ServiceError  # noqa: PLC0415
+        from trainguard.controller.errors import ServiceError  # noqa: PLC0415
 
         try:
             count = controller.reload_rules(actor="sighup")

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from controller.config import SafetyConfig
-from controller.store import Store
-from controller.views import SilenceView
+from trainguard.controller.config import SafetyConfig
+from trainguard.controller.store import Store
+from trainguard.controller.views import SilenceView
 
 
 def stale_drain_reason(

@@ -1,6 +1,6 @@
 """The controller's facade: everything the REST API (and so agentctl) can ask of it.
 
-The API layer depends only on this Protocol; `controller.core.Controller` implements it.
+The API layer depends only on this Protocol; `trainguard.controller.core.Controller` implements it.
 Every mutating call takes `actor` (the token's name) for the audit log.
 """
 
@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from agent.protocol import FaultSpec, Report, ReportResponse
-from controller.jobs import JobSpec
-from controller.views import (
+from trainguard.controller.jobs import JobSpec
+from trainguard.controller.views import (
     ActionView,
     AuditEntry,
     IncidentDetail,
@@ -20,6 +19,7 @@ from controller.views import (
     NodeView,
     SilenceView,
 )
+from trainguard.protocol import FaultSpec, Report, ReportResponse
 
 
 class ControllerService(Protocol):

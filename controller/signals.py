@@ -23,14 +23,14 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, S
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from agent.model import (
+from trainguard.model import (
     GPU_VALUE_FIELDS,
     NVLINK_VALUE_FIELDS,
     GpuSample,
     IbPortSample,
     NvLinkSample,
 )
-from agent.protocol import Event, RankState, Report
+from trainguard.protocol import Event, RankState, Report
 
 __all__ = [
     "DEFAULT_TRACKED",
@@ -48,7 +48,7 @@ __all__ = [
 
 SCOPES: tuple[str, ...] = ("gpu", "nvlink", "ib_port", "node", "rank", "job")
 
-# Used only while agent.xid_catalog cannot be imported: the XIDs NVIDIA documents as needing a
+# Used only while trainguard.xid_catalog cannot be imported: the XIDs NVIDIA documents as needing a
 # GPU reset, node reboot or replacement (DBE, NVLink, off the bus, row-remap failures, ...).
 FALLBACK_FATAL_XIDS: frozenset[int] = frozenset({48, 74, 79, 92, 94, 95, 119, 120})
 
@@ -58,7 +58,7 @@ _EVENT_ATTRS = frozenset({"xid_total", "xid_fatal_total", "xid_last_code", "gpu_
 
 
 class XidCatalog(Protocol):
-    """The part of `agent.xid_catalog.XidCatalog` this module needs."""
+    """The part of `trainguard.xid_catalog.XidCatalog` this module needs."""
 
     def fatal_codes(self) -> frozenset[int]: ...
 
@@ -1117,7 +1117,7 @@ class SignalState:
         return None if r is None else r.node
 
     def value(self, target: Any, name: str, *, now: float, stale_after_s: float = 10.0) -> Any:
-        """The current value of signal `name` for a `controller.model.Target` (None if absent);
+        """The current value of signal `name` for a `model.Target` (None if absent);
         for tools and tests, the engine uses compiled getters instead."""
         ctx = self.context_for(target, now=now, stale_after_s=stale_after_s)
         if ctx is None:
@@ -1172,7 +1172,7 @@ def _fatal_codes(catalog: XidCatalog | None) -> frozenset[int]:
     if catalog is not None:
         return frozenset(catalog.fatal_codes())
     try:
-        from agent.xid_catalog import XidCatalog as _Catalog  # noqa: PLC0415 - optional module
+        from trainguard.xid_catalog import XidCatalog as _Catalog  # noqa: PLC0415 - optional module
     except ImportError:
         return FALLBACK_FATAL_XIDS
     return frozenset(_Catalog.load().fatal_codes())
@@ -1195,7 +1195,7 @@ def _fresh(node: _NodeRec | None, fresh_after: float) -> bool:
 
 def target_of(scope: str, ctx: EvalContext) -> tuple[Any, ...]:
     """(scope, node, gpu, link, device, port, job, rank) of the target `ctx` points at, in
-    `controller.model.Target` field order."""
+    `trainguard.controller.model.Target` field order."""
     if scope == "gpu":
         return (scope, ctx.node.name, ctx.gpu.index, None, None, None, None, None)
     if scope == "nvlink":

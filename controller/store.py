@@ -2,7 +2,7 @@
 
 Owns nodes, jobs, incidents (+ timeline), actions, agent commands, events, silences, the
 safety state and the audit log. Rows never leave this module: callers get small frozen
-records or the read models in `controller.views`.
+records or the read models in `trainguard.controller.views`.
 
 Why these pragmas: WAL lets readers (the API) run while the tick writes. synchronous=NORMAL
 in WAL mode makes every commit durable against a process crash (kill -9: the WAL is in the
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from controller.views import (
+from trainguard.controller.views import (
     ActionView,
     AuditEntry,
     IncidentView,

@@ -1,5 +1,5 @@
 """Read models the API and agentctl show: plain frozen dataclasses, JSON-ready via
-`agent.protocol.to_wire`. The service facade returns these; the store never leaks rows."""
+`trainguard.protocol.to_wire`. The service facade returns these; the store never leaks rows."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The controller's systemd watchdog: WATCHDOG=1 from the API's event loop while the rule tick
 loop is alive too, so a wedged event loop or a wedged tick thread gets the process restarted.
 
-sd_notify itself is `agent.systemd.SystemdNotifier` (READY, WATCHDOG, STOPPING; a no-op
+sd_notify itself is `trainguard.systemd.SystemdNotifier` (READY, WATCHDOG, STOPPING; a no-op
 without NOTIFY_SOCKET). The pings run as a task on the event loop that serves the API: if that
 loop blocks, no ping is sent. Each ping is also gated on `healthy()` (the tick thread finished
 a round recently): a tick thread stuck on a lock or a hung store stops the pings as well.
@@ -14,7 +14,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
-from agent.systemd import SystemdNotifier
+from trainguard.systemd import SystemdNotifier
 
 log = logging.getLogger("trainguard.controller.watchdog")
 

@@ -27,7 +27,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from controller.devcluster import (
+from trainguard.devkit.devcluster import (
     REPO_ROOT,
     ClusterConfig,
     ClusterError,

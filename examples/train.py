@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from agent.trainer import ResumableSampler, S3Config, Trainguard
+from trainguard.trainer import ResumableSampler, S3Config, Trainguard
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

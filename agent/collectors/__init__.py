@@ -1,6 +1,6 @@
 """Hardware collectors for the agent: NVML GPUs and NVLink, XIDs from the kernel log, InfiniBand.
 
-Each collector returns the frozen dataclasses of `agent.model`; none imports a heavy library at
+Each collector returns the frozen dataclasses of `trainguard.model`; none imports a heavy library at
 module level (pynvml is imported inside `NvmlGpuCollector` only when no module is injected).
 This package also owns the one PCI bus id normal form that NVML and the kernel log are mapped to.
 """

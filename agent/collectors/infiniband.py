@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 
-from agent.model import IbPortSample
+from trainguard.model import IbPortSample
 
 __all__ = ["SysfsIbCollector", "parse_rate_gbps", "parse_state"]
 

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.clock import SYSTEM_CLOCK, Clock
-from agent.collectors import normalize_bus_id
-from agent.model import GpuCollection, GpuSample, HardwareEvent, NvLinkSample
+from trainguard.agent.collectors import normalize_bus_id
+from trainguard.clock import SYSTEM_CLOCK, Clock
+from trainguard.model import GpuCollection, GpuSample, HardwareEvent, NvLinkSample
 
 __all__ = [
     "CLOCK_EVENT_HW_POWER_BRAKE",
@@ -121,7 +121,7 @@ class _Gpu:
 
 
 class NvmlGpuCollector:
-    """Implements `agent.model.GpuCollector` over NVML.
+    """Implements `trainguard.model.GpuCollector` over NVML.
 
     `nvml=None` imports the real `pynvml` on first use; tests pass a fake module that raises
     the real NVML error classes.

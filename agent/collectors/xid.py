@@ -14,9 +14,9 @@ import os
 import re
 from collections.abc import Callable
 
-from agent.clock import SYSTEM_CLOCK, Clock
-from agent.collectors import bus_id_device_prefix, normalize_bus_id
-from agent.model import HardwareEvent
+from trainguard.agent.collectors import bus_id_device_prefix, normalize_bus_id
+from trainguard.clock import SYSTEM_CLOCK, Clock
+from trainguard.model import HardwareEvent
 
 __all__ = ["KmsgXidSource", "parse_kmsg_line"]
 

@@ -1,7 +1,7 @@
 """Action steps the controller takes for incidents and operators: the framework (base,
 worker), notifications (Slack, PagerDuty, webhooks) and node draining."""
 
-from controller.actions.base import (
+from trainguard.controller.actions.base import (
     DISRUPTIVE_KINDS,
     KNOWN_KINDS,
     ActionContext,

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from controller.views import ActionView, IncidentView
+from trainguard.controller.views import ActionView, IncidentView
 
 # Kinds the remediation flow knows about; the ones without a handler yet are unavailable.
 KNOWN_KINDS = (

@@ -13,9 +13,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from controller.actions.base import ActionContext, Outcome, PermanentError
-from controller.safety import stale_drain_reason
-from controller.store import CommandRecord
+from trainguard.controller.actions.base import ActionContext, Outcome, PermanentError
+from trainguard.controller.safety import stale_drain_reason
+from trainguard.controller.store import CommandRecord
 
 log = logging.getLogger("trainguard.controller.drain")
 

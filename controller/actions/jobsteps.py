@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.actions.base import ActionContext, Outcome, PermanentError
-from controller.jobs import RESUME_SKIP_ENV, JobManager, JobSpec, shrink_plan
-from controller.store import CommandRecord, JobRecord
+from trainguard.controller.actions.base import ActionContext, Outcome, PermanentError
+from trainguard.controller.jobs import RESUME_SKIP_ENV, JobManager, JobSpec, shrink_plan
+from trainguard.controller.store import CommandRecord, JobRecord
 
 log = logging.getLogger("trainguard.controller.jobsteps")
 

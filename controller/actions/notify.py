@@ -21,8 +21,13 @@ from typing import Any, Literal, Protocol
 
 import httpx
 
-from controller.actions.base import ActionContext, Outcome, PermanentError, TransientError
-from controller.config import SEVERITY_RANK, NotifyConfig
+from trainguard.controller.actions.base import (
+    ActionContext,
+    Outcome,
+    PermanentError,
+    TransientError,
+)
+from trainguard.controller.config import SEVERITY_RANK, NotifyConfig
 
 log = logging.getLogger("trainguard.controller.notify")
 # httpx logs every request URL at INFO; a Slack webhook URL is itself the credential.

@@ -20,7 +20,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Protocol
 
-from controller.actions.base import (
+from trainguard.controller.actions.base import (
     ActionContext,
     ActionHandler,
     HandlerRegistry,
@@ -28,10 +28,10 @@ from controller.actions.base import (
     PermanentError,
     TransientError,
 )
-from controller.config import ActionsConfig
-from controller.safety import backoff_s
-from controller.store import TERMINAL_ACTION_STATES, Store
-from controller.views import ActionView
+from trainguard.controller.config import ActionsConfig
+from trainguard.controller.safety import backoff_s
+from trainguard.controller.store import TERMINAL_ACTION_STATES, Store
+from trainguard.controller.views import ActionView
 
 log = logging.getLogger("trainguard.controller.actions")
 

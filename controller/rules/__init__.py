@@ -1,9 +1,15 @@
 """The controller's rules: condition language, rule files, the evaluation engine and the
-Prometheus export. Signals the rules read live in `controller.signals`."""
+Prometheus export. Signals the rules read live in `trainguard.controller.signals`."""
 
-from controller.rules.engine import EngineMemory, evaluate
-from controller.rules.export import to_prometheus_rules
-from controller.rules.loader import Rule, RuleError, RuleSet, default_rules_path, load_rules
+from trainguard.controller.rules.engine import EngineMemory, evaluate
+from trainguard.controller.rules.export import to_prometheus_rules
+from trainguard.controller.rules.loader import (
+    Rule,
+    RuleError,
+    RuleSet,
+    default_rules_path,
+    load_rules,
+)
 
 __all__ = [
     "EngineMemory",

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from controller.model import Decision, Target
-from controller.rules.loader import Rule, RuleSet
-from controller.signals import EvalContext, SignalState, target_of
+from trainguard.controller.model import Decision, Target
+from trainguard.controller.rules.loader import Rule, RuleSet
+from trainguard.controller.signals import EvalContext, SignalState, target_of
 
 __all__ = ["HELD_SCOPES", "EngineMemory", "MemoryEntry", "evaluate"]
 

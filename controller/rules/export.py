@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from controller.rules.lang import (
+from trainguard.controller.rules.lang import (
     And,
     Arith,
     Call,
@@ -29,8 +29,8 @@ from controller.rules.lang import (
     Str,
     format_duration,
 )
-from controller.rules.loader import Rule, RuleSet
-from controller.signals import FALLBACK_FATAL_XIDS, IB_COUNTERS, IB_HW_COUNTERS
+from trainguard.controller.rules.loader import Rule, RuleSet
+from trainguard.controller.signals import FALLBACK_FATAL_XIDS, IB_COUNTERS, IB_HW_COUNTERS
 
 __all__ = ["GROUP_NAME", "IDENTITY", "PROM_SIGNALS", "PromSignal", "to_prometheus_rules"]
 
@@ -227,7 +227,7 @@ def to_prometheus_rules(rules: RuleSet) -> tuple[dict[str, Any], list[str]]:
 
 def _fatal_xids() -> frozenset[int]:
     try:
-        from agent.xid_catalog import XidCatalog  # noqa: PLC0415 - optional module
+        from trainguard.xid_catalog import XidCatalog  # noqa: PLC0415 - optional module
     except ImportError:
         return FALLBACK_FATAL_XIDS
     return XidCatalog.load().fatal_codes()

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from controller.signals import SIGNALS, EvalContext, getter, series_getter
+from trainguard.controller.signals import SIGNALS, EvalContext, getter, series_getter
 
 __all__ = [
     "FUNCTIONS",

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import difflib
 import re
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from controller.rules.lang import (
+from trainguard.controller.rules.lang import (
     Call,
     CompiledCondition,
     ConditionError,
@@ -29,7 +28,8 @@ from controller.rules.lang import (
     parse_duration,
     walk,
 )
-from controller.signals import SCOPES
+from trainguard.controller.signals import SCOPES
+from trainguard.rules import shipped_dir
 
 __all__ = [
     "ACTIONS",
@@ -150,16 +150,8 @@ class RuleSet:
 
 
 def default_rules_path() -> Path:
-    """The shipped rules directory: `rules/` next to the packages in a checkout or editable
-    install, else `share/trainguard/rules` under the environment."""
-    candidates = [
-        Path(__file__).resolve().parents[2] / "rules",
-        Path(sys.prefix) / "share" / "trainguard" / "rules",
-    ]
-    for c in candidates:
-        if (c / "default.yaml").is_file():
-            return c
-    return candidates[0]
+    """The shipped rules directory (package data of `trainguard.rules`)."""
+    return shipped_dir()
 
 
 def load_rules(paths: Sequence[str | Path]) -> RuleSet:

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-from controller.devcluster import (
+from trainguard.devkit.devcluster import (
     REPO_ROOT,
     DevCluster,
     compare_losses,

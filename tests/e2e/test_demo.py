@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.devcluster import REPO_ROOT, marked_pids, wait_until
+from trainguard.devkit.devcluster import REPO_ROOT, marked_pids, wait_until
 
 pytestmark = pytest.mark.slow
 DEMO = REPO_ROOT / "examples" / "demo.py"

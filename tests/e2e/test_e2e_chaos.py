@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import yaml
 
-from controller.devcluster import REPO_ROOT, ClusterConfig, DevCluster
 from tests.e2e.chaos import (
     check_recovery,
     job_spec,
@@ -28,6 +27,7 @@ from tests.e2e.chaos import (
     run_until_step,
     start_reference,
 )
+from trainguard.devkit.devcluster import REPO_ROOT, ClusterConfig, DevCluster
 
 pytestmark = pytest.mark.slow
 FAULT_STEP = 12

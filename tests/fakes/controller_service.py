@@ -11,10 +11,9 @@ import threading
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from agent.clock import Clock, FakeClock
-from agent.protocol import Command, FaultSpec, Report, ReportResponse
-from controller.errors import BadRequest, Conflict, NotFound
-from controller.views import (
+from trainguard.clock import Clock, FakeClock
+from trainguard.controller.errors import BadRequest, Conflict, NotFound
+from trainguard.controller.views import (
     ActionView,
     AuditEntry,
     IncidentDetail,
@@ -25,6 +24,7 @@ from controller.views import (
     SilenceView,
     TimelineEntry,
 )
+from trainguard.protocol import Command, FaultSpec, Report, ReportResponse
 
 
 @dataclass

@@ -10,8 +10,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.model import GpuSample
-from agent.protocol import Command, Event, JobProcess, RankState, Report, ReportResponse
+from trainguard.model import GpuSample
+from trainguard.protocol import Command, Event, JobProcess, RankState, Report, ReportResponse
 
 _pids = itertools.count(1000)
 

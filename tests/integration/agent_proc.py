@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from agent.protocol import Event, Report, decode_json
+from trainguard.protocol import Event, Report, decode_json
 
 
 def agent_command() -> list[str]:
@@ -28,7 +28,7 @@ def agent_command() -> list[str]:
     script = Path(sys.executable).with_name("trainguard-agent")
     if script.exists():
         return [str(script)]
-    return [sys.executable, "-m", "agent.main"]
+    return [sys.executable, "-m", "trainguard.agent.main"]
 
 
 def wait_until(cond: Callable[[], Any], *, what: str, timeout_s: float = 30.0) -> Any:

@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agent.model import GpuSample
-from agent.protocol import Report, encode_json
-from controller.auth import hash_token
+from trainguard.controller.auth import hash_token
+from trainguard.model import GpuSample
+from trainguard.protocol import Report, encode_json
 
 BIN = Path(sys.executable).parent
 OP_TOKEN = "op-token"

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from agent_proc import AgentProcess, cleanup, sample_value, short_tmpdir, wait_until
 
-from agent.protocol import Heartbeat, encode_json
+from trainguard.protocol import Heartbeat, encode_json
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from agent_proc import AgentProcess, FakeController, cleanup, short_tmpdir, wait_until
 
-from agent.protocol import Event, RankState
+from trainguard.protocol import Event, RankState
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,8 @@ from typing import TypeVar
 
 import pytest
 
-from agent.clock import FakeClock
-from agent.jobs import JOB_EXIT, JobError, JobEvent, JobRunner, StartJob
+from trainguard.agent.jobs import JOB_EXIT, JobError, JobEvent, JobRunner, StartJob
+from trainguard.clock import FakeClock
 
 pytestmark = pytest.mark.slow
 

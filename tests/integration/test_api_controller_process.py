@@ -25,9 +25,9 @@ from controller_proc import (
     write_config,
 )
 
-from agent.model import GpuSample
-from agent.protocol import Report, encode_json
-from controller.cli import main as agentctl
+from trainguard.controller.cli import main as agentctl
+from trainguard.model import GpuSample
+from trainguard.protocol import Report, encode_json
 
 RULE = dbe_rules()
 

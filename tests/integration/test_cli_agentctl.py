@@ -17,13 +17,13 @@ import pytest
 import yaml
 from controller_proc import dbe_rules
 
-from agent.clock import SYSTEM_CLOCK
-from agent.protocol import FaultSpec
-from controller.api import create_app
-from controller.auth import TokenStore, hash_token
-from controller.cli import format_age, main, parse_duration
 from tests.fakes.api_server import serve
 from tests.fakes.controller_service import FakeService
+from trainguard.clock import SYSTEM_CLOCK
+from trainguard.controller.api import create_app
+from trainguard.controller.auth import TokenStore, hash_token
+from trainguard.controller.cli import format_age, main, parse_duration
+from trainguard.protocol import FaultSpec
 
 TOKENS = {
     "op-token": ("ops-alice", "operator"),

@@ -22,7 +22,7 @@ from controller_proc import (
     write_config,
 )
 
-from agent.protocol import Report, encode_json
+from trainguard.protocol import Report, encode_json
 
 MAX_BODY_BYTES = 64 * 1024
 

@@ -21,9 +21,9 @@ from controller_proc import (
     write_config,
 )
 
-from agent.protocol import ReportResponse, decode_json, encode_json
 from tests.fakes.job_agent import FakeJobAgent, SharedCheckpoints
 from tests.unit.controller.conftest import gpu
+from trainguard.protocol import ReportResponse, decode_json, encode_json
 
 
 def config(tmp_path: Path) -> Path:

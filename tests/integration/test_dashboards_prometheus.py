@@ -28,9 +28,9 @@ import httpx
 import pytest
 import yaml
 
-from agent.protocol import Heartbeat, encode_json
-from controller.auth import hash_token
 from tests.integration.agent_proc import AgentProcess, cleanup, short_tmpdir
+from trainguard.controller.auth import hash_token
+from trainguard.protocol import Heartbeat, encode_json
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = ROOT / "dashboards"

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.rules.export import to_prometheus_rules
-from controller.rules.loader import default_rules_path, load_rules
+from trainguard.controller.rules.export import to_prometheus_rules
+from trainguard.controller.rules.loader import default_rules_path, load_rules
 
 
 def _promtool() -> str:

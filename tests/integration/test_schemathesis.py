@@ -24,13 +24,13 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from agent.clock import FakeClock
-from agent.strict import build
-from controller.api import create_app
-from controller.auth import TokenStore
-from controller.config import ControllerConfig
-from controller.core import Controller
 from tests.fakes.controller_service import FakeService
+from trainguard.clock import FakeClock
+from trainguard.controller.api import create_app
+from trainguard.controller.auth import TokenStore
+from trainguard.controller.config import ControllerConfig
+from trainguard.controller.core import Controller
+from trainguard.strict import build
 
 RULES = Path(__file__).parents[2] / "rules"
 

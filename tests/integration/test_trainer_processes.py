@@ -24,11 +24,11 @@ from typing import Any
 import pytest
 import torch
 
-from agent.jobs import LAUNCH_ID_ENV, find_launch_processes
-from agent.protocol import Control, Heartbeat, decode_json, encode_json
-from agent.trainer.checkpoint import load_rank_file, read_tensor_file
-from agent.trainer.manifest import find_latest_good, list_committed, read_manifest
-from agent.trainer.state import fill_tensors
+from trainguard.agent.jobs import LAUNCH_ID_ENV, find_launch_processes
+from trainguard.protocol import Control, Heartbeat, decode_json, encode_json
+from trainguard.trainer.checkpoint import load_rank_file, read_tensor_file
+from trainguard.trainer.manifest import find_latest_good, list_committed, read_manifest
+from trainguard.trainer.state import fill_tensors
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = str(REPO / "examples" / "train.py")

@@ -17,15 +17,15 @@ from typing import Any
 import pytest
 import yaml
 
-from agent.clock import FakeClock
-from agent.metrics import AgentSnapshot, metric_families
-from agent.protocol import RankState
-from agent.sim import SimHardware
-from controller.metrics import REMEDIATION_PHASES, ControllerMetrics
-from controller.rules.export import to_prometheus_rules
-from controller.rules.lang import Arith, Call, Cmp, Node, Num, Sig
-from controller.rules.loader import Rule, default_rules_path, load_rules
-from controller.views import JobView
+from trainguard.agent.metrics import AgentSnapshot, metric_families
+from trainguard.agent.sim import SimHardware
+from trainguard.clock import FakeClock
+from trainguard.controller.metrics import REMEDIATION_PHASES, ControllerMetrics
+from trainguard.controller.rules.export import to_prometheus_rules
+from trainguard.controller.rules.lang import Arith, Call, Cmp, Node, Num, Sig
+from trainguard.controller.rules.loader import Rule, default_rules_path, load_rules
+from trainguard.controller.views import JobView
+from trainguard.protocol import RankState
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = ROOT / "dashboards"

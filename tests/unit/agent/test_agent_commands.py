@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from agent.commands import CommandExecutor, CommandResult, default_executor
-from agent.protocol import Command, Control, FaultSpec
+from trainguard.agent.commands import CommandExecutor, CommandResult, default_executor
+from trainguard.protocol import Command, Control, FaultSpec
 
 
 class RecordingSender:

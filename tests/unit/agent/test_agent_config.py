@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import yaml
 
-import agent.config as config_mod
-from agent.config import AgentConfig, load_config
-from agent.strict import ConfigError
+import trainguard.agent.config as config_mod
+from trainguard.agent.config import AgentConfig, load_config
+from trainguard.strict import ConfigError
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "agent.yaml"
 

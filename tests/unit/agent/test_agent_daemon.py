@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.clock import FakeClock
-from agent.config import (
+from trainguard.agent.config import (
     AgentConfig,
     ControllerConfig,
     HardwareConfig,
@@ -19,11 +18,12 @@ from agent.config import (
     JobsConfig,
     NodeConfig,
 )
-from agent.daemon import Agent, Backends
-from agent.model import GpuCollection
-from agent.protocol import Command, FaultSpec, Heartbeat, encode_json
-from agent.sim import SimHardware
-from agent.systemd import SystemdNotifier
+from trainguard.agent.daemon import Agent, Backends
+from trainguard.agent.sim import SimHardware
+from trainguard.clock import FakeClock
+from trainguard.model import GpuCollection
+from trainguard.protocol import Command, FaultSpec, Heartbeat, encode_json
+from trainguard.systemd import SystemdNotifier
 
 
 class RecordingNotifier(SystemdNotifier):

@@ -9,8 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
-from agent.metrics import AgentHttpServer, AgentSnapshot, SnapshotCollector
-from agent.protocol import FaultSpec
+from trainguard.agent.metrics import AgentHttpServer, AgentSnapshot, SnapshotCollector
+from trainguard.protocol import FaultSpec
 
 
 class Injector:

@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
-from agent.clock import SYSTEM_CLOCK, Clock, FakeClock
-from agent.config import (
+from tests.fakes.metadata_server import MetadataServer
+from tests.integration.agent_proc import FakeController
+from trainguard.agent.config import (
     AgentConfig,
     ControllerConfig,
     HardwareConfig,
@@ -26,12 +27,11 @@ from agent.config import (
     NodeConfig,
     PreemptionConfig,
 )
-from agent.daemon import Agent
-from agent.metrics import metric_families
-from agent.protocol import Command, Control, Event, Heartbeat, decode_json, encode_json
-from agent.strict import ConfigError, build
-from tests.fakes.metadata_server import MetadataServer
-from tests.integration.agent_proc import FakeController
+from trainguard.agent.daemon import Agent
+from trainguard.agent.metrics import metric_families
+from trainguard.clock import SYSTEM_CLOCK, Clock, FakeClock
+from trainguard.protocol import Command, Control, Event, Heartbeat, decode_json, encode_json
+from trainguard.strict import ConfigError, build
 
 # Stands in for `python -m torch.distributed.run ...`: prints, then waits; exits 0 on SIGTERM.
 LAUNCHER = """\

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-import agent.config as config_mod
-from agent.main import main
+import trainguard.agent.config as config_mod
+from trainguard.agent.main import main
 
 
 @pytest.fixture(autouse=True)

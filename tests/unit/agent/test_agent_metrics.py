@@ -9,11 +9,11 @@ import subprocess
 
 import pytest
 
-from agent.clock import FakeClock
-from agent.metrics import AgentSnapshot, SnapshotCollector, render
-from agent.model import GpuSample, IbPortSample
-from agent.protocol import FaultSpec, RankState
-from agent.sim import SimHardware
+from trainguard.agent.metrics import AgentSnapshot, SnapshotCollector, render
+from trainguard.agent.sim import SimHardware
+from trainguard.clock import FakeClock
+from trainguard.model import GpuSample, IbPortSample
+from trainguard.protocol import FaultSpec, RankState
 
 ALLOWED_LABELS = {
     "node", "gpu", "uuid", "link", "device", "port", "job", "rank",

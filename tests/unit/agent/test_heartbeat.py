@@ -16,9 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.clock import FakeClock
-from agent.heartbeat import MAX_PENDING_EVENTS, HeartbeatServer, _fast_decode
-from agent.protocol import HEARTBEAT_MAX_BYTES, Control, Heartbeat, decode_json, encode_json
+from trainguard.agent.heartbeat import MAX_PENDING_EVENTS, HeartbeatServer, _fast_decode
+from trainguard.clock import FakeClock
+from trainguard.protocol import HEARTBEAT_MAX_BYTES, Control, Heartbeat, decode_json, encode_json
 
 
 @pytest.fixture

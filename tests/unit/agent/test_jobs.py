@@ -9,9 +9,8 @@ from typing import Any
 
 import pytest
 
-from agent.clock import FakeClock
-from agent.commands import CommandExecutor
-from agent.jobs import (
+from trainguard.agent.commands import CommandExecutor
+from trainguard.agent.jobs import (
     LAUNCH_ID_ENV,
     JobError,
     JobEvent,
@@ -23,7 +22,8 @@ from agent.jobs import (
     parse_stop_job,
     torchrun_argv,
 )
-from agent.protocol import Command
+from trainguard.clock import FakeClock
+from trainguard.protocol import Command
 
 MINIMAL: dict[str, Any] = {
     "job": "llama-7b",

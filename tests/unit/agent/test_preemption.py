@@ -8,9 +8,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from agent.clock import FakeClock
-from agent.config import PreemptionConfig
-from agent.preemption import (
+from tests.fakes.metadata_server import AWS_ACTION_PATH, AWS_TOKEN_PATH, MetadataServer
+from trainguard.agent.config import PreemptionConfig
+from trainguard.agent.preemption import (
     AWS_TOKEN_TTL_S,
     AwsImdsProbe,
     GcpMetadataProbe,
@@ -19,7 +19,7 @@ from agent.preemption import (
     PreemptionWatcher,
     build_probe,
 )
-from tests.fakes.metadata_server import AWS_ACTION_PATH, AWS_TOKEN_PATH, MetadataServer
+from trainguard.clock import FakeClock
 
 
 @pytest.fixture

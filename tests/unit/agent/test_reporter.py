@@ -13,9 +13,7 @@ from typing import Any
 
 import pytest
 
-from agent.clock import FakeClock
-from agent.protocol import Event, FaultSpec, RankState, Report, decode_json, encode_json
-from agent.reporter import (
+from trainguard.agent.reporter import (
     EventSpool,
     Reporter,
     TokenError,
@@ -23,7 +21,9 @@ from agent.reporter import (
     encode_report,
     read_token,
 )
-from agent.sim import SimHardware
+from trainguard.agent.sim import SimHardware
+from trainguard.clock import FakeClock
+from trainguard.protocol import Event, FaultSpec, RankState, Report, decode_json, encode_json
 
 TOKEN = "s3cret-token-value"
 

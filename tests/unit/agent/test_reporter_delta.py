@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from agent.clock import FakeClock
-from agent.model import GpuSample, IbPortSample, NvLinkSample
-from agent.protocol import Event, Report, decode_json
-from agent.reporter import DeltaEncoder, EventSpool, Reporter
+from trainguard.agent.reporter import DeltaEncoder, EventSpool, Reporter
+from trainguard.clock import FakeClock
+from trainguard.model import GpuSample, IbPortSample, NvLinkSample
+from trainguard.protocol import Event, Report, decode_json
 
 TOKEN = "delta-token"
 

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from agent.commands import default_executor
-from agent.protocol import Command, Control, ProtocolError
-from agent.reporter import decode_response
+from trainguard.agent.commands import default_executor
+from trainguard.agent.reporter import decode_response
+from trainguard.protocol import Command, Control, ProtocolError
 
 
 class NoRanks:

@@ -6,9 +6,9 @@ from typing import get_args
 
 import pytest
 
-from agent.clock import FakeClock
-from agent.protocol import FaultKind, FaultSpec
-from agent.sim import GPU_MEMORY_BYTES, NVLINKS_PER_GPU, SimHardware
+from trainguard.agent.sim import GPU_MEMORY_BYTES, NVLINKS_PER_GPU, SimHardware
+from trainguard.clock import FakeClock
+from trainguard.protocol import FaultKind, FaultSpec
 
 
 def make(clock: FakeClock, *, gpus: int = 2, ib_ports: int = 2, seed: int = 7) -> SimHardware:

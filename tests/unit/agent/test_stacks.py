@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from agent.clock import SYSTEM_CLOCK, FakeClock
-from agent.commands import CommandExecutor
-from agent.protocol import Command, RankState
-from agent.stacks import collect_stacks, dump_lines, handles_signal, stacks_handler
+from trainguard.agent.commands import CommandExecutor
+from trainguard.agent.stacks import collect_stacks, dump_lines, handles_signal, stacks_handler
+from trainguard.clock import SYSTEM_CLOCK, FakeClock
+from trainguard.protocol import Command, RankState
 
 USR1_BIT = 1 << (signal.SIGUSR1 - 1)
 

@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
-from agent.clock import FakeClock
-from agent.model import GpuSample
-from agent.protocol import Event, JobProcess, Report
-from agent.strict import build
-from controller.actions.notify import RecordingNotifier
-from controller.config import ControllerConfig
-from controller.core import ActionBackends, Controller
+from trainguard.clock import FakeClock
+from trainguard.controller.actions.notify import RecordingNotifier
+from trainguard.controller.config import ControllerConfig
+from trainguard.controller.core import ActionBackends, Controller
+from trainguard.model import GpuSample
+from trainguard.protocol import Event, JobProcess, Report
+from trainguard.strict import build
 
 CORE_RULES = """
 rules:

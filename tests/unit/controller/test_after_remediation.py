@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from controller.model import Decision, Target
 from tests.unit.controller.conftest import gpu
 from tests.unit.controller.test_jobs_remediation import (  # noqa: F401  (fixture)
     RULES,
@@ -15,6 +14,7 @@ from tests.unit.controller.test_jobs_remediation import (  # noqa: F401  (fixtur
     running,
     sim,
 )
+from trainguard.controller.model import Decision, Target
 
 # node_silent only after 20 s: the crash restart (which swaps the dead node out) has ended by
 # then, so no remediation in progress covers it any more

@@ -10,12 +10,12 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry, Histogram
 
-from agent.clock import FakeClock
-from agent.protocol import Event, RankState, Report, encode_json
-from controller.api import create_app
-from controller.auth import TokenStore
-from controller.views import JobView
 from tests.fakes.controller_service import FakeService
+from trainguard.clock import FakeClock
+from trainguard.controller.api import create_app
+from trainguard.controller.auth import TokenStore
+from trainguard.controller.views import JobView
+from trainguard.protocol import Event, RankState, Report, encode_json
 
 TOKENS = {
     "op-token": ("ops-alice", "operator"),

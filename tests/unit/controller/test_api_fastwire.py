@@ -1,4 +1,4 @@
-"""The fast report decoder accepts and rejects exactly what `agent.protocol.from_wire` does."""
+"""The fast report decoder accepts and rejects exactly what `trainguard.protocol.from_wire` does."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.model import GpuSample, IbPortSample, NvLinkSample
-from agent.protocol import (
+from trainguard.fastwire import decoder
+from trainguard.model import GpuSample, IbPortSample, NvLinkSample
+from trainguard.protocol import (
     Command,
     Event,
     FaultSpec,
@@ -24,7 +25,6 @@ from agent.protocol import (
     encode_json,
     to_wire,
 )
-from controller.fastwire import decoder
 
 # no surrogates: Python's json accepts lone surrogates in strings, JSON parsers need not
 text = st.text(st.characters(exclude_categories=("Cs",)), max_size=8)

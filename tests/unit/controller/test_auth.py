@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.strict import ConfigError
-from controller.auth import Principal, TokenStore, hash_token, load_tokens
+from trainguard.controller.auth import Principal, TokenStore, hash_token, load_tokens
+from trainguard.strict import ConfigError
 
 
 def _write(tmp_path: Path, text: str) -> Path:

@@ -8,14 +8,14 @@ import io
 
 import pytest
 
-from controller.actions.jobsteps import bounded_text
-from controller.cli import _describe
 from tests.unit.controller.test_jobs_remediation import (  # noqa: F401  (fixture)
     RULES,
     Sim,
     running,
     sim,
 )
+from trainguard.controller.actions.jobsteps import bounded_text
+from trainguard.controller.cli import _describe
 
 # stands in for rank_silent / training_stall (the fake agent does not age heartbeats): a rank
 # condition the test turns on and off, with the same plan

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.strict import ConfigError
-from controller.config import load_config
+from trainguard.controller.config import load_config
+from trainguard.strict import ConfigError
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "controller.yaml"
 

@@ -7,12 +7,12 @@ import time
 
 import pytest
 
-from agent.protocol import Event, FaultSpec, RankState, Report
-from agent.strict import ConfigError
-from controller.actions.notify import RecordingNotifier
-from controller.errors import BadRequest, NotFound
-from controller.model import Decision, Target
 from tests.unit.controller.conftest import Reporter
+from trainguard.controller.actions.notify import RecordingNotifier
+from trainguard.controller.errors import BadRequest, NotFound
+from trainguard.controller.model import Decision, Target
+from trainguard.protocol import Event, FaultSpec, RankState, Report
+from trainguard.strict import ConfigError
 
 
 def _result_event(event_id: int, command_id: str, *, ok: bool = True) -> Event:

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from agent.model import GpuSample, IbPortSample, NvLinkSample
-from agent.protocol import Command, Event, Report, ReportResponse, to_wire
-from agent.reporter import DeltaEncoder
-from controller.api import _json_bytes, encode_report_response
-from controller.model import Target
-from controller.rules import engine
+from trainguard.agent.reporter import DeltaEncoder
+from trainguard.controller.api import _json_bytes, encode_report_response
+from trainguard.controller.model import Target
+from trainguard.controller.rules import engine
+from trainguard.model import GpuSample, IbPortSample, NvLinkSample
+from trainguard.protocol import Command, Event, Report, ReportResponse, to_wire
 
 
 def gpu(

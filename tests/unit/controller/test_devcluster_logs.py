@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from controller.devcluster import read_step_lines
+from trainguard.devkit.devcluster import read_step_lines
 
 
 def test_step_lines_survive_output_of_other_threads_and_kills(tmp_path: Path) -> None:

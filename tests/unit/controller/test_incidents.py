@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from controller.incidents import TRANSITIONS, InvalidTransition, check_transition
 from tests.unit.controller.conftest import Reporter
+from trainguard.controller.incidents import TRANSITIONS, InvalidTransition, check_transition
 
 STATES = ("open", "acting", "mitigated", "resolved", "suppressed")
 ALLOWED = {

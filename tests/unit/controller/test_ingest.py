@@ -9,13 +9,12 @@ from typing import Any
 
 import pytest
 
-from agent.clock import FakeClock
-from agent.protocol import Report, encode_json
-from controller.api import create_app
-from controller.auth import TokenStore
-from controller.config import ConfigError, load_config
-from controller.core import Controller
-from controller.ingest import (
+from trainguard.clock import FakeClock
+from trainguard.controller.api import create_app
+from trainguard.controller.auth import TokenStore
+from trainguard.controller.config import ConfigError, load_config
+from trainguard.controller.core import Controller
+from trainguard.controller.ingest import (
     ANSWER_MAX_BYTES,
     HEADER,
     JSON_BODY,
@@ -34,6 +33,7 @@ from controller.ingest import (
     encode_report,
     read_frame,
 )
+from trainguard.protocol import Report, encode_json
 
 
 @pytest.mark.parametrize("workers", [-1, 65], ids=["negative", "above-64"])

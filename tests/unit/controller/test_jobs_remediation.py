@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
-from agent.clock import FakeClock
-from agent.strict import build
-from controller.core import Controller
-from controller.errors import Conflict
-from controller.jobs import JobSpec, shrink_plan
 from tests.fakes.job_agent import FakeJobAgent, SharedCheckpoints
 from tests.unit.controller.conftest import gpu
+from trainguard.clock import FakeClock
+from trainguard.controller.core import Controller
+from trainguard.controller.errors import Conflict
+from trainguard.controller.jobs import JobSpec, shrink_plan
+from trainguard.strict import build
 
 RULES = """
 rules:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from agent.clock import FakeClock
-from controller.config import SafetyConfig
-from controller.safety import (
+from trainguard.clock import FakeClock
+from trainguard.controller.config import SafetyConfig
+from trainguard.controller.safety import (
     Safety,
     backoff_s,
     breaker_verdict,
@@ -14,8 +14,8 @@ from controller.safety import (
     matching_silence,
     stale_drain_reason,
 )
-from controller.store import NewAction, Store
-from controller.views import SilenceView
+from trainguard.controller.store import NewAction, Store
+from trainguard.controller.views import SilenceView
 
 
 @pytest.mark.parametrize(

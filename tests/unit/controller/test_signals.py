@@ -8,10 +8,10 @@ from dataclasses import replace
 
 import pytest
 
-from agent.model import GpuSample, IbPortSample, NvLinkSample
-from agent.protocol import Event, RankState, Report
-from controller.model import Target
-from controller.signals import DEFAULT_TRACKED, SIGNALS, Series, SignalState
+from trainguard.controller.model import Target
+from trainguard.controller.signals import DEFAULT_TRACKED, SIGNALS, Series, SignalState
+from trainguard.model import GpuSample, IbPortSample, NvLinkSample
+from trainguard.protocol import Event, RankState, Report
 
 T0 = 1_700_000_000.0
 

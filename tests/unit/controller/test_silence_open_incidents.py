@@ -4,10 +4,10 @@ already under way finishes (FakeClock, real SQLite, recording notifiers)."""
 
 from __future__ import annotations
 
-from agent.protocol import Event
-from controller.actions.base import TransientError
-from controller.actions.notify import RecordingNotifier
 from tests.unit.controller.conftest import Reporter
+from trainguard.controller.actions.base import TransientError
+from trainguard.controller.actions.notify import RecordingNotifier
+from trainguard.protocol import Event
 
 
 def _results(c, node: str, *, ok: bool) -> tuple[Event, ...]:

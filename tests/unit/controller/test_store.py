@@ -6,8 +6,14 @@ import sqlite3
 
 import pytest
 
-import controller.store as store_mod
-from controller.store import SCHEMA_VERSION, CommandResultRow, NewAction, Store, StoreError
+import trainguard.controller.store as store_mod
+from trainguard.controller.store import (
+    SCHEMA_VERSION,
+    CommandResultRow,
+    NewAction,
+    Store,
+    StoreError,
+)
 
 
 def _now() -> float:

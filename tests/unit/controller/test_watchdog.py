@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.systemd import SystemdNotifier
-from controller.watchdog import pet_watchdog, watchdog_running
+from trainguard.controller.watchdog import pet_watchdog, watchdog_running
+from trainguard.systemd import SystemdNotifier
 
 
 def _receiver(tmp_path: Path) -> tuple[socket.socket, str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.collectors.infiniband import SysfsIbCollector, parse_rate_gbps, parse_state
+from trainguard.agent.collectors.infiniband import SysfsIbCollector, parse_rate_gbps, parse_state
 
 SYSFS = Path(__file__).resolve().parents[3] / "fixtures" / "sysfs"
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.clock import FakeClock
-from agent.collectors import xid as xid_mod
-from agent.collectors.xid import KmsgXidSource
+from trainguard.agent.collectors import xid as xid_mod
+from trainguard.agent.collectors.xid import KmsgXidSource
+from trainguard.clock import FakeClock
 
 KMSG = Path(__file__).resolve().parents[3] / "fixtures" / "kmsg"
 XID79 = "3,1534,270001337,-;NVRM: Xid (PCI:0000:18:00): 79, pid=0, GPU has fallen off the bus.\n"

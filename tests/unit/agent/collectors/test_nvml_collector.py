@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from agent.clock import FakeClock
-from agent.collectors import nvml as nvml_mod
-from agent.collectors.nvml import (
+from trainguard.agent.collectors import nvml as nvml_mod
+from trainguard.agent.collectors.nvml import (
     ERRORS_MAX_PER_COLLECT,
     NVML_CONSTANTS_USED,
     NVML_FUNCTIONS_USED,
     NvmlGpuCollector,
 )
+from trainguard.clock import FakeClock
 
 REPO = Path(__file__).resolve().parents[4]
 
@@ -470,7 +470,7 @@ def test_importing_the_collectors_does_not_import_pynvml():
         "for m in ('pynvml', 'torch', 'boto3'):\n"
         "    sys.modules[m] = None\n"
         "import agent, agent.collectors.nvml, agent.collectors.xid, agent.collectors.infiniband\n"
-        "import agent.xid_catalog\n"
+        "import trainguard.xid_catalog\n"
         "from agent.collectors.nvml import NvmlGpuCollector\n"
         "out = NvmlGpuCollector().collect()\n"
         "assert out.gpus == () and 'pynvml not importable' in out.errors[0], out\n"

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.collectors import normalize_bus_id
-from agent.collectors.xid import MESSAGE_MAX_CHARS, parse_kmsg_line
+from trainguard.agent.collectors import normalize_bus_id
+from trainguard.agent.collectors.xid import MESSAGE_MAX_CHARS, parse_kmsg_line
 
 KMSG = Path(__file__).resolve().parents[3] / "fixtures" / "kmsg"
 

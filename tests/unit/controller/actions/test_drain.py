@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from controller.actions.base import PermanentError
-from controller.actions.drain import LocalDrainBackend
 from tests.unit.controller.conftest import Reporter
+from trainguard.controller.actions.base import PermanentError
+from trainguard.controller.actions.drain import LocalDrainBackend
 
 
 def test_idle_node_drains_at_once_and_repeat_is_a_no_op(make_core, core_clock):

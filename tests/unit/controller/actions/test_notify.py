@@ -9,9 +9,9 @@ import socket
 
 import pytest
 
-from agent.strict import ConfigError, build
-from controller.actions.base import PermanentError, TransientError
-from controller.actions.notify import (
+from tests.unit.controller.actions.http_receiver import Receiver
+from trainguard.controller.actions.base import PermanentError, TransientError
+from trainguard.controller.actions.notify import (
     Notification,
     PagerDutyNotifier,
     SlackNotifier,
@@ -19,8 +19,8 @@ from controller.actions.notify import (
     build_notifiers,
     channels_for,
 )
-from controller.config import NotifyConfig
-from tests.unit.controller.actions.http_receiver import Receiver
+from trainguard.controller.config import NotifyConfig
+from trainguard.strict import ConfigError, build
 
 
 def _n(**kw) -> Notification:

@@ -6,10 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.actions.base import ActionContext, Outcome, PermanentError, TransientError
-from controller.actions.notify import RecordingNotifier
-from controller.model import Decision, Target
 from tests.unit.controller.conftest import Reporter
+from trainguard.controller.actions.base import (
+    ActionContext,
+    Outcome,
+    PermanentError,
+    TransientError,
+)
+from trainguard.controller.actions.notify import RecordingNotifier
+from trainguard.controller.model import Decision, Target
 
 
 def _decision(actions: tuple[str, ...], node: str = "n1") -> Decision:

@@ -8,13 +8,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.clock import FakeClock
-from agent.model import GpuSample, IbPortSample, NvLinkSample
-from agent.protocol import Event, RankState, Report
-from controller.model import Decision
-from controller.rules.engine import EngineMemory, evaluate
-from controller.rules.loader import RuleSet, default_rules_path, load_rules, parse_rules
-from controller.signals import SignalState
+from trainguard.clock import FakeClock
+from trainguard.controller.model import Decision
+from trainguard.controller.rules.engine import EngineMemory, evaluate
+from trainguard.controller.rules.loader import RuleSet, default_rules_path, load_rules, parse_rules
+from trainguard.controller.signals import SignalState
+from trainguard.model import GpuSample, IbPortSample, NvLinkSample
+from trainguard.protocol import Event, RankState, Report
 
 HEALTHY_GPU: dict[str, Any] = {
     "temperature_celsius": 55.0,

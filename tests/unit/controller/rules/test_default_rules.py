@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from controller.rules.loader import default_rules_path, load_rules
-from controller.signals import SIGNALS
 from tests.unit.controller.rules.scenario import Cluster, make_node
+from trainguard.controller.rules.loader import default_rules_path, load_rules
+from trainguard.controller.signals import SIGNALS
 
 DEFAULT_RULES = load_rules([default_rules_path()])
 

@@ -3,9 +3,9 @@ stale nodes, and no mutation of its inputs."""
 
 from __future__ import annotations
 
-from controller.rules.engine import EngineMemory, evaluate
-from controller.rules.loader import RuleSet, parse_rules
 from tests.unit.controller.rules.scenario import Cluster, make_node
+from trainguard.controller.rules.engine import EngineMemory, evaluate
+from trainguard.controller.rules.loader import RuleSet, parse_rules
 
 RULES = """
 rules:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from controller.rules.export import PROM_SIGNALS, to_prometheus_rules
-from controller.rules.loader import RuleSet, default_rules_path, load_rules, parse_rules
-from controller.signals import SIGNALS
+from trainguard.controller.rules.export import PROM_SIGNALS, to_prometheus_rules
+from trainguard.controller.rules.loader import RuleSet, default_rules_path, load_rules, parse_rules
+from trainguard.controller.signals import SIGNALS
 
 
 def _export(text: str) -> tuple[list[dict[str, object]], list[str]]:

@@ -7,17 +7,17 @@ import math
 
 import pytest
 
-from agent.model import GpuSample
-from agent.protocol import RankState, Report
-from controller.model import Target
-from controller.rules.lang import (
+from trainguard.controller.model import Target
+from trainguard.controller.rules.lang import (
     ConditionError,
     compile_condition,
     format_duration,
     parse_condition,
     parse_duration,
 )
-from controller.signals import SignalState
+from trainguard.controller.signals import SignalState
+from trainguard.model import GpuSample
+from trainguard.protocol import RankState, Report
 
 BAD = [
     ("unknown-signal", "gpu", "temprature_celsius > 90", "unknown signal 'temprature_celsius'"),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.rules.loader import RuleError, default_rules_path, load_rules
+from trainguard.controller.rules.loader import RuleError, default_rules_path, load_rules
 
 GOOD = """
 rules:

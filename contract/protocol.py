@@ -1,0 +1,322 @@
+"""The wire: what travels between trainer ranks, the agent and the controller.
+
+trainer rank --(unix datagram, JSON Heartbeat)--> agent --(POST /v1/reports, JSON Report)-->
+controller; the controller answers with a ReportResponse carrying Commands for the node, and
+the agent relays checkpoint/stop requests to ranks as JSON Control datagrams.
+
+Every message is a frozen dataclass with `to_wire()` (plain JSON-ready dict) and a strict
+`from_wire()` that raises ProtocolError naming the field. JSON has no NaN: non-finite floats
+travel as the strings "NaN", "Infinity", "-Infinity" (a NaN loss is data we must not lose).
+The controller imports this module; the agent never imports the controller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+from trainguard.model import GpuSample, HardwareEvent, IbPortSample, NvLinkSample
+from trainguard.strict import ConfigError, build
+
+__all__ = [
+    "CONTROL_MAX_BYTES",
+    "HEARTBEAT_MAX_BYTES",
+    "PROTOCOL_VERSION",
+    "REPORT_MAX_BYTES",
+    "Command",
+    "CommandKind",
+    "Control",
+    "ControlAction",
+    "Event",
+    "FaultSpec",
+    "GpuSample",
+    "HardwareEvent",
+    "Heartbeat",
+    "IbPortSample",
+    "JobProcess",
+    "NvLinkSample",
+    "ProtocolError",
+    "RankState",
+    "Report",
+    "ReportResponse",
+    "decode_json",
+    "encode_json",
+    "from_wire",
+    "to_wire",
+]
+
+PROTOCOL_VERSION = 1
+HEARTBEAT_MAX_BYTES = 4096  # one datagram; larger ones are counted and dropped
+CONTROL_MAX_BYTES = 4096
+REPORT_MAX_BYTES = 4 * 1024 * 1024  # the controller rejects larger report bodies with 413
+
+T = TypeVar("T")
+
+
+class ProtocolError(ValueError):
+    """A message that does not match the wire schema; `field` is the dotted path."""
+
+    def __init__(self, field_path: str, reason: str) -> None:
+        self.field = field_path
+        self.reason = reason
+        super().__init__(f"{field_path}: {reason}" if field_path else reason)
+
+
+# --- trainer <-> agent ---------------------------------------------------------------------
+
+HeartbeatPhase = Literal["init", "train", "checkpoint", "eval", "stopping", "exit"]
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """One datagram per training step from each rank (level state + an optional edge event).
+
+    Level fields (`ckpt_step`, `ckpt_request_id`) repeat in every heartbeat so a lost datagram
+    never loses the fact that a checkpoint committed.
+    """
+
+    job: str
+    rank: int
+    step: int
+    t: float  # sender's unix time
+    local_rank: int = 0
+    world_size: int = 1
+    pid: int = 0
+    loss: float | None = None
+    grad_norm: float | None = None
+    samples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    step_time_s: float | None = None
+    # this rank's own work in the step (forward/backward; not waits in collectives), seconds
+    compute_time_s: float | None = None
+    phase: HeartbeatPhase = "train"
+    ckpt_step: int | None = None  # newest committed checkpoint step
+    ckpt_request_id: str | None = None  # newest proactive request that committed
+    control_socket: str | None = None  # where this rank listens for Control datagrams
+    # edge event: "nan_loss", "checkpoint_committed", "checkpoint_failed", "stop", "exit", ...
+    event: str | None = None
+    event_data: dict[str, Any] = field(default_factory=dict)
+    v: int = PROTOCOL_VERSION
+
+
+ControlAction = Literal["checkpoint", "stop", "checkpoint_stop"]
+
+
+@dataclass(frozen=True)
+class Control:
+    """Agent -> rank request. All ranks act at the same step (the trainer library agrees)."""
+
+    action: ControlAction
+    request_id: str
+    job: str = ""
+    v: int = PROTOCOL_VERSION
+
+
+# --- agent -> controller -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankState:
+    """The agent's view of one local rank, from its latest heartbeat."""
+
+    job: str
+    rank: int
+    step: int
+    local_rank: int = 0
+    world_size: int = 1
+    pid: int = 0
+    loss: float | None = None
+    grad_norm: float | None = None
+    samples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    step_time_s: float | None = None
+    compute_time_s: float | None = None
+    phase: str = "train"
+    heartbeat_age_s: float = 0.0  # agent clock: now - last heartbeat received
+    step_age_s: float = 0.0  # agent clock: now - when `step` last changed
+    ckpt_step: int | None = None
+    ckpt_request_id: str | None = None
+
+
+@dataclass(frozen=True)
+class JobProcess:
+    """A job's processes (torchrun) launched by this agent."""
+
+    job: str
+    attempt: int
+    state: Literal["starting", "running", "stopping", "exited"]
+    pid: int | None = None
+    exit_code: int | None = None
+    output_tail: str = ""  # last lines of output, bounded
+
+
+@dataclass(frozen=True)
+class Event:
+    """An edge event, spooled by the agent until the controller acknowledges its id.
+
+    `id` increases strictly within one agent `instance`; (node, instance, id) is unique.
+    kinds: "xid", "gpu_lost", "fallen_off_bus", "nvml_error", "nan_loss",
+    "checkpoint_committed", "checkpoint_failed", "trainer_exit", "job_exit", "command_result",
+    "fault_injected", "preemption_notice".
+    """
+
+    id: int
+    kind: str
+    ts: float
+    gpu: int | None = None
+    job: str | None = None
+    rank: int | None = None
+    code: int | None = None
+    message: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Report:
+    node: str
+    instance: str  # random id chosen at agent start
+    seq: int  # report sequence within the instance
+    sent_at: float
+    agent_version: str = ""
+    role_hint: Literal["active", "spare"] | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+    gpus: tuple[GpuSample, ...] = ()
+    ib_ports: tuple[IbPortSample, ...] = ()
+    ranks: tuple[RankState, ...] = ()
+    jobs: tuple[JobProcess, ...] = ()
+    events: tuple[Event, ...] = ()
+    health: dict[str, float] = field(default_factory=dict)  # agent self-health figures
+    # Delta reports (optional; an agent that never sets `full` sends full reports only).
+    # full=True: gpus/ib_ports are the whole hardware snapshot. full=False: a delta against
+    # the report `base_seq` (same instance) that the controller acknowledged: only the GPUs,
+    # NVLinks (within a listed GPU) and IB ports whose values changed are listed, each entry
+    # whole; an absent entry means "unchanged", never "gone" (a removal forces a full report).
+    # ranks, jobs, events, health and labels are always complete.
+    full: bool | None = None
+    base_seq: int | None = None
+    v: int = PROTOCOL_VERSION
+
+
+CommandKind = Literal[
+    "checkpoint",  # args: job, request_id           -> Control(checkpoint) to the job's ranks
+    "stop_ranks",  # args: job, request_id, checkpoint(bool) -> Control(stop|checkpoint_stop)
+    "start_job",  # args: job, attempt, command(list), nproc_per_node, nnodes, node_rank,
+    #                 rdzv_endpoint, rdzv_id, env(dict), ckpt_dir
+    "stop_job",  # args: job, grace_s                 -> SIGTERM process group, grace, SIGKILL
+    "inject_fault",  # args: FaultSpec fields (sim backend only)
+    "collect_stacks",  # args: job -> SIGUSR1 to the job's local ranks, stacks in the result
+]
+
+
+@dataclass(frozen=True)
+class Command:
+    """Controller -> agent, riding on the report response. Results come back as
+    `command_result` events with data {"command_id", "ok", "message"}."""
+
+    id: str
+    kind: CommandKind
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ReportResponse:
+    ack_event_id: int  # every event with id <= this (for the report's instance) is stored
+    commands: tuple[Command, ...] = ()
+    server_time: float = 0.0
+    # True: the controller cannot apply deltas for this agent (a new controller process, an
+    # unknown instance, a base_seq that is not the last report it applied): send a full
+    # report next. Only sent (when true) to agents that send `full`.
+    want_full: bool | None = None
+    v: int = PROTOCOL_VERSION
+
+
+FaultKind = Literal[
+    "ecc_storm",  # correctable ECC errors at `rate_per_s`
+    "dbe",  # uncorrectable (double-bit) ECC error, + XID 48
+    "remap_pending",  # row remapping pending
+    "remap_failure",
+    "xid",  # any XID `code`
+    "gpu_lost",  # NVML GpuIsLost + XID 79 "fallen off the bus"
+    "nvlink_down",  # `link` of `gpu` goes down (+ error counters climb)
+    "ib_flap",  # `device`/`port` bounces DOWN/ACTIVE
+    "ib_down",
+    "thermal",  # HW thermal slowdown, hot
+    "slowdown",  # HW slowdown clocks
+    "clear",  # remove every injected fault (counters keep their values)
+]
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """A fault to inject into the simulated hardware (sim backend only)."""
+
+    kind: FaultKind
+    gpu: int = 0
+    link: int = 0
+    device: str = "mlx5_0"
+    port: int = 1
+    code: int = 79
+    rate_per_s: float = 50.0
+    duration_s: float | None = None  # None = until cleared
+
+
+# --- encoding ------------------------------------------------------------------------------
+
+
+def _encode(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out = {}
+        for f in dataclasses.fields(value):
+            v = getattr(value, f.name)
+            if v is None:
+                continue  # absent, not zero
+            out[f.name] = _encode(v)
+        return out
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "NaN"
+        if math.isinf(value):
+            return "Infinity" if value > 0 else "-Infinity"
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): _encode(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_encode(v) for v in value]
+    return value
+
+
+def to_wire(msg: Any) -> dict[str, Any]:
+    """A dataclass message as a JSON-ready dict (None fields dropped, non-finite as strings)."""
+    out = _encode(msg)
+    if not isinstance(out, dict):
+        raise TypeError(f"not a message: {type(msg).__name__}")
+    return out
+
+
+def from_wire(cls: type[T], data: Any) -> T:
+    """Strictly decode `data` into message class `cls`; raises ProtocolError."""
+    if not isinstance(data, dict):
+        raise ProtocolError("", f"expected a JSON object for {cls.__name__}")
+    version = data.get("v", PROTOCOL_VERSION)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError("v", f"unsupported protocol version {version!r}")
+    try:
+        return build(cls, data)
+    except ConfigError as e:
+        raise ProtocolError(e.key, e.reason) from None
+
+
+def encode_json(msg: Any) -> bytes:
+    return json.dumps(to_wire(msg), separators=(",", ":"), allow_nan=False).encode()
+
+
+def decode_json(cls: type[T], raw: bytes | str) -> T:
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ProtocolError("", f"invalid JSON: {e}") from None
+    return from_wire(cls, data)

@@ -1,0 +1,35 @@
+"""trainguard trainer library: heartbeats, verified async checkpoints, coordinated requests.
+
+The only part of trainguard that imports torch; `import agent` never imports this package.
+
+    from trainguard.trainer import Trainguard
+    tg = Trainguard(model=model, optimizer=opt, ckpt_dir="ckpt", checkpoint_every=100)
+    start = tg.resume()
+    for step in range(start, total):
+        ...
+        if tg.step(step, loss=loss).stop:
+            break
+    tg.close()
+"""
+
+from trainguard.trainer.chaos import ChaosError, ChaosSpecError
+from trainguard.trainer.core import CheckpointMismatch, NanPolicy, Stateful, StepAction, Trainguard
+from trainguard.trainer.manifest import CheckpointInvalid, Manifest, find_latest_good, verify_dir
+from trainguard.trainer.s3 import S3Config
+from trainguard.trainer.sampler import ResumableSampler
+
+__all__ = [
+    "ChaosError",
+    "ChaosSpecError",
+    "CheckpointInvalid",
+    "CheckpointMismatch",
+    "Manifest",
+    "NanPolicy",
+    "ResumableSampler",
+    "S3Config",
+    "Stateful",
+    "StepAction",
+    "Trainguard",
+    "find_latest_good",
+    "verify_dir",
+]

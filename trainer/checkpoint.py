@@ -1,0 +1,470 @@
+"""Writing and reading checkpoints: the background writer thread and the per-format loaders.
+
+A save is: snapshot in host memory (main thread, the only part the loop waits for), then in
+a background thread: write every file into `step_K.tmp-<nonce>/`, fsync, checksum, gather the
+checksums on rank 0, write the manifest, one atomic rename to `step_K/`, tell every rank the
+outcome, apply retention, upload to S3. At most one save is in flight; a new save first waits
+for the previous one. A failed save is reported and never becomes "latest".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import shutil
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainguard.clock import SYSTEM_CLOCK, Clock
+from trainguard.trainer.manifest import (
+    HashingWriter,
+    Manifest,
+    apply_retention,
+    commit_dir,
+    fsync_dir,
+    hash_file,
+    step_dir_name,
+    write_manifest,
+)
+from trainguard.trainer.s3 import S3Store
+from trainguard.trainer.sync import Coordinator
+
+__all__ = [
+    "CheckpointWriter",
+    "SaveResult",
+    "load_rank_file",
+    "rank_file_name",
+    "read_tensor_file",
+    "tensor_file_name",
+    "write_tensor_file",
+]
+
+log = logging.getLogger("trainguard.trainer")
+_DCP_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+_BLOCK_BYTES = 4 << 20
+_HASH_AHEAD_BLOCKS = 4
+_WRITEBACK_BYTES = 32 << 20
+_ALIGN_BYTES = 64
+_ZEROS = bytes(_ALIGN_BYTES)
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank_{rank:05d}.pt"
+
+
+def tensor_file_name(rank: int) -> str:
+    return f"tensors_{rank:05d}.bin"
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    flat = t.detach().reshape(-1)
+    if not flat.is_contiguous() or flat.device.type != "cpu":
+        flat = flat.contiguous().cpu()
+    return flat.view(torch.uint8).numpy().data
+
+
+def _write_all(fd: int, data: memoryview | bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _advise_dontneed(fd: int, offset: int, length: int) -> None:
+    """POSIX_FADV_DONTNEED: on Linux it starts writeback of the range's dirty pages and drops
+    its clean ones. Advisory only (fsync still makes the file durable), so a platform or file
+    system without it just skips it."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        return
+    with contextlib.suppress(OSError):
+        advise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+
+
+class _Writeback:
+    """Keeps the page cache footprint of a large sequential write small and the final fsync
+    short: every `window_bytes` written, start writeback of that window, and drop the pages
+    of the window written two windows before (written back by then, so clean).
+
+    Without it the whole file sits dirty until fsync, which then waits for all of it, and
+    every page of the file is a fresh page-cache allocation; with it the disk works while
+    the CPU copies and hashes, and the writer reuses the pages it just released.
+    """
+
+    def __init__(self, fd: int, *, window_bytes: int) -> None:
+        self.fd = fd
+        self.window_bytes = window_bytes
+        self.marks = [0]
+
+    def written(self, end: int) -> None:
+        if self.window_bytes <= 0 or end - self.marks[-1] < self.window_bytes:
+            return
+        _advise_dontneed(self.fd, self.marks[-1], end - self.marks[-1])
+        self.marks.append(end)
+        if len(self.marks) >= 4:
+            _advise_dontneed(self.fd, self.marks[-4], self.marks[-3] - self.marks[-4])
+
+    def release(self) -> None:
+        """After fsync: every page is clean; drop them all (a checkpoint is not re-read soon)."""
+        if self.window_bytes > 0:
+            _advise_dontneed(self.fd, 0, 0)
+
+
+def write_tensor_file(
+    path: Path,
+    tensors: dict[str, torch.Tensor],
+    *,
+    block_bytes: int = _BLOCK_BYTES,
+    writeback_bytes: int = _WRITEBACK_BYTES,
+) -> tuple[dict[str, Any], int, str]:
+    """Write tensors as raw bytes (64-byte aligned) with fsync; returns (index, size, sha256).
+
+    No serializer and no intermediate copy: each block goes from the snapshot buffer's own
+    memory to `os.write`, and a second thread hashes the same block while it is written
+    (hashlib and os.write both release the GIL). Blocks are small enough (4 MiB) that the
+    second reader finds them in the CPU cache, and the hasher may run at most a few blocks
+    behind. Writeback starts early (see `_Writeback`), so the final fsync has little left
+    to wait for. Loading needs no unpickling at all.
+    """
+    if block_bytes <= 0:
+        raise ValueError(f"block_bytes must be positive, got {block_bytes}")
+    index: dict[str, Any] = {}
+    digest = hashlib.sha256()
+    offset = 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        writeback = _Writeback(fd, window_bytes=writeback_bytes)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainguard-hash") as hasher:
+            pending: deque[Future[None]] = deque()
+
+            def emit(block: memoryview | bytes) -> None:
+                nonlocal offset
+                if len(pending) >= _HASH_AHEAD_BLOCKS:
+                    pending.popleft().result()
+                pending.append(hasher.submit(digest.update, block))
+                _write_all(fd, block)
+                offset += len(block)
+                writeback.written(offset)
+
+            for name, t in tensors.items():
+                pad = -offset % _ALIGN_BYTES
+                if pad:
+                    emit(_ZEROS[:pad])
+                view = _byte_view(t)
+                index[name] = {
+                    "dtype": str(t.dtype).removeprefix("torch."),
+                    "shape": list(t.shape),
+                    "offset": offset,
+                    "nbytes": len(view),
+                }
+                for i in range(0, len(view), block_bytes):
+                    emit(view[i : i + block_bytes])
+            while pending:
+                pending.popleft().result()
+        os.fsync(fd)
+        writeback.release()
+    finally:
+        os.close(fd)
+    return index, offset, digest.hexdigest()
+
+
+def read_tensor_file(path: Path, index: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Tensors of a raw tensor file, per its index (dtypes limited to real torch dtypes)."""
+    size = path.stat().st_size
+    buf = bytearray(size)
+    with open(path, "rb", buffering=0) as f:
+        view = memoryview(buf)
+        got = 0
+        while got < size:
+            n = f.readinto(view[got:])
+            if not n:
+                raise ValueError(f"{path}: shorter than its size")
+            got += n
+    out: dict[str, torch.Tensor] = {}
+    for name, meta in index.items():
+        dtype = getattr(torch, str(meta["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{path}: tensor {name!r} has unknown dtype {meta['dtype']!r}")
+        shape = [int(d) for d in meta["shape"]]
+        offset, nbytes = int(meta["offset"]), int(meta["nbytes"])
+        if offset < 0 or offset + nbytes > size:
+            raise ValueError(f"{path}: tensor {name!r} lies outside the file")
+        if nbytes == 0:
+            out[name] = torch.empty(shape, dtype=dtype)
+            continue
+        raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
+        out[name] = raw.view(dtype).reshape(shape)
+    return out
+
+
+def load_rank_file(path: Path) -> dict[str, Any]:
+    """Per-rank state; tensors and primitives only (never unpickles arbitrary objects)."""
+    data = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a dict, got {type(data).__name__}")
+    return data
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    step: int
+    request_id: str | None
+    ok: bool
+    duration_s: float
+    path: str
+    bytes: int = 0
+    reason: str = ""
+
+
+class CheckpointWriter:
+    """Runs one save at a time in a daemon thread; results are collected by the main thread."""
+
+    def __init__(
+        self,
+        *,
+        ckpt_dir: Path,
+        coordinator: Coordinator,
+        keep_last: int,
+        job: str,
+        version: str,
+        run_nonce: str,
+        s3: S3Store | None = None,
+        pause_steps: frozenset[int] = frozenset(),
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self.ckpt_dir = ckpt_dir
+        self.coord = coordinator
+        self.keep_last = keep_last
+        self.job = job
+        self.version = version
+        self.run_nonce = run_nonce
+        self.s3 = s3
+        self.pause_steps = pause_steps
+        self.clock = clock
+        self._thread: threading.Thread | None = None
+        self._results: list[SaveResult] = []
+        self._lock = threading.Lock()
+        self._counter = 0
+
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait for the in-flight save; True when none is left in flight."""
+        t = self._thread
+        if t is None:
+            return True
+        t.join(timeout_s)
+        return not t.is_alive()
+
+    def take_results(self) -> list[SaveResult]:
+        with self._lock:
+            out, self._results = self._results, []
+        return out
+
+    def start(
+        self,
+        *,
+        step: int,
+        request_id: str | None,
+        rank_state: dict[str, Any],
+        tensors: dict[str, torch.Tensor],
+        snapshot_bytes: int,
+    ) -> None:
+        """Start writing a snapshot (the caller has waited for any previous save)."""
+        if self.busy():
+            raise RuntimeError("a checkpoint save is already in flight")
+        self._counter += 1
+        tmp = self.ckpt_dir / f"{step_dir_name(step)}.tmp-{self.run_nonce}{self._counter:04x}"
+        self._thread = threading.Thread(
+            target=self._run,
+            name=f"trainguard-ckpt-{step}",
+            kwargs={
+                "step": step,
+                "request_id": request_id,
+                "rank_state": rank_state,
+                "tensors": tensors,
+                "tmp": tmp,
+                "snapshot_bytes": snapshot_bytes,
+            },
+            daemon=True,  # a stuck write must never keep a finished or preempted job alive
+        )
+        self._thread.start()
+
+    def _write_local(
+        self,
+        step: int,
+        rank_state: dict[str, Any],
+        tensors: dict[str, torch.Tensor],
+        tmp: Path,
+    ) -> dict[str, dict[str, Any]]:
+        rank = self.coord.rank
+        tmp.mkdir(parents=True, exist_ok=True)
+        files: dict[str, dict[str, Any]] = {}
+        if self.coord.distributed:
+            from torch.distributed.checkpoint import FileSystemWriter, save  # noqa: PLC0415
+
+            group = getattr(self.coord, "ckpt_group", None)
+            save(
+                tensors,
+                storage_writer=FileSystemWriter(str(tmp / "dcp"), sync_files=True),
+                process_group=group,
+            )
+        else:
+            tname = tensor_file_name(rank)
+            index, size, digest = write_tensor_file(tmp / tname, tensors)
+            files[tname] = {"size": size, "sha256": digest}
+            rank_state = {**rank_state, "tensor_index": index}
+        name = rank_file_name(rank)
+        with open(tmp / name, "wb") as f:
+            if step in self.pause_steps:
+                # Chaos hook: stop mid-write, forever, so a test can kill -9 us right here.
+                f.write(b"PK partial")
+                f.flush()
+                log.warning("event=chaos_pause_write step=%d rank=%d dir=%s", step, rank, tmp)
+                threading.Event().wait()
+            hw = HashingWriter(f)
+            torch.save(rank_state, hw)  # type: ignore[arg-type]
+            f.flush()
+            os.fsync(f.fileno())
+        files[name] = {"size": hw.size, "sha256": hw.hexdigest()}
+        if self.coord.distributed:
+            for entry in sorted(os.listdir(tmp / "dcp")):
+                m = _DCP_RANK_FILE.match(entry)
+                if m and int(m.group(1)) == rank:
+                    size, digest = hash_file(tmp / "dcp" / entry)
+                    files[f"dcp/{entry}"] = {"size": size, "sha256": digest}
+        return files
+
+    def _run(
+        self,
+        *,
+        step: int,
+        request_id: str | None,
+        rank_state: dict[str, Any],
+        tensors: dict[str, torch.Tensor],
+        tmp: Path,
+        snapshot_bytes: int,
+    ) -> None:
+        t0 = self.clock.monotonic()
+        rank = self.coord.rank
+        final = self.ckpt_dir / step_dir_name(step)
+        mine: dict[str, Any] = {"ok": True, "reason": "", "files": {}}
+        try:
+            mine["files"] = self._write_local(step, rank_state, tensors, tmp)
+        except Exception as e:
+            mine = {"ok": False, "reason": f"rank {rank}: {type(e).__name__}: {e}", "files": {}}
+        committed = 0
+        reason = ""
+        try:
+            everyone = self.coord.all_gather_json(mine) if self.coord.distributed else [mine]
+            failures = [r["reason"] for r in everyone if not r["ok"]]
+            if rank == 0:
+                if failures:
+                    reason = failures[0]
+                    shutil.rmtree(tmp, ignore_errors=True)
+                else:
+                    self._commit(step, request_id, tmp, final, everyone)
+                    committed = 1
+            elif failures:
+                reason = failures[0]
+        except Exception as e:
+            reason = f"rank {rank}: commit: {type(e).__name__}: {e}"
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+        if self.coord.distributed:
+            try:
+                committed = self.coord.broadcast_int(committed, checkpoint_group=True)
+            except Exception as e:
+                committed, reason = 0, f"rank {rank}: outcome broadcast: {e}"
+        if not committed and not reason:
+            reason = "rank 0 could not commit (see its log)"
+        duration_s = self.clock.monotonic() - t0
+        result = SaveResult(
+            step=step,
+            request_id=request_id,
+            ok=bool(committed),
+            duration_s=duration_s,
+            path=str(final if committed else tmp),
+            bytes=snapshot_bytes,
+            reason=reason,
+        )
+        if committed:
+            log.info(
+                "event=checkpoint_committed job=%s rank=%d step=%d request_id=%s duration_s=%.3f "
+                "bytes=%d dir=%s",
+                self.job,
+                rank,
+                step,
+                request_id or "-",
+                duration_s,
+                snapshot_bytes,
+                final,
+            )
+        else:
+            log.error(
+                "event=checkpoint_failed job=%s rank=%d step=%d request_id=%s reason=%s",
+                self.job,
+                rank,
+                step,
+                request_id or "-",
+                reason.replace(" ", "_"),
+            )
+        with self._lock:
+            self._results.append(result)
+        if committed and rank == 0:
+            self._after_commit(step, final)
+
+    def _commit(
+        self, step: int, request_id: str | None, tmp: Path, final: Path, everyone: list[Any]
+    ) -> None:
+        files: dict[str, dict[str, Any]] = {}
+        for r in everyone:
+            files.update(r["files"])
+        dcp_dir = tmp / "dcp"
+        if dcp_dir.is_dir():
+            # DCP's own metadata (and any file no rank claimed) is hashed here, by rank 0.
+            for entry in sorted(os.listdir(dcp_dir)):
+                rel = f"dcp/{entry}"
+                if rel not in files:
+                    size, digest = hash_file(dcp_dir / entry)
+                    files[rel] = {"size": size, "sha256": digest}
+            fsync_dir(dcp_dir)
+        manifest = Manifest(
+            step=step,
+            world_size=self.coord.world_size,
+            format="dcp" if dcp_dir.is_dir() else "tensors",
+            files=files,
+            created_at=self.clock.now(),
+            loss_finite=True,
+            trainguard_version=self.version,
+            request_id=request_id,
+            job=self.job,
+        )
+        write_manifest(tmp, manifest)
+        commit_dir(tmp, final)
+
+    def _after_commit(self, step: int, final: Path) -> None:
+        with contextlib.suppress(Exception):
+            apply_retention(self.ckpt_dir, keep_last=self.keep_last, newest_good_step=step)
+        if self.s3 is not None:
+            try:
+                self.s3.upload(final)
+            except Exception as e:
+                log.error(
+                    "event=checkpoint_upload_failed job=%s step=%d reason=%s",
+                    self.job,
+                    step,
+                    str(e).replace(" ", "_"),
+                )
