@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
+from trainguard import __version__
+
 log = logging.getLogger("trainguard.controller.main")
 
 EXIT_OK = 0
@@ -57,6 +59,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         prog="trainguard-controller",
         description="trainguard controller: rules, incidents, actions and the REST API",
     )
+    p.add_argument("--version", action="version", version=f"{p.prog} {__version__}")
     p.add_argument(
         "--config", default=None, help="config file (default /etc/trainguard/controller.yaml)"
     )
