@@ -23,6 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from trainguard import __version__
+from trainguard.agent.collectors.infiniband import SysfsIbCollector
+from trainguard.agent.collectors.nvml import NvmlGpuCollector
+from trainguard.agent.collectors.xid import KmsgXidSource
 from trainguard.agent.commands import CommandExecutor, CommandResult, default_executor
 from trainguard.agent.config import DEFAULT_HEARTBEAT_SOCKET, DEFAULT_JOBS_WORK_DIR, AgentConfig
 from trainguard.agent.heartbeat import HeartbeatServer, TrainerEvent
@@ -40,7 +43,9 @@ from trainguard.agent.stacks import stacks_handler
 from trainguard.clock import SYSTEM_CLOCK, Clock
 from trainguard.model import EventSource, GpuCollector, GpuSample, HardwareEvent, IbCollector
 from trainguard.protocol import Command, Control, Event, FaultSpec, Report
+from trainguard.strict import ConfigError
 from trainguard.systemd import SystemdNotifier
+from trainguard.xid_catalog import XidCatalog
 
 log = logging.getLogger("trainguard.agent")
 
@@ -91,19 +96,12 @@ def build_backends(config: AgentConfig, *, node: str, clock: Clock) -> Backends:
             gpu=sim, ib=sim.ib, event_sources=[("xid", sim)], sim=sim, closers=[sim.close]
         )
     try:
-        from trainguard.agent.collectors.infiniband import SysfsIbCollector  # noqa: PLC0415
-        from trainguard.agent.collectors.nvml import NvmlGpuCollector  # noqa: PLC0415
-    except ImportError as e:
-        raise StartupError(f"nvml backend unavailable: {e}") from None
-    try:
         gpu = NvmlGpuCollector(clock=clock)
     except Exception as e:
         raise StartupError(f"cannot initialise NVML: {type(e).__name__}: {e}") from None
     backends = Backends(gpu=gpu, ib=SysfsIbCollector(root=hw.ib_sysfs_root), closers=[gpu.close])
     if hw.kmsg_path:
         try:
-            from trainguard.agent.collectors.xid import KmsgXidSource  # noqa: PLC0415
-
             xid = KmsgXidSource(path=hw.kmsg_path, bus_to_index=gpu.bus_id_to_index, clock=clock)
             backends.event_sources.append(("xid", xid))
             close = getattr(xid, "close", None)
@@ -118,20 +116,17 @@ def build_backends(config: AgentConfig, *, node: str, clock: Clock) -> Backends:
     return backends
 
 
-def _xid_severity() -> Callable[[int], str] | None:
-    """The optional `severity` label for XID counters, if the XID catalog is available."""
+def _xid_severity() -> Callable[[int], str]:
+    """The `severity` label of XID counters, from the shipped XID catalog. The catalog is
+    package data: a missing or broken one is an installation error, never a silent start
+    without the label (the "fatal XID" panels and alerts select on it)."""
     try:
-        from trainguard.xid_catalog import XidCatalog  # noqa: PLC0415
-
         catalog = XidCatalog.load()
-    except Exception:
-        return None
+    except ConfigError as e:
+        raise StartupError(f"XID catalog: {e}") from None
 
     def severity(code: int) -> str:
-        try:
-            info = catalog.get(code)
-        except Exception:
-            return "unknown"
+        info = catalog.get(code)
         return str(getattr(info, "severity", None) or "unknown")
 
     return severity
