@@ -30,7 +30,8 @@ from trainguard.controller.rules.lang import (
     format_duration,
 )
 from trainguard.controller.rules.loader import Rule, RuleSet
-from trainguard.controller.signals import FALLBACK_FATAL_XIDS, IB_COUNTERS, IB_HW_COUNTERS
+from trainguard.controller.signals import IB_COUNTERS, IB_HW_COUNTERS
+from trainguard.xid_catalog import XidCatalog
 
 __all__ = ["GROUP_NAME", "IDENTITY", "PROM_SIGNALS", "PromSignal", "to_prometheus_rules"]
 
@@ -200,7 +201,7 @@ class _Expr:
 
 def to_prometheus_rules(rules: RuleSet) -> tuple[dict[str, Any], list[str]]:
     """(rule-file dict for promtool / Prometheus, warnings for rules that were skipped)."""
-    fatal = "|".join(str(c) for c in sorted(_fatal_xids()))
+    fatal = "|".join(str(c) for c in sorted(XidCatalog.load().fatal_codes()))
     out: list[dict[str, Any]] = []
     warnings: list[str] = []
     for rule in rules.rules:
@@ -223,14 +224,6 @@ def to_prometheus_rules(rules: RuleSet) -> tuple[dict[str, Any], list[str]]:
             }
         )
     return {"groups": [{"name": GROUP_NAME, "rules": out}]}, warnings
-
-
-def _fatal_xids() -> frozenset[int]:
-    try:
-        from trainguard.xid_catalog import XidCatalog  # noqa: PLC0415 - optional module
-    except ImportError:
-        return FALLBACK_FATAL_XIDS
-    return XidCatalog.load().fatal_codes()
 
 
 def _num(v: float) -> str:
