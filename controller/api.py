@@ -14,6 +14,7 @@ import functools
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -48,9 +49,21 @@ from trainguard.controller.views import (
 from trainguard.fastwire import decoder, json_schema
 from trainguard.protocol import FaultSpec, ProtocolError, Report, ReportResponse, to_wire
 
-__all__ = ["DrainRequest", "RoleRequest", "SilenceRequest", "create_app", "encode_report_response"]
+__all__ = [
+    "CLIENT_HEADER",
+    "DrainRequest",
+    "RoleRequest",
+    "SilenceRequest",
+    "create_app",
+    "encode_report_response",
+]
 
 log = logging.getLogger("trainguard.controller.api")
+
+# The client a request came through (agentctl sends `agentctl`); it names the "via" of a drain
+# reason filled in by the API. A short token; anything else counts as no client named.
+CLIENT_HEADER = "X-Trainguard-Client"
+_CLIENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,31}")
 
 T = TypeVar("T")
 H = TypeVar("H", bound=Callable[..., Any])
@@ -58,7 +71,8 @@ H = TypeVar("H", bound=Callable[..., Any])
 
 @dataclass(frozen=True)
 class DrainRequest:
-    reason: str
+    # absent or blank: "drained by <token name> (<role>) via <client>", see _drain_reason
+    reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -222,15 +236,15 @@ def create_app(
     async def read_body(request: Request) -> bytes:
         declared = request.headers.get("content-length")
         limit = declared.encode() if declared is not None else None
-        return await _read_limited(limit, request.receive, max_body_bytes)
+        return await read_limited(limit, request.receive, max_body_bytes)
 
     async def handle_report(
         headers: dict[bytes, bytes], receive: Receive
     ) -> tuple[int, bytes, dict[str, str] | None]:
         """POST /v1/reports without the framework: auth, size limit, decode, ingest."""
         try:
-            principal = _authenticate(tokens, headers.get(b"authorization"), "report")
-            raw = await _read_limited(headers.get(b"content-length"), receive, max_body_bytes)
+            principal = authenticate(tokens, headers.get(b"authorization"), "report")
+            raw = await read_limited(headers.get(b"content-length"), receive, max_body_bytes)
         except ApiError as e:
             return e.status, _json_bytes({"error": e.error, "detail": e.detail}), e.headers
         return await ingest_body(raw, principal.name)
@@ -265,16 +279,22 @@ def create_app(
             status = e.status if 400 <= e.status < 500 else 500
             return status, _json_bytes({"error": str(e) or type(e).__name__, "detail": None}), None
 
-    async def body_of(request: Request, cls: type[T]) -> T:
+    async def body_of(request: Request, cls: type[T], *, if_empty: T | None = None) -> T:
+        """The body decoded as `cls`; `if_empty` (when given) stands for an empty body."""
         raw = await read_body(request)
+        if if_empty is not None and not raw.strip():
+            return if_empty
         try:
             return decoder(cls).decode_json(raw)
         except ProtocolError as e:
             raise _invalid(e) from None
 
-    def request_body(cls: type) -> dict[str, Any]:
+    def request_body(cls: type, *, required: bool = True) -> dict[str, Any]:
         return {
-            "requestBody": {"required": True, "content": _content(schemas.ref(cls, output=False))}
+            "requestBody": {
+                "required": required,
+                "content": _content(schemas.ref(cls, output=False)),
+            }
         }
 
     def call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -413,11 +433,13 @@ def create_app(
         "/v1/nodes/{name}/drain",
         "nodes",
         node_changed,
-        openapi_extra=request_body(DrainRequest),
+        openapi_extra=request_body(DrainRequest, required=False),
     )
     async def drain(request: Request, name: str, who: Principal = Depends(writer)) -> Response:
-        req = await body_of(request, DrainRequest)
-        view = await run_in_threadpool(call, service.drain, name, reason=req.reason, actor=who.name)
+        # an empty body is a drain without a reason (`curl -X POST .../drain`)
+        req = await body_of(request, DrainRequest, if_empty=DrainRequest())
+        reason = _drain_reason(req.reason, who, request.headers.get(CLIENT_HEADER))
+        view = await run_in_threadpool(call, service.drain, name, reason=reason, actor=who.name)
         log.info("event=drain node=%s actor=%s", name, who.name)
         return _ok(view)
 
@@ -660,7 +682,16 @@ def _check(tokens: TokenStore, token: str | None, permission: Permission) -> Pri
     return principal
 
 
-def _authenticate(tokens: TokenStore, header: bytes | None, permission: Permission) -> Principal:
+def _drain_reason(given: str | None, who: Principal, client: str | None) -> str:
+    """The reason a drain records: the one given, else who drained the node and through what
+    (the client named in the `X-Trainguard-Client` header, "api" when none or a malformed one)."""
+    if given is not None and given.strip():
+        return given
+    via = client if client is not None and _CLIENT_NAME.fullmatch(client) else "api"
+    return f"drained by {who.name} ({who.role}) via {via}"
+
+
+def authenticate(tokens: TokenStore, header: bytes | None, permission: Permission) -> Principal:
     """The Authorization header's bearer token checked for `permission` (as HTTPBearer reads
     it: scheme case-insensitive, anything but "Bearer <token>" counts as no token)."""
     token = None
@@ -671,7 +702,8 @@ def _authenticate(tokens: TokenStore, header: bytes | None, permission: Permissi
     return _check(tokens, token, permission)
 
 
-async def _read_limited(declared: bytes | None, receive: Receive, max_bytes: int) -> bytes:
+async def read_limited(declared: bytes | None, receive: Receive, max_bytes: int) -> bytes:
+    """The request body; 413 when it (or its declared length) exceeds `max_bytes`."""
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise ApiError(413, "body too large", {"max_bytes": max_bytes})
     chunks: list[bytes] = []

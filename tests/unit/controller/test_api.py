@@ -193,6 +193,51 @@ def test_drain_and_undrain_record_actor_and_reason(client: TestClient, svc: Fake
     ]
 
 
+@pytest.mark.parametrize(
+    ("body", "headers", "reason"),
+    [
+        pytest.param(None, {}, "drained by ops-alice (operator) via api", id="no-body-via-api"),
+        pytest.param({}, {}, "drained by ops-alice (operator) via api", id="no-reason-via-api"),
+        pytest.param(
+            {"reason": "  "}, {}, "drained by ops-alice (operator) via api", id="blank-reason"
+        ),
+        pytest.param(
+            {},
+            {"X-Trainguard-Client": "agentctl"},
+            "drained by ops-alice (operator) via agentctl",
+            id="client-header-names-via",
+        ),
+        pytest.param(
+            {},
+            {"X-Trainguard-Client": "bad client"},
+            "drained by ops-alice (operator) via api",
+            id="malformed-client-header-is-api",
+        ),
+        pytest.param(
+            {"reason": "xid 79"}, {"X-Trainguard-Client": "agentctl"}, "xid 79", id="given-kept"
+        ),
+    ],
+)
+def test_drain_without_reason_records_who_and_how(
+    client: TestClient,
+    svc: FakeService,
+    body: dict[str, str] | None,
+    headers: dict[str, str],
+    reason: str,
+) -> None:
+    r = client.post("/v1/nodes/node-1/drain", json=body, headers={**OP, **headers})
+    assert r.status_code == 200, r.text
+    assert r.json()["drain_reason"] == reason
+    assert svc.calls[-1].kwargs == {"reason": reason, "actor": "ops-alice"}
+
+
+def test_drain_body_must_still_be_a_drain_request(client: TestClient) -> None:
+    r = client.post("/v1/nodes/node-1/drain", json={"reason": 7}, headers=OP)
+    assert r.status_code == 422, r.text
+    r = client.post("/v1/nodes/node-1/drain", json={"why": "x"}, headers=OP)
+    assert r.status_code == 422, r.text
+
+
 def test_unknown_node_is_404_json(client: TestClient) -> None:
     r = client.post("/v1/nodes/ghost/drain", json={"reason": "x"}, headers=OP)
     assert r.status_code == 404
