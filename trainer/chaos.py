@@ -1,6 +1,9 @@
-"""Chaos hooks for the trainer library: parse `TRAINGUARD_CHAOS` strictly and decide per step.
+"""Chaos injection for the trainer library: `TRAINGUARD_CHAOS` parsed strictly, and the
+`StepHook` that injects its faults into one rank (`chaos_hooks`).
 
-Off unless the env var is set. Grammar (comma-separated rules, each optionally scoped):
+Off unless the env var (or `Trainguard(chaos=...)`) is set; without rules no hook is installed,
+so the step path makes no calls into this module. Grammar (comma-separated rules, each
+optionally scoped):
 
     slow=0.2@rank1          this rank sleeps an extra 20 % of its measured work, every step
                             (of the time in `Trainguard.compute()` blocks when the loop uses
@@ -23,11 +26,31 @@ holds in every attempt. A bad spec raises ChaosSpecError at start, naming the ru
 
 from __future__ import annotations
 
+import logging
+import math
 import re
+import threading
+import time
 from dataclasses import dataclass
-from typing import Literal
+from pathlib import Path
+from typing import BinaryIO, Literal
 
-__all__ = ["ChaosError", "ChaosRule", "ChaosSpecError", "for_attempt", "parse_chaos"]
+import torch
+
+from trainguard.clock import Clock
+from trainguard.trainer.hooks import StepHook
+
+__all__ = [
+    "ChaosError",
+    "ChaosHook",
+    "ChaosRule",
+    "ChaosSpecError",
+    "chaos_hooks",
+    "for_attempt",
+    "parse_chaos",
+]
+
+log = logging.getLogger("trainguard.trainer")
 
 ChaosKind = Literal["slow", "hang", "raise", "nan", "pause_write"]
 _KINDS: tuple[str, ...] = ("slow", "hang", "raise", "nan", "pause_write")
@@ -133,3 +156,104 @@ def for_attempt(rules: tuple[ChaosRule, ...], attempt: str | None) -> tuple[Chao
     if number <= 1:
         return rules
     return tuple(r for r in rules if r.step is None)
+
+
+def chaos_hooks(
+    *,
+    rules: tuple[ChaosRule, ...],
+    rank: int,
+    job: str,
+    model: torch.nn.Module,
+    clock: Clock,
+) -> tuple[StepHook, ...]:
+    """The hooks that inject the faults of `rules` (parsed, `for_attempt` applied) into rank
+    `rank`: one `ChaosHook`, or none at all when there are no rules."""
+    if not rules:
+        return ()
+    return (ChaosHook(rules=rules, rank=rank, job=job, model=model, clock=clock),)
+
+
+class ChaosHook(StepHook):
+    """Injects the faults of `rules` into one rank: raise, hang, slow and nan in the step path,
+    pause_write in the checkpoint writer. Each step-scoped rule fires at most once."""
+
+    def __init__(
+        self,
+        *,
+        rules: tuple[ChaosRule, ...],
+        rank: int,
+        job: str,
+        model: torch.nn.Module,
+        clock: Clock,
+    ) -> None:
+        self.rules = rules
+        self.rank = rank
+        self.job = job
+        self.model = model
+        self.clock = clock
+        self._fired: set[ChaosRule] = set()
+        self._slept_s = 0.0  # the last step's `slow` sleep without compute() blocks
+        self._pause_steps = frozenset(
+            r.step
+            for r in rules
+            if r.kind == "pause_write" and r.step is not None and (r.rank is None or r.rank == rank)
+        )
+
+    def before_step(
+        self, *, step: int, step_time_s: float | None, compute_used: bool
+    ) -> float | None:
+        if self._fires("raise", step):
+            log.error("event=chaos_raise job=%s rank=%d step=%d", self.job, self.rank, step)
+            raise ChaosError(f"chaos: raise at step {step} on rank {self.rank}")
+        if self._fires("hang", step):
+            log.error("event=chaos_hang job=%s rank=%d step=%d", self.job, self.rank, step)
+            while True:
+                time.sleep(3600)
+        # With compute() blocks, after_compute() applies the slowdown to this rank's own work.
+        if not compute_used:
+            for rule in self.rules:
+                if rule.kind == "slow" and rule.applies(step=step, rank=self.rank) and step_time_s:
+                    work_s = max(0.0, step_time_s - self._slept_s)
+                    self._slept_s = work_s * rule.fraction
+                    self.clock.sleep(self._slept_s)
+        if self._fires("nan", step):
+            self._poison_model()
+            return math.nan
+        return None
+
+    def after_compute(self, *, step: int, work_s: float) -> float:
+        fraction = sum(
+            r.fraction
+            for r in self.rules
+            if r.kind == "slow" and r.applies(step=step, rank=self.rank)
+        )
+        slept_s = work_s * fraction
+        if slept_s:
+            self.clock.sleep(slept_s)
+        return slept_s
+
+    def before_rank_file(self, *, step: int, rank: int, tmp: Path, file: BinaryIO) -> None:
+        if step not in self._pause_steps:
+            return
+        # Stop mid-write, forever, so a test can kill -9 the trainer right here.
+        file.write(b"PK partial")
+        file.flush()
+        log.warning("event=chaos_pause_write step=%d rank=%d dir=%s", step, rank, tmp)
+        threading.Event().wait()
+
+    def _fires(self, kind: str, step: int) -> bool:
+        for rule in self.rules:
+            if rule.kind == kind and rule.applies(step=step, rank=self.rank):
+                if rule in self._fired:
+                    continue
+                self._fired.add(rule)
+                return True
+        return False
+
+    def _poison_model(self) -> None:
+        with torch.no_grad():
+            for p in self.model.parameters():
+                if p.is_floating_point():
+                    p.fill_(math.nan)
+                    break
+        log.error("event=chaos_nan job=%s rank=%d", self.job, self.rank)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from trainguard.clock import SYSTEM_CLOCK, Clock
+from trainguard.trainer.hooks import StepHook
 from trainguard.trainer.manifest import (
     HashingWriter,
     Manifest,
@@ -240,7 +241,7 @@ class CheckpointWriter:
         version: str,
         run_nonce: str,
         s3: S3Store | None = None,
-        pause_steps: frozenset[int] = frozenset(),
+        hooks: tuple[StepHook, ...] = (),
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.ckpt_dir = ckpt_dir
@@ -250,7 +251,7 @@ class CheckpointWriter:
         self.version = version
         self.run_nonce = run_nonce
         self.s3 = s3
-        self.pause_steps = pause_steps
+        self.hooks = hooks
         self.clock = clock
         self._thread: threading.Thread | None = None
         self._results: list[SaveResult] = []
@@ -328,12 +329,8 @@ class CheckpointWriter:
             rank_state = {**rank_state, "tensor_index": index}
         name = rank_file_name(rank)
         with open(tmp / name, "wb") as f:
-            if step in self.pause_steps:
-                # Chaos hook: stop mid-write, forever, so a test can kill -9 us right here.
-                f.write(b"PK partial")
-                f.flush()
-                log.warning("event=chaos_pause_write step=%d rank=%d dir=%s", step, rank, tmp)
-                threading.Event().wait()
+            for hook in self.hooks:
+                hook.before_rank_file(step=step, rank=rank, tmp=tmp, file=f)
             hw = HashingWriter(f)
             torch.save(rank_state, hw)  # type: ignore[arg-type]
             f.flush()

@@ -20,7 +20,6 @@ import signal
 import statistics
 import sys
 import threading
-import time
 from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ from trainguard.trainer.channel import (
     control_socket_path,
     job_name,
 )
-from trainguard.trainer.chaos import ChaosError, ChaosRule, for_attempt, parse_chaos
+from trainguard.trainer.chaos import chaos_hooks, for_attempt, parse_chaos
 from trainguard.trainer.checkpoint import (
     CheckpointWriter,
     SaveResult,
@@ -49,6 +48,7 @@ from trainguard.trainer.checkpoint import (
     read_tensor_file,
     tensor_file_name,
 )
+from trainguard.trainer.hooks import StepHook
 from trainguard.trainer.manifest import (
     CheckpointInvalid,
     Manifest,
@@ -187,11 +187,11 @@ class Trainguard:
         self.sigterm_hard_exit = sigterm_hard_exit
         self.checkpoint_timeout_s = checkpoint_timeout_s
         self.clock = clock
-        self.chaos: tuple[ChaosRule, ...] = for_attempt(
+        # Parsed before anything starts, so a bad spec fails alone (ChaosSpecError).
+        chaos_rules = for_attempt(
             parse_chaos(chaos if chaos is not None else os.environ.get("TRAINGUARD_CHAOS", "")),
             os.environ.get("TRAINGUARD_ATTEMPT"),
         )
-        self._chaos_fired: set[ChaosRule] = set()
 
         self.coord: Coordinator
         if dist.is_available() and dist.is_initialized():
@@ -203,6 +203,14 @@ class Trainguard:
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.job = job or job_name()
         self.pid = os.getpid()
+        # Empty unless chaos is configured: the step path then makes no hook calls at all.
+        self._hooks: tuple[StepHook, ...] = chaos_hooks(
+            rules=chaos_rules,
+            rank=self.rank,
+            job=self.job,
+            model=model,
+            clock=clock,
+        )
 
         agent_sock = agent_socket_path()
         self.channel = AgentChannel(
@@ -226,13 +234,7 @@ class Trainguard:
             version=__version__,
             run_nonce=run_nonce,
             s3=self._s3,
-            pause_steps=frozenset(
-                r.step
-                for r in self.chaos
-                if r.kind == "pause_write"
-                and r.step is not None
-                and (r.rank is None or r.rank == self.rank)
-            ),
+            hooks=self._hooks,
             clock=clock,
         )
         self._pool = SnapshotPool(clock=clock)
@@ -250,9 +252,8 @@ class Trainguard:
         self._step_time_ema_s: float | None = None
         self._agree_cost_s = 0.0
         self._last_step = 0
-        self._chaos_sleep_s = 0.0
         # compute(): wall seconds of this step's blocks (CPU), or per step the CUDA event pairs
-        # not yet read (the GPU may still be running them) plus the host-side chaos sleeps
+        # not yet read (the GPU may still be running them) plus the host time hooks blocked
         self._compute_s: float | None = None
         self._compute_used = False
         self._compute_cuda: bool | None = None
@@ -278,7 +279,7 @@ class Trainguard:
             self.world_size,
             self.ckpt_dir,
             self.channel.control_socket or "-",
-            ",".join(r.kind for r in self.chaos) or "-",
+            ",".join(r.kind for r in chaos_rules) or "-",
         )
         self._send(step=0, phase="init")
 
@@ -316,13 +317,18 @@ class Trainguard:
             raise RuntimeError("Trainguard.step() after close()")
         now = self.clock.monotonic()
         step_time_s = None if self._last_mono is None else now - self._last_mono
-        self._chaos(step, step_time_s)
+        forced_loss = None
+        for hook in self._hooks:
+            forced = hook.before_step(
+                step=step, step_time_s=step_time_s, compute_used=self._compute_used
+            )
+            if forced is not None:
+                forced_loss = forced
         compute_time_s = self._take_compute_time()
         loss_v = _as_float(loss)
         grad_v = _as_float(grad_norm)
-        if self._chaos_fires("nan", step):
-            loss_v = math.nan
-            self._poison_model()
+        if forced_loss is not None:
+            loss_v = forced_loss
         self._check_finite(step, loss_v, grad_v)
         if self.sampler is not None and hasattr(self.sampler, "mark_step"):
             self.sampler.mark_step()
@@ -386,14 +392,16 @@ class Trainguard:
             start.record()
         t0 = self.clock.monotonic()
         yield
-        slept_s = (self.clock.monotonic() - t0) * self._chaos_slow_fraction()
-        if slept_s:
-            self.clock.sleep(slept_s)
+        slept_s = 0.0
+        for hook in self._hooks:
+            slept_s += hook.after_compute(
+                step=self._last_step + 1, work_s=self.clock.monotonic() - t0
+            )
         if cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             self._compute_events.append((start, end))
-            self._compute_extra_s += slept_s  # the GPU did not see the host's sleep
+            self._compute_extra_s += slept_s  # the GPU did not see the host's block
         else:
             self._compute_s = (self._compute_s or 0.0) + self.clock.monotonic() - t0
 
@@ -898,7 +906,7 @@ class Trainguard:
         for name, data in events:
             self.channel.send(Heartbeat(**base, event=name, event_data=data))
 
-    # --- SIGTERM and chaos ----------------------------------------------------------------
+    # --- SIGTERM --------------------------------------------------------------------------
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         if self._sigterm_at is not None:
@@ -922,41 +930,6 @@ class Trainguard:
         logging.shutdown()
         os._exit(0)
 
-    def _chaos_fires(self, kind: str, step: int) -> bool:
-        for rule in self.chaos:
-            if rule.kind == kind and rule.applies(step=step, rank=self.rank):
-                if rule in self._chaos_fired:
-                    continue
-                self._chaos_fired.add(rule)
-                return True
-        return False
-
-    def _chaos(self, step: int, step_time_s: float | None) -> None:
-        if not self.chaos:
-            return
-        if self._chaos_fires("raise", step):
-            log.error("event=chaos_raise job=%s rank=%d step=%d", self.job, self.rank, step)
-            raise ChaosError(f"chaos: raise at step {step} on rank {self.rank}")
-        if self._chaos_fires("hang", step):
-            log.error("event=chaos_hang job=%s rank=%d step=%d", self.job, self.rank, step)
-            while True:
-                time.sleep(3600)
-        if self._compute_used:
-            return  # compute() applies the slowdown to this rank's own work
-        for rule in self.chaos:
-            if rule.kind == "slow" and rule.applies(step=step, rank=self.rank) and step_time_s:
-                work_s = max(0.0, step_time_s - self._chaos_sleep_s)
-                self._chaos_sleep_s = work_s * rule.fraction
-                self.clock.sleep(self._chaos_sleep_s)
-
-    def _chaos_slow_fraction(self) -> float:
-        step = self._last_step + 1  # the step being computed
-        return sum(
-            r.fraction
-            for r in self.chaos
-            if r.kind == "slow" and r.applies(step=step, rank=self.rank)
-        )
-
     def _take_compute_time(self) -> float | None:
         """This step's compute() time (None if it used none); on CUDA the newest step whose
         events have completed, without waiting for the GPU."""
@@ -973,14 +946,6 @@ class Trainguard:
             self._compute_pending.popleft()
         took, self._compute_last_s = self._compute_last_s, None
         return took
-
-    def _poison_model(self) -> None:
-        with torch.no_grad():
-            for p in self.model.parameters():
-                if p.is_floating_point():
-                    p.fill_(math.nan)
-                    break
-        log.error("event=chaos_nan job=%s rank=%d", self.job, self.rank)
 
 
 _stack_dump_registered = False
