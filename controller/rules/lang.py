@@ -20,6 +20,12 @@ from trainguard.controller.signals import SIGNALS, EvalContext, getter, series_g
 
 __all__ = [
     "FUNCTIONS",
+    "MAX_CONDITION_CHARS",
+    "MAX_CONDITION_TOKENS",
+    "MAX_DURATION_S",
+    "MAX_NESTING",
+    "MAX_NUMBER",
+    "MAX_WINDOW_S",
     "And",
     "Arith",
     "Call",
@@ -40,6 +46,18 @@ __all__ = [
     "parse_duration",
     "walk",
 ]
+
+
+# Bounds on what a rule file may ask of the controller: each condition is parsed by recursive
+# descent and evaluated every tick, so its size and nesting are capped (a 90-deep parenthesis or
+# a 1,000-term `or` chain must be a clear error, never a RecursionError), numbers are finite,
+# and windows are capped because the history they need is kept in memory.
+MAX_CONDITION_CHARS = 2_000
+MAX_CONDITION_TOKENS = 400
+MAX_NESTING = 16  # parentheses, `not` and unary minus, one level each
+MAX_NUMBER = 1e15  # a magnitude no signal threshold comes near; 1e999 (inf) is refused
+MAX_WINDOW_S = 86_400.0  # 1 day of history per windowed signal
+MAX_DURATION_S = 7 * 86_400.0  # `for:` and `cooldown:` at most a week
 
 
 class ConditionError(ValueError):
@@ -252,7 +270,12 @@ def _tokenize(src: str) -> list[_Tok]:
                         pos, f"invalid number or duration {text!r} (durations: 30s, 5m, 1h)"
                     ) from None
             else:
-                out.append(_Tok("num", text, pos, float(text)))
+                value = float(text)
+                if not abs(value) <= MAX_NUMBER:  # also catches inf (1e999)
+                    raise ConditionError(
+                        pos, f"number {text} is out of range (at most {MAX_NUMBER:g} in magnitude)"
+                    )
+                out.append(_Tok("num", text, pos, value))
         elif kind == "str":
             out.append(_Tok("str", text, pos, _unquote(text)))
         elif kind == "ident":
@@ -274,10 +297,29 @@ def _unquote(text: str) -> str:
 
 class _Parser:
     def __init__(self, src: str, scope: str) -> None:
+        if len(src) > MAX_CONDITION_CHARS:
+            raise ConditionError(
+                MAX_CONDITION_CHARS,
+                f"condition is {len(src)} characters long, the limit is {MAX_CONDITION_CHARS}: "
+                "split it into several rules",
+            )
         self.src = src
         self.scope = scope
         self.toks = _tokenize(src)
+        if len(self.toks) - 1 > MAX_CONDITION_TOKENS:
+            raise ConditionError(
+                self.toks[MAX_CONDITION_TOKENS].pos,
+                f"condition has {len(self.toks) - 1} terms and operators, the limit is "
+                f"{MAX_CONDITION_TOKENS}: split it into several rules",
+            )
         self.i = 0
+        self.depth = 0
+
+    def _nest(self, t: _Tok) -> None:
+        """One more level of parentheses / `not` / unary minus; bounded (recursive descent)."""
+        self.depth += 1
+        if self.depth > MAX_NESTING:
+            raise ConditionError(t.pos, f"nested more than {MAX_NESTING} levels deep")
 
     @property
     def tok(self) -> _Tok:
@@ -341,7 +383,9 @@ class _Parser:
     def _not(self) -> Node:
         if self._is("kw", "not"):
             t = self._take()
+            self._nest(t)
             operand = self._not()
+            self.depth -= 1
             self._bool_operand(operand, "not")
             return Not(operand, t.pos)
         return self._cmp()
@@ -433,7 +477,9 @@ class _Parser:
     def _unary(self) -> Node:
         if self._is("op", "-"):
             t = self._take()
+            self._nest(t)
             operand = self._unary()
+            self.depth -= 1
             if operand.type != NUM:
                 raise ConditionError(operand.pos, f"'-' needs a number, got a {operand.type}")
             if isinstance(operand, Num):
@@ -452,8 +498,10 @@ class _Parser:
         if t.kind == "str":
             return Str(t.value, t.pos)
         if t.kind == "op" and t.text == "(":
+            self._nest(t)
             inner = self._or()
             self._expect("op", ")", "')'")
+            self.depth -= 1
             return inner
         if t.kind == "ident":
             if self._is("op", "("):
@@ -507,6 +555,10 @@ class _Parser:
                 )
             if w.value <= 0:
                 raise ConditionError(w.pos, "the window must be longer than 0s")
+            if w.value > MAX_WINDOW_S:
+                raise ConditionError(
+                    w.pos, f"the window {w.text} is longer than {format_duration(MAX_WINDOW_S)}"
+                )
             window_s, window_text = w.value, w.text
             self._expect("op", "]", "']' to close the window")
         elif self._is("op", "["):

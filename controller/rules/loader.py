@@ -18,12 +18,14 @@ from typing import Any
 import yaml
 
 from trainguard.controller.rules.lang import (
+    MAX_DURATION_S,
     Call,
     CompiledCondition,
     ConditionError,
     Node,
     Sig,
     compile_condition,
+    format_duration,
     parse_condition,
     parse_duration,
     walk,
@@ -327,9 +329,14 @@ def _duration(item: dict[str, Any], key: str, source: str, rule: str) -> float:
             source, rule, f"{key}: expected a duration with a unit such as 90s or 5m, got {v!r}"
         )
     try:
-        return parse_duration(v)
+        seconds = parse_duration(v)
     except ValueError as e:
         raise RuleError(source, rule, f"{key}: {e}") from None
+    if seconds > MAX_DURATION_S:
+        raise RuleError(
+            source, rule, f"{key}: {v} is longer than {format_duration(MAX_DURATION_S)}"
+        )
+    return seconds
 
 
 def _tname(v: Any) -> str:

@@ -203,3 +203,29 @@ def test_median_of_even_count_is_the_mean_of_the_middle_two() -> None:
         new_events=(),
     )
     assert _holds("job_median(step_time_s) == 2.5", s, Target("rank", job="j", rank=0))
+
+
+LIMITS = [
+    ("deep-parentheses", "(" * 90 + "temperature_celsius > 1" + ")" * 90, "nested more than 16"),
+    ("deep-not", "not " * 40 + "temperature_celsius > 1", "nested more than 16"),
+    ("deep-minus", "temperature_celsius > " + "-" * 40 + "1", "nested more than 16"),
+    ("long-or-chain", " or ".join(["temperature_celsius > 1"] * 1000), "the limit is 2000"),
+    ("many-tokens", " or ".join(["lost == 1"] * 150), "the limit is 400"),
+    ("infinite-number", "temperature_celsius > 1e999", "out of range"),
+    ("huge-number", "temperature_celsius > 1e16", "out of range"),
+    ("window-too-long", "increase(xid_total[30d]) > 0", "longer than 1d"),
+]
+
+
+@pytest.mark.parametrize(("src", "reason"), [c[1:] for c in LIMITS], ids=[c[0] for c in LIMITS])
+def test_oversized_conditions_are_clear_errors_not_recursion(src: str, reason: str) -> None:
+    with pytest.raises(ConditionError) as e:
+        parse_condition(src, "gpu")
+    assert reason in str(e.value)
+
+
+def test_conditions_at_the_limits_parse_and_evaluate() -> None:
+    deep = "(" * 16 + "temperature_celsius > 1" + ")" * 16
+    chain = " or ".join(["temperature_celsius > 1"] * 70)  # 1,886 characters, 279 tokens
+    for src in (deep, chain, "temperature_celsius > 1e15", "increase(xid_total[1d]) > 0"):
+        compile_condition(parse_condition(src, "gpu"), "gpu")

@@ -186,3 +186,27 @@ def test_shipped_default_rules_load() -> None:
     rs = load_rules([path])
     assert len(rs.rules) >= 15
     assert all(r.summary and r.description for r in rs.rules)
+
+
+@pytest.mark.parametrize("key", ["for", "cooldown"])
+def test_durations_longer_than_a_week_are_refused(tmp_path: Path, key: str) -> None:
+    f = tmp_path / "r.yaml"
+    f.write_text(
+        GOOD.replace("for: 90s", "for: 90s" if key != "for" else "for: 9999w").replace(
+            "cooldown: 1h", "cooldown: 1h" if key != "cooldown" else "cooldown: 8d"
+        )
+    )
+    with pytest.raises(RuleError) as e:
+        load_rules([f])
+    assert str(e.value).startswith(f"{f}: rule gpu_hot: {key}: ")
+    assert "longer than 1w" in str(e.value)
+
+
+def test_a_condition_nested_too_deep_names_file_rule_and_reason(tmp_path: Path) -> None:
+    f = tmp_path / "r.yaml"
+    deep = "(" * 90 + "temperature_celsius > 90" + ")" * 90
+    f.write_text(GOOD.replace("condition: temperature_celsius > 90", f"condition: '{deep}'"))
+    with pytest.raises(RuleError) as e:
+        load_rules([f])
+    assert str(e.value).startswith(f"{f}: rule gpu_hot: ")
+    assert "nested more than 16 levels deep" in str(e.value)
