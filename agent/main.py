@@ -2,6 +2,7 @@
 
     trainguard-agent [--config FILE] [--gpu-backend sim --gpus 8 --ib-ports 8] [...]
     trainguard-agent inject [--metrics-port 9500] KIND [--gpu N] [...]
+    trainguard-agent install-unit [--prefix VENV] [--dest /etc/systemd/system] [--dry-run]
 
 Exit codes: 0 clean stop, 1 runtime/startup failure, 2 usage or configuration error.
 """
@@ -25,6 +26,7 @@ from trainguard.agent.config import load_config
 from trainguard.agent.daemon import Agent, StartupError
 from trainguard.protocol import FaultKind
 from trainguard.strict import ConfigError
+from trainguard.unitfile import install_unit_main
 
 PROG = "trainguard-agent"
 _FLAG_TO_KEY = {
@@ -55,7 +57,8 @@ def _run_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="trainguard node agent: GPU/NVLink/IB health and trainer heartbeats "
         "to Prometheus and the controller. Flags override the config file.",
-        epilog=f"Subcommand: '{PROG} inject --help' injects a fault into a running sim agent.",
+        epilog=f"Subcommands: '{PROG} inject --help' injects a fault into a running sim agent; "
+        f"'{PROG} install-unit --help' writes the systemd unit for this installation.",
     )
     p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     p.add_argument("--config", help="YAML config (default /etc/trainguard/agent.yaml if present)")
@@ -184,6 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "inject":
         return _inject(argv[1:])
+    if argv and argv[0] == "install-unit":
+        return install_unit_main(argv[1:], prog=PROG)
     if argv and argv[0] == "run":
         argv = argv[1:]
     return _run(argv)

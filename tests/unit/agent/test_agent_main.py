@@ -62,3 +62,17 @@ def test_inject_rejects_an_unknown_fault_kind() -> None:
     with pytest.raises(SystemExit) as e:
         main(["inject", "meltdown"])
     assert e.value.code == 2
+
+
+def test_install_unit_subcommand_renders_the_agent_unit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "bin").mkdir()
+    script = tmp_path / "bin" / "trainguard-agent"
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    unit = tmp_path / "mine.service"
+    unit.write_text("[Service]\nExecStart=/usr/local/bin/trainguard-agent --config /x\n")
+    argv = ["install-unit", "--prefix", str(tmp_path), "--unit-file", str(unit), "--dry-run"]
+    assert main(argv) == 0
+    assert f"ExecStart={script} --config /x" in capsys.readouterr().out
