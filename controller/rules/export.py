@@ -55,12 +55,18 @@ class PromSignal:
     `scale * <agg> by (<scope identity>) (selector)`; range functions go inside the aggregation
     (`sum by (node, gpu) (increase(selector[5m]))`) unless `subquery` is set, in which case the
     aggregated expression is evaluated as a subquery (`max_over_time(sum by (job) (x)[15m:])`).
+
+    `born_on_event` marks a counter whose labelled series the agent creates at its first event
+    (a label value, such as the XID code, is not known before): its first sample already holds
+    the first count, so `increase()`/`rate()` alone read 0 there. Such counters also count a
+    series born inside the window from zero: `(x unless x offset 5m) or increase(x[5m])`.
     """
 
     selector: str
     agg: str = "max"
     scale: float = 1.0
     subquery: bool = False
+    born_on_event: bool = False
 
 
 _FATAL_XID_PLACEHOLDER = "{fatal_xids}"
@@ -76,6 +82,11 @@ def _ib_counter(name: str) -> PromSignal:
     if name.endswith("_packets"):
         return PromSignal(f'trainguard_ib_port_packets_total{{counter="{name}"}}')
     return PromSignal(f'trainguard_ib_port_errors_total{{counter="{name}"}}')
+
+
+def _xid_counter(selector: str) -> PromSignal:
+    # one series per (GPU, XID code), created by the agent when that code is first seen
+    return PromSignal(selector, agg="sum", born_on_event=True)
 
 
 def _table() -> dict[tuple[str, str], PromSignal]:
@@ -116,9 +127,9 @@ def _table() -> dict[tuple[str, str], PromSignal]:
         ("gpu", "retired_pages_dbe"): PromSignal('trainguard_gpu_retired_pages{cause="dbe"}'),
         ("gpu", "retired_pages_pending"): PromSignal("trainguard_gpu_retired_pages_pending"),
         ("gpu", "pcie_replay_total"): PromSignal("trainguard_gpu_pcie_replay_errors_total"),
-        ("gpu", "xid_total"): PromSignal("trainguard_gpu_xid_errors_total", agg="sum"),
-        ("gpu", "xid_fatal_total"): PromSignal(
-            f'trainguard_gpu_xid_errors_total{{xid=~"{_FATAL_XID_PLACEHOLDER}"}}', agg="sum"
+        ("gpu", "xid_total"): _xid_counter("trainguard_gpu_xid_errors_total"),
+        ("gpu", "xid_fatal_total"): _xid_counter(
+            f'trainguard_gpu_xid_errors_total{{xid=~"{_FATAL_XID_PLACEHOLDER}"}}'
         ),
         ("nvlink", "up"): PromSignal("trainguard_nvlink_up"),
         ("ib_port", "up"): PromSignal("trainguard_ib_port_up"),
@@ -129,9 +140,9 @@ def _table() -> dict[tuple[str, str], PromSignal]:
         ("node", "gpus"): PromSignal("trainguard_gpu_lost", agg="count"),
         ("node", "gpus_lost"): PromSignal("trainguard_gpu_lost", agg="sum"),
         ("node", "ib_ports"): PromSignal("trainguard_ib_port_up", agg="count"),
-        ("node", "xid_total"): PromSignal("trainguard_gpu_xid_errors_total", agg="sum"),
-        ("node", "xid_fatal_total"): PromSignal(
-            f'trainguard_gpu_xid_errors_total{{xid=~"{_FATAL_XID_PLACEHOLDER}"}}', agg="sum"
+        ("node", "xid_total"): _xid_counter("trainguard_gpu_xid_errors_total"),
+        ("node", "xid_fatal_total"): _xid_counter(
+            f'trainguard_gpu_xid_errors_total{{xid=~"{_FATAL_XID_PLACEHOLDER}"}}'
         ),
         ("job", "ranks"): PromSignal("trainguard_trainer_step", agg="count", subquery=True),
         ("job", "step"): PromSignal("trainguard_trainer_step", subquery=True),
@@ -236,6 +247,19 @@ def _num(v: float) -> str:
     return repr(v)
 
 
+def _from_zero(selector: str, func: str, window: str | None, window_s: float) -> str:
+    """increase()/rate() of a counter series that may have been born inside the window.
+
+    A series with no sample a window ago (`unless ... offset`) counts its whole value as new:
+    born at its first event, it went from an implied 0 to its first sample. Every other series
+    takes the plain range function (`or` keeps the left side where both have the series).
+    """
+    born = f"({selector} unless {selector} offset {window})"
+    if func == "rate":
+        born = f"{born} / {_num(window_s)}"
+    return f"({born} or {func}({selector}[{window}]))"
+
+
 class _Translator:
     def __init__(self, scope: str, fatal_xids: str) -> None:
         self.scope = scope
@@ -318,7 +342,7 @@ class _Translator:
             return _Expr(f"abs({x.text})", x.kind)
         if f in ("rate", "increase", "changes", "max_over_time", "min_over_time"):
             assert isinstance(node.arg, Sig)
-            return self._signal(node.arg.name, f, node.window_text)
+            return self._signal(node.arg.name, f, node.window_text, node.window_s)
         if f in ("job_median", "job_max", "job_min", "job_count"):
             assert isinstance(node.arg, Sig)
             inner = self._signal(node.arg.name, None, None).text
@@ -331,7 +355,9 @@ class _Translator:
             return _Expr(agg.format(inner), "job")
         raise _Unexpressible(f"{f}() has no PromQL equivalent here")
 
-    def _signal(self, name: str, func: str | None, window: str | None) -> _Expr:
+    def _signal(
+        self, name: str, func: str | None, window: str | None, window_s: float | None = None
+    ) -> _Expr:
         spec = PROM_SIGNALS.get((self.scope, name))
         if spec is None:
             raise _Unexpressible(f"signal {name!r} ({self.scope}) has no Prometheus metric")
@@ -342,6 +368,8 @@ class _Translator:
             text = f"{spec.agg} by ({by}) ({selector})"
         elif spec.subquery:
             text = f"{func}({spec.agg} by ({by}) ({selector})[{window}:])"
+        elif spec.born_on_event and func in ("increase", "rate") and window_s is not None:
+            text = f"{spec.agg} by ({by}) ({_from_zero(selector, func, window, window_s)})"
         else:
             text = f"{spec.agg} by ({by}) ({func}({selector}[{window}]))"
         if spec.scale != 1.0 and func != "changes":

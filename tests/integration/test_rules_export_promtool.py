@@ -1,11 +1,14 @@
-"""The Prometheus export of rules/default.yaml passes the real `promtool check rules`."""
+"""The Prometheus export of rules/default.yaml passes the real `promtool check rules`, and
+`promtool test rules` shows the fatal-XID alert firing on a counter series born at its first XID."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -54,3 +57,94 @@ def test_promtool_rejects_a_broken_expression(tmp_path: Path) -> None:
         timeout=60,
     )
     assert proc.returncode != 0
+
+
+# --- counters whose series are born at the first event (promtool test rules) ----------------
+
+# The agent creates trainguard_gpu_xid_errors_total{xid="79"} when it first sees XID 79, so
+# the first sample already reads 1. 15 s samples; `_` is no sample, `stale` a restart.
+XID_SERIES = {
+    "0": "_x28 1x60",  # born at the first XID 79 (7 min in), never moves again
+    "1": "3x40 stale _x3 1x40",  # old news for 10 min, agent restart, reborn at 1 (11m15s)
+    "2": "1x40 2x40",  # one XID 48 long ago, a second one at 10m15s
+}
+# (eval time, GPUs expected firing). Prometheus sees every series appear at 0s, so the first
+# check comes 5 min later: an old count does not fire, a birth does, and 5 min after it the
+# birth has left the window.
+XID_EXPECTED = [
+    ("6m", []),
+    ("8m", ["0"]),
+    ("11m30s", ["0", "1", "2"]),
+    ("12m30s", ["1", "2"]),
+    ("17m", []),
+]
+
+
+def _fatal_xid_unit_test(rules_file: Path, alert: dict[str, Any]) -> dict[str, Any]:
+    series = [
+        {
+            "series": f'trainguard_gpu_xid_errors_total{{node="n1",gpu="{gpu}",uuid="GPU-{gpu}",'
+            f'xid="{48 if gpu == "2" else 79}"}}',
+            "values": values,
+        }
+        for gpu, values in XID_SERIES.items()
+    ]
+    checks = [
+        {
+            "eval_time": at,
+            "alertname": "gpu_fatal_xid",
+            "exp_alerts": [
+                {
+                    "exp_labels": {"node": "n1", "gpu": gpu, **alert["labels"]},
+                    "exp_annotations": alert["annotations"],
+                }
+                for gpu in gpus
+            ],
+        }
+        for at, gpus in XID_EXPECTED
+    ]
+    return {
+        "rule_files": [str(rules_file)],
+        "evaluation_interval": "15s",
+        "tests": [{"interval": "15s", "input_series": series, "alert_rule_test": checks}],
+    }
+
+
+def _run_unit_test(promtool: str, tmp_path: Path, alert: dict[str, Any]) -> tuple[bool, str]:
+    """`promtool test rules` of the scenario over this one alert: (passed, promtool's output)."""
+    rules_file = tmp_path / "rules.yaml"
+    rules_file.write_text(yaml.safe_dump({"groups": [{"name": "t", "rules": [alert]}]}))
+    test_file = tmp_path / "test.yaml"
+    test_file.write_text(yaml.safe_dump(_fatal_xid_unit_test(rules_file, alert)))
+    proc = subprocess.run(
+        [promtool, "test", "rules", str(test_file)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _exported_alert(name: str) -> dict[str, Any]:
+    doc, _ = to_prometheus_rules(load_rules([default_rules_path()]))
+    (alert,) = [r for r in doc["groups"][0]["rules"] if r["alert"] == name]
+    return dict(alert)
+
+
+def test_exported_fatal_xid_alert_fires_on_a_series_born_at_its_first_xid(tmp_path: Path) -> None:
+    passed, out = _run_unit_test(_promtool(), tmp_path, _exported_alert("gpu_fatal_xid"))
+    assert passed, out
+
+
+def test_plain_increase_misses_the_first_xid_which_is_why_the_export_counts_births(
+    tmp_path: Path,
+) -> None:
+    """The scenario above can fail: `increase()` alone never sees a series born at 1."""
+    alert = _exported_alert("gpu_fatal_xid")
+    selector = re.search(r"\(\((trainguard_gpu_xid_errors_total\{[^}]*\})", alert["expr"])
+    assert selector, alert["expr"]
+    alert["expr"] = f"sum by (node, gpu) (increase({selector.group(1)}[5m])) > 0"
+    passed, out = _run_unit_test(_promtool(), tmp_path, alert)
+    assert not passed, out
+    assert "alertname: gpu_fatal_xid, time: 8m" in out, out

@@ -58,7 +58,21 @@ def test_rule_becomes_an_alert_with_for_labels_and_annotations() -> None:
         (
             "gpu",
             "increase(xid_fatal_total[5m]) > 0",
-            'sum by (node, gpu) (increase(trainguard_gpu_xid_errors_total{xid=~"',
+            'sum by (node, gpu) (((trainguard_gpu_xid_errors_total{xid=~"',
+        ),
+        (
+            "node",
+            "increase(xid_total[10m]) > 2",
+            "sum by (node) (((trainguard_gpu_xid_errors_total unless "
+            "trainguard_gpu_xid_errors_total offset 10m) or "
+            "increase(trainguard_gpu_xid_errors_total[10m]))) > 2",
+        ),
+        (
+            "gpu",
+            "rate(xid_total[5m]) > 0.01",
+            "sum by (node, gpu) (((trainguard_gpu_xid_errors_total unless "
+            "trainguard_gpu_xid_errors_total offset 5m) / 300 or "
+            "rate(trainguard_gpu_xid_errors_total[5m]))) > 0.01",
         ),
         (
             "ib_port",
@@ -102,6 +116,8 @@ def test_rule_becomes_an_alert_with_for_labels_and_annotations() -> None:
     ids=[
         "counter-increase",
         "fatal-xids",
+        "xid-counter-born-in-the-window",
+        "xid-rate-born-in-the-window",
         "flapping",
         "ib-counter",
         "job-median",
