@@ -3,7 +3,7 @@
 SIGHUP reloads the rules (a bad file is logged and the running rules stay); SIGTERM/SIGINT
 stop serving, then stop the controller (threads joined, store flushed and closed).
 With `api.ingest_workers: N` (`--ingest-workers N`) the port is served by N worker processes
-that hand reports to this one (`controller.ingest`); they are stopped before the controller.
+that hand reports to this one (`controller/ingest/`); they are stopped before the controller.
 Exit codes: 0 clean stop, 1 runtime failure, 2 bad configuration or usage.
 """
 
@@ -16,42 +16,26 @@ import signal
 import socket
 import sys
 import threading
-import time
 from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
 from trainguard import __version__
+from trainguard.controller.auth import load_tokens
+from trainguard.controller.config import load_config
+from trainguard.controller.core import Controller
+from trainguard.controller.errors import ServiceError
+from trainguard.controller.ingest.frontend import IngestFrontend
+from trainguard.controller.runtime import new_event_loop, setup_logging
+from trainguard.controller.watchdog import watchdog_running
+from trainguard.strict import ConfigError
+from trainguard.systemd import SystemdNotifier
 
 log = logging.getLogger("trainguard.controller.main")
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_CONFIG = 2
-
-
-class _KeyValueFormatter(logging.Formatter):
-    """One line per event: `ts=... level=... logger=... <message key=value ...>`."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-        line = f"ts={ts}.{int(record.msecs):03d}Z level={record.levelname.lower()} "
-        line += f"logger={record.name} {record.getMessage()}"
-        if record.exc_info:
-            # exception type only: messages can carry request data, tracebacks stay in debug
-            exc = record.exc_info[1]
-            line += f" exc={type(exc).__name__}"
-            if log.isEnabledFor(logging.DEBUG):
-                line += "\n" + self.formatException(record.exc_info)
-        return line
-
-
-def _setup_logging(level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_KeyValueFormatter())
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -96,24 +80,9 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop when installed (measured: less CPU per report), else the standard loop."""
-    try:
-        import uvloop  # noqa: PLC0415
-    except ImportError:
-        return asyncio.new_event_loop()
-    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-    return loop
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
-    _setup_logging(args.log_level or "info")
-
-    from trainguard.controller.auth import load_tokens  # noqa: PLC0415
-    from trainguard.controller.config import load_config  # noqa: PLC0415
-    from trainguard.strict import ConfigError  # noqa: PLC0415
-
+    setup_logging(args.log_level or "info")
     overrides: dict[str, Any] = {
         "api.host": args.host,
         "api.port": args.port,
@@ -133,8 +102,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.warning(
             "event=no_tokens tokens_file=%s detail=every_request_is_401", config.api.tokens_file
         )
-
-    from trainguard.controller.core import Controller  # noqa: PLC0415
 
     try:
         controller = Controller(config)
@@ -157,11 +124,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _serve(
     controller: Any, config: Any, tokens: Any, sock: socket.socket, *, threadpool: bool
 ) -> int:
+    # uvicorn and fastapi (which the api module imports) are heavy: deferred until serving, so
+    # a bad configuration is answered without loading them
     import uvicorn  # noqa: PLC0415
 
     from trainguard.controller.api import create_app  # noqa: PLC0415
-    from trainguard.controller.watchdog import watchdog_running  # noqa: PLC0415
-    from trainguard.systemd import SystemdNotifier  # noqa: PLC0415
 
     app = create_app(
         controller,
@@ -183,8 +150,6 @@ def _serve(
     )
     server: Any = uvicorn.Server(uv_config)
     if config.api.ingest_workers > 0:
-        from trainguard.controller.ingest import IngestFrontend  # noqa: PLC0415
-
         server = IngestFrontend(
             app,
             workers=config.api.ingest_workers,
@@ -197,8 +162,6 @@ def _serve(
     notifier = SystemdNotifier()
 
     def reload_rules() -> None:
-        from trainguard.controller.errors import ServiceError  # noqa: PLC0415
-
         try:
             count = controller.reload_rules(actor="sighup")
         except ServiceError as e:
@@ -235,7 +198,7 @@ def _serve(
 
     controller.start()
     code = EXIT_OK
-    loop = _new_event_loop()
+    loop = new_event_loop()
     asyncio.set_event_loop(loop)
     try:
         loop.run_until_complete(run())

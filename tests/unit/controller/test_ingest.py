@@ -14,7 +14,7 @@ from trainguard.controller.api import create_app
 from trainguard.controller.auth import TokenStore
 from trainguard.controller.config import ConfigError, load_config
 from trainguard.controller.core import Controller
-from trainguard.controller.ingest import (
+from trainguard.controller.ingest.frames import (
     ANSWER_MAX_BYTES,
     HEADER,
     JSON_BODY,
@@ -22,8 +22,6 @@ from trainguard.controller.ingest import (
     KIND_HTTP,
     KIND_REPORT,
     FrameError,
-    _CoreChannel,
-    call_asgi,
     decode_answer,
     decode_http,
     decode_report,
@@ -33,6 +31,8 @@ from trainguard.controller.ingest import (
     encode_report,
     read_frame,
 )
+from trainguard.controller.ingest.frontend import call_asgi
+from trainguard.controller.ingest.worker import CoreChannel as _CoreChannel
 from trainguard.protocol import Report, encode_json
 
 

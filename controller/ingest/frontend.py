@@ -1,39 +1,23 @@
-"""Ingest workers: N processes that serve the controller's HTTP port and hand reports to it.
+"""The core's side of the ingest workers: IngestFrontend starts N worker processes
+(`python -m trainguard.controller.ingest`), serves their channels and restarts or stops them.
 
-With `api.ingest_workers: N` (N > 0) the controller process (the core) binds the listening
-socket and starts N worker processes (`python -m trainguard.controller.ingest`) that inherit it and
-accept on it. A worker parses HTTP and, for `POST /v1/reports`, checks the bearer token
-(agent role, 401/403 as the core answers them) and the body limit (413), then hands the raw
-body (bytes) to the core over its own unix socket pair; the core decodes and ingests it
-exactly as it does its own requests and sends back the response bytes. Every other request
-(API, agentctl, /metrics, /healthz) is forwarded whole, and the core runs it through its
-ASGI app in-process, so there is one API implementation.
-
-Channel: one SOCK_STREAM socket pair per worker, frames of `!IBI` (payload length, kind,
-request id) followed by the payload; request ids pair answers with requests, so forwarded
-API calls may answer out of order while reports keep their order. Nothing is pickled.
-
-Lifetime: a worker exits when its channel reaches EOF (the core is gone or dropped it) and,
-on Linux, is sent SIGTERM when the core dies (parent-death signal), so no worker outlives
-the core. The core restarts a worker that exits while it is serving (with a backoff when it
-keeps crashing) and, on shutdown, sends SIGTERM to every worker, answers what they still
-hand over, and kills any that has not exited after a grace period. Tokens travel from the
-core to the workers as SHA-256 hashes at every (re)start and on `IngestFrontend.set_tokens`;
-tokens are never logged.
+Reports handed over by a worker are decoded and ingested through the app's `report_ingest`,
+in order, exactly as the core's own; every other request is run through the core's ASGI app
+in-process (`call_asgi`). A worker's channel is read in batches and not read while 512 of its
+frames wait (back-pressure on the workers). A worker that exits while the core serves is
+started again (with a backoff when it keeps crashing); on shutdown each gets SIGTERM, what it
+still hands over is answered, and one still there after the grace period is killed.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import contextlib
 import json
 import logging
 import os
-import signal
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -41,43 +25,28 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = [
-    "ANSWER_MAX_BYTES",
-    "JSON_BODY",
-    "HEADER",
-    "KIND_ANSWER",
-    "KIND_HTTP",
-    "KIND_READY",
-    "KIND_REPORT",
-    "KIND_TOKENS",
-    "FrameError",
-    "IngestFrontend",
-    "decode_answer",
-    "decode_http",
-    "decode_report",
-    "encode_answer",
-    "encode_frame",
-    "encode_http",
-    "encode_report",
-    "main",
-]
+from trainguard.controller.ingest.frames import (
+    HEADER,
+    JSON_BODY,
+    KIND_ANSWER,
+    KIND_HTTP,
+    KIND_READY,
+    KIND_REPORT,
+    KIND_TOKENS,
+    KINDS,
+    FrameError,
+    Headers,
+    decode_http,
+    decode_report,
+    encode_answer,
+    encode_frame,
+    error_answer,
+)
+
+__all__ = ["IngestFrontend", "call_asgi"]
 
 log = logging.getLogger("trainguard.controller.ingest")
 
-# payload length, kind, request id
-HEADER = struct.Struct("!IBI")
-KIND_TOKENS = 1  # core -> worker: JSON [[name, role, sha256 hex], ...]
-KIND_READY = 2  # worker -> core: JSON {"pid": ...}, once it accepts connections
-KIND_REPORT = 3  # worker -> core: actor name, raw report body
-KIND_HTTP = 4  # worker -> core: any other request, whole
-KIND_ANSWER = 5  # core -> worker: status, headers, body
-_KINDS = frozenset({KIND_TOKENS, KIND_READY, KIND_REPORT, KIND_HTTP, KIND_ANSWER})
-_U16 = struct.Struct("!H")
-_U32 = struct.Struct("!I")
-_ANSWER = struct.Struct("!HBI")  # status, flags, length of the JSON header list
-# answer flag: the body is JSON; the worker adds content-type and content-length itself (the
-# usual report answer travels without a header list to encode and parse)
-JSON_BODY = 1
 # frames queued in the core for one worker before it stops reading that worker's channel
 _QUEUE_HIGH, _QUEUE_LOW = 512, 64
 # answers written to a worker in one go at most: a long batch must not hold the first back
@@ -86,105 +55,6 @@ _FLUSH_EVERY = 32
 _YIELD_EVERY = 16
 # room for a forwarded request's method, path, query and headers beyond the body limit
 _META_ALLOWANCE_BYTES = 1024 * 1024
-# largest frame a worker takes from the core: answers are not bound by the request body limit
-# (a GET of every incident or node can be megabytes), only guarded against a corrupt length
-ANSWER_MAX_BYTES = 1 << 30
-
-Headers = list[tuple[bytes, bytes]]
-
-
-class FrameError(ValueError):
-    """A channel frame that is not what the protocol allows: the channel is dropped."""
-
-
-def encode_frame(kind: int, request_id: int, payload: bytes) -> bytes:
-    return HEADER.pack(len(payload), kind, request_id) + payload
-
-
-def encode_report(actor: str, body: bytes) -> bytes:
-    name = actor.encode()
-    return _U16.pack(len(name)) + name + body
-
-
-def decode_report(payload: bytes) -> tuple[str, bytes]:
-    if len(payload) < _U16.size:
-        raise FrameError("report frame shorter than its header")
-    (n,) = _U16.unpack_from(payload)
-    if _U16.size + n > len(payload):
-        raise FrameError("report frame: actor name runs past the frame")
-    return payload[2 : 2 + n].decode(), payload[2 + n :]
-
-
-def encode_http(meta: dict[str, Any], body: bytes) -> bytes:
-    head = json.dumps(meta, separators=(",", ":")).encode()
-    return _U32.pack(len(head)) + head + body
-
-
-def decode_http(payload: bytes) -> tuple[dict[str, Any], bytes]:
-    if len(payload) < _U32.size:
-        raise FrameError("http frame shorter than its header")
-    (n,) = _U32.unpack_from(payload)
-    if _U32.size + n > len(payload):
-        raise FrameError("http frame: request head runs past the frame")
-    try:
-        meta = json.loads(payload[4 : 4 + n])
-    except ValueError as e:
-        raise FrameError(f"http frame: request head is not JSON ({e})") from None
-    if not isinstance(meta, dict):
-        raise FrameError("http frame: request head is not an object")
-    return meta, payload[4 + n :]
-
-
-def encode_answer(status: int, headers: Headers, body: bytes, *, flags: int = 0) -> bytes:
-    head = b""
-    if headers:
-        head = json.dumps([[k.decode("latin-1"), v.decode("latin-1")] for k, v in headers]).encode()
-    return _ANSWER.pack(status, flags, len(head)) + head + body
-
-
-def decode_answer(payload: bytes) -> tuple[int, Headers, bytes]:
-    """(status, the response's headers, body); JSON_BODY adds content-type and length."""
-    if len(payload) < _ANSWER.size:
-        raise FrameError("answer frame shorter than its header")
-    status, flags, n = _ANSWER.unpack_from(payload)
-    start = _ANSWER.size
-    if start + n > len(payload):
-        raise FrameError("answer frame: headers run past the frame")
-    headers: Headers = []
-    if n:
-        headers = [
-            (k.encode("latin-1"), v.encode("latin-1"))
-            for k, v in json.loads(payload[start : start + n])
-        ]
-    body = payload[start + n :]
-    if flags & JSON_BODY:
-        headers = _json_headers(body) + headers
-    return status, headers, body
-
-
-async def read_frame(reader: asyncio.StreamReader, *, max_bytes: int) -> tuple[int, int, bytes]:
-    """(kind, request id, payload); IncompleteReadError at EOF, FrameError on a bad frame."""
-    length, kind, request_id = HEADER.unpack(await reader.readexactly(HEADER.size))
-    if kind not in _KINDS:
-        raise FrameError(f"unknown frame kind {kind}")
-    if length > max_bytes:
-        raise FrameError(f"frame of {length} bytes exceeds {max_bytes}")
-    return kind, request_id, await reader.readexactly(length)
-
-
-def _json_headers(body: bytes, extra: dict[str, str] | None = None) -> Headers:
-    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
-    if extra:
-        headers += [(k.lower().encode(), v.encode()) for k, v in extra.items()]
-    return headers
-
-
-def _error(status: int, error: str, detail: Any = None) -> tuple[int, Headers, bytes]:
-    body = json.dumps({"error": error, "detail": detail}, separators=(",", ":")).encode()
-    return status, _json_headers(body), body
-
-
-# --- the core's side -----------------------------------------------------------------------------
 
 
 class _FrameQueue(asyncio.Protocol):
@@ -211,10 +81,10 @@ class _FrameQueue(asyncio.Protocol):
         pos, end_of_data = 0, len(buf)
         while end_of_data - pos >= HEADER.size:
             length, kind, request_id = HEADER.unpack_from(buf, pos)
-            if kind not in _KINDS or length > self._max_frame_bytes:
+            if kind not in KINDS or length > self._max_frame_bytes:
                 self.error = FrameError(
                     f"unknown frame kind {kind}"
-                    if kind not in _KINDS
+                    if kind not in KINDS
                     else f"frame of {length} bytes exceeds {self._max_frame_bytes}"
                 )
                 assert self._transport is not None
@@ -454,7 +324,7 @@ class IngestFrontend:
                             type(exc).__name__,
                             exc_info=exc,
                         )
-                        answer = encode_answer(*_error(500, "internal error"))
+                        answer = encode_answer(*error_answer(500, "internal error"))
                     out.append(encode_frame(KIND_ANSWER, request_id, answer))
                     handed += 1
                     if frames and handed % _YIELD_EVERY == 0:
@@ -580,242 +450,7 @@ async def call_asgi(app: Any, meta: dict[str, Any], body: bytes) -> tuple[int, H
             type(exc).__name__,
             exc_info=exc,
         )
-        return _error(500, "internal error")
+        return error_answer(500, "internal error")
     finally:
         done.set()
     return status, headers, b"".join(chunks)
-
-
-# --- the worker's side ---------------------------------------------------------------------------
-
-
-class _CoreChannel:
-    """The worker's end of the channel: requests out, answers matched back by id."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._reader = reader
-        self._writer = writer
-        self._pending: dict[int, asyncio.Future[tuple[int, Headers, bytes]]] = {}
-        self._next_id = 0
-        self.tokens: Any = None
-        self.tokens_changed = asyncio.Event()
-        self.closed = asyncio.Event()
-
-    def send(self, kind: int, payload: bytes) -> None:
-        self._writer.write(encode_frame(kind, 0, payload))
-
-    async def request(self, kind: int, payload: bytes) -> tuple[int, Headers, bytes]:
-        if self.closed.is_set():
-            return _error(503, "controller unavailable")
-        self._next_id = (self._next_id + 1) & 0xFFFFFFFF
-        request_id = self._next_id
-        future: asyncio.Future[tuple[int, Headers, bytes]] = (
-            asyncio.get_running_loop().create_future()
-        )
-        self._pending[request_id] = future
-        self._writer.write(encode_frame(kind, request_id, payload))
-        if self._writer.transport.get_write_buffer_size() > 4 * 1024 * 1024:
-            await self._writer.drain()
-        return await future
-
-    async def read_loop(self, *, max_frame_bytes: int) -> None:
-        from trainguard.controller.auth import TokenStore  # noqa: PLC0415
-
-        try:
-            while True:
-                kind, request_id, payload = await read_frame(
-                    self._reader, max_bytes=max_frame_bytes
-                )
-                if kind == KIND_ANSWER:
-                    future = self._pending.pop(request_id, None)
-                    if future is not None and not future.done():
-                        future.set_result(decode_answer(payload))
-                elif kind == KIND_TOKENS:
-                    self.tokens = TokenStore([tuple(e) for e in json.loads(payload)])
-                    self.tokens_changed.set()
-                else:
-                    raise FrameError(f"frame kind {kind} is not sent by the core")
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        except FrameError as e:
-            log.error("event=ingest_channel_error detail=%s", e)
-        finally:
-            self.closed.set()
-            for future in self._pending.values():
-                if not future.done():
-                    future.set_result(_error(503, "controller unavailable"))
-            self._pending.clear()
-
-
-class _WorkerApp:
-    """The worker's ASGI app: reports are checked here and handed over; the rest forwarded."""
-
-    def __init__(self, channel: _CoreChannel, *, max_body_bytes: int) -> None:
-        self._channel = channel
-        self._max_body_bytes = max_body_bytes
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
-        if scope["path"] == "/v1/reports" and scope["method"] == "POST":
-            status, headers, body = await self._report(scope, receive)
-        else:
-            status, headers, body = await self._forward(scope, receive)
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
-
-    async def _report(self, scope: Any, receive: Any) -> tuple[int, Headers, bytes]:
-        from trainguard.controller.api import ApiError, _authenticate, _read_limited  # noqa: PLC0415
-
-        headers = dict(scope["headers"])
-        try:
-            # the same checks, in the same order, with the same answers as the core's own
-            principal = _authenticate(self._channel.tokens, headers.get(b"authorization"), "report")
-            raw = await _read_limited(headers.get(b"content-length"), receive, self._max_body_bytes)
-        except ApiError as e:
-            body = json.dumps({"error": e.error, "detail": e.detail}, separators=(",", ":"))
-            return e.status, _json_headers(body.encode(), e.headers), body.encode()
-        return await self._channel.request(KIND_REPORT, encode_report(principal.name, raw))
-
-    async def _forward(self, scope: Any, receive: Any) -> tuple[int, Headers, bytes]:
-        # at most one byte past the limit is read and handed on: the core's app then answers
-        # 413 itself, after its own authentication, as it would without workers
-        chunks: list[bytes] = []
-        size = 0
-        while size <= self._max_body_bytes:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return _error(400, "client disconnected")
-            chunk = message.get("body", b"")
-            chunks.append(chunk)
-            size += len(chunk)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)[: self._max_body_bytes + 1]
-        meta = {
-            "method": scope["method"],
-            "path": scope["path"],
-            "raw_path": (scope.get("raw_path") or scope["path"].encode()).decode("latin-1"),
-            "query_string": scope.get("query_string", b"").decode("latin-1"),
-            "headers": [[k.decode("latin-1"), v.decode("latin-1")] for k, v in scope["headers"]],
-            "scheme": scope.get("scheme", "http"),
-            "http_version": scope.get("http_version", "1.1"),
-            "client": list(scope["client"]) if scope.get("client") else None,
-            "server": list(scope["server"]) if scope.get("server") else None,
-        }
-        return await self._channel.request(KIND_HTTP, encode_http(meta, body))
-
-
-_term_requested = False
-
-
-def _note_term(signum: int, frame: Any) -> None:
-    global _term_requested
-    _term_requested = True
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """SIGTERM this process when the core dies (Linux); exit now if it already has."""
-    if sys.platform.startswith("linux"):
-        import ctypes  # noqa: PLC0415
-
-        pr_set_pdeathsig = 1
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() != parent_pid:
-        raise SystemExit(0)
-
-
-async def _worker(args: argparse.Namespace) -> int:
-    import uvicorn  # noqa: PLC0415
-
-    listen = socket.socket(fileno=args.listen_fd)
-    chan = socket.socket(fileno=args.channel_fd)
-    reader, writer = await asyncio.open_unix_connection(sock=chan)
-    channel = _CoreChannel(reader, writer)
-    reading = asyncio.create_task(channel.read_loop(max_frame_bytes=ANSWER_MAX_BYTES))
-    waits = {
-        asyncio.create_task(channel.tokens_changed.wait()),
-        asyncio.create_task(channel.closed.wait()),
-    }
-    await asyncio.wait(waits, timeout=30.0, return_when=asyncio.FIRST_COMPLETED)
-    for task in waits:
-        task.cancel()
-    if channel.tokens is None:
-        log.error("event=ingest_worker_no_tokens worker=%d", args.worker)
-        reading.cancel()
-        return 1
-    server = uvicorn.Server(
-        uvicorn.Config(
-            _WorkerApp(channel, max_body_bytes=args.max_body_bytes),
-            log_level="warning",
-            access_log=False,
-            lifespan="off",
-            ssl_certfile=args.tls_cert_file,
-            ssl_keyfile=args.tls_key_file,
-            http="auto",
-            timeout_keep_alive=75,
-        )
-    )
-
-    async def exit_on_eof() -> None:
-        await channel.closed.wait()
-        server.should_exit = True
-        # in-flight requests were answered 503; do not wait on slow clients for long
-        asyncio.get_running_loop().call_later(5.0, os._exit, 0)
-
-    watcher = asyncio.create_task(exit_on_eof())
-    # SIGTERM kills at once until here (nothing to drain yet); from now on uvicorn takes it
-    # for a graceful stop, and what comes before it does or after it re-raises is only noted
-    signal.signal(signal.SIGTERM, _note_term)
-    serving = asyncio.create_task(server.serve(sockets=[listen]))
-    while not server.started and not serving.done():
-        await asyncio.sleep(0.01)
-    if server.started:
-        if _term_requested:
-            server.should_exit = True
-        channel.send(KIND_READY, json.dumps({"pid": os.getpid()}).encode())
-    await serving
-    watcher.cancel()
-    reading.cancel()
-    writer.close()
-    return 0 if server.started else 1
-
-
-def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m trainguard.controller.ingest",
-        description="trainguard controller ingest worker (started by the controller itself)",
-    )
-    p.add_argument("--worker", type=int, required=True)
-    p.add_argument("--listen-fd", type=int, required=True)
-    p.add_argument("--channel-fd", type=int, required=True)
-    p.add_argument("--parent-pid", type=int, required=True)
-    p.add_argument("--max-body-bytes", type=int, required=True)
-    p.add_argument("--log-level", default="info")
-    p.add_argument("--tls-cert-file", default=None)
-    p.add_argument("--tls-key-file", default=None)
-    return p.parse_args(argv)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parse_args(argv)
-    _die_with_parent(args.parent_pid)
-    from trainguard.controller.main import _new_event_loop, _setup_logging  # noqa: PLC0415
-
-    _setup_logging(args.log_level)
-    # the core owns reloads and Ctrl-C: it stops its workers itself
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    loop = _new_event_loop()
-    asyncio.set_event_loop(loop)
-    try:
-        code = loop.run_until_complete(_worker(args))
-    finally:
-        loop.close()
-    log.info("event=ingest_worker_exit worker=%d code=%d", args.worker, code)
-    return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())
