@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from trainguard.controller.config import expand_credentials
 from trainguard.strict import ConfigError, Invalid, build, load_yaml
 
 __all__ = [
@@ -50,7 +51,8 @@ def hash_token(token: str) -> str:
 @dataclass(frozen=True)
 class TokenEntry:
     """One token: `sha256` of the token, or `token_file` holding the token itself (its hash
-    is taken at load; a relative path is relative to the tokens file)."""
+    is taken at load; a relative path is relative to the tokens file, and a path may start
+    with ${CREDENTIALS_DIRECTORY}, as in the controller config)."""
 
     name: str  # the audit actor
     role: Role
@@ -64,6 +66,9 @@ class TokenEntry:
             raise Invalid("sha256", "give exactly one of sha256 or token_file")
         if self.sha256 is not None and not _HEX64.match(self.sha256):
             raise Invalid("sha256", "must be 64 hexadecimal digits (see `agentctl token hash`)")
+        if self.token_file is not None:
+            expanded = expand_credentials(self.token_file, key="token_file")
+            object.__setattr__(self, "token_file", expanded)
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,14 @@
 Every field states its unit and why its default. Invariants are checked at load so a bad
 file fails with `FILE: key: reason`. Secrets (Slack URL, PagerDuty routing key, webhook HMAC
 secret) are never values in this file: the config names a file or an environment variable.
+A secret's path may start with `${CREDENTIALS_DIRECTORY}`, expanded at load: under systemd
+that is where `LoadCredential=` puts the files a `DynamicUser=` service could not read itself.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -26,6 +29,28 @@ def _positive(key: str, value: float) -> None:
         raise Invalid(key, f"must be > 0, got {value}")
 
 
+CREDENTIALS_VAR = "CREDENTIALS_DIRECTORY"
+_CREDENTIALS_REF = "${" + CREDENTIALS_VAR + "}"
+
+
+def expand_credentials(path: str, *, key: str, environ: Mapping[str, str] | None = None) -> str:
+    """`path` with `${CREDENTIALS_DIRECTORY}` replaced by that variable's value (systemd sets
+    it for a unit with `LoadCredential=`); raises Invalid(key) if it is unset, or if the path
+    names any other `$` variable (only this one is expanded: a typo must not pass)."""
+    if "$" not in path:
+        return path
+    if "$" in path.replace(_CREDENTIALS_REF, ""):
+        raise Invalid(key, f"only {_CREDENTIALS_REF} is expanded in a path, got {path!r}")
+    directory = (os.environ if environ is None else environ).get(CREDENTIALS_VAR, "")
+    if not directory:
+        raise Invalid(
+            key,
+            f"{path!r} uses {_CREDENTIALS_REF}, but {CREDENTIALS_VAR} is not set "
+            "(systemd sets it for a unit with LoadCredential=)",
+        )
+    return path.replace(_CREDENTIALS_REF, directory.rstrip("/"))
+
+
 def default_rules_paths() -> list[str]:
     """The shipped rules directory (package data of `trainguard.rules`)."""
     return [str(shipped_dir())]
@@ -38,12 +63,14 @@ class Secret:
     Exactly one of the two is set. The value is read when a notifier is built, never logged.
     """
 
-    file: str | None = None
+    file: str | None = None  # may start with ${CREDENTIALS_DIRECTORY}
     env: str | None = None
 
     def __post_init__(self) -> None:
         if (self.file is None) == (self.env is None):
             raise Invalid("file", "set exactly one of file or env")
+        if self.file is not None:
+            object.__setattr__(self, "file", expand_credentials(self.file, key="file"))
 
     def read(self) -> str:
         if self.file is not None:
@@ -77,7 +104,8 @@ class ApiConfig:
     host: str = "127.0.0.1"
     # 8800: clear of Prometheus (9090), agents (9500) and common web ports. 0 = free port.
     port: int = 8800
-    # YAML mapping token name -> {token, role}; mode 0600.
+    # YAML mapping token name -> {token, role}; mode 0600. Under the systemd unit:
+    # ${CREDENTIALS_DIRECTORY}/tokens (LoadCredential=tokens:/etc/trainguard/tokens.yaml).
     tokens_file: str = "/etc/trainguard/tokens.yaml"
     # Largest accepted request body, bytes: a report of a full 8-GPU node with a 500-event
     # backlog is far below 4 MiB; larger bodies are refused with 413.
@@ -91,6 +119,10 @@ class ApiConfig:
     ingest_workers: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("tokens_file", "tls_cert_file", "tls_key_file"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, expand_credentials(value, key=name))
         if not 0 <= self.ingest_workers <= 64:
             raise Invalid("ingest_workers", f"must be within 0..64, got {self.ingest_workers}")
         if not 0 <= self.port <= 65535:
@@ -321,6 +353,7 @@ __all__ = [
     "SEVERITY_RANK",
     "ActionsConfig",
     "ApiConfig",
+    "CREDENTIALS_VAR",
     "ConfigError",
     "ControllerConfig",
     "JobsConfig",
@@ -333,5 +366,6 @@ __all__ = [
     "StoreConfig",
     "WebhookConfig",
     "default_rules_paths",
+    "expand_credentials",
     "load_config",
 ]

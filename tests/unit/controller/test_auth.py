@@ -98,3 +98,23 @@ def test_store_from_plaintext_matches_only_exact_token() -> None:
     assert store.authenticate("s3cret") == Principal("ops", "operator")
     assert store.authenticate("s3cre") is None
     assert len(store) == 1
+
+
+def test_token_file_may_name_the_credentials_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    creds = tmp_path / "credentials"
+    creds.mkdir()
+    (creds / "ops.token").write_text("ops-secret\n")
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(creds))
+    p = _write(
+        tmp_path,
+        "tokens:\n"
+        "  - {name: ops, role: operator, token_file: '${CREDENTIALS_DIRECTORY}/ops.token'}\n",
+    )
+    assert load_tokens(p).authenticate("ops-secret") == Principal("ops", "operator")
+    monkeypatch.delenv("CREDENTIALS_DIRECTORY")
+    with pytest.raises(ConfigError) as e:
+        load_tokens(p)
+    assert e.value.key == "tokens[0].token_file"
+    assert "CREDENTIALS_DIRECTORY is not set" in e.value.reason

@@ -73,3 +73,67 @@ def test_overrides_apply_over_the_file(tmp_path):
 def test_documented_example_loads():
     config = load_config(str(EXAMPLE))
     assert config.safety.drain_budget >= 1
+
+
+def test_credential_paths_expand_credentials_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", "/run/credentials/trainguard-controller.service")
+    config = load_config(
+        _write(
+            tmp_path,
+            "api:\n"
+            "  tokens_file: ${CREDENTIALS_DIRECTORY}/tokens\n"
+            "  tls_cert_file: ${CREDENTIALS_DIRECTORY}/tls.crt\n"
+            "  tls_key_file: ${CREDENTIALS_DIRECTORY}/tls.key\n"
+            "notify:\n"
+            "  slack: {webhook_url: {file: '${CREDENTIALS_DIRECTORY}/slack-webhook'}}\n"
+            "  webhooks: [{name: bus, url: 'http://x', secret: {env: BUS_SECRET}}]\n",
+        )
+    )
+    creds = "/run/credentials/trainguard-controller.service"
+    assert config.api.tokens_file == f"{creds}/tokens"
+    assert (config.api.tls_cert_file, config.api.tls_key_file) == (
+        f"{creds}/tls.crt",
+        f"{creds}/tls.key",
+    )
+    assert config.notify.slack is not None
+    assert config.notify.slack.webhook_url.file == f"{creds}/slack-webhook"
+
+
+def test_a_secret_file_reads_from_the_credentials_directory(tmp_path, monkeypatch):
+    (tmp_path / "pd-key").write_text("routing-key\n")
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(tmp_path))
+    config = load_config(
+        _write(
+            tmp_path,
+            "notify: {pagerduty: {routing_key: {file: '${CREDENTIALS_DIRECTORY}/pd-key'}}}",
+        )
+    )
+    assert config.notify.pagerduty is not None
+    assert config.notify.pagerduty.routing_key.read() == "routing-key"
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "reason"),
+    [
+        ("api: {tokens_file: '${CREDENTIALS_DIRECTORY}/tokens'}", "api.tokens_file", "not set"),
+        (
+            "notify: {slack: {webhook_url: {file: '${CREDENTIALS_DIRECTORY}/s'}}}",
+            "notify.slack.webhook_url.file",
+            "not set",
+        ),
+        ("api: {tokens_file: '$HOME/tokens'}", "api.tokens_file", "only ${CREDENTIALS_DIRECTORY}"),
+        (
+            "api: {tokens_file: '${CREDENTIAL_DIRECTORY}/tokens'}",
+            "api.tokens_file",
+            "only ${CREDENTIALS_DIRECTORY}",
+        ),
+    ],
+    ids=["unset-tokens", "unset-secret", "other-variable", "misspelt-variable"],
+)
+def test_credential_paths_fail_clearly(tmp_path, monkeypatch, text, key, reason):
+    monkeypatch.delenv("CREDENTIALS_DIRECTORY", raising=False)
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert (info.value.source, info.value.key) == (path, key)
+    assert reason in info.value.reason
