@@ -30,6 +30,7 @@ from trainguard.controller.runtime import new_event_loop, setup_logging
 from trainguard.controller.watchdog import watchdog_running
 from trainguard.strict import ConfigError
 from trainguard.systemd import SystemdNotifier
+from trainguard.unitfile import install_unit_main
 
 log = logging.getLogger("trainguard.controller.main")
 
@@ -42,6 +43,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="trainguard-controller",
         description="trainguard controller: rules, incidents, actions and the REST API",
+        epilog="Subcommand: 'trainguard-controller install-unit --help' writes the systemd "
+        "unit for this installation.",
     )
     p.add_argument("--version", action="version", version=f"{p.prog} {__version__}")
     p.add_argument(
@@ -81,6 +84,9 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "install-unit":
+        return install_unit_main(argv[1:], prog="trainguard-controller")
     args = _parse_args(argv)
     setup_logging(args.log_level or "info")
     overrides: dict[str, Any] = {
