@@ -39,6 +39,49 @@ class StoreError(RuntimeError):
     """The store cannot be opened or used (names the file and the reason)."""
 
 
+SQLITE_HEADER = b"SQLite format 3\x00"
+RESTORE_HINT = (
+    "restore the newest backup with 'trainguard-controller restore BACKUP_FILE' "
+    "(docs/controller.md, Backup and restore), or move the file away to start an empty store"
+)
+
+
+def check_existing_file(path: str | Path) -> None:
+    """Refuse a store file that cannot be a trainguard store before SQLite touches it: SQLite
+    would treat a 0-byte file as a new empty database and the controller would start fresh over
+    it (every node, incident and job gone without a word)."""
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+        with p.open("rb") as f:
+            header = f.read(len(SQLITE_HEADER))
+    except OSError as e:
+        raise StoreError(f"{p}: cannot read: {e.strerror or e}") from None
+    if size == 0:
+        raise StoreError(f"{p}: the store file is empty (0 bytes); {RESTORE_HINT}")
+    if header != SQLITE_HEADER:
+        raise StoreError(f"{p}: not an SQLite database (wrong file header); {RESTORE_HINT}")
+
+
+def verify_connection(conn: sqlite3.Connection, path: str) -> None:
+    """`PRAGMA quick_check` and the schema_version table: a damaged or foreign file fails."""
+    try:
+        result = [str(r[0]) for r in conn.execute("PRAGMA quick_check").fetchall()]
+    except sqlite3.DatabaseError as e:
+        raise StoreError(f"{path}: damaged store ({e}); {RESTORE_HINT}") from None
+    if result != ["ok"]:
+        detail = "; ".join(result[:3])
+        raise StoreError(f"{path}: damaged store (quick_check: {detail}); {RESTORE_HINT}")
+    row = conn.execute(
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'schema_version'"
+    ).fetchone()
+    if row is None:
+        raise StoreError(
+            f"{path}: an SQLite database, but not a trainguard store (no schema_version table); "
+            "point store.path at the controller's own file"
+        )
+
+
 # --- schema ---------------------------------------------------------------------------------
 
 
@@ -389,6 +432,9 @@ class Store:
         self.path = str(path)
         self._now = now
         self._lock = threading.RLock()
+        existed = self.path != ":memory:" and Path(self.path).exists()
+        if existed:
+            check_existing_file(self.path)
         if self.path != ":memory:":
             parent = Path(self.path).parent
             try:
@@ -403,13 +449,20 @@ class Store:
             raise StoreError(f"{self.path}: cannot open: {e}") from None
         self._conn.row_factory = sqlite3.Row
         try:
+            if existed:
+                verify_connection(self._conn, self.path)
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.execute("PRAGMA synchronous=NORMAL")
             self._conn.execute("PRAGMA foreign_keys=ON")
             self._migrate()
+        except StoreError:
+            self._conn.close()
+            raise
         except sqlite3.DatabaseError as e:
             self._conn.close()
-            raise StoreError(f"{self.path}: not a usable trainguard store: {e}") from None
+            raise StoreError(
+                f"{self.path}: not a usable trainguard store: {e}; {RESTORE_HINT}"
+            ) from None
 
     # --- plumbing ---------------------------------------------------------------------------
 

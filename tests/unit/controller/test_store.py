@@ -90,7 +90,47 @@ def test_newer_schema_than_known_is_a_clear_error(tmp_path):
 def test_a_file_that_is_not_sqlite_is_a_clear_error(tmp_path):
     path = tmp_path / "c.db"
     path.write_bytes(b"this is not a database" * 100)
-    with pytest.raises(StoreError, match="not a usable trainguard store"):
+    with pytest.raises(StoreError, match="not an SQLite database") as e:
+        Store(path, now=_now)
+    assert "trainguard-controller restore" in str(e.value)
+    assert path.read_bytes() == b"this is not a database" * 100  # left as it was
+
+
+def test_an_empty_file_never_becomes_a_fresh_store(tmp_path):
+    path = tmp_path / "c.db"
+    path.write_bytes(b"")
+    with pytest.raises(StoreError, match=r"empty \(0 bytes\)"):
+        Store(path, now=_now)
+    assert path.stat().st_size == 0
+
+
+def test_a_damaged_page_fails_quick_check(tmp_path):
+    path = tmp_path / "c.db"
+    s = Store(path, now=_now)
+    for i in range(300):
+        s.add_node(f"node-{i}", role="active", labels={"rack": "r" * 200})
+    s.close()
+    # checkpoint the WAL into the main file, then overwrite a page in its middle
+    c = sqlite3.connect(path)
+    c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    c.close()
+    data = bytearray(path.read_bytes())
+    page = 4096
+    assert len(data) > 8 * page
+    data[4 * page : 5 * page] = b"\xff" * page
+    path.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match="damaged store") as e:
+        Store(path, now=_now)
+    assert "trainguard-controller restore" in str(e.value)
+
+
+def test_a_foreign_sqlite_database_is_refused(tmp_path):
+    path = tmp_path / "other.db"
+    c = sqlite3.connect(path)
+    c.execute("CREATE TABLE t (x)")
+    c.commit()
+    c.close()
+    with pytest.raises(StoreError, match="not a trainguard store"):
         Store(path, now=_now)
 
 
