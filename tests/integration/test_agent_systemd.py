@@ -1,49 +1,60 @@
-"""systemd integration: the unit file verifies clean, and a real agent process speaks
-sd_notify (READY, WATCHDOG while healthy, STOPPING) on a NOTIFY_SOCKET."""
+"""systemd integration: `trainguard-agent install-unit` writes a unit that runs this
+installation and verifies clean, and a real agent process speaks sd_notify (READY, WATCHDOG
+while healthy, STOPPING) on a NOTIFY_SOCKET."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import socket
-import subprocess
 from pathlib import Path
 
 import pytest
 from agent_proc import AgentProcess, agent_command, cleanup, short_tmpdir, wait_until
+from systemd_units import (
+    REPO,
+    assert_verifies_clean,
+    exec_start_program,
+    install_unit,
+    systemd_analyze,
+)
 
-UNIT = Path(__file__).resolve().parents[2] / "systemd" / "trainguard-agent.service"
 
-
-def test_unit_file_passes_systemd_analyze_verify(tmp_path: Path) -> None:
-    analyze = shutil.which("systemd-analyze")
-    if analyze is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("systemd-analyze is required in CI (Debian package 'systemd')")
-        pytest.skip("systemd-analyze not installed")
-    text = UNIT.read_text()
+def test_installed_unit_runs_this_installation_and_verifies_clean(tmp_path: Path) -> None:
+    analyze = systemd_analyze()
+    command = agent_command()
+    if len(command) != 1:
+        pytest.skip("trainguard-agent console script not installed (pip install -e .)")
+    unit = install_unit(Path(command[0]), dest=tmp_path)
+    text = unit.read_text()
     for required in (
         "Type=notify", "WatchdogSec=30", "Restart=always", "ProtectSystem=strict",
         "NoNewPrivileges=true", "PrivateTmp=true", "ReadWritePaths=/run/trainguard",
         "DeviceAllow=/dev/nvidiactl rw", "DeviceAllow=/dev/kmsg r",
         "CapabilityBoundingSet=CAP_SYSLOG",
+        # a configuration error exits 2 (tests/unit/agent/test_agent_main.py): no restart loop
+        "RestartPreventExitStatus=2",
     ):  # fmt: skip
-        assert required in text, required
-    # verify checks that ExecStart exists: point it at this checkout's agent
-    exec_line = next(line for line in text.splitlines() if line.startswith("ExecStart="))
-    binary = exec_line.split("=", 1)[1].split()[0]
-    script = agent_command()[0] if len(agent_command()) == 1 else None
-    if script is None:
+        assert required in text.splitlines(), required
+    program = exec_start_program(unit)
+    assert program.is_absolute() and program == Path(command[0]), program
+    assert program.is_file() and os.access(program, os.X_OK), program
+    assert_verifies_clean(analyze, unit)
+
+
+def test_documented_jobs_drop_in_verifies_clean(tmp_path: Path) -> None:
+    analyze = systemd_analyze()
+    command = agent_command()
+    if len(command) != 1:
         pytest.skip("trainguard-agent console script not installed (pip install -e .)")
-    unit = tmp_path / "trainguard-agent.service"
-    unit.write_text(text.replace(binary, script))
-    proc = subprocess.run(
-        [analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60, check=False
-    )
-    # unknown keys are only warnings (exit 0): any output at all is a failure
-    assert proc.returncode == 0 and not proc.stderr.strip() and not proc.stdout.strip(), (
-        proc.stdout + proc.stderr
-    )
+    docs = (REPO / "docs" / "agent.md").read_text()
+    section = docs.split("### Jobs the agent launches", 1)[1]
+    drop_in = section.split("```ini\n", 1)[1].split("```", 1)[0]
+    for required in ("LimitMEMLOCK=infinity", "DeviceAllow=char-infiniband_verbs rw"):
+        assert required in drop_in.splitlines(), required
+    unit = install_unit(Path(command[0]), dest=tmp_path)
+    (tmp_path / f"{unit.name}.d").mkdir()
+    (tmp_path / f"{unit.name}.d" / "jobs.conf").write_text(drop_in)
+    assert_verifies_clean(analyze, unit)  # the drop-in beside the unit is read too
 
 
 @pytest.mark.slow

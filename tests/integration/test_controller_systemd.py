@@ -1,45 +1,81 @@
-"""systemd integration of the controller: the unit file verifies clean, and a real
+"""systemd integration of the controller: `trainguard-controller install-unit` writes a unit
+that runs this installation and verifies clean, the controller reads its tokens from the
+credentials directory the unit's LoadCredential= fills, and a real
 trainguard-controller process speaks sd_notify (READY after it listens, WATCHDOG while its
 loops run, STOPPING on SIGTERM) on a NOTIFY_SOCKET."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
 from agent_proc import cleanup, short_tmpdir, wait_until
-from controller_proc import BIN, ControllerProcess, write_config
+from controller_proc import BIN, OP, ControllerProcess, start_controller, write_config
+from systemd_units import assert_verifies_clean, exec_start_program, install_unit, systemd_analyze
 
-UNIT = Path(__file__).resolve().parents[2] / "systemd" / "trainguard-controller.service"
 
-
-def test_controller_unit_file_passes_systemd_analyze_verify(tmp_path: Path) -> None:
-    analyze = shutil.which("systemd-analyze")
-    if analyze is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("systemd-analyze is required in CI (Debian package 'systemd')")
-        pytest.skip("systemd-analyze not installed")
+def test_installed_controller_unit_runs_this_installation_and_verifies_clean(
+    tmp_path: Path,
+) -> None:
+    analyze = systemd_analyze()
     script = BIN / "trainguard-controller"
     if not script.exists():
         pytest.skip("trainguard-controller console script not installed (pip install -e .)")
-    text = UNIT.read_text()
-    for required in ("Type=notify", "NotifyAccess=main", "WatchdogSec=30s", "Restart=always"):
-        assert required in text, required
-    exec_line = next(line for line in text.splitlines() if line.startswith("ExecStart="))
-    binary = exec_line.split("=", 1)[1].split()[0]
-    unit = tmp_path / "trainguard-controller.service"
-    unit.write_text(text.replace(binary, str(script)))
-    proc = subprocess.run(
-        [analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60, check=False
+    unit = install_unit(script, dest=tmp_path)
+    lines = unit.read_text().splitlines()
+    for required in (
+        "Type=notify", "NotifyAccess=main", "WatchdogSec=30s", "Restart=always",
+        "RestartPreventExitStatus=2", "DynamicUser=yes",
+        # the dynamic user reads the tokens as a credential (test below: the controller side)
+        "LoadCredential=tokens:/etc/trainguard/tokens.yaml",
+    ):  # fmt: skip
+        assert required in lines, required
+    program = exec_start_program(unit)
+    assert program.is_absolute() and program == script, program
+    assert program.is_file() and os.access(program, os.X_OK), program
+    assert_verifies_clean(analyze, unit)
+
+
+@pytest.mark.slow
+def test_controller_reads_its_tokens_from_the_credentials_directory(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, rules="rules: []\n")
+    creds = tmp_path / "credentials"  # what LoadCredential=tokens:... fills
+    creds.mkdir()
+    (tmp_path / "tokens.yaml").rename(creds / "tokens")
+    text = cfg.read_text().replace(
+        f"tokens_file: {tmp_path / 'tokens.yaml'}", "tokens_file: '${CREDENTIALS_DIRECTORY}/tokens'"
     )
-    # unknown keys are only warnings (exit 0): any output at all is a failure
-    assert proc.returncode == 0 and not proc.stderr.strip() and not proc.stdout.strip(), (
-        proc.stdout + proc.stderr
+    assert "CREDENTIALS_DIRECTORY" in text
+    cfg.write_text(text)
+
+    env = {k: v for k, v in os.environ.items() if k != "CREDENTIALS_DIRECTORY"}
+    unset = subprocess.run(
+        [str(BIN / "trainguard-controller"), "--config", str(cfg)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
+    assert unset.returncode == 2, unset.stdout + unset.stderr
+    assert "api.tokens_file" in unset.stderr and "CREDENTIALS_DIRECTORY is not set" in unset.stderr
+
+    proc = start_controller(
+        cfg,
+        log_path=tmp_path / "controller.log",
+        env={**env, "CREDENTIALS_DIRECTORY": str(creds)},
+    )
+    try:
+        assert httpx.get(f"{proc.url}/v1/nodes", headers=OP, timeout=10).status_code == 200
+        wrong = {"Authorization": "Bearer not-a-token"}
+        assert httpx.get(f"{proc.url}/v1/nodes", headers=wrong, timeout=10).status_code == 401
+        assert proc.terminate(timeout_s=30) == 0, proc.log()
+    finally:
+        proc.kill()
 
 
 @pytest.mark.slow
