@@ -95,9 +95,12 @@ class HardwareConfig:
 class HeartbeatConfig:
     # Unix datagram socket the trainer ranks send to; /run is tmpfs and cleaned at boot.
     socket_path: str = DEFAULT_HEARTBEAT_SOCKET
-    # File mode of the socket, octal string: 0666 lets unprivileged trainers send to a
-    # root agent (the socket only accepts heartbeats; nothing is executed from them).
-    socket_mode: str = "0666"
+    # File mode of the socket, octal string. 0660: the agent's user and group may send; a
+    # world-writable socket would let any local user forge a rank's heartbeat (a NaN, a
+    # stall). Training jobs get access by running in `socket_group` (docs/agent.md).
+    socket_mode: str = "0660"
+    # Group that owns the socket (name or number); empty = the agent's own group.
+    socket_group: str = ""
     # A rank silent this long, seconds, is forgotten (its metrics disappear). Long enough
     # that a rank inside a multi-minute checkpoint or eval is still reported as silent
     # (heartbeat_age_s grows) so the controller's rank-silent rule can fire first.

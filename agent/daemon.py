@@ -296,6 +296,7 @@ class Agent:
             "max_ranks": hb.max_ranks,
             "rank_timeout_s": hb.rank_timeout_s,
             "mode": hb.mode,
+            "group": hb.socket_group or None,
             "per_sender_rate_hz": hb.per_sender_rate_hz,
             "max_rate_hz": hb.max_rate_hz,
             "proc_root": "/proc",  # forget ranks whose process exited

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
+import grp
 import json
 import logging
 import os
@@ -118,6 +120,16 @@ class _Bucket:
         return max(0.0, (1.0 - self.tokens) / self.rate)
 
 
+def _gid(group: str) -> int:
+    """A group name or number -> gid; an unknown group is an OSError naming it."""
+    if group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise OSError(errno.EINVAL, f"unknown group {group!r}") from None
+
+
 class HeartbeatServer:
     """Receives Heartbeat datagrams on `path`; call `start()` for the reader thread."""
 
@@ -128,7 +140,8 @@ class HeartbeatServer:
         clock: Clock,
         max_ranks: int = 256,
         rank_timeout_s: float = 600.0,
-        mode: int = 0o666,
+        mode: int = 0o660,
+        group: str | None = None,
         per_sender_rate_hz: float = 200.0,
         max_rate_hz: float = 5000.0,
         proc_root: str | None = None,
@@ -152,12 +165,42 @@ class HeartbeatServer:
         self.control_errors_total = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._sock = self._bind(mode)
+        self._lock_fd = self._take_lock()
+        try:
+            self._sock = self._bind(mode, group)
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
         self._out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._out.setblocking(False)
 
-    def _bind(self, mode: int) -> socket.socket:
+    @property
+    def lock_path(self) -> Path:
+        return self.path.with_name(self.path.name + ".lock")
+
+    def _take_lock(self) -> int:
+        """The socket belongs to one agent: an exclusive flock on `<socket>.lock`, held while
+        this server lives (the kernel drops it when the process dies, so a crashed agent's
+        lock never blocks its successor). A second agent on the same path refuses to start
+        instead of unlinking a live socket and leaving the first one blind."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise OSError(
+                errno.EADDRINUSE,
+                f"another agent (pid {holder}) owns this heartbeat socket (lock {self.lock_path});"
+                " give this agent its own heartbeat.socket_path",
+                str(self.path),
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return fd
+
+    def _bind(self, mode: int, group: str | None) -> socket.socket:
         try:
             st = self.path.lstat()
         except FileNotFoundError:
@@ -167,11 +210,14 @@ class HeartbeatServer:
                 raise OSError(
                     errno.EEXIST, "exists and is not a socket; not removing it", str(self.path)
                 )
-            self.path.unlink()  # stale socket from a previous run
+            # We hold the lock, so no live agent serves it: a stale socket of a dead one.
+            self.path.unlink()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
             sock.bind(str(self.path))
+            if group:
+                os.chown(self.path, -1, _gid(group))
             os.chmod(self.path, mode)
             sock.setblocking(False)
         except OSError:
@@ -192,8 +238,12 @@ class HeartbeatServer:
             self._thread.join(timeout=2.0)
         self._sock.close()
         self._out.close()
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+        if self._lock_fd >= 0:
+            # Only the lock holder removes the socket, and before it lets go of the lock.
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
     def _run(self) -> None:
         # Waking up costs more than decoding a heartbeat, so the reader wakes once per burst:
