@@ -21,6 +21,11 @@ import httpx
 import pytest
 
 from tests.integration.controller_proc import wait_for
+from tests.integration.systemd_units import (
+    assert_verifies_clean,
+    exec_start_program,
+    systemd_analyze,
+)
 from trainguard.controller.auth import hash_token
 
 REPO = Path(__file__).resolve().parents[2]
@@ -141,6 +146,19 @@ def test_shipped_rules_check_and_export_without_a_path(installed: Installed) -> 
     if promtool.exists():
         lint = installed.run(str(promtool), "check", "rules", "alerts.yml")
         assert "SUCCESS" in lint.stdout
+
+
+def test_install_unit_runs_the_virtualenv_with_the_shipped_units(installed: Installed) -> None:
+    analyze = systemd_analyze()
+    dest = installed.work / "units"
+    dest.mkdir()
+    for cmd in ("trainguard-agent", "trainguard-controller"):
+        out = installed.run(installed.bin(cmd), "install-unit", "--dest", str(dest))
+        shipped = installed.venv / "share/trainguard/systemd" / f"{cmd}.service"
+        assert f"from {shipped})" in out.stdout, out.stdout  # the wheel's copy, not the checkout's
+        unit = dest / f"{cmd}.service"
+        assert exec_start_program(unit) == Path(installed.bin(cmd))
+        assert_verifies_clean(analyze, unit)
 
 
 def _start(installed: Installed, name: str, args: list[str]) -> subprocess.Popen[bytes]:
