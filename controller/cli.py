@@ -2,7 +2,8 @@
 
 URL and token come from flags (`--url`, `--token-file`), then the environment
 (`TRAINGUARD_URL`, `TRAINGUARD_TOKEN`), then `~/.config/trainguard/agentctl.yaml`
-(`url`, `token_file`; strict). `rules check|export` and `token hash` work offline.
+(`url`, `token_file`; strict). `rules check|export`, `token hash` and `completion` work
+offline; rules default to the shipped ones. Reads print as `-o table|wide|json|yaml`.
 Exit codes: 0 ok, 1 error or request failed, 2 usage, 3 not found, 4 unauthorized or
 forbidden, 5 cannot connect.
 """
@@ -10,10 +11,12 @@ forbidden, 5 cannot connect.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import re
+import stat
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -23,13 +26,23 @@ from typing import IO, Any
 from urllib.parse import quote
 
 import httpx
+import yaml
 
+from trainguard import __version__
+from trainguard.controller.auth import hash_token
+from trainguard.controller.completion import SHELLS, completion_script
+from trainguard.rules import shipped_dir
 from trainguard.strict import ConfigError, build, load_yaml
+from trainguard.xid_catalog import XidCatalog
 
 __all__ = ["EXIT", "AgentctlConfig", "format_age", "main", "parse_duration"]
 
 EXIT = {"ok": 0, "error": 1, "usage": 2, "not_found": 3, "auth": 4, "connect": 5}
 DEFAULT_URL = "http://127.0.0.1:8800"
+FORMATS = ("table", "wide", "json", "yaml")
+# the header the API reads to name the client in a drain reason it fills in (controller/api.py;
+# agentctl does not import the API, which needs the controller extra)
+CLIENT_HEADER = "X-Trainguard-Client"
 
 
 @dataclass(frozen=True)
@@ -91,123 +104,129 @@ def _cell(v: Any) -> str:
         return f"{v:.3g}"
     if isinstance(v, list | tuple):
         return ",".join(str(x) for x in v) or "-"
+    if isinstance(v, dict):
+        return ",".join(f"{k}={x}" for k, x in v.items()) or "-"
     return str(v)
-
-
-def _table(out: IO[str], headers: list[str], rows: list[list[str]]) -> None:
-    widths = [len(h) for h in headers]
-    for row in rows:
-        for i, c in enumerate(row):
-            widths[i] = max(widths[i], len(c))
-    for row in [headers, *rows]:
-        line = "  ".join(c.ljust(widths[i]) for i, c in enumerate(row))
-        out.write(line.rstrip() + "\n")
 
 
 def _ago(now: float, ts: Any) -> str:
     return format_age(now - ts) if isinstance(ts, int | float) else "-"
 
 
-def _node_rows(items: list[dict[str, Any]], now: float) -> tuple[list[str], list[list[str]]]:
-    headers = ["NAME", "ROLE", "STATE", "REPORTING", "LAST-REPORT", "GPUS", "JOB", "INCIDENTS"]
-    rows = []
-    for n in items:
-        age = n.get("report_age_s")
-        last = format_age(age) if age is not None else _ago(now, n.get("last_report_at"))
-        rows.append(
-            [
-                n["name"],
-                n["role"],
-                n["state"],
-                _cell(n.get("reporting")),
-                last,
-                _cell(n.get("gpus")),
-                _cell(n.get("job")),
-                _cell(n.get("open_incidents")),
-            ]
-        )
-    return headers, rows
+def _when(ts: Any) -> str:
+    if not isinstance(ts, int | float) or not math.isfinite(ts):
+        return "-"
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(ts))
 
 
-def _incident_rows(items: list[dict[str, Any]], now: float) -> tuple[list[str], list[list[str]]]:
-    headers = ["ID", "RULE", "TARGET", "SEVERITY", "STATE", "AGE", "SUMMARY"]
-    rows = [
-        [
-            str(i["id"]),
-            i["rule"],
-            i.get("target_text") or i["target"],
-            i["severity"],
-            i["state"],
-            _ago(now, i.get("opened_at")),
-            _cell(i.get("summary") or None),
-        ]
-        for i in items
-    ]
-    return headers, rows
+@dataclass(frozen=True)
+class Column:
+    """One column of a list: its header, how a cell is made from an item, and whether only
+    `-o wide` shows it."""
+
+    header: str
+    cell: Callable[[dict[str, Any], float], str]
+    wide: bool = False
 
 
-def _job_rows(items: list[dict[str, Any]], now: float) -> tuple[list[str], list[list[str]]]:
-    headers = ["NAME", "STATE", "NODES", "RANKS", "ATTEMPT", "STEP", "CKPT", "RESTARTS", "ETTR"]
-    rows = []
-    for j in items:
-        ettr = j.get("ettr")
-        rows.append(
-            [
-                j["name"],
-                j["state"],
-                str(len(j.get("nodes", []))),
-                _cell(j.get("ranks")),
-                _cell(j.get("attempt")),
-                _cell(j.get("last_step")),
-                _cell(j.get("ckpt_step")),
-                _cell(j.get("restarts")),
-                f"{ettr:.1%}" if isinstance(ettr, int | float) else _cell(ettr),
-            ]
-        )
-    return headers, rows
+def _last_report(n: dict[str, Any], now: float) -> str:
+    age = n.get("report_age_s")
+    return format_age(age) if age is not None else _ago(now, n.get("last_report_at"))
 
 
-def _silence_rows(items: list[dict[str, Any]], now: float) -> tuple[list[str], list[list[str]]]:
-    headers = ["ID", "RULE", "NODE", "CREATED-BY", "EXPIRES-IN", "ACTIVE", "COMMENT"]
-    rows = [
-        [
-            str(s["id"]),
-            _cell(s.get("rule")),
-            _cell(s.get("node")),
-            s["created_by"],
-            format_age(s["expires_at"] - now) if s.get("active", True) else "expired",
-            _cell(s.get("active", True)),
-            _cell(s.get("comment") or None),
-        ]
-        for s in items
-    ]
-    return headers, rows
+def _ettr(j: dict[str, Any], now: float) -> str:
+    ettr = j.get("ettr")
+    return f"{ettr:.1%}" if isinstance(ettr, int | float) else _cell(ettr)
 
 
-def _audit_rows(items: list[dict[str, Any]], now: float) -> tuple[list[str], list[list[str]]]:
-    headers = ["ID", "AGE", "ACTOR", "ACTION", "TARGET", "DETAIL"]
-    rows = [
-        [
-            str(a["id"]),
-            _ago(now, a.get("ts")),
-            a["actor"],
-            a["action"],
-            a["target"],
-            json.dumps(a.get("detail") or {}, separators=(",", ":")),
-        ]
-        for a in items
-    ]
-    return headers, rows
+def _expires(s: dict[str, Any], now: float) -> str:
+    return format_age(s["expires_at"] - now) if s.get("active", True) else "expired"
 
 
-_ROWS: dict[str, Callable[[list[dict[str, Any]], float], tuple[list[str], list[list[str]]]]] = {
-    "nodes": _node_rows,
-    "incidents": _incident_rows,
-    "jobs": _job_rows,
-    "silences": _silence_rows,
-    "audit": _audit_rows,
-    "spares": _node_rows,
+# Free text (summary, comment, reason, detail) comes last: it may hold spaces.
+NODE_COLUMNS = (
+    Column("NAME", lambda n, now: n["name"]),
+    Column("ROLE", lambda n, now: n["role"]),
+    Column("STATE", lambda n, now: n["state"]),
+    Column("REPORTING", lambda n, now: _cell(n.get("reporting"))),
+    Column("LAST-REPORT", _last_report),
+    Column("GPUS", lambda n, now: _cell(n.get("gpus"))),
+    Column("IB-PORTS", lambda n, now: _cell(n.get("ib_ports")), wide=True),
+    Column("JOB", lambda n, now: _cell(n.get("job"))),
+    Column("INCIDENTS", lambda n, now: _cell(n.get("open_incidents"))),
+    Column("AGENT", lambda n, now: _cell(n.get("agent_version") or None), wide=True),
+    Column("LABELS", lambda n, now: _cell(n.get("labels") or None), wide=True),
+    Column("DRAIN-REASON", lambda n, now: _cell(n.get("drain_reason")), wide=True),
+)
+INCIDENT_COLUMNS = (
+    Column("ID", lambda i, now: str(i["id"])),
+    Column("RULE", lambda i, now: i["rule"]),
+    Column("TARGET", lambda i, now: i.get("target_text") or i["target"]),
+    Column("SEVERITY", lambda i, now: i["severity"]),
+    Column("STATE", lambda i, now: i["state"]),
+    Column("AGE", lambda i, now: _ago(now, i.get("opened_at"))),
+    Column("NODE", lambda i, now: _cell(i.get("node")), wide=True),
+    Column("JOB", lambda i, now: _cell(i.get("job")), wide=True),
+    Column("UPDATED", lambda i, now: _ago(now, i.get("updated_at")), wide=True),
+    Column("RESOLVED", lambda i, now: _ago(now, i.get("resolved_at")), wide=True),
+    Column("SUMMARY", lambda i, now: _cell(i.get("summary") or None)),
+)
+JOB_COLUMNS = (
+    Column("NAME", lambda j, now: j["name"]),
+    Column("STATE", lambda j, now: j["state"]),
+    Column("NODES", lambda j, now: str(len(j.get("nodes", [])))),
+    Column("RANKS", lambda j, now: _cell(j.get("ranks"))),
+    Column("ATTEMPT", lambda j, now: _cell(j.get("attempt"))),
+    Column("STEP", lambda j, now: _cell(j.get("last_step"))),
+    Column("CKPT", lambda j, now: _cell(j.get("ckpt_step"))),
+    Column("RESTARTS", lambda j, now: _cell(j.get("restarts"))),
+    Column("ETTR", _ettr),
+    Column("WORLD", lambda j, now: _cell(j.get("world_size")), wide=True),
+    Column("PER-NODE", lambda j, now: _cell(j.get("nproc_per_node")), wide=True),
+    Column("MIN-NODES", lambda j, now: _cell(j.get("min_nodes")), wide=True),
+    Column("AGE", lambda j, now: _ago(now, j.get("started_at")), wide=True),
+    Column("NODE-LIST", lambda j, now: _cell(j.get("nodes")), wide=True),
+    Column("REASON", lambda j, now: _cell(j.get("state_reason") or None), wide=True),
+)
+SILENCE_COLUMNS = (
+    Column("ID", lambda s, now: str(s["id"])),
+    Column("RULE", lambda s, now: _cell(s.get("rule"))),
+    Column("NODE", lambda s, now: _cell(s.get("node"))),
+    Column("CREATED-BY", lambda s, now: s["created_by"]),
+    Column("AGE", lambda s, now: _ago(now, s.get("created_at")), wide=True),
+    Column("EXPIRES-IN", _expires),
+    Column("EXPIRES-AT", lambda s, now: _when(s.get("expires_at")), wide=True),
+    Column("ACTIVE", lambda s, now: _cell(s.get("active", True))),
+    Column("COMMENT", lambda s, now: _cell(s.get("comment") or None)),
+)
+AUDIT_COLUMNS = (
+    Column("ID", lambda a, now: str(a["id"])),
+    Column("AGE", lambda a, now: _ago(now, a.get("ts"))),
+    Column("TIME", lambda a, now: _when(a.get("ts")), wide=True),
+    Column("ACTOR", lambda a, now: a["actor"]),
+    Column("ACTION", lambda a, now: a["action"]),
+    Column("TARGET", lambda a, now: a["target"]),
+    Column("DETAIL", lambda a, now: json.dumps(a.get("detail") or {}, separators=(",", ":"))),
+)
+_COLUMNS: dict[str, tuple[Column, ...]] = {
+    "nodes": NODE_COLUMNS,
+    "incidents": INCIDENT_COLUMNS,
+    "jobs": JOB_COLUMNS,
+    "silences": SILENCE_COLUMNS,
+    "audit": AUDIT_COLUMNS,
+    "spares": NODE_COLUMNS,
 }
+
+
+def _table(
+    out: IO[str], columns: Sequence[Column], items: list[dict[str, Any]], now: float, *, wide: bool
+) -> None:
+    shown = [c for c in columns if wide or not c.wide]
+    rows = [[c.header for c in shown], *([c.cell(item, now) for c in shown] for item in items)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(shown))]
+    for row in rows:
+        line = "  ".join(c.ljust(widths[i]) for i, c in enumerate(row))
+        out.write(line.rstrip() + "\n")
 
 
 def _describe(out: IO[str], obj: dict[str, Any], now: float, indent: str = "") -> None:
@@ -240,7 +259,10 @@ def _describe(out: IO[str], obj: dict[str, Any], now: float, indent: str = "") -
 class Api:
     def __init__(self, url: str, token: str | None, *, timeout_s: float) -> None:
         self.url = url.rstrip("/")
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        # the client header lets the API say "via agentctl" in a reason it fills in
+        headers = {CLIENT_HEADER: "agentctl", "User-Agent": f"agentctl/{__version__}"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
         self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
 
     def request(self, method: str, path: str, **kw: Any) -> Any:
@@ -267,8 +289,66 @@ class Api:
 
 # --- argument parsing --------------------------------------------------------------------------
 
+# kubectl-style names: each listable resource by its plural, singular and short name
+RESOURCES: dict[str, tuple[str, ...]] = {
+    "nodes": ("node", "no"),
+    "incidents": ("incident", "inc"),
+    "jobs": ("job",),
+    "silences": ("silence",),
+    "audit": (),
+}
+_RESOURCE_OF = {a: name for name, aliases in RESOURCES.items() for a in (name, *aliases)}
+# `describe` takes the singular; any name of nodes, incidents and jobs is accepted
+_KIND_OF = {
+    a: name[:-1] for a, name in _RESOURCE_OF.items() if name in ("nodes", "incidents", "jobs")
+}
+# command aliases -> the command they stand for
+_COMMAND_OF = {"cordon": "drain", "uncordon": "undrain"}
 
-def _build_parser() -> argparse.ArgumentParser:
+INJECT_KINDS = (
+    "ecc_storm",
+    "dbe",
+    "remap_pending",
+    "remap_failure",
+    "xid",
+    "gpu_lost",
+    "nvlink_down",
+    "ib_flap",
+    "ib_down",
+    "thermal",
+    "slowdown",
+    "clear",
+)
+
+EPILOG = """exit codes: 0 ok, 1 error or request failed, 2 usage, 3 not found,
+            4 unauthorized or forbidden, 5 cannot connect
+run 'agentctl COMMAND --help' for a command's options and an example"""
+
+
+def _command(
+    sub: Any,
+    name: str,
+    summary: str,
+    *examples: str,
+    parents: Sequence[argparse.ArgumentParser] = (),
+    aliases: Sequence[str] = (),
+) -> argparse.ArgumentParser:
+    """A subcommand whose --help starts with its one-line `summary` and ends with examples."""
+    title = "example:" if len(examples) == 1 else "examples:"
+    parser: argparse.ArgumentParser = sub.add_parser(
+        name,
+        aliases=list(aliases),
+        parents=list(parents),
+        help=summary,
+        description=summary,
+        epilog="\n".join([title, *(f"  {e}" for e in examples)]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """agentctl's whole command tree (also the source of its shell completion)."""
     common = argparse.ArgumentParser(add_help=False)
     # SUPPRESS: the same options are accepted before or after the command
     common.add_argument("--url", default=argparse.SUPPRESS, help="controller URL")
@@ -281,74 +361,118 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     reads = argparse.ArgumentParser(add_help=False)
     reads.add_argument(
-        "-o", "--output", choices=["table", "json"], default=argparse.SUPPRESS, help="format"
+        "-o",
+        "--output",
+        choices=FORMATS,
+        default=argparse.SUPPRESS,
+        help="table (default), wide (more columns), json or yaml",
     )
 
     p = argparse.ArgumentParser(
         prog="agentctl",
-        description="trainguard controller command line",
-        epilog="exit codes: 0 ok, 1 error, 2 usage, 3 not found, 4 unauthorized/forbidden, "
-        "5 cannot connect",
+        description="agentctl: the trainguard controller's command line",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("--version", action="version", version=f"agentctl {__version__}")
     p.add_argument("--url", default=None, help="controller URL (env TRAINGUARD_URL)")
     p.add_argument("--token-file", default=None, help="bearer token file (env TRAINGUARD_TOKEN)")
     p.add_argument("--config", default=None, help="config file (url, token_file)")
     p.add_argument("--timeout", type=float, default=10.0, help="request timeout, seconds")
-    p.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    p.add_argument(
+        "-o", "--output", choices=FORMATS, default="table", help="table, wide, json or yaml"
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    api = [common, reads]
 
-    get = sub.add_parser("get", parents=[common, reads], help="list nodes|incidents|jobs|...")
-    get.add_argument("resource", choices=["nodes", "incidents", "jobs", "silences", "audit"])
+    get = _command(
+        sub,
+        "get",
+        "List nodes, incidents, jobs, silences or audit entries.",
+        "agentctl get nodes -o wide",
+        "agentctl get inc --state open --node node-12 --limit 20",
+        parents=api,
+    )
+    get.add_argument(
+        "resource", choices=list(_RESOURCE_OF), metavar="{" + ",".join(RESOURCES) + "}"
+    )
     get.add_argument("--state", help="incidents: only this state")
     get.add_argument("--node", help="incidents: only this node")
     get.add_argument("--limit", type=int, default=None, help="incidents/audit: at most N")
     get.add_argument("--all", action="store_true", help="silences: include expired")
 
-    desc = sub.add_parser("describe", parents=[common, reads], help="show one object in full")
-    desc.add_argument("kind", choices=["node", "incident", "job"])
+    desc = _command(
+        sub,
+        "describe",
+        "Show one node, incident or job in full.",
+        "agentctl describe incident 42",
+        parents=api,
+    )
+    desc.add_argument("kind", choices=list(_KIND_OF), metavar="{node,incident,job}")
     desc.add_argument("name")
 
-    drain = sub.add_parser("drain", parents=[common, reads], help="drain a node")
+    drain = _command(
+        sub,
+        "drain",
+        "Drain a node: no new work lands on it (idempotent).",
+        "agentctl drain node-12",
+        "agentctl drain node-12 --reason 'xid 79 on gpu 3'",
+        parents=api,
+        aliases=["cordon"],
+    )
     drain.add_argument("node")
-    drain.add_argument("--reason", required=True)
+    drain.add_argument(
+        "--reason", help="recorded with the drain (default: 'drained by NAME (ROLE) via agentctl')"
+    )
 
-    undrain = sub.add_parser("undrain", parents=[common, reads], help="undrain a node")
+    undrain = _command(
+        sub,
+        "undrain",
+        "Put a drained node back into service.",
+        "agentctl undrain node-12",
+        parents=api,
+        aliases=["uncordon"],
+    )
     undrain.add_argument("node")
 
-    sub.add_parser("spares", parents=[common, reads], help="list hot spares")
+    _command(sub, "spares", "List the hot spares.", "agentctl spares -o wide", parents=api)
 
-    role = sub.add_parser("role", parents=[common, reads], help="mark a node active or spare")
+    role = _command(
+        sub,
+        "role",
+        "Mark a node active or hot spare.",
+        "agentctl role node-31 spare",
+        parents=api,
+    )
     role.add_argument("node")
     role.add_argument("role", choices=["active", "spare"])
 
-    sil = sub.add_parser("silence", parents=[common, reads], help="silence a rule and/or node")
+    sil = _command(
+        sub,
+        "silence",
+        "Silence a rule, a node, or a rule on a node for a while.",
+        "agentctl silence --rule gpu_dbe --node node-12 --for 2h --comment 'RMA open'",
+        parents=api,
+    )
     sil.add_argument("--rule")
     sil.add_argument("--node")
     sil.add_argument("--for", dest="duration", required=True, help="e.g. 30m, 2h, 1d")
     sil.add_argument("--comment", default="")
 
-    unsil = sub.add_parser("unsilence", parents=[common], help="delete a silence")
+    unsil = _command(
+        sub, "unsilence", "Delete a silence.", "agentctl unsilence 7", parents=[common]
+    )
     unsil.add_argument("id", type=int)
 
-    inj = sub.add_parser("inject", parents=[common, reads], help="inject a fault (sim agents)")
-    inj.add_argument("node")
-    inj.add_argument(
-        "kind",
-        choices=[
-            "ecc_storm",
-            "dbe",
-            "remap_pending",
-            "remap_failure",
-            "xid",
-            "gpu_lost",
-            "nvlink_down",
-            "ib_flap",
-            "ib_down",
-            "thermal",
-            "slowdown",
-            "clear",
-        ],
+    inj = _command(
+        sub,
+        "inject",
+        "Queue a simulated fault on a node (sim agents only).",
+        "agentctl inject node-3 xid --gpu 2 --code 79",
+        parents=api,
     )
+    inj.add_argument("node")
+    inj.add_argument("kind", choices=INJECT_KINDS)
     inj.add_argument("--gpu", type=int)
     inj.add_argument("--link", type=int)
     inj.add_argument("--device")
@@ -359,31 +483,72 @@ def _build_parser() -> argparse.ArgumentParser:
         "--for", dest="duration", help="fault duration, e.g. 30s (default: until cleared)"
     )
 
-    job = sub.add_parser("job", help="submit or stop a training job")
+    job = _command(sub, "job", "Submit or stop a training job.", "agentctl job submit llama.yaml")
     jsub = job.add_subparsers(dest="job_command", required=True, metavar="SUBCOMMAND")
-    submit = jsub.add_parser("submit", parents=[common, reads], help="submit a job spec (YAML)")
+    submit = _command(
+        jsub,
+        "submit",
+        "Submit a job spec (YAML, see docs/jobs.md); prints the job.",
+        "agentctl job submit llama.yaml",
+        parents=api,
+    )
     submit.add_argument("file")
-    jstop = jsub.add_parser("stop", parents=[common, reads], help="stop a job on every node")
+    jstop = _command(
+        jsub, "stop", "Stop a job on all its nodes.", "agentctl job stop llama", parents=api
+    )
     jstop.add_argument("job")
     for verb, text in (
-        ("checkpoint", "ask a job's ranks for a checkpoint now"),
-        ("restart", "restart a job from its latest checkpoint"),
+        ("checkpoint", "Ask a job's ranks for a checkpoint now."),
+        ("restart", "Restart a job from its latest committed checkpoint."),
     ):
-        verb_parser = sub.add_parser(verb, parents=[common, reads], help=text)
+        verb_parser = _command(sub, verb, text, f"agentctl {verb} llama", parents=api)
         verb_parser.add_argument("job")
 
-    rules = sub.add_parser("rules", help="check, export or reload rules")
+    rules = _command(
+        sub, "rules", "Check, export or reload alerting rules.", "agentctl rules check"
+    )
     rsub = rules.add_subparsers(dest="rules_command", required=True, metavar="SUBCOMMAND")
-    check = rsub.add_parser("check", help="validate rule files offline")
-    check.add_argument("paths", nargs="+")
-    export = rsub.add_parser("export", help="export rules as Prometheus alerting rules")
+    check = _command(
+        rsub,
+        "check",
+        "Validate rule files offline (default: the shipped rules and XID catalog).",
+        "agentctl rules check",
+        "agentctl rules check /etc/trainguard/rules",
+    )
+    check.add_argument("paths", nargs="*", help="rule files or directories")
+    export = _command(
+        rsub,
+        "export",
+        "Print rules as Prometheus alerting rules (default: the shipped rules).",
+        "agentctl rules export --format prometheus > trainguard-alerts.yml",
+    )
     export.add_argument("--format", choices=["prometheus"], default="prometheus")
-    export.add_argument("paths", nargs="+")
-    rsub.add_parser("reload", parents=[common], help="ask the controller to reload its rules")
+    export.add_argument("paths", nargs="*", help="rule files or directories")
+    _command(
+        rsub,
+        "reload",
+        "Ask the controller to reload its rule files.",
+        "agentctl rules reload",
+        parents=[common],
+    )
 
-    token = sub.add_parser("token", help="token helpers")
+    token = _command(sub, "token", "Token helpers.", 'printf %s "$TOKEN" | agentctl token hash')
     tsub = token.add_subparsers(dest="token_command", required=True, metavar="SUBCOMMAND")
-    tsub.add_parser("hash", help="read a token on stdin, print its tokens-file sha256 line")
+    _command(
+        tsub,
+        "hash",
+        "Read a token on stdin, print its tokens-file sha256 line.",
+        'printf %s "$TOKEN" | agentctl token hash',
+    )
+
+    comp = _command(
+        sub,
+        "completion",
+        "Print a shell completion script for bash or zsh.",
+        "source <(agentctl completion bash)",
+        "source <(agentctl completion zsh)   # after compinit",
+    )
+    comp.add_argument("shell", choices=SHELLS)
     return p
 
 
@@ -397,7 +562,7 @@ def _config_path(arg: str | None) -> tuple[Path, bool]:
     return Path(base) / "trainguard" / "agentctl.yaml", False
 
 
-def _settings(args: argparse.Namespace) -> tuple[str, str | None]:
+def _settings(args: argparse.Namespace, err: IO[str]) -> tuple[str, str | None]:
     path, explicit = _config_path(args.config)
     cfg = AgentctlConfig()
     if explicit or path.exists():
@@ -406,21 +571,26 @@ def _settings(args: argparse.Namespace) -> tuple[str, str | None]:
         except ConfigError as e:
             raise CliError(f"error: {e}", EXIT["usage"]) from None
     url = args.url or os.environ.get("TRAINGUARD_URL") or cfg.url or DEFAULT_URL
-    token: str | None = None
     token_file = args.token_file
     if token_file is None and not os.environ.get("TRAINGUARD_TOKEN"):
         token_file = cfg.token_file
         if token_file is not None and not Path(token_file).is_absolute():
             token_file = str(path.parent / token_file)
-    if token_file is not None:
-        try:
-            token = Path(token_file).read_text(encoding="utf-8").strip()
-        except OSError as e:
-            raise CliError(
-                f"error: cannot read token file {token_file}: {e.strerror or e}", EXIT["usage"]
-            ) from None
-    else:
-        token = os.environ.get("TRAINGUARD_TOKEN") or None
+    if token_file is None:
+        return url, os.environ.get("TRAINGUARD_TOKEN") or None
+    try:
+        with open(token_file, encoding="utf-8") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            token = f.read().strip()
+    except OSError as e:
+        raise CliError(
+            f"error: cannot read token file {token_file}: {e.strerror or e}", EXIT["usage"]
+        ) from None
+    if os.name == "posix" and stat.S_ISREG(mode) and mode & 0o077:
+        err.write(
+            f"warning: token file {token_file} is open to group or others "
+            f"(mode {stat.S_IMODE(mode):04o}); fix: chmod 600 {token_file}\n"
+        )
     return url, token
 
 
@@ -430,44 +600,45 @@ def _settings(args: argparse.Namespace) -> tuple[str, str | None]:
 def _print(out: IO[str], args: argparse.Namespace, kind: str, data: Any) -> None:
     if args.output == "json":
         out.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
-        return
-    now = time.time()
-    if kind in _ROWS:
-        headers, rows = _ROWS[kind](data, now)
-        _table(out, headers, rows)
+    elif args.output == "yaml":
+        out.write(yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
+    elif kind in _COLUMNS:
+        _table(out, _COLUMNS[kind], data, time.time(), wide=args.output == "wide")
     else:
-        _describe(out, data, now)
+        _describe(out, data, time.time())
 
 
 def _get(api: Api, args: argparse.Namespace, out: IO[str]) -> None:
+    resource = _RESOURCE_OF[args.resource]
     params: dict[str, Any] = {}
-    if args.resource == "incidents":
+    if resource == "incidents":
         params = {"state": args.state, "node": args.node, "limit": args.limit}
-    elif args.resource == "audit":
+    elif resource == "audit":
         params = {"limit": args.limit}
-    elif args.resource == "silences" and args.all:
+    elif resource == "silences" and args.all:
         params = {"include_expired": "true"}
     params = {k: v for k, v in params.items() if v is not None}
-    data = api.request("GET", f"/v1/{args.resource}", params=params)
-    _print(out, args, args.resource, data)
+    data = api.request("GET", f"/v1/{resource}", params=params)
+    _print(out, args, resource, data)
 
 
 def _describe_cmd(api: Api, args: argparse.Namespace, out: IO[str]) -> None:
-    if args.kind == "incident":
+    kind = _KIND_OF[args.kind]
+    if kind == "incident":
         if not args.name.isdigit():
-            raise CliError(f"error: incident id must be a number, got {args.name!r}", 2)
+            raise CliError(f"error: incident id must be a number, got {args.name!r}", EXIT["usage"])
         data = api.request("GET", f"/v1/incidents/{args.name}")
     else:
-        data = api.request("GET", f"/v1/{args.kind}s/{_quote(args.name)}")
-    _print(out, args, args.kind, data)
+        data = api.request("GET", f"/v1/{kind}s/{_quote(args.name)}")
+    _print(out, args, kind, data)
 
 
 def _quote(name: str) -> str:
     return quote(name, safe="")
 
 
-def _run_api(args: argparse.Namespace, out: IO[str]) -> None:
-    url, token = _settings(args)
+def _run_api(args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
+    url, token = _settings(args, err)
     api = Api(url, token, timeout_s=args.timeout)
     cmd = args.command
     if cmd == "get":
@@ -475,9 +646,9 @@ def _run_api(args: argparse.Namespace, out: IO[str]) -> None:
     elif cmd == "describe":
         _describe_cmd(api, args, out)
     elif cmd == "drain":
-        data = api.request(
-            "POST", f"/v1/nodes/{_quote(args.node)}/drain", json={"reason": args.reason}
-        )
+        # no reason: the controller records who drained it and that agentctl did
+        body = {"reason": args.reason} if args.reason is not None else {}
+        data = api.request("POST", f"/v1/nodes/{_quote(args.node)}/drain", json=body)
         _print(out, args, "node", data)
     elif cmd == "undrain":
         data = api.request("POST", f"/v1/nodes/{_quote(args.node)}/undrain")
@@ -511,7 +682,7 @@ def _run_api(args: argparse.Namespace, out: IO[str]) -> None:
             except ValueError as e:
                 raise CliError(f"error: --for: {e}", EXIT["usage"]) from None
         data = api.request("POST", f"/v1/nodes/{_quote(args.node)}/faults", json=spec)
-        if args.output == "json":
+        if args.output in ("json", "yaml"):
             _print(out, args, "fault", data)
         else:
             out.write(f"fault {args.kind} queued for {args.node}: command {data['command_id']}\n")
@@ -526,7 +697,7 @@ def _run_api(args: argparse.Namespace, out: IO[str]) -> None:
     elif cmd in ("checkpoint", "restart") or (cmd == "job" and args.job_command == "stop"):
         verb = "stop" if cmd == "job" else cmd
         data = api.request("POST", f"/v1/jobs/{_quote(args.job)}/{verb}")
-        if args.output == "json":
+        if args.output in ("json", "yaml"):
             _print(out, args, "action", data)
         else:
             out.write(f"{verb} of job {args.job}: step #{data['id']} {data['state']}\n")
@@ -536,21 +707,29 @@ def _run_api(args: argparse.Namespace, out: IO[str]) -> None:
 
 
 def _rules_offline(args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
+    # deferred: the rule language, its signal tables and the engine are a third of agentctl's
+    # start-up, and only these two offline commands use them
+    from trainguard.controller.rules.export import to_prometheus_rules  # noqa: PLC0415
     from trainguard.controller.rules.loader import RuleError, load_rules  # noqa: PLC0415
 
+    # no path: the rules shipped in this installation (package data, wherever it lives)
+    paths = [Path(p) for p in args.paths] or [shipped_dir()]
     try:
-        ruleset = load_rules([Path(p) for p in args.paths])
-    except RuleError as e:
-        raise CliError(str(e), EXIT["error"]) from None
-    except ConfigError as e:
+        ruleset = load_rules(paths)
+        if args.rules_command == "check":
+            # the XID catalog beside the rules too: the shipped one, or one in a directory given
+            catalogs = [
+                XidCatalog.load(p / "xid_catalog.yaml")
+                for p in paths
+                if p.is_dir() and (p / "xid_catalog.yaml").is_file()
+            ]
+    except (RuleError, ConfigError) as e:
         raise CliError(str(e), EXIT["error"]) from None
     if args.rules_command == "check":
         out.write(f"OK: {len(ruleset.rules)} rules\n")
+        for catalog in catalogs:
+            out.write(f"OK: XID catalog {catalog.source}: {len(catalog)} XIDs\n")
         return
-    import yaml  # noqa: PLC0415
-
-    from trainguard.controller.rules.export import to_prometheus_rules  # noqa: PLC0415
-
     doc, warnings = to_prometheus_rules(ruleset)
     for w in warnings:
         err.write(f"warning: {w}\n")
@@ -558,8 +737,6 @@ def _rules_offline(args: argparse.Namespace, out: IO[str], err: IO[str]) -> None
 
 
 def _token_hash(stdin: IO[str], out: IO[str]) -> None:
-    from trainguard.controller.auth import hash_token  # noqa: PLC0415
-
     token = stdin.read().strip()
     if not token:
         raise CliError("error: no token on stdin", EXIT["usage"])
@@ -576,18 +753,23 @@ def main(
     """Run agentctl; returns the exit code (see EXIT)."""
     out = stdout or sys.stdout
     err = stderr or sys.stderr
-    parser = _build_parser()
+    parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        # argparse prints --help, --version and usage errors itself: to our streams
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            args = parser.parse_args(argv)
     except SystemExit as e:
         return int(e.code) if isinstance(e.code, int) else EXIT["usage"]
+    args.command = _COMMAND_OF.get(args.command, args.command)
     try:
         if args.command == "token":
             _token_hash(stdin or sys.stdin, out)
+        elif args.command == "completion":
+            out.write(completion_script(parser, shell=args.shell))
         elif args.command == "rules" and args.rules_command in ("check", "export"):
             _rules_offline(args, out, err)
         else:
-            _run_api(args, out)
+            _run_api(args, out, err)
     except CliError as e:
         err.write(f"{e}\n")
         return e.code

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import os
+import shlex
 import shutil
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,11 +22,14 @@ from controller_proc import dbe_rules
 
 from tests.fakes.api_server import serve
 from tests.fakes.controller_service import FakeService
+from trainguard import __version__
 from trainguard.clock import SYSTEM_CLOCK
 from trainguard.controller.api import create_app
 from trainguard.controller.auth import TokenStore, hash_token
-from trainguard.controller.cli import format_age, main, parse_duration
+from trainguard.controller.cli import build_parser, format_age, main, parse_duration
 from trainguard.protocol import FaultSpec
+from trainguard.rules import shipped_dir
+from trainguard.xid_catalog import XidCatalog
 
 TOKENS = {
     "op-token": ("ops-alice", "operator"),
@@ -188,7 +194,9 @@ def test_inject_fault_goes_through_the_controller(env: Path, svc: FakeService) -
         pytest.param(["get", "nodes"], "wrong-token", 4, id="unauthorized-4"),
         pytest.param(["drain", "node-1", "--reason", "x"], "viewer-token", 4, id="forbidden-4"),
         pytest.param(["get", "widgets"], "op-token", 2, id="usage-2"),
-        pytest.param(["drain", "node-1"], "op-token", 2, id="missing-reason-2"),
+        pytest.param(["drain"], "op-token", 2, id="missing-node-2"),
+        pytest.param(["get", "nodes", "-o", "xml"], "op-token", 2, id="unknown-format-2"),
+        pytest.param(["describe", "incident", "x"], "op-token", 2, id="incident-id-not-a-number-2"),
         pytest.param(
             ["silence", "--rule", "r", "--for", "soon"], "op-token", 2, id="bad-duration-2"
         ),
@@ -343,3 +351,325 @@ def test_rules_export_of_bad_file_exits_1(tmp_path: Path) -> None:
     code, out, err = run("rules", "export", "--format", "prometheus", str(bad))
     assert (code, out) == (1, "")
     assert "gpu_dbe" in err
+
+
+def test_drain_without_reason_records_who_and_that_agentctl_did(
+    env: Path, svc: FakeService
+) -> None:
+    code, out, err = run("drain", "node-1")
+    assert (code, err) == (0, "")
+    assert "drained by ops-alice (operator) via agentctl" in out
+    assert svc.nodes["node-1"].drain_reason == "drained by ops-alice (operator) via agentctl"
+    _, out, _ = run("get", "nodes", "-o", "wide")
+    assert out.splitlines()[1].endswith("drained by ops-alice (operator) via agentctl")
+
+
+def test_cordon_and_uncordon_are_drain_and_undrain(env: Path, svc: FakeService) -> None:
+    assert run("cordon", "node-1", "--reason", "ib flaps")[0] == 0
+    assert (svc.nodes["node-1"].state, svc.nodes["node-1"].drain_reason) == ("drained", "ib flaps")
+    assert svc.calls[-1].method == "drain"
+    assert run("uncordon", "node-1")[0] == 0
+    assert svc.nodes["node-1"].state == "active"
+    assert svc.calls[-1].method == "undrain"
+
+
+@pytest.mark.parametrize(
+    ("names", "resource"),
+    [
+        pytest.param(("nodes", "node", "no"), "nodes", id="nodes"),
+        pytest.param(("incidents", "incident", "inc"), "incidents", id="incidents"),
+        pytest.param(("jobs", "job"), "jobs", id="jobs"),
+        pytest.param(("silences", "silence"), "silences", id="silences"),
+    ],
+)
+def test_get_accepts_singular_plural_and_short_names(
+    env: Path, svc: FakeService, names: tuple[str, ...], resource: str
+) -> None:
+    svc.add_incident(id=4, node="node-1")
+    svc.add_job("llama", nodes=("node-1",))
+    outputs = set()
+    for name in names:
+        code, out, err = run("get", name, "-o", "json")
+        assert code == 0, err
+        outputs.add(out)
+    assert len(outputs) == 1
+    assert run("get", resource, "-o", "json")[1] in outputs
+
+
+def test_describe_accepts_resource_aliases(env: Path, svc: FakeService) -> None:
+    svc.add_incident(id=5, node="node-1")
+    assert (
+        run("describe", "no", "node-1", "-o", "json")[1]
+        == run("describe", "node", "node-1", "-o", "json")[1]
+    )
+    code, out, _ = run("describe", "inc", "5", "-o", "json")
+    assert code == 0
+    assert json.loads(out)["incident"]["id"] == 5
+
+
+def _headers(argv: list[str]) -> list[str]:
+    code, out, err = run(*argv)
+    assert code == 0, err
+    return out.splitlines()[0].split()
+
+
+@pytest.mark.parametrize(
+    ("argv", "wide_only"),
+    [
+        pytest.param(["get", "nodes"], {"IB-PORTS", "AGENT", "LABELS", "DRAIN-REASON"}, id="nodes"),
+        pytest.param(["get", "incidents"], {"NODE", "JOB", "UPDATED", "RESOLVED"}, id="incidents"),
+        pytest.param(
+            ["get", "jobs"],
+            {"WORLD", "PER-NODE", "MIN-NODES", "AGE", "NODE-LIST", "REASON"},
+            id="jobs",
+        ),
+        pytest.param(["get", "silences"], {"AGE", "EXPIRES-AT"}, id="silences"),
+        pytest.param(["get", "audit"], {"TIME"}, id="audit"),
+        pytest.param(["spares"], {"IB-PORTS", "AGENT", "LABELS", "DRAIN-REASON"}, id="spares"),
+    ],
+)
+def test_wide_adds_columns_that_table_leaves_out(
+    env: Path, svc: FakeService, argv: list[str], wide_only: set[str]
+) -> None:
+    svc.add_incident(id=6, node="node-1", summary="DBE on gpu 2")
+    svc.add_job("llama", nodes=("node-1",), ranks=8, state_reason="running fine")
+    run("silence", "--rule", "gpu_dbe", "--for", "1h")
+    table = _headers(argv)
+    wide = _headers([*argv, "-o", "wide"])
+    assert set(wide) - set(table) == wide_only
+    assert [h for h in wide if h in table] == table  # same order, nothing dropped
+
+
+def test_wide_row_cells_line_up_with_headers(env: Path, svc: FakeService) -> None:
+    svc.nodes["node-1"] = replace(
+        svc.nodes["node-1"], ib_ports=4, agent_version="0.1.0", labels={"rack": "r7"}
+    )
+    _, out, _ = run("get", "nodes", "-o", "wide")
+    header, row = out.splitlines()[:2]
+    cells = dict(zip(header.split(), row.split(), strict=True))
+    assert cells["IB-PORTS"] == "4"
+    assert cells["AGENT"] == "0.1.0"
+    assert cells["LABELS"] == "rack=r7"
+    assert cells["DRAIN-REASON"] == "-"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        pytest.param(["get", "nodes"], id="get-nodes"),
+        pytest.param(["get", "incidents"], id="get-incidents"),
+        pytest.param(["get", "jobs"], id="get-jobs"),
+        pytest.param(["get", "silences"], id="get-silences"),
+        pytest.param(["get", "audit"], id="get-audit"),
+        pytest.param(["spares"], id="spares"),
+        pytest.param(["describe", "node", "node-1"], id="describe-node"),
+        pytest.param(["describe", "incident", "8"], id="describe-incident"),
+        pytest.param(["describe", "job", "llama"], id="describe-job"),
+    ],
+)
+def test_yaml_output_is_the_same_payload_as_json(
+    env: Path, svc: FakeService, argv: list[str]
+) -> None:
+    svc.add_incident(id=8, node="node-1")
+    svc.add_job("llama", nodes=("node-1",))
+    code, as_yaml, err = run(*argv, "-o", "yaml")
+    assert code == 0, err
+    assert yaml.safe_load(as_yaml) == json.loads(run(*argv, "-o", "json")[1])
+    code, _, err = run(*argv, "-o", "wide")
+    assert code == 0, err
+
+
+def test_version_flag_prints_prog_and_version() -> None:
+    assert run("--version") == (0, f"agentctl {__version__}\n", "")
+
+
+def _parsers(
+    parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield (*path, name), sub
+                yield from _parsers(sub, (*path, name))
+
+
+SUBCOMMANDS = [path for path, _ in _parsers(build_parser())]
+
+
+def test_the_walk_finds_every_subcommand() -> None:
+    assert len(SUBCOMMANDS) == len(set(SUBCOMMANDS)) > 20
+    assert {("get",), ("job", "submit"), ("rules", "export"), ("cordon",)} <= set(SUBCOMMANDS)
+
+
+@pytest.mark.parametrize("path", SUBCOMMANDS, ids=" ".join)
+def test_every_subcommand_help_has_a_one_line_description_and_an_example(
+    path: tuple[str, ...],
+) -> None:
+    code, out, _ = run(*path, "--help")
+    assert code == 0
+    parser = dict(_parsers(build_parser()))[path]
+    description = parser.description or ""
+    assert description.strip()
+    assert "\n" not in description.strip()
+    assert description in out
+    epilog = parser.epilog or ""
+    assert epilog.startswith(("example:", "examples:"))
+    examples = epilog.splitlines()[1:]
+    assert examples
+    assert all("agentctl " in line for line in examples)
+    assert epilog in out  # kept as written (RawDescriptionHelpFormatter)
+
+
+def test_group_readable_token_file_warns_with_the_fix(
+    server: tuple[str, FakeService], svc: FakeService, tmp_path: Path
+) -> None:
+    token = tmp_path / "op.token"
+    token.write_text("op-token\n")
+    token.chmod(0o644)
+    code, _, err = run("--url", server[0], "--token-file", str(token), "get", "nodes")
+    assert code == 0
+    assert err.startswith("warning: ")
+    assert str(token) in err
+    assert f"chmod 600 {token}" in err
+    token.chmod(0o600)
+    assert run("--url", server[0], "--token-file", str(token), "get", "nodes")[2] == ""
+
+
+def test_rules_check_without_a_path_checks_the_shipped_rules_and_xid_catalog(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # nowhere near a checkout
+    code, out, err = run("rules", "check")
+    assert code == 0, err
+    rules_line, catalog_line = out.splitlines()
+    assert rules_line.startswith("OK: ") and rules_line.endswith(" rules")
+    assert int(rules_line.split()[1]) > 0
+    catalog = XidCatalog.load()
+    assert catalog_line == f"OK: XID catalog {catalog.source}: {len(catalog)} XIDs"
+    assert Path(catalog.source).parent == shipped_dir()
+
+
+def test_rules_export_without_a_path_exports_the_shipped_rules(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run("rules", "export", "--format", "prometheus")
+    assert code == 0, err
+    assert out == run("rules", "export", "--format", "prometheus", str(shipped_dir()))[1]
+    assert yaml.safe_load(out)["groups"]
+
+
+def test_rules_check_of_a_directory_with_a_bad_xid_catalog_exits_1(tmp_path: Path) -> None:
+    (tmp_path / "rules.yaml").write_text(RULE)
+    (tmp_path / "xid_catalog.yaml").write_text("version: 1\nxids: {}\n")
+    code, out, err = run("rules", "check", str(tmp_path))
+    assert (code, out) == (1, "")
+    assert "xid_catalog.yaml" in err
+
+
+def _bash_complete(script: Path, words: list[str]) -> list[str]:
+    """Source the completion script in bash and call its function as bash would for `words`
+    (the last one being completed)."""
+    words_q = " ".join(shlex.quote(w) for w in words)
+    r = subprocess.run(
+        [
+            "bash",
+            "--norc",
+            "--noprofile",
+            "-c",
+            f"source {shlex.quote(str(script))}\n"
+            f"COMP_WORDS=({words_q}); COMP_CWORD={len(words) - 1}; COMPREPLY=()\n"
+            '_agentctl; printf "%s\\n" "${COMPREPLY[@]}"',
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    return [w for w in r.stdout.splitlines() if w]
+
+
+@pytest.fixture(scope="module")
+def bash_script(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if shutil.which("bash") is None:
+        pytest.skip("bash not installed")
+    code, out, _ = run("completion", "bash")
+    assert code == 0
+    script = tmp_path_factory.mktemp("completion") / "agentctl.bash"
+    script.write_text(out)
+    return script
+
+
+def test_bash_completion_script_is_valid_bash(bash_script: Path) -> None:
+    r = subprocess.run(
+        ["bash", "-n", str(bash_script)], check=False, capture_output=True, text=True, timeout=30
+    )
+    assert r.returncode == 0, r.stderr
+    assert "complete -o default -F _agentctl agentctl" in bash_script.read_text()
+
+
+@pytest.mark.parametrize(
+    ("words", "expected"),
+    [
+        pytest.param(["agentctl", "ge"], ["get"], id="command"),
+        pytest.param(["agentctl", "un"], ["undrain", "uncordon", "unsilence"], id="commands"),
+        pytest.param(["agentctl", "get", "inc"], ["incidents", "incident", "inc"], id="resource"),
+        pytest.param(
+            ["agentctl", "--url", "x", "-o", "json", "rules", "e"], ["export"], id="after-options"
+        ),
+        pytest.param(["agentctl", "job", ""], ["submit", "stop"], id="nested"),
+        pytest.param(["agentctl", "get", "nodes", "-o", "w"], ["wide"], id="option-value"),
+        pytest.param(["agentctl", "role", "node-1", "s"], ["spare"], id="second-positional"),
+        pytest.param(["agentctl", "drain", "node-1", "--r"], ["--reason"], id="option"),
+        pytest.param(["agentctl", "completion", ""], ["bash", "zsh"], id="shells"),
+        pytest.param(["agentctl", "drain", ""], [], id="free-text-falls-back"),
+    ],
+)
+def test_bash_completion_completes_subcommands_and_choices(
+    bash_script: Path, words: list[str], expected: list[str]
+) -> None:
+    assert _bash_complete(bash_script, words) == expected
+
+
+def test_zsh_completion_script_registers_and_offers_the_same_words(tmp_path: Path) -> None:
+    code, out, _ = run("completion", "zsh")
+    assert code == 0
+    assert "compdef _agentctl_zsh agentctl" in out
+    zsh = shutil.which("zsh")
+    if zsh is None:
+        pytest.skip("zsh not installed")
+    script = tmp_path / "agentctl.zsh"
+    script.write_text(out)
+    assert subprocess.run([zsh, "-n", str(script)], check=False, timeout=30).returncode == 0
+    # compdef and compadd stand in for the completion system's own
+    r = subprocess.run(
+        [
+            zsh,
+            "-f",
+            "-c",
+            "compdef() { print -r -- compdef $*; }\n"
+            'compadd() { print -rl -- "$@"; }\n'
+            f"source {shlex.quote(str(script))}\n"
+            "words=(agentctl get in); CURRENT=3; _agentctl_zsh",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    lines = r.stdout.splitlines()
+    assert lines[0] == "compdef _agentctl_zsh agentctl"
+    assert lines[1:] == [
+        "--",
+        "nodes",
+        "node",
+        "no",
+        "incidents",
+        "incident",
+        "inc",
+        "jobs",
+        "job",
+        "silences",
+        "silence",
+        "audit",
+    ]
