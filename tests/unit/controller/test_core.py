@@ -3,11 +3,10 @@ from decisions to incidents and actions, safety rails end to end, restart and th
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from tests.unit.controller.conftest import Reporter
+from tests.builders import Reporter
+from tests.helpers import wait_for
 from trainguard.controller.actions.notify import RecordingNotifier
 from trainguard.controller.errors import BadRequest, NotFound
 from trainguard.controller.model import Decision, Target
@@ -416,10 +415,11 @@ def test_start_and_stop_run_ticks_in_the_background(make_core, core_clock):
     c = make_core(tick_interval_s=0.05, stale_after_s=1.0)
     c.ingest_report(Reporter("n1").report(now=core_clock.now()), actor="a")
     c.start()
-    deadline = time.monotonic() + 10
-    while c.store.get_node("n1").last_report_at is None:
-        assert time.monotonic() < deadline, "tick thread never flushed freshness"
-        time.sleep(0.01)
+    wait_for(
+        lambda: c.store.get_node("n1").last_report_at is not None,
+        timeout_s=10,
+        what="the tick thread to flush freshness",
+    )
     c.stop()
     assert not c.running
 
@@ -441,5 +441,5 @@ def test_open_incident_is_not_resolved_after_restart_before_its_node_reports(mak
 def test_unusable_store_is_reported_as_a_config_error(make_core, tmp_path):
     bad = tmp_path / "not-a-db"
     bad.write_bytes(b"garbage" * 1000)
-    with pytest.raises(ConfigError, match=r"store\.path: .*not a usable trainguard store"):
+    with pytest.raises(ConfigError, match=r"store\.path: .*not an SQLite database"):
         make_core(store={"path": str(bad)})
