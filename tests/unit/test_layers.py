@@ -153,3 +153,19 @@ def test_every_module_outside_the_trainer_imports_without_torch_pynvml_or_boto3(
     )
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.strip()) > 40
+
+
+def test_every_package_folder_is_listed_for_the_wheel() -> None:
+    """pyproject lists the packages explicitly (package-dir mapping); a new subpackage that is
+    not listed works in a checkout but is missing from the wheel."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    listed = set(
+        tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = set()
+    for folder, package in FOLDERS.items():
+        for init in (REPO / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(REPO / folder).parts
+            found.add(".".join((package, *rel)))
+    assert found == listed
