@@ -8,12 +8,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import httpx
-import pytest
 
+from tests.helpers import wait_for
 from trainguard.controller.auth import hash_token
 from trainguard.model import GpuSample
 from trainguard.protocol import Report, encode_json
@@ -36,14 +36,6 @@ rules:
     summary: uncorrectable ECC error
     actions: [{", ".join(actions)}]
 """
-
-
-def wait_for(cond: Callable[[], object], *, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def post_gpu_report(url: str, *, node: str, dbe: int, seq: int) -> None:
@@ -165,12 +157,3 @@ def start_controller(
         proc.kill()
         raise
     return proc
-
-
-@pytest.fixture
-def controllers() -> Iterator[list[ControllerProcess]]:
-    """Controllers a test starts and appends here are killed when it ends."""
-    started: list[ControllerProcess] = []
-    yield started
-    for proc in started:
-        proc.kill()

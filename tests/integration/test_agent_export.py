@@ -12,8 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from agent_proc import AgentProcess, cleanup, sample_value, short_tmpdir, wait_until
 
+from tests.helpers import wait_for
+from tests.integration.agent_proc import AgentProcess, cleanup, sample_value, short_tmpdir
 from trainguard.protocol import Heartbeat, encode_json
 
 pytestmark = pytest.mark.slow
@@ -60,10 +61,11 @@ def test_quickstart_exports_every_hardware_family_and_passes_promtool(
 def test_inject_subcommand_makes_the_fault_visible_on_metrics(agent: AgentProcess) -> None:
     done = agent.inject("dbe", "--gpu", "2")
     assert done.returncode == 0, done.stderr
-    wait_until(
+    wait_for(
         lambda: (
             sample_value(agent.metrics(), "trainguard_gpu_xid_errors_total", gpu="2", xid="48") == 1
         ),
+        timeout_s=30,
         what="XID 48 on gpu 2",
     )
     body = agent.metrics()
@@ -78,8 +80,9 @@ def test_inject_subcommand_makes_the_fault_visible_on_metrics(agent: AgentProces
     assert "event=fault_injected kind=dbe gpu=2" in agent.log()
 
     assert agent.inject("ib_down", "--device", "mlx5_3").returncode == 0
-    wait_until(
+    wait_for(
         lambda: sample_value(agent.metrics(), "trainguard_ib_port_up", device="mlx5_3") == 0,
+        timeout_s=30,
         what="mlx5_3 down",
     )
 
@@ -105,10 +108,11 @@ def test_trainer_heartbeats_become_metrics_and_shutdown_removes_the_socket(
             hb = Heartbeat(job="job-a", rank=rank, step=100 + rank, t=0.0, loss=1.5, ckpt_step=90)
             s.sendto(encode_json(hb), str(agent.socket_path))
         s.sendto(b"garbage", str(agent.socket_path))
-    wait_until(
+    wait_for(
         lambda: (
             sample_value(agent.metrics(), "trainguard_trainer_step", job="job-a", rank="1") == 101
         ),
+        timeout_s=30,
         what="rank 1 step on /metrics",
     )
     body = agent.metrics()

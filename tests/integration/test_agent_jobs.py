@@ -5,39 +5,17 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 
+from tests.helpers import free_port, wait_for
 from trainguard.agent.jobs import JOB_EXIT, JobError, JobEvent, JobRunner, StartJob
 from trainguard.clock import FakeClock
 
 pytestmark = pytest.mark.slow
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "jobs"
-T = TypeVar("T")
-
-
-def wait_for(what: str, check: Callable[[], T | None], *, timeout_s: float = 60.0) -> T:
-    """Poll `check` until it returns a truthy value or the deadline passes."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {timeout_s:g}s waiting for {what}")
-        time.sleep(0.05)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def alive(pid: int) -> bool:
@@ -91,7 +69,7 @@ def wait_exit(runner: JobRunner, job: str, *, timeout_s: float = 60.0) -> JobEve
         events.extend(runner.poll())
         return next((e for e in events if e.job == job and e.kind == JOB_EXIT), None)
 
-    return wait_for(f"job_exit of {job}", check, timeout_s=timeout_s)
+    return wait_for(check, timeout_s=timeout_s, what=f"job_exit of {job}")
 
 
 def tail_of(runner: JobRunner, job: str) -> str:
@@ -106,7 +84,7 @@ def ready_pid(runner: JobRunner, job: str) -> int:
         runner.poll()
         return None
 
-    return wait_for(f"{job} worker ready", check)
+    return wait_for(check, timeout_s=60, what=f"{job} worker ready")
 
 
 def test_two_nodes_on_one_host_rendezvous_and_all_reduce(tmp_path: Path) -> None:
@@ -180,8 +158,8 @@ def test_stop_escalates_to_sigkill_after_grace_and_leaves_no_process(tmp_path: P
         runner.close(grace_s=1)
     assert event.exit_code == -signal.SIGKILL, event.message
     assert event.data["killed"] is True and event.data["stopped"] is True
-    wait_for("launcher's process group gone", lambda: group_gone(pgid), timeout_s=10)
-    wait_for("worker gone", lambda: not alive(worker), timeout_s=10)
+    wait_for(lambda: group_gone(pgid), timeout_s=10, what="launcher's process group gone")
+    wait_for(lambda: not alive(worker), timeout_s=10, what="worker gone")
     assert runner.stop("stubborn") is False
 
 
@@ -195,7 +173,7 @@ def test_workers_orphaned_by_a_killed_launcher_are_ended(tmp_path: Path) -> None
         # as the kernel's OOM killer would: the launcher dies, its worker is re-parented
         os.kill(proc.pid or 0, signal.SIGKILL)
         event = wait_exit(runner, "orphan")
-        wait_for("orphaned worker gone", lambda: not alive(worker), timeout_s=10)
+        wait_for(lambda: not alive(worker), timeout_s=10, what="orphaned worker gone")
     finally:
         runner.close(grace_s=1)
     assert event.exit_code == -signal.SIGKILL
@@ -217,4 +195,4 @@ def test_stop_lets_a_job_that_honours_sigterm_exit_within_grace(tmp_path: Path) 
     assert event.data["killed"] is False, event.message
     assert "got SIGTERM" in (tmp_path / "node-a" / "polite-1.log").read_text()
     assert not alive(worker)
-    wait_for("launcher's process group gone", lambda: group_gone(proc.pid or 0), timeout_s=10)
+    wait_for(lambda: group_gone(proc.pid or 0), timeout_s=10, what="launcher's process group gone")

@@ -14,17 +14,17 @@ from pathlib import Path
 
 import httpx
 import pytest
-from controller_proc import (
+
+from tests.helpers import wait_for
+from tests.integration.controller_proc import (
     AGENT,
     BIN,
     OP,
     ControllerProcess,
     dbe_rules,
     start_controller,
-    wait_for,
     write_config,
 )
-
 from trainguard.controller.cli import main as agentctl
 from trainguard.model import GpuSample
 from trainguard.protocol import Report, encode_json

@@ -11,16 +11,16 @@ from pathlib import Path
 
 import httpx
 import pytest
-from controller_proc import (
+
+from tests.fakes.http_receiver import Receiver
+from tests.helpers import wait_for
+from tests.integration.controller_proc import (
     OP,
     ControllerProcess,
     dbe_rules,
     post_gpu_report,
-    wait_for,
     write_config,
 )
-
-from tests.unit.controller.actions.http_receiver import Receiver
 
 
 @pytest.fixture

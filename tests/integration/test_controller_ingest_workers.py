@@ -12,16 +12,16 @@ from pathlib import Path
 
 import httpx
 import pytest
-from agent_proc import AgentProcess, cleanup, short_tmpdir
-from controller_proc import (
+
+from tests.helpers import wait_for
+from tests.integration.agent_proc import AgentProcess, cleanup, short_tmpdir
+from tests.integration.controller_proc import (
     AGENT,
     OP,
     ControllerProcess,
     dbe_rules,
-    wait_for,
     write_config,
 )
-
 from trainguard.protocol import Report, encode_json
 
 MAX_BODY_BYTES = 64 * 1024

@@ -11,18 +11,17 @@ from pathlib import Path
 
 import httpx
 import pytest
-from controller_proc import (
+
+from tests.builders import gpu
+from tests.fakes.job_agent import FakeJobAgent, SharedCheckpoints
+from tests.helpers import wait_for
+from tests.integration.controller_proc import (
     AGENT,
     OP,
-    controllers,  # noqa: F401  (fixture)
     dbe_rules,
     start_controller,
-    wait_for,
     write_config,
 )
-
-from tests.fakes.job_agent import FakeJobAgent, SharedCheckpoints
-from tests.unit.controller.conftest import gpu
 from trainguard.protocol import ReportResponse, decode_json, encode_json
 
 
@@ -102,7 +101,7 @@ def running(fleet: Fleet, attempt: int) -> Callable[[], bool]:
 
 
 @pytest.mark.slow
-def test_sick_node_is_replaced_through_the_real_controller(tmp_path, controllers):  # noqa: F811
+def test_sick_node_is_replaced_through_the_real_controller(tmp_path, controllers):
     controllers.append(start_controller(config(tmp_path), log_path=tmp_path / "c.log"))
     fleet = Fleet({"n1": "active", "n2": "active", "n3": "spare"})
     fleet.url = controllers[0].url
@@ -128,7 +127,7 @@ def test_sick_node_is_replaced_through_the_real_controller(tmp_path, controllers
 
 
 @pytest.mark.slow
-def test_no_spare_shrinks_through_the_real_controller(tmp_path, controllers):  # noqa: F811
+def test_no_spare_shrinks_through_the_real_controller(tmp_path, controllers):
     controllers.append(start_controller(config(tmp_path), log_path=tmp_path / "c.log"))
     fleet = Fleet({"n1": "active", "n2": "active"})
     fleet.url = controllers[0].url
@@ -146,7 +145,7 @@ def test_no_spare_shrinks_through_the_real_controller(tmp_path, controllers):  #
 
 
 @pytest.mark.slow
-def test_kill9_mid_restart_resumes_without_another_start_job(tmp_path, controllers):  # noqa: F811
+def test_kill9_mid_restart_resumes_without_another_start_job(tmp_path, controllers):
     cfg = config(tmp_path)
     controllers.append(start_controller(cfg, log_path=tmp_path / "c1.log"))
     fleet = Fleet({"n1": "active", "n2": "active", "n3": "spare"})

@@ -8,17 +8,16 @@ from pathlib import Path
 
 import httpx
 import pytest
-from controller_proc import (
+
+from tests.fakes.http_receiver import Receiver
+from tests.helpers import wait_for
+from tests.integration.controller_proc import (
     OP,
-    controllers,  # noqa: F401  (fixture)
     dbe_rules,
     post_gpu_report,
     start_controller,
-    wait_for,
     write_config,
 )
-
-from tests.unit.controller.actions.http_receiver import Receiver
 
 
 def config(tmp_path: Path, notify_yaml: str) -> Path:
@@ -44,7 +43,7 @@ def all_done(url: str, expected: int) -> bool:
 
 
 @pytest.mark.slow
-def test_kill9_mid_webhook_delivery_resends_same_key_and_drains_once(tmp_path, controllers):  # noqa: F811
+def test_kill9_mid_webhook_delivery_resends_same_key_and_drains_once(tmp_path, controllers):
     hold = threading.Event()
     with Receiver() as rx:
         rx.hold = hold
@@ -77,7 +76,7 @@ def test_kill9_mid_webhook_delivery_resends_same_key_and_drains_once(tmp_path, c
 
 
 @pytest.mark.slow
-def test_kill9_mid_slack_delivery_is_not_resent_and_pages_elsewhere(tmp_path, controllers):  # noqa: F811
+def test_kill9_mid_slack_delivery_is_not_resent_and_pages_elsewhere(tmp_path, controllers):
     hold = threading.Event()
     with Receiver() as rx:
         rx.hold = hold

@@ -17,13 +17,14 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests.helpers import free_port, wait_for
 from trainguard.agent.jobs import LAUNCH_ID_ENV, find_launch_processes
 from trainguard.protocol import Control, Heartbeat, decode_json, encode_json
 from trainguard.trainer.checkpoint import load_rank_file, read_tensor_file
@@ -33,22 +34,6 @@ from trainguard.trainer.state import fill_tensors
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = str(REPO / "examples" / "train.py")
 pytestmark = pytest.mark.slow
-
-
-def wait_for(cond: Callable[[], Any], *, timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 _RUNS: list[Run] = []

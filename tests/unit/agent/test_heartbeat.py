@@ -8,14 +8,14 @@ import shutil
 import socket
 import stat
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import wait_for
 from trainguard.agent.heartbeat import MAX_PENDING_EVENTS, HeartbeatServer, _fast_decode
 from trainguard.clock import FakeClock
 from trainguard.protocol import HEARTBEAT_MAX_BYTES, Control, Heartbeat, decode_json, encode_json
@@ -43,14 +43,6 @@ def server(sockdir: Path, clock: FakeClock) -> Iterator[HeartbeatServer]:
 
 def hb(rank: int = 0, step: int = 1, **kw: object) -> bytes:
     return encode_json(Heartbeat(job="job-a", rank=rank, step=step, t=1.0, **kw))  # type: ignore[arg-type]
-
-
-def wait_until(cond: Callable[[], bool], *, what: str, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.01)
 
 
 def test_keeps_last_heartbeat_per_rank_and_derives_ages(
@@ -187,8 +179,8 @@ def test_reader_thread_receives_real_datagrams_and_identifies_sender(
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
         s.sendto(hb(rank=3, step=42, pid=os.getpid()), str(server.path))
         s.sendto(b"x" * (HEARTBEAT_MAX_BYTES + 10), str(server.path))
-    wait_until(lambda: len(server.ranks()) == 1, what="the heartbeat to be tracked")
-    wait_until(lambda: server.dropped_total["oversized"] == 1, what="the oversized drop")
+    wait_for(lambda: len(server.ranks()) == 1, timeout_s=5, what="the heartbeat to be tracked")
+    wait_for(lambda: server.dropped_total["oversized"] == 1, timeout_s=5, what="the oversized drop")
     assert server.ranks()[0].step == 42
 
 

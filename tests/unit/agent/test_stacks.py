@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import wait_for
 from trainguard.agent.commands import CommandExecutor
 from trainguard.agent.stacks import collect_stacks, dump_lines, handles_signal, stacks_handler
 from trainguard.clock import SYSTEM_CLOCK, FakeClock
@@ -235,11 +236,12 @@ def test_a_real_process_with_faulthandler_dumps_its_stack(tmp_path: Path) -> Non
     with log.open("ab") as out:
         proc = subprocess.Popen([sys.executable, "-c", program], stderr=out)
     try:
-        deadline = SYSTEM_CLOCK.monotonic() + 15.0
-        while "ready" not in log.read_text():
-            assert SYSTEM_CLOCK.monotonic() < deadline, "child never became ready"
+
+        def ready() -> bool:
             assert proc.poll() is None, "child exited early"
-            SYSTEM_CLOCK.sleep(0.02)
+            return "ready" in log.read_text()
+
+        wait_for(ready, timeout_s=15, what="the child to print ready")
         result = collect_stacks(
             job="j",
             ranks=[rank(0, proc.pid)],

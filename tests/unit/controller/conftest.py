@@ -1,5 +1,6 @@
 """Shared fixtures for the controller-core unit tests: a Controller on a FakeClock over a
-real SQLite file, with recording notifiers and a small rules file."""
+real SQLite file, with recording notifiers and a small rules file; `sim`, a simulated cluster
+running jobs on it."""
 
 from __future__ import annotations
 
@@ -9,12 +10,11 @@ from typing import Any
 
 import pytest
 
+from tests.unit.controller.job_sim import Sim
 from trainguard.clock import FakeClock
 from trainguard.controller.actions.notify import RecordingNotifier
 from trainguard.controller.config import ControllerConfig
 from trainguard.controller.core import ActionBackends, Controller
-from trainguard.model import GpuSample
-from trainguard.protocol import Event, JobProcess, Report
 from trainguard.strict import build
 
 CORE_RULES = """
@@ -39,49 +39,6 @@ rules:
     actions: [notify]
     summary: node stopped reporting
 """
-
-
-def gpu(index: int = 0, *, dbe: int = 0, temp: float = 50.0) -> GpuSample:
-    return GpuSample(
-        index=index,
-        uuid=f"GPU-{index}",
-        pci_bus_id=f"0000:{index:02x}:00.0",
-        name="H100",
-        temperature_celsius=temp,
-        ecc_uncorrected_volatile_total=dbe,
-    )
-
-
-class Reporter:
-    """Builds successive reports for one node the way an agent would."""
-
-    def __init__(self, node: str, *, instance: str = "inst-1", role: str | None = None) -> None:
-        self.node = node
-        self.instance = instance
-        self.role = role
-        self.seq = 0
-
-    def report(
-        self,
-        *,
-        now: float,
-        dbe: int = 0,
-        temp: float = 50.0,
-        events: tuple[Event, ...] = (),
-        job: str | None = None,
-    ) -> Report:
-        self.seq += 1
-        jobs = (JobProcess(job=job, attempt=1, state="running", pid=100),) if job else ()
-        return Report(
-            node=self.node,
-            instance=self.instance,
-            seq=self.seq,
-            sent_at=now,
-            role_hint=self.role,  # type: ignore[arg-type]
-            gpus=(gpu(0, dbe=dbe, temp=temp),),
-            jobs=jobs,
-            events=events,
-        )
 
 
 @pytest.fixture
@@ -140,3 +97,13 @@ def make_core(
             c.stop()
         except Exception:  # already stopped/closed by the test
             pass
+
+
+@pytest.fixture
+def sim(make_core: Callable[..., Controller], core_clock: FakeClock, tmp_path: Path) -> Sim:
+    """A simulated cluster (job_sim.Sim): active nodes n1 and n2, spare n3."""
+    s = Sim(make_core, core_clock, tmp_path)
+    for name in ("n1", "n2"):
+        s.add(name)
+    s.add("n3", role="spare")
+    return s

@@ -7,18 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.unit.controller.conftest import gpu
-from tests.unit.controller.test_jobs_remediation import (  # noqa: F401  (fixture)
-    RULES,
-    Sim,
-    running,
-    sim,
-)
+from tests.builders import gpu
+from tests.unit.controller.job_sim import JOB_RULES, Sim, running
 from trainguard.controller.model import Decision, Target
 
 # node_silent only after 20 s: the crash restart (which swaps the dead node out) has ended by
 # then, so no remediation in progress covers it any more
-LATE_SILENT = RULES.replace(
+LATE_SILENT = JOB_RULES.replace(
     """    condition: report_age_s > 5 and role == "active" and state == "active"
     severity: critical""",
     """    condition: report_age_s > 5 and role == "active" and state == "active"
@@ -36,13 +31,13 @@ LATE_XID = """
 """
 
 
-def _rules(sim: Sim, text: str) -> None:  # noqa: F811
+def _rules(sim: Sim, text: str) -> None:
     with open(sim.rules, "w") as f:
         f.write(text)
     sim.c.reload_rules(actor="test")
 
 
-def _crash_restart_without_n1(sim: Sim) -> Any:  # noqa: F811
+def _crash_restart_without_n1(sim: Sim) -> Any:
     """Node death: n1 falls silent and n2's processes crash; the job_process_failed incident
     restarts the job on n3 + n2 and ends. Returns that incident's detail."""
     sim.submit(nodes=["n1", "n2"])
@@ -62,7 +57,7 @@ def _crash_restart_without_n1(sim: Sim) -> Any:  # noqa: F811
 
 
 def test_silent_node_swapped_out_by_a_finished_restart_opens_no_second_remediation(
-    sim: Sim,  # noqa: F811
+    sim: Sim,
 ) -> None:
     _rules(sim, LATE_SILENT)
     _crash_restart_without_n1(sim)
@@ -83,7 +78,7 @@ def test_silent_node_swapped_out_by_a_finished_restart_opens_no_second_remediati
 
 
 def test_new_fault_on_a_node_still_in_the_job_after_the_restart_opens_a_new_incident(
-    sim: Sim,  # noqa: F811
+    sim: Sim,
 ) -> None:
     _rules(sim, LATE_SILENT)
     sim.add("n4", role="spare")
@@ -98,9 +93,9 @@ def test_new_fault_on_a_node_still_in_the_job_after_the_restart_opens_a_new_inci
 
 
 def test_drained_nodes_own_hardware_rule_does_not_drain_or_restart_again(
-    sim: Sim,  # noqa: F811
+    sim: Sim,
 ) -> None:
-    _rules(sim, RULES + LATE_XID)
+    _rules(sim, JOB_RULES + LATE_XID)
     sim.submit(nodes=["n1", "n2"])
     sim.until(running(sim, attempt=1), max_s=5, what="job running")
     sim.second(5)
@@ -119,7 +114,7 @@ def test_drained_nodes_own_hardware_rule_does_not_drain_or_restart_again(
 
 
 def test_hardware_rule_on_a_node_an_operator_drained_notifies_but_remediates_nothing(
-    sim: Sim,  # noqa: F811
+    sim: Sim,
 ) -> None:
     sim.c.drain("n1", reason="maintenance", actor="ops")
     sim.second(2)
@@ -150,7 +145,7 @@ def _decision(
 
 
 def test_old_attempt_rank_and_job_decisions_are_recorded_not_remediated(
-    sim: Sim,  # noqa: F811
+    sim: Sim,
 ) -> None:
     host = _crash_restart_without_n1(sim)
     job = sim.c.store.get_job("job")
@@ -181,7 +176,7 @@ def test_old_attempt_rank_and_job_decisions_are_recorded_not_remediated(
     assert sim.c.get_job("job").attempt == 2
 
 
-def test_current_attempt_rank_decision_opens_an_incident(sim: Sim) -> None:  # noqa: F811
+def test_current_attempt_rank_decision_opens_an_incident(sim: Sim) -> None:
     _crash_restart_without_n1(sim)
     now = sim.clock.now()
     current = _decision(
@@ -193,7 +188,7 @@ def test_current_attempt_rank_decision_opens_an_incident(sim: Sim) -> None:  # n
     assert all(a.state == "pending" for a in detail.actions if a.kind != "notify")
 
 
-def test_a_notify_only_rule_that_outlasts_a_restart_still_notifies(sim: Sim) -> None:  # noqa: F811
+def test_a_notify_only_rule_that_outlasts_a_restart_still_notifies(sim: Sim) -> None:
     # throughput_drop began before the restart and still holds after it: nothing to
     # remediate twice, but someone should hear of it
     _crash_restart_without_n1(sim)

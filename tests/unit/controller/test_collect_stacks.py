@@ -8,12 +8,7 @@ import io
 
 import pytest
 
-from tests.unit.controller.test_jobs_remediation import (  # noqa: F401  (fixture)
-    RULES,
-    Sim,
-    running,
-    sim,
-)
+from tests.unit.controller.job_sim import JOB_RULES, Sim, running
 from trainguard.controller.actions.jobsteps import bounded_text
 from trainguard.controller.cli import _describe
 
@@ -29,9 +24,9 @@ STALL = """
 """
 
 
-def _stall_and_restart(sim: Sim) -> object:  # noqa: F811
+def _stall_and_restart(sim: Sim) -> object:
     with open(sim.rules, "w") as f:
-        f.write(RULES + STALL)
+        f.write(JOB_RULES + STALL)
     sim.c.reload_rules(actor="test")
     sim.submit(nodes=["n1", "n2"])
     sim.until(running(sim, attempt=1), max_s=5, what="job running")
@@ -50,7 +45,7 @@ def _stall_and_restart(sim: Sim) -> object:  # noqa: F811
 
 
 def test_stacks_from_every_node_are_in_the_step_output_and_its_timeline_entry(
-    sim: Sim,  # noqa: F811
+    sim: Sim,
 ) -> None:
     sim.agents["n2"].stacks = "--- rank 1 pid 77 ---\nThread 0x1 (most recent call first):\n  hung"
     detail = _stall_and_restart(sim)
@@ -69,7 +64,7 @@ def test_stacks_from_every_node_are_in_the_step_output_and_its_timeline_entry(
 
 
 def test_long_stacks_are_cut_per_node_with_a_marker_naming_the_full_log(
-    sim: Sim,  # noqa: F811
+    sim: Sim,
 ) -> None:
     sim.agents["n1"].stacks = "x" * 20000
     detail = _stall_and_restart(sim)

@@ -3,13 +3,8 @@ node or job attach to it (FakeClock, FakeJobAgents through Controller.ingest_rep
 
 from __future__ import annotations
 
-from tests.unit.controller.conftest import gpu
-from tests.unit.controller.test_jobs_remediation import (  # noqa: F401  (fixture)
-    RULES,
-    Sim,
-    running,
-    sim,
-)
+from tests.builders import gpu
+from tests.unit.controller.job_sim import JOB_RULES, Sim, running
 
 SECOND_RULE = """
   - name: gpu_dbe_xid
@@ -21,9 +16,9 @@ SECOND_RULE = """
 """
 
 
-def test_two_rules_for_one_fault_make_one_incident_and_one_restart(sim: Sim) -> None:  # noqa: F811
+def test_two_rules_for_one_fault_make_one_incident_and_one_restart(sim: Sim) -> None:
     with open(sim.rules, "w") as f:
-        f.write(RULES + SECOND_RULE)
+        f.write(JOB_RULES + SECOND_RULE)
     assert sim.c.reload_rules(actor="test") == 5
     sim.submit(nodes=["n1", "n2"])
     sim.until(running(sim, attempt=1), max_s=5, what="job running")
@@ -42,7 +37,7 @@ def test_two_rules_for_one_fault_make_one_incident_and_one_restart(sim: Sim) -> 
 
 
 def test_dead_node_during_a_crash_restart_is_swapped_and_drained_in_the_same_incident(
-    sim: Sim,  # noqa: F811
+    sim: Sim,
 ) -> None:
     sim.submit(nodes=["n1", "n2"])
     sim.until(running(sim, attempt=1), max_s=5, what="job running")

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from tests.unit.controller.conftest import Reporter
+from tests.builders import Reporter
 from trainguard.controller.incidents import TRANSITIONS, InvalidTransition, check_transition
 
 STATES = ("open", "acting", "mitigated", "resolved", "suppressed")

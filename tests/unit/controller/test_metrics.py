@@ -9,7 +9,7 @@ import subprocess
 import pytest
 from prometheus_client import generate_latest
 
-from tests.unit.controller.conftest import Reporter
+from tests.builders import Reporter
 
 
 def test_metrics_follow_nodes_incidents_and_actions(make_core, core_clock):

@@ -4,7 +4,7 @@ already under way finishes (FakeClock, real SQLite, recording notifiers)."""
 
 from __future__ import annotations
 
-from tests.unit.controller.conftest import Reporter
+from tests.builders import Reporter
 from trainguard.controller.actions.base import TransientError
 from trainguard.controller.actions.notify import RecordingNotifier
 from trainguard.protocol import Event

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.controller.conftest import Reporter
+from tests.builders import Reporter
 from trainguard.controller.actions.base import PermanentError
 from trainguard.controller.actions.drain import LocalDrainBackend
 

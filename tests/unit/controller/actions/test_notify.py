@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from tests.unit.controller.actions.http_receiver import Receiver
+from tests.fakes.http_receiver import Receiver
 from trainguard.controller.actions.base import PermanentError, TransientError
 from trainguard.controller.actions.notify import (
     Notification,

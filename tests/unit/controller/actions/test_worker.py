@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.unit.controller.conftest import Reporter
+from tests.builders import Reporter
 from trainguard.controller.actions.base import (
     ActionContext,
     Outcome,

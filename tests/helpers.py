@@ -1,0 +1,49 @@
+"""Small helpers every test may use: waiting on a condition with a deadline, a free loopback
+port, a short temporary directory for unix sockets. Fixtures live in conftest.py files."""
+
+from __future__ import annotations
+
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def wait_for(
+    condition: Callable[[], T | None],
+    *,
+    timeout_s: float,
+    what: str,
+    interval_s: float = 0.05,
+) -> T:
+    """Call `condition` until it returns a truthy value and return that value; after
+    `timeout_s` (wall clock) raise AssertionError naming `what` was awaited. The condition
+    is called at least once, and once more at the deadline; what it raises propagates."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        left_s = deadline - time.monotonic()
+        if left_s <= 0:
+            raise AssertionError(
+                f"timed out after {timeout_s:g} s waiting for {what} (last value: {value!r})"
+            )
+        time.sleep(min(interval_s, left_s))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a server started elsewhere)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def short_tmpdir(prefix: str = "tg") -> Path:
+    """A new directory under /tmp: unix socket paths are limited to 107 bytes, and pytest's
+    tmp_path can be longer. The caller removes it (or uses the `short_tmp` fixture)."""
+    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
