@@ -242,7 +242,8 @@ def test_controller_agent_and_agentctl_from_the_wheel(installed: Installed) -> N
 
         def node_state() -> dict[str, object] | None:
             r = httpx.get(f"{url}/v1/nodes", headers=ops, timeout=5)
-            for n in r.json().get("nodes", r.json()) if r.status_code == 200 else []:
+            body = r.json() if r.status_code == 200 else []
+            for n in body.get("nodes", body) if isinstance(body, dict) else body:
                 if isinstance(n, dict) and n.get("name") == "node-12":
                     return n
             return None
@@ -254,12 +255,13 @@ def test_controller_agent_and_agentctl_from_the_wheel(installed: Installed) -> N
         )
         assert agent.poll() is None, (work / "agent.log").read_text()
         ctl = [installed.bin("agentctl"), "--url", url, "--token-file", str(work / "op.token")]
-        installed.run(*ctl, "drain", "node-12")
+        installed.run(*ctl, "drain", "node-12")  # as typed: no --reason
         out = installed.run(*ctl, "get", "nodes", "-o", "json")
         nodes = json.loads(out.stdout)
         rows = nodes.get("nodes", nodes) if isinstance(nodes, dict) else nodes
         (row,) = [n for n in rows if n["name"] == "node-12"]
         assert row["state"] in ("draining", "drained"), row
+        assert row["drain_reason"] == "drained by ops (operator) via agentctl", row
         # the agent's XID counters carry the catalog's severity (the catalog came from the wheel)
         alog = (work / "agent.log").read_text()
         port = re.search(r"metrics_port=(\d+)", alog)
