@@ -1,0 +1,311 @@
+"""The controller's clockwork: the tick (rules evaluated over the SignalState, decisions fed
+to the incident layer) and the threads that run it and the action steps it schedules.
+
+Threads: `start()` runs a tick thread (evaluation every tick_interval_s) and an action
+worker thread (so a slow webhook never delays detection). Rule evaluation does not hold the
+live state's lock: while it runs, every change to the SignalState (reports above all) is
+queued, whole, and applied in order after it (LiveState), so the engine sees one consistent
+state and never half a report, and ingest never waits for a tick.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from trainguard.clock import Clock
+from trainguard.controller.actions.worker import ActionRunner
+from trainguard.controller.config import ControllerConfig
+from trainguard.controller.errors import BadRequest
+from trainguard.controller.incidents import IncidentManager
+from trainguard.controller.jobs import JobManager
+from trainguard.controller.livestate import LiveState
+from trainguard.controller.metrics import DEFAULT_SPARE_POOL, ControllerMetrics
+from trainguard.controller.model import Decision, Target
+from trainguard.controller.queries import QueryService
+from trainguard.controller.rules import engine
+from trainguard.controller.rules.engine import EngineMemory, MemoryEntry
+from trainguard.controller.rules.loader import RuleError, RuleSet, load_rules
+from trainguard.controller.store import Store
+from trainguard.strict import ConfigError
+
+__all__ = ["TickService", "load_rule_set"]
+
+log = logging.getLogger("trainguard.controller")
+
+
+def load_rule_set(config: ControllerConfig) -> RuleSet:
+    """The configured rules; a bad rule file is a configuration error (exit 2)."""
+    try:
+        return load_rules(config.rules)
+    except RuleError as e:
+        raise ConfigError(e.file, f"rule {e.rule}" if e.rule else "rules", e.reason) from None
+
+
+class TickService:
+    """Owns the rules and the engine's memory; evaluates, applies decisions, runs the tick
+    and action worker threads, and keeps the gauges that a tick refreshes."""
+
+    def __init__(
+        self,
+        *,
+        config: ControllerConfig,
+        clock: Clock,
+        rules: RuleSet,
+        live: LiveState,
+        queries: QueryService,
+        jobs: JobManager,
+        incidents: IncidentManager,
+        runner: ActionRunner,
+        store: Store,
+        metrics: ControllerMetrics,
+        wake: threading.Event,
+    ) -> None:
+        self._config = config
+        self._clock = clock
+        self._rules = rules
+        self._live = live
+        self._queries = queries
+        self._jobs = jobs
+        self._incidents = incidents
+        self._runner = runner
+        self._store = store
+        self._metrics = metrics
+        self._wake = wake
+        self._tick_lock = threading.Lock()  # one evaluation at a time
+        self._started_at = clock.now()
+        self._seeded: dict[tuple[str, str], Any] = {}
+        self._memory = self._seed_memory()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        # monotonic time the tick loop last finished a round (the watchdog's liveness check)
+        self._tick_beat: float | None = None
+
+    @property
+    def rule_count(self) -> int:
+        return len(self._rules.rules)
+
+    # --- engine memory across restarts ----------------------------------------------------
+
+    def _seed_memory(self) -> EngineMemory:
+        """Open incidents become 'firing' engine memory, so one whose condition cleared while
+        the controller was down is resolved on the first tick instead of staying open."""
+        entries: dict[tuple[str, str], Any] = {}
+        for inc in self._store.unresolved_incidents():
+            target = Target(**self._store.incident_target(inc.id))
+            entries[(inc.rule, inc.target)] = MemoryEntry(
+                target=target,
+                since=inc.opened_at,
+                state="firing",
+                severity=inc.severity,
+                actions=(),
+                summary=inc.summary,
+                value=None,
+                labels={},
+                cooldown_s=0.0,
+            )
+        self._seeded = dict(entries)
+        return EngineMemory(entries) if entries else EngineMemory()
+
+    def _hold_seeded(self, decisions: list[Decision], *, now: float) -> list[Decision]:
+        """After a restart the signals are empty: a seeded incident must not resolve before
+        its node has reported again (nor, without a node, within stale_after_s of start)."""
+        kept: list[Decision] = []
+        held: dict[tuple[str, str], Any] = {}
+        in_grace = now - self._started_at < self._config.stale_after_s
+        for d in decisions:
+            key = (d.rule, d.target.key)
+            entry = self._seeded.get(key)
+            if entry is None:
+                kept.append(d)
+                continue
+            node = d.target.node
+            unseen = node not in self._live.reported if node is not None else in_grace
+            if d.state == "resolved" and unseen:
+                held[key] = entry
+                continue
+            if not unseen or d.state != "resolved":
+                del self._seeded[key]
+            kept.append(d)
+        if held:
+            self._memory = EngineMemory({**self._memory.entries, **held})
+        return kept
+
+    # --- threads ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the tick thread and the action worker thread."""
+        self._stop.clear()
+        self._tick_beat = time.monotonic()
+        self._threads = [
+            threading.Thread(target=self._tick_loop, name="trainguard-tick", daemon=True),
+            threading.Thread(target=self._worker_loop, name="trainguard-actions", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> None:
+        """Stop both threads and wait for them (30 s each at most)."""
+        self._stop.set()
+        self._wake.set()
+        for t in self._threads:
+            t.join(timeout=30)
+        self._threads = []
+
+    @property
+    def running(self) -> bool:
+        return bool(self._threads)
+
+    def ticking(self, *, within_s: float | None = None) -> bool:
+        """True while the tick thread runs and finished a round within `within_s` (default
+        max(10 s, 10 ticks)): what the systemd watchdog pings depend on."""
+        beat = self._tick_beat
+        if not self._threads or beat is None:
+            return False
+        limit_s = max(10.0, 10 * self._config.tick_interval_s) if within_s is None else within_s
+        return time.monotonic() - beat <= limit_s
+
+    def _tick_loop(self) -> None:
+        interval_s = self._config.tick_interval_s
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                self.tick()
+            except Exception:
+                log.exception("event=tick_error")
+            self._tick_beat = time.monotonic()
+            self._stop.wait(max(0.0, interval_s - (time.monotonic() - started)))
+
+    def _worker_loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()
+            try:
+                self._runner.run_due(now=self._clock.now())
+                due = self._runner.next_due_at()
+            except Exception:
+                log.exception("event=action_worker_error")
+                due = None
+            now = self._clock.now()
+            wait_s = 1.0 if due is None else min(1.0, max(0.0, due - now))
+            if wait_s > 0:
+                self._wake.wait(wait_s)
+
+    # --- the tick ---------------------------------------------------------------------------
+
+    def tick(self, *, now: float | None = None) -> None:
+        """One round: flush freshness, time out commands, evaluate rules, apply decisions.
+        Without `start()` it also runs the due action steps (tests drive it step by step)."""
+        now = self._clock.now() if now is None else now
+        started = time.perf_counter()
+        live = self._live
+        live.flush()
+        self._expire_commands(now)
+        self._jobs.tick(now=now)
+        with self._tick_lock:
+            with live.lock:
+                live.begin_evaluation()
+                rules = self._rules
+            try:
+                eval_started = time.perf_counter()
+                # looked up on the module at each tick (tests substitute engine.evaluate)
+                decisions, self._memory = engine.evaluate(
+                    rules=rules,
+                    signals=live.signals,
+                    now=now,
+                    memory=self._memory,
+                    stale_after_s=self._config.stale_after_s,
+                )
+                self._metrics.rule_eval_seconds.observe(time.perf_counter() - eval_started)
+            finally:
+                live.end_evaluation()
+            with live.lock:
+                if self._seeded:
+                    decisions = self._hold_seeded(decisions, now=now)
+        self.apply_decisions(decisions, now=now)
+        if not self.running:
+            self._runner.run_due(now=now)
+        self.update_gauges(now)
+        self._metrics.tick_seconds.observe(time.perf_counter() - started)
+
+    def apply_decisions(self, decisions: Sequence[Decision], *, now: float) -> list[int]:
+        """Feed decisions to the incident layer; returns ids of incidents opened."""
+        opened = self._incidents.apply(decisions, now=now)
+        for incident_id in opened:
+            incident = self._store.get_incident(incident_id)
+            if incident is not None:
+                self._metrics.incidents_opened_total.labels(rule=incident.rule).inc()
+        return opened
+
+    def run_actions(self, *, now: float | None = None) -> int:
+        """Run due action steps now (what the worker thread does); returns how many ran."""
+        return self._runner.run_due(now=self._clock.now() if now is None else now)
+
+    def _expire_commands(self, now: float) -> None:
+        timeout_s = self._config.actions.command_timeout_s
+        live = self._live
+        with live.lock:
+            expired = [
+                c for cmds in live.pending.values() for c in cmds if now - c.created_at > timeout_s
+            ]
+        for cmd in expired:
+            message = f"no result from the agent within {timeout_s:g} s"
+            if self._store.finish_command(cmd.id, ok=False, result=message):
+                self._metrics.commands_timed_out_total.inc()
+                log.warning(
+                    "event=command_timed_out command=%s node=%s kind=%s", cmd.id, cmd.node, cmd.kind
+                )
+            with live.lock:
+                live.drop_pending(cmd.node, {cmd.id})
+
+    def update_gauges(self, now: float) -> None:
+        """Refresh the node, spare, job and incident gauges."""
+        live = self._live
+        with live.lock:
+            counts: dict[tuple[str, str], int] = {}
+            for n in live.nodes.values():
+                counts[(n.role, n.state)] = counts.get((n.role, n.state), 0) + 1
+            silent_after_s = self._config.node_silent_after_s
+            reporting = sum(1 for t in live.last_seen.values() if now - t <= silent_after_s)
+            spares: dict[str, int] = {}
+            for n in live.nodes.values():
+                if n.role == "spare" and n.state == "active":  # what list_spares() offers
+                    pool = n.labels.get("pool", DEFAULT_SPARE_POOL)
+                    spares[pool] = spares.get(pool, 0) + 1
+        metrics = self._metrics
+        metrics.set_nodes(counts)
+        metrics.nodes_reporting.set(reporting)
+        metrics.set_spares(spares)
+        metrics.set_jobs(self._queries.list_jobs())
+        open_counts = self._store.open_incident_counts()
+        metrics.set_node_incidents({n: open_counts.get(n, 0) for n in live.nodes_known()})
+        severities = {inc.id: inc.severity for inc in self._store.unresolved_incidents()}
+        metrics.set_incidents(
+            (rule, severities.get(i, "info")) for rule, _, i, _ in self._incidents.open_incidents()
+        )
+
+    # --- rules ------------------------------------------------------------------------------
+
+    def reload_rules(self, *, actor: str) -> int:
+        """Load the rule files again; a bad file raises BadRequest and the running rules stay."""
+        try:
+            rules = load_rules(self._config.rules)
+        except RuleError as e:
+            log.warning("event=rules_reload_failed actor=%s error=%s", actor, e)
+            raise BadRequest(f"rules not reloaded, the running rules stay: {e}") from None
+        live = self._live
+        with live.lock:
+            self._rules = rules
+            live.signals_do(live.signals.track, rules.history_needs())
+        self._metrics.known_rules(rules.names())
+        self._store.audit(
+            ts=self._clock.now(),
+            actor=actor,
+            action="reload_rules",
+            target="rules",
+            detail={"rules": len(rules.rules), "sources": list(rules.sources)},
+        )
+        log.info("event=rules_reloaded rules=%d actor=%s", len(rules.rules), actor)
+        return len(rules.rules)
