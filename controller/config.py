@@ -114,7 +114,7 @@ class ApiConfig:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     # Processes that serve the port (HTTP, token check, body limit) and hand report bodies to
-    # the controller process, which decodes and ingests them (controller/ingest.py).
+    # the controller process, which decodes and ingests them (controller/ingest/).
     # 0 = the controller process serves everything itself. See BENCHMARKS.md "Controller scale".
     ingest_workers: int = 0
 
