@@ -29,6 +29,7 @@ import pytest
 import yaml
 
 from tests.integration.agent_proc import AgentProcess, cleanup, short_tmpdir
+from tests.integration.prometheus_proc import require_binary, start_prometheus
 from trainguard.controller.auth import hash_token
 from trainguard.protocol import Heartbeat, encode_json
 
@@ -68,15 +69,6 @@ READY_WHEN = (
 )
 
 
-def _binary(name: str) -> str:
-    path = shutil.which(name) or (f"/usr/bin/{name}" if Path(f"/usr/bin/{name}").exists() else None)
-    if path is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{name} is required in CI (Debian package 'prometheus'; `make deps`)")
-        pytest.skip(f"{name} not installed (Debian package 'prometheus'; `make deps` as root)")
-    return path
-
-
 def wait_for(cond: Callable[[], Any], *, timeout_s: float, what: str) -> Any:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -86,12 +78,6 @@ def wait_for(cond: Callable[[], Any], *, timeout_s: float, what: str) -> Any:
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(0.1)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # --- the trainer: three ranks posting heartbeats to the agent's socket ----------------------
@@ -221,52 +207,9 @@ def _prometheus_config(workdir: Path, targets: dict[str, list[str]]) -> Path:
     return path
 
 
-def _wait_ready(proc: subprocess.Popen[bytes], url: str, *, timeout_s: float) -> bool:
-    """True once /-/ready answers 200; False if the process exits or the time runs out."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200:
-                return True
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    return False
-
-
-def _start_prometheus(
-    binary: str, workdir: Path, config: Path
-) -> tuple[subprocess.Popen[bytes], str]:
-    log = workdir / "prometheus.log"
-    for _ in range(3):  # a free port can be taken between choosing and binding it
-        port = free_port()
-        with log.open("wb") as out:
-            proc = subprocess.Popen(
-                [
-                    binary,
-                    f"--config.file={config}",
-                    f"--storage.tsdb.path={workdir / 'tsdb'}",
-                    f"--web.listen-address=127.0.0.1:{port}",
-                    "--log.level=warn",
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=workdir,
-            )
-        url = f"http://127.0.0.1:{port}"
-        if _wait_ready(proc, url, timeout_s=20):
-            return proc, url
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-        if "address already in use" not in log.read_text():
-            break
-    pytest.fail(f"prometheus did not become ready:\n{log.read_text()}")
-
-
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    prometheus = _binary("prometheus")
+    prometheus = require_binary("prometheus")
     workdir = short_tmpdir()
     procs: list[subprocess.Popen[bytes]] = []
     agents: dict[str, AgentProcess] = {}
@@ -299,7 +242,7 @@ def stack() -> Iterator[Stack]:
                 "controller": [host_port],
             },
         )
-        prom, prom_url = _start_prometheus(prometheus, workdir, config)
+        prom, prom_url = start_prometheus(prometheus, workdir, config)
         procs.append(prom)
         s = Stack(workdir, controller_url, prom_url, agents, procs)
 
@@ -514,7 +457,7 @@ def test_exported_alert_rules_load_healthy_in_prometheus(stack: Stack) -> None:
 
 @pytest.mark.slow
 def test_agent_and_controller_scrapes_pass_promtool_check_metrics(stack: Stack) -> None:
-    promtool = _binary("promtool")
+    promtool = require_binary("promtool")
     bodies = {name: a.metrics() for name, a in stack.agents.items()}
     bodies["controller"] = httpx.get(f"{stack.controller_url}/metrics", timeout=10).text
     assert "trainguard_trainer_checkpoint_duration_seconds{" in bodies["node-1"]
@@ -535,7 +478,7 @@ def test_agent_and_controller_scrapes_pass_promtool_check_metrics(stack: Stack) 
 
 
 def test_example_prometheus_config_passes_promtool_check_config() -> None:
-    promtool = _binary("promtool")
+    promtool = require_binary("promtool")
     proc = subprocess.run(
         [promtool, "check", "config", str(DASHBOARDS / "prometheus.yml")],
         capture_output=True,
@@ -548,7 +491,7 @@ def test_example_prometheus_config_passes_promtool_check_config() -> None:
 
 
 def test_checked_in_alert_rules_pass_promtool_check_rules() -> None:
-    promtool = _binary("promtool")
+    promtool = require_binary("promtool")
     proc = subprocess.run(
         [promtool, "check", "rules", str(DASHBOARDS / "alerts.yml")],
         capture_output=True,
