@@ -6,6 +6,7 @@ file fails with `FILE: key: reason` instead of misbehaving at 3 a.m.
 
 from __future__ import annotations
 
+import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,25 @@ METADATA_BASE_URL = "http://169.254.169.254"
 # A rank binds `<control_dir>/tg-ctl-<job, <= 40 chars>-r<rank>-<pid>.sock`: at most 68 bytes
 # after the directory and its slash, and a unix socket path must fit 107 bytes.
 CONTROL_DIR_MAX_BYTES = 38
+# Variables that load code into the interpreter, the dynamic linker or a shell before the
+# training program runs: a start_job naming one is refused (jobs.env_deny).
+DEFAULT_ENV_DENY = (
+    "LD_PRELOAD",
+    "LD_LIBRARY_PATH",
+    "LD_AUDIT",
+    "PYTHONPATH",
+    "PYTHONHOME",
+    "PYTHONSTARTUP",
+    "PYTHONINSPECT",
+    "PYTHONUSERBASE",
+    "BASH_ENV",
+    "ENV",
+    "PERL5OPT",
+    "NODE_OPTIONS",
+)
+_ENV_DENY_ENTRY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\*?")
+# Upper bound of jobs.max_nproc_per_node: far above any node's GPU or sensible CPU rank count.
+MAX_NPROC_PER_NODE_LIMIT = 1024
 
 GpuBackend = Literal["nvml", "sim"]
 
@@ -208,10 +228,48 @@ class JobsConfig:
     stacks_timeout_s: float = 5.0
     # collect_stacks: most bytes of stack text returned (a report must stay small).
     stacks_max_bytes: int = 16384
+    # The user every job runs as (name or uid): its uid, primary group and supplementary
+    # groups, plus the heartbeat socket's group. An operator token can start any job, so a
+    # root agent must not hand root to it: with the agent as root and this empty, start_job
+    # is refused (unless allow_jobs_as_root). A non-root agent runs jobs as itself: empty or
+    # that same user. The user needs write access to the job's ckpt_dir (docs/agent.md).
+    run_as_user: str = ""
+    # Run jobs as root when the agent is root and run_as_user is empty. Off: any operator
+    # token would run code as root on every node. For single-machine dev/test clusters.
+    allow_jobs_as_root: bool = False
+    # Environment variables a start_job may not set (it is refused, naming the variable):
+    # they load code into the interpreter or the launcher before the program runs. An entry
+    # ending in "*" denies a prefix. Setting the key replaces this list. The variables the
+    # agent sets itself (TRAINGUARD_JOB, ...) are refused whatever this says.
+    env_deny: list[str] = field(default_factory=lambda: list(DEFAULT_ENV_DENY))
+    # Executables or directories a job's interpreter (`python`) and program (`command[0]`,
+    # resolved against `cwd`, symlinks resolved) must lie under; the agent's own interpreter
+    # is always allowed. Empty = no restriction (a WARNING at start): any program an operator
+    # names can run. List the training code and the venvs, never a path the job user can write.
+    allowed_paths: list[str] = field(default_factory=list)
+    # Most processes (ranks) one job may start on this node: a GPU node has 8, a CPU job a
+    # few dozen; a larger nproc_per_node is refused instead of forking the node to death.
+    max_nproc_per_node: int = 64
 
     def __post_init__(self) -> None:
         if not self.work_dir:
             raise Invalid("work_dir", "must not be empty")
+        if any(c.isspace() or c == "\0" for c in self.run_as_user):
+            raise Invalid("run_as_user", f"must be a user name or uid, got {self.run_as_user!r}")
+        for i, entry in enumerate(self.env_deny):
+            if not _ENV_DENY_ENTRY.fullmatch(entry):
+                raise Invalid(
+                    f"env_deny[{i}]",
+                    f"must be a variable name, or a prefix ending in '*', got {entry!r}",
+                )
+        for i, path in enumerate(self.allowed_paths):
+            if not path.startswith("/") or "\0" in path:
+                raise Invalid(f"allowed_paths[{i}]", f"must be an absolute path, got {path!r}")
+        if not 1 <= self.max_nproc_per_node <= MAX_NPROC_PER_NODE_LIMIT:
+            raise Invalid(
+                "max_nproc_per_node",
+                f"must be in [1, {MAX_NPROC_PER_NODE_LIMIT}], got {self.max_nproc_per_node}",
+            )
         if len(self.control_dir.encode()) > CONTROL_DIR_MAX_BYTES:
             raise Invalid(
                 "control_dir",
@@ -310,6 +368,7 @@ def load_config(
 
 __all__ = [
     "DEFAULT_CONFIG_PATH",
+    "DEFAULT_ENV_DENY",
     "DEFAULT_HEARTBEAT_SOCKET",
     "DEFAULT_JOBS_WORK_DIR",
     "METADATA_BASE_URL",

@@ -29,6 +29,7 @@ from trainguard.agent.collectors.xid import KmsgXidSource
 from trainguard.agent.commands import CommandExecutor, CommandResult, default_executor
 from trainguard.agent.config import DEFAULT_HEARTBEAT_SOCKET, DEFAULT_JOBS_WORK_DIR, AgentConfig
 from trainguard.agent.heartbeat import HeartbeatServer, TrainerEvent
+from trainguard.agent.jobpolicy import PolicyError, policy_from_config, prepare_access
 from trainguard.agent.jobs import JobRunner, job_handlers
 from trainguard.agent.metrics import AgentHttpServer, AgentSnapshot, SnapshotCollector
 from trainguard.agent.preemption import (
@@ -329,12 +330,36 @@ class Agent:
 
     def _open_jobs(self, heartbeat: HeartbeatServer) -> JobRunner:
         """The torchrun backend; its ranks send to the socket actually bound (after any
-        fallback) and bind control sockets beside it unless jobs.control_dir says otherwise."""
+        fallback) and bind control sockets beside it unless jobs.control_dir says otherwise.
+        Jobs run as jobs.run_as_user under the node's policy (agent.jobpolicy)."""
         jc = self.config.jobs
+        socket_group_set = bool(self.config.heartbeat.socket_group)
+        try:
+            policy = policy_from_config(
+                jc, socket_gid=heartbeat.path.stat().st_gid if socket_group_set else None
+            )
+        except (PolicyError, OSError) as e:
+            raise StartupError(str(e)) from None
+        try:
+            control_dir = (
+                prepare_access(
+                    policy.user,
+                    heartbeat_socket=heartbeat.path,
+                    socket_group_set=socket_group_set,
+                    control_dir=jc.control_dir,
+                )
+                if policy.user is not None
+                else jc.control_dir or str(heartbeat.path.parent)
+            )
+        except OSError as e:
+            raise StartupError(f"cannot prepare access for jobs.run_as_user: {e}") from None
+        for warning in policy.startup_warnings():
+            log.warning("%s node=%s", warning, self.node)
         kwargs: dict[str, Any] = {
             "node_name": self.node,
             "heartbeat_socket": str(heartbeat.path),
-            "control_dir": jc.control_dir or str(heartbeat.path.parent),
+            "policy": policy,
+            "control_dir": control_dir,
             "clock": self._clock,
             "output_tail_lines": jc.output_tail_lines,
         }

@@ -21,7 +21,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import uuid
 from collections.abc import Mapping
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import IO, Any, Literal
 
 from trainguard.agent.commands import CommandResult, Handler
+from trainguard.agent.jobpolicy import JobPolicy, JobRefused
 from trainguard.clock import SYSTEM_CLOCK, Clock
 from trainguard.protocol import Command, Event, JobProcess
 from trainguard.strict import ConfigError, Invalid, build
@@ -288,9 +288,12 @@ def build_env(
     heartbeat_socket: str,
     control_dir: str | None,
     launch_id: str,
+    user_env: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """The child environment: agent env, then the job's env, then the agent's own variables."""
+    """The child environment: agent env, the job user's login variables (`user_env`: HOME,
+    USER, LOGNAME), then the job's env, then the agent's own variables."""
     env = dict(base)
+    env.update(user_env or {})
     # Unbuffered output keeps the reported tail current; a job may still override it.
     env["PYTHONUNBUFFERED"] = "1"
     env.update(spec.env)
@@ -476,7 +479,9 @@ class _Job:
 class JobRunner:
     """Runs this node's torchrun processes; `poll()` once per agent loop drives everything.
 
-    Thread-safe: the agent loop calls start/stop/poll, the reporter may call processes().
+    Every start passes `policy` first (agent.jobpolicy): who the job runs as and what it
+    may run. Thread-safe: the agent loop calls start/stop/poll, the reporter may call
+    processes().
     """
 
     def __init__(
@@ -485,6 +490,7 @@ class JobRunner:
         node_name: str,
         work_dir: str,
         heartbeat_socket: str,
+        policy: JobPolicy,
         control_dir: str | None = None,
         clock: Clock = SYSTEM_CLOCK,
         output_tail_lines: int = 40,
@@ -495,6 +501,7 @@ class JobRunner:
         self._work_dir = Path(work_dir)
         self._work_dir.mkdir(parents=True, exist_ok=True)
         self._heartbeat_socket = heartbeat_socket
+        self._policy = policy
         self._control_dir = control_dir
         self._clock = clock
         self._tail_lines = output_tail_lines
@@ -510,8 +517,8 @@ class JobRunner:
     # -- commands ---------------------------------------------------------------------------
 
     def start(self, spec: StartJob) -> None:
-        """Launch torchrun for `spec`; raises JobError if that job already runs here or the
-        interpreter/working directory is missing."""
+        """Launch torchrun for `spec`; raises JobError if that job already runs here, the
+        node's policy refuses it, or the interpreter/working directory is missing."""
         with self._lock:
             current = self._jobs.get(spec.job)
             if (
@@ -528,7 +535,24 @@ class JobRunner:
                     f"job {spec.job!r} attempt {current.spec.attempt} is already running on "
                     f"node {self._node} (pid {current.proc.pid}, {current.state}); stop it first"
                 )
-            python = spec.python or sys.executable
+            try:
+                user = self._policy.check(
+                    env=spec.env,
+                    nproc_per_node=spec.nproc_per_node,
+                    python=spec.python,
+                    program=spec.command[0],
+                    cwd=spec.cwd,
+                )
+            except JobRefused as e:
+                log.warning(
+                    "event=job_refused node=%s job=%s attempt=%d reason=%r",
+                    self._node,
+                    spec.job,
+                    spec.attempt,
+                    str(e),
+                )
+                raise JobError(f"job {spec.job!r} refused on node {self._node}: {e}") from None
+            python = spec.python or self._policy.agent_python
             if not python or not os.path.isfile(python) or not os.access(python, os.X_OK):
                 raise JobError(f"job {spec.job!r}: python interpreter not found: {python!r}")
             if spec.cwd is not None and not os.path.isdir(spec.cwd):
@@ -542,6 +566,7 @@ class JobRunner:
                 heartbeat_socket=self._heartbeat_socket,
                 control_dir=self._control_dir,
                 launch_id=launch_id,
+                user_env=user.env(),
             )
             log_path = self._work_dir / f"{spec.job}-{spec.attempt}.log"
             try:
@@ -559,10 +584,13 @@ class JobRunner:
                     # its own session and process group: stop signals the whole tree,
                     # and a terminal's ^C aimed at the agent never reaches the job
                     start_new_session=True,
+                    **user.popen_kwargs(),
                 )
             except OSError as e:
                 log_file.close()
-                raise JobError(f"job {spec.job!r}: cannot launch {python!r}: {e}") from None
+                raise JobError(
+                    f"job {spec.job!r}: cannot launch {python!r} as user {user.name}: {e}"
+                ) from None
             if proc.stdout is None:  # pragma: no cover - stdout=PIPE always sets it
                 raise JobError("internal: no stdout pipe")
             reader = _OutputReader(
@@ -581,11 +609,14 @@ class JobRunner:
             )
             self._trim_exited()
         log.info(
-            "event=job_started node=%s job=%s attempt=%d pid=%d is_host=%s log=%s argv=%s",
+            "event=job_started node=%s job=%s attempt=%d pid=%d user=%s uid=%d is_host=%s "
+            "log=%s argv=%s",
             self._node,
             spec.job,
             spec.attempt,
             proc.pid,
+            user.name,
+            user.uid,
             spec.is_host(),
             log_path,
             " ".join(argv),

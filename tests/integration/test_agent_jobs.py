@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import free_port, wait_for
+from trainguard.agent.jobpolicy import JobPolicy
 from trainguard.agent.jobs import JOB_EXIT, JobError, JobEvent, JobRunner, StartJob
 from trainguard.clock import FakeClock
 
@@ -42,6 +43,7 @@ def make_runner(tmp_path: Path, node: str, **kwargs: object) -> JobRunner:
         work_dir=str(tmp_path / node),
         heartbeat_socket=str(tmp_path / "hb.sock"),
         control_dir=str(tmp_path / "control"),
+        policy=JobPolicy.unrestricted(),
         **kwargs,  # type: ignore[arg-type]
     )
 

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from trainguard.agent.commands import CommandExecutor
+from trainguard.agent.jobpolicy import JobPolicy
 from trainguard.agent.jobs import (
     LAUNCH_ID_ENV,
     JobError,
@@ -290,6 +291,7 @@ def runner(tmp_path: Path) -> JobRunner:
         node_name="node-1",
         work_dir=str(tmp_path / "work"),
         heartbeat_socket=str(tmp_path / "hb.sock"),
+        policy=JobPolicy.unrestricted(),
         clock=FakeClock(),
     )
 
