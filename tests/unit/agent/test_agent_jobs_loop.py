@@ -66,7 +66,8 @@ def config(sockdir: Path, *, url: str = "", **sections: Any) -> AgentConfig:
         node=sections.pop("node", NodeConfig(name="node-3")),
         hardware=HardwareConfig(gpu_backend="sim", sim_gpus=1, sim_ib_ports=1),
         heartbeat=HeartbeatConfig(socket_path=str(sockdir / "hb.sock")),
-        jobs=JobsConfig(work_dir=str(sockdir / "jobs"), stop_grace_s=5.0),
+        # a test agent: as root it would refuse jobs without it (ignored when not root)
+        jobs=JobsConfig(work_dir=str(sockdir / "jobs"), stop_grace_s=5.0, allow_jobs_as_root=True),
         controller=ControllerConfig(
             url=url,
             token_file=str(token) if url else "",
