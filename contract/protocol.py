@@ -5,8 +5,9 @@ controller; the controller answers with a ReportResponse carrying Commands for t
 the agent relays checkpoint/stop requests to ranks as JSON Control datagrams.
 
 Every message is a frozen dataclass with `to_wire()` (plain JSON-ready dict) and a strict
-`from_wire()` that raises ProtocolError naming the field. JSON has no NaN: non-finite floats
-travel as the strings "NaN", "Infinity", "-Infinity" (a NaN loss is data we must not lose).
+`from_wire()` / `decode_json()` (the one decoder, `trainguard.decode`, compiled per class)
+that raise ProtocolError naming the field. JSON has no NaN: non-finite floats travel as the
+strings "NaN", "Infinity", "-Infinity" (a NaN loss is data we must not lose).
 The controller imports this module; the agent never imports the controller.
 """
 
@@ -15,12 +16,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+from trainguard.decode import Decoder
 from trainguard.model import GpuSample, HardwareEvent, IbPortSample, NvLinkSample
-from trainguard.strict import ConfigError, build
 
 __all__ = [
     "CONTROL_MAX_BYTES",
@@ -43,7 +45,9 @@ __all__ = [
     "RankState",
     "Report",
     "ReportResponse",
+    "WireDecoder",
     "decode_json",
+    "decoder",
     "encode_json",
     "from_wire",
     "to_wire",
@@ -297,17 +301,32 @@ def to_wire(msg: Any) -> dict[str, Any]:
     return out
 
 
+class WireDecoder(Decoder[T]):
+    """The one decoder for message class `cls`: a `v` other than PROTOCOL_VERSION is refused
+    before anything else, and failures raise ProtocolError naming the field."""
+
+    def __init__(self, cls: type[T]) -> None:
+        super().__init__(cls, version=PROTOCOL_VERSION)
+
+    def error(self, path: str, reason: str) -> Exception:
+        return ProtocolError(path, reason)
+
+
+_DECODERS: dict[type, WireDecoder[Any]] = {}
+
+
+def decoder(cls: type[T]) -> WireDecoder[T]:
+    """The (cached) wire decoder for message class `cls`."""
+    found = _DECODERS.get(cls)
+    if found is None:
+        found = _DECODERS[cls] = WireDecoder(cls)
+    return typing.cast(WireDecoder[T], found)
+
+
 def from_wire(cls: type[T], data: Any) -> T:
-    """Strictly decode `data` into message class `cls`; raises ProtocolError."""
-    if not isinstance(data, dict):
-        raise ProtocolError("", f"expected a JSON object for {cls.__name__}")
-    version = data.get("v", PROTOCOL_VERSION)
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError("v", f"unsupported protocol version {version!r}")
-    try:
-        return build(cls, data)
-    except ConfigError as e:
-        raise ProtocolError(e.key, e.reason) from None
+    """Strictly decode already-parsed JSON `data` into message class `cls`; raises
+    ProtocolError."""
+    return decoder(cls).decode(data)
 
 
 def encode_json(msg: Any) -> bytes:
@@ -315,8 +334,5 @@ def encode_json(msg: Any) -> bytes:
 
 
 def decode_json(cls: type[T], raw: bytes | str) -> T:
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ProtocolError("", f"invalid JSON: {e}") from None
-    return from_wire(cls, data)
+    """Strictly decode JSON `raw` into message class `cls`; raises ProtocolError."""
+    return decoder(cls).decode_json(raw)

@@ -1,0 +1,91 @@
+"""A job spec is checked the same whatever the entry point: a YAML file (`strict.build`), the
+wire decoder (`POST /v1/jobs` bodies) and the REST API itself give the same key and reason."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry, Histogram
+
+from tests.fakes.controller_service import FakeService
+from trainguard.clock import FakeClock
+from trainguard.controller.api import create_app
+from trainguard.controller.auth import TokenStore
+from trainguard.controller.jobs import JobSpec
+from trainguard.fastwire import decoder
+from trainguard.protocol import ProtocolError
+from trainguard.strict import ConfigError, load_file
+
+GOOD = "name: llama\ncommand: [train.py, --lr, '3e-4']\nnodes: [node-1, node-2]\n"
+
+
+@pytest.mark.parametrize(
+    ("extra", "key", "reason"),
+    [
+        pytest.param("nproc_per_node: 0\n", "nproc_per_node", "must be >= 1, got 0", id="nproc-0"),
+        pytest.param("min_nodes: 3\n", "min_nodes", "must be within 1..2, got 3", id="min-nodes"),
+        pytest.param(
+            "env: {TRAINGUARD_JOB: x}\n",
+            "env.TRAINGUARD_JOB",
+            "is set by trainguard (use ckpt_dir for the dir)",
+            id="reserved-env",
+        ),
+        pytest.param(
+            "nproc_per_nod: 2\n",
+            "nproc_per_nod",
+            "unknown key (did you mean 'nproc_per_node'?)",
+            id="typo",
+        ),
+        pytest.param(
+            "nproc_per_node: '2'\n", "nproc_per_node", "expected an integer, got string", id="type"
+        ),
+    ],
+)
+def test_yaml_and_wire_reject_a_bad_spec_identically(
+    tmp_path: Path, extra: str, key: str, reason: str
+) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(GOOD + extra)
+    with pytest.raises(ConfigError) as from_yaml:
+        load_file(JobSpec, path)
+    body = json.dumps(yaml.safe_load(GOOD + extra)).encode()
+    with pytest.raises(ProtocolError) as from_wire:
+        decoder(JobSpec).decode_json(body)
+    assert (from_yaml.value.key, from_yaml.value.reason) == (key, reason)
+    assert (from_wire.value.field, from_wire.value.reason) == (key, reason)
+    assert str(from_yaml.value) == f"{path}: {key}: {reason}"
+
+
+def test_a_good_spec_decodes_the_same_from_yaml_and_the_wire(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(GOOD)
+    body = json.dumps(yaml.safe_load(GOOD)).encode()
+    assert load_file(JobSpec, path) == decoder(JobSpec).decode_json(body)
+
+
+@pytest.fixture
+def client() -> TestClient:
+    svc = FakeService(clock=FakeClock())
+    svc.add_node("node-1")
+    svc.add_node("node-2")
+    registry = CollectorRegistry()
+    app = create_app(
+        svc,
+        tokens=TokenStore.from_plaintext({"op-token": ("ops", "operator")}),  # type: ignore[arg-type]
+        max_body_bytes=64 * 1024,
+        metrics_registry=registry,
+        report_latency=Histogram("trainguard_test_report_seconds", "x", registry=registry),
+    )
+    return TestClient(app, raise_server_exceptions=False)
+
+
+def test_post_jobs_runs_the_spec_checks(client: TestClient) -> None:
+    spec: dict[str, Any] = {**yaml.safe_load(GOOD), "nproc_per_node": 0}
+    r = client.post("/v1/jobs", json=spec, headers={"Authorization": "Bearer op-token"})
+    assert r.status_code == 422
+    assert r.json()["detail"] == {"field": "nproc_per_node", "reason": "must be >= 1, got 0"}
