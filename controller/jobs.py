@@ -27,8 +27,8 @@ from typing import Any, Protocol
 from trainguard.controller.config import JobsConfig
 from trainguard.controller.store import CommandRecord, JobRecord, NodeRecord, Store
 from trainguard.controller.views import JobView
-from trainguard.protocol import Event, JobProcess, RankState, Report
-from trainguard.strict import Invalid
+from trainguard.protocol import Event, JobProcess, RankState, Report, to_wire
+from trainguard.strict import Invalid, build
 
 log = logging.getLogger("trainguard.controller.jobs")
 
@@ -217,14 +217,10 @@ class JobManager:
             return [self._jobs[n] for n in sorted(self._jobs)]
 
     def spec(self, job: JobRecord) -> JobSpec:
-        from trainguard.strict import build  # noqa: PLC0415
-
         return build(JobSpec, job.spec, source=f"job {job.name}")
 
     def submit(self, spec: JobSpec, *, now: float) -> JobRecord | None:
         """Store a new job (pending); None if a job of that name is still active."""
-        from trainguard.protocol import to_wire  # noqa: PLC0415
-
         rec = self.store.submit_job(
             spec.name,
             spec=to_wire(spec),
