@@ -1,17 +1,26 @@
-"""An in-memory ControllerService that records every call: the API's and agentctl's test double.
+"""The fake controller: an in-memory ControllerService that records every call, and the same
+service behind the real API on a loopback port for tests that speak HTTP (agents, agentctl).
 
-It keeps just enough state to answer like the real controller (nodes from reports, drain/undrain,
+FakeService keeps just enough state to answer like the real controller (nodes, reports and
+their events by (instance, id), commands redelivered until their result arrives, drain/undrain,
 roles, silences, incidents seeded by tests, an audit log) and raises the same service errors.
+FakeController serves it through `create_app` with real bearer tokens, records every request,
+can answer a forced status, and can stop and start again on its port (a controller outage).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import json
 import threading
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from trainguard.clock import Clock, FakeClock
+from tests.fakes.api_server import serve
+from trainguard.clock import SYSTEM_CLOCK, Clock, FakeClock
+from trainguard.controller.api import create_app
+from trainguard.controller.auth import TokenStore
 from trainguard.controller.errors import BadRequest, Conflict, NotFound
 from trainguard.controller.views import (
     ActionView,
@@ -24,7 +33,11 @@ from trainguard.controller.views import (
     SilenceView,
     TimelineEntry,
 )
-from trainguard.protocol import Command, FaultSpec, Report, ReportResponse
+from trainguard.protocol import Command, Event, FaultSpec, Report, ReportResponse
+
+AGENT_TOKEN = "fake-agent-s3cret"
+OPERATOR_TOKEN = "op-token"
+VIEWER_TOKEN = "viewer-token"
 
 
 @dataclass
@@ -45,10 +58,15 @@ class FakeService:
         self.audit: list[AuditEntry] = []
         self.pending: dict[str, list[Command]] = {}
         self.acked: dict[tuple[str, str], int] = {}
+        self.reports: list[Report] = []
+        self.events: dict[tuple[str, int], Event] = {}  # (instance, id): deduplicated
+        self.deliveries = 0  # events received, resends included
         self.rules_count = rules_count
         self.reload_error: str | None = None
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
+        # held while a report is ingested (on the server's thread): hold it to read
+        # reports/events/pending consistently from a test
+        self.lock = threading.RLock()
 
     # --- seeding helpers for tests ---
 
@@ -80,8 +98,26 @@ class FakeService:
         self.jobs[name] = view
         return view
 
+    def queue_command(self, node: str, command: Command) -> None:
+        """Hand `command` to `node` on every report until a command_result names it."""
+        with self.lock:
+            self.pending.setdefault(node, []).append(command)
+
     def methods_called(self) -> list[str]:
         return [c.method for c in self.calls]
+
+    def events_of(self, kind: str) -> list[Event]:
+        with self.lock:
+            return [e for e in self.events.values() if e.kind == kind]
+
+    def event_ids(self, instance: str) -> list[int]:
+        """The ids stored for one agent instance, in order."""
+        with self.lock:
+            return sorted(i for inst, i in self.events if inst == instance)
+
+    def last_report(self) -> Report | None:
+        with self.lock:
+            return self.reports[-1] if self.reports else None
 
     # --- ControllerService ---
 
@@ -107,8 +143,9 @@ class FakeService:
             raise NotFound(f"node {name} not found") from None
 
     def ingest_report(self, report: Report, *, actor: str) -> ReportResponse:
-        with self._lock:
+        with self.lock:
             self._record("ingest_report", report, actor=actor)
+            self.reports.append(report)
             now = self.clock.now()
             old = self.nodes.get(report.node)
             base = old or NodeView(
@@ -124,11 +161,22 @@ class FakeService:
                 ib_ports=len(report.ib_ports),
                 agent_version=report.agent_version,
             )
+            done: set[str] = set()
+            for e in report.events:
+                self.deliveries += 1
+                self.events[(report.instance, e.id)] = e
+                if e.kind == "command_result" and isinstance(e.data.get("command_id"), str):
+                    done.add(e.data["command_id"])
+            # like the real controller: the high-water mark of the ids stored per instance
             key = (report.node, report.instance)
             ack = max([self.acked.get(key, 0), *(e.id for e in report.events)])
             self.acked[key] = ack
-            commands = tuple(self.pending.pop(report.node, []))
-            return ReportResponse(ack_event_id=ack, commands=commands, server_time=now)
+            left = [c for c in self.pending.get(report.node, []) if c.id not in done]
+            if left:
+                self.pending[report.node] = left
+            else:
+                self.pending.pop(report.node, None)
+            return ReportResponse(ack_event_id=ack, commands=tuple(left), server_time=now)
 
     def list_nodes(self) -> list[NodeView]:
         self._record("list_nodes")
@@ -267,7 +315,7 @@ class FakeService:
         self._node(node)
         cid = f"cmd-{next(self._ids)}"
         args = {k: v for k, v in vars(spec).items() if v is not None}
-        self.pending.setdefault(node, []).append(Command(id=cid, kind="inject_fault", args=args))
+        self.queue_command(node, Command(id=cid, kind="inject_fault", args=args))
         self._audit(actor, "inject_fault", node, kind=spec.kind)
         return cid
 
@@ -281,3 +329,125 @@ class FakeService:
             raise BadRequest(self.reload_error)
         self._audit(actor, "reload_rules", "rules")
         return self.rules_count
+
+
+@dataclass(frozen=True)
+class SeenRequest:
+    """One HTTP request the FakeController answered."""
+
+    method: str
+    path: str
+    authorization: str  # the header as sent, "" when absent
+    status: int
+
+
+class FakeController:
+    """A FakeService (its clock: the system clock) behind the real API on 127.0.0.1.
+
+    Tokens: `agent_token` (role agent), OPERATOR_TOKEN and VIEWER_TOKEN. Set `forced_status`
+    to answer every request with that status (an error body, nothing ingested) until it is
+    None again. `stop()` then `start()` is a controller outage; the port stays the same."""
+
+    def __init__(
+        self, *, agent_token: str = AGENT_TOKEN, service: FakeService | None = None
+    ) -> None:
+        self.service = service if service is not None else FakeService(clock=SYSTEM_CLOCK)
+        self.agent_token = agent_token
+        self.forced_status: int | None = None
+        self.requests: list[SeenRequest] = []
+        self.port = 0
+        tokens = TokenStore.from_plaintext(
+            {
+                agent_token: ("agents", "agent"),
+                OPERATOR_TOKEN: ("ops", "operator"),
+                VIEWER_TOKEN: ("viewer", "viewer"),
+            }
+        )
+        self._app = create_app(self.service, tokens=tokens, max_body_bytes=4 * 1024 * 1024)
+        self._serving: contextlib.ExitStack | None = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        assert self._serving is None, "already serving"
+        stack = contextlib.ExitStack()
+        url = stack.enter_context(serve(self._asgi, port=self.port))
+        self.port = int(url.rsplit(":", 1)[1])
+        self._serving = stack
+
+    def stop(self) -> None:
+        """Stop serving (idempotent); what the service holds stays."""
+        if self._serving is not None:
+            self._serving.close()
+            self._serving = None
+
+    # --- what the service saw, for assertions ---
+
+    @property
+    def lock(self) -> threading.RLock:
+        return self.service.lock
+
+    @property
+    def reports(self) -> list[Report]:
+        return self.service.reports
+
+    @property
+    def events(self) -> dict[tuple[str, int], Event]:
+        return self.service.events
+
+    def events_of(self, kind: str) -> list[Event]:
+        return self.service.events_of(kind)
+
+    def queue_command(self, node: str, command: Command) -> None:
+        self.service.queue_command(node, command)
+
+    def statuses(self, status: int) -> int:
+        """How many requests were answered with `status`."""
+        return sum(1 for r in self.requests if r.status == status)
+
+    async def _asgi(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        authorization = headers.get(b"authorization", b"").decode("latin-1")
+
+        def note(status: int) -> None:
+            # noted before the answer leaves, so a client that has it sees it noted
+            self.requests.append(
+                SeenRequest(
+                    method=scope["method"],
+                    path=scope["path"],
+                    authorization=authorization,
+                    status=status,
+                )
+            )
+
+        forced = self.forced_status
+        if forced is None:
+
+            async def send_and_note(message: Any) -> None:
+                if message["type"] == "http.response.start":
+                    note(message["status"])
+                await send(message)
+
+            await self._app(scope, receive, send_and_note)
+            return
+        while (await receive()).get("more_body", False):
+            pass  # read the request body through before answering
+        body = json.dumps({"error": f"forced status {forced}", "detail": None}).encode()
+        note(forced)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": forced,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})

@@ -2,25 +2,22 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-import threading
-import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from trainguard.protocol import Event, Report, decode_json
+from tests.helpers import short_tmpdir, wait_for
+
+__all__ = ["AgentProcess", "agent_command", "cleanup", "sample_value", "short_tmpdir", "wait_until"]
 
 
 def agent_command() -> list[str]:
@@ -32,19 +29,9 @@ def agent_command() -> list[str]:
 
 
 def wait_until(cond: Callable[[], Any], *, what: str, timeout_s: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.05)
-
-
-def short_tmpdir() -> Path:
-    # unix socket paths are limited to 108 bytes; pytest's tmp_path can be longer
-    return Path(tempfile.mkdtemp(prefix="tgit", dir="/tmp"))
+    """Old name of tests.helpers.wait_for, kept for test_agent_systemd.py and
+    test_controller_systemd.py until they call wait_for themselves."""
+    return wait_for(cond, timeout_s=timeout_s, what=what)
 
 
 class AgentProcess:
@@ -68,7 +55,11 @@ class AgentProcess:
             args, stdout=subprocess.DEVNULL, stderr=self._log, env=full_env, cwd=workdir
         )
         self.port = int(
-            wait_until(self._port, what=f"the agent to log its metrics port ({self.log_path})")
+            wait_for(
+                self._port,
+                timeout_s=30,
+                what=f"the agent to log its metrics port ({self.log_path})",
+            )
         )
 
     def _port(self) -> str | None:
@@ -117,79 +108,6 @@ def sample_value(body: str, name: str, **labels: str) -> float | None:
         if all(got.get(k) == v for k, v in labels.items()):
             return float(m.group(3))
     return None
-
-
-class FakeController:
-    """POST /v1/reports like the controller: stores events by (instance, id), acks the
-    contiguous prefix, hands out queued commands once; can stop and restart on its port."""
-
-    def __init__(self, token: str) -> None:
-        self.token = token
-        self.lock = threading.Lock()
-        self.reports: list[Report] = []
-        self.events: dict[tuple[str, int], Event] = {}
-        self.deliveries = 0
-        self.pending_commands: list[dict[str, Any]] = []
-        self.unauthorized = 0
-        self.httpd: ThreadingHTTPServer | None = None
-        self.port = 0
-        self.start()
-
-    def start(self) -> None:
-        ctl = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                if self.headers.get("Authorization") != f"Bearer {ctl.token}":
-                    with ctl.lock:
-                        ctl.unauthorized += 1
-                    self._answer(401, {"detail": "bad token"})
-                    return
-                report = decode_json(Report, body)
-                with ctl.lock:
-                    ctl.reports.append(report)
-                    for ev in report.events:
-                        ctl.deliveries += 1
-                        ctl.events[(report.instance, ev.id)] = ev
-                    ack = 0
-                    for i in sorted(i for inst, i in ctl.events if inst == report.instance):
-                        if i != ack + 1:
-                            break
-                        ack = i
-                    commands, ctl.pending_commands = ctl.pending_commands, []
-                self._answer(200, {"ack_event_id": ack, "commands": commands})
-
-            def _answer(self, status: int, obj: dict[str, Any]) -> None:
-                out = json.dumps(obj).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
-        self.port = self.httpd.server_address[1]
-        threading.Thread(
-            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        ).start()
-
-    def stop(self) -> None:
-        if self.httpd is not None:
-            self.httpd.shutdown()
-            self.httpd.server_close()
-            self.httpd = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def events_of(self, kind: str) -> list[Event]:
-        with self.lock:
-            return [e for e in self.events.values() if e.kind == kind]
 
 
 def cleanup(path: Path) -> None:

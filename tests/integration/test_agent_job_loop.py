@@ -1,38 +1,23 @@
-"""The agent side of the loop, end to end: a real agent process, a controller-shaped HTTP
-server handing out commands, and a real `examples/train.py` under torchrun (2 gloo ranks)
+"""The agent side of the loop, end to end: a real agent process, the fake controller
+handing out commands, and a real `examples/train.py` under torchrun (2 gloo ranks)
 started by `start_job`. checkpoint reaches the ranks and commits, collect_stacks returns
 both ranks' Python stacks, and a SIGTERM to the agent stops the job gracefully with the
 job's exit reaching the controller in the agent's last report."""
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from agent_proc import AgentProcess, FakeController, cleanup, short_tmpdir, wait_until
 
-from trainguard.protocol import Event, RankState
+from tests.fakes.controller_service import FakeController
+from tests.helpers import free_port, wait_for
+from tests.integration.agent_proc import AgentProcess
+from trainguard.protocol import Command, Event, RankState
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-TOKEN = "job-loop-token"
-
-
-@pytest.fixture
-def workdir() -> Iterator[Path]:
-    d = short_tmpdir()
-    yield d
-    cleanup(d)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def result_of(controller: FakeController, command_id: str) -> Event | None:
@@ -47,35 +32,40 @@ def latest_ranks(controller: FakeController) -> tuple[RankState, ...]:
         return controller.reports[-1].ranks if controller.reports else ()
 
 
-def send(controller: FakeController, command: dict[str, Any]) -> Event:
-    with controller.lock:
-        controller.pending_commands.append(command)
-    ev: Event = wait_until(
-        lambda: result_of(controller, command["id"]),
-        what=f"the result of {command['kind']} {command['id']}",
+def send(controller: FakeController, command: Command) -> Event:
+    controller.queue_command("node-1", command)
+    return wait_for(
+        lambda: result_of(controller, command.id),
         timeout_s=30,
+        what=f"the result of {command.kind} {command.id}",
     )
-    return ev
 
 
-def test_start_checkpoint_stacks_and_graceful_stop_of_a_real_training_job(workdir: Path) -> None:
-    controller = FakeController(TOKEN)
-    token = workdir / "token"
-    token.write_text(TOKEN)
+def test_start_checkpoint_stacks_and_graceful_stop_of_a_real_training_job(
+    short_tmp: Path, fake_controller: FakeController
+) -> None:
+    token = short_tmp / "token"
+    token.write_text(fake_controller.agent_token)
     token.chmod(0o600)
+    # the job runs as this (root) test's user; its program must be on the allow-list
+    config = short_tmp / "agent.yaml"
+    config.write_text(
+        f"jobs:\n  allow_jobs_as_root: true\n  allowed_paths: [{REPO / 'examples'}]\n"
+    )
     agent = AgentProcess(
-        workdir, "--controller", controller.url, "--token-file", str(token),
+        short_tmp, "--config", str(config),
+        "--controller", fake_controller.url, "--token-file", str(token),
         "--report-interval-s", "0.2", "--collect-interval-s", "0.2",
         "--advertise-address", "127.0.0.1",
     )  # fmt: skip
     stopped = False
     try:
         started = send(
-            controller,
-            {
-                "id": "start-1",
-                "kind": "start_job",
-                "args": {
+            fake_controller,
+            Command(
+                id="start-1",
+                kind="start_job",
+                args={
                     "job": "demo",
                     "attempt": 0,
                     "command": [
@@ -83,7 +73,7 @@ def test_start_checkpoint_stacks_and_graceful_stop_of_a_real_training_job(workdi
                         "--steps",
                         "100000",
                         "--ckpt-dir",
-                        str(workdir / "ckpt"),
+                        str(short_tmp / "ckpt"),
                         "--checkpoint-every",
                         "0",
                         "--step-time-s",
@@ -96,50 +86,51 @@ def test_start_checkpoint_stacks_and_graceful_stop_of_a_real_training_job(workdi
                     "rdzv_id": "demo-0",
                     "cwd": str(REPO),
                 },
-            },
+            ),
         )
         assert started.data["ok"] is True, started.data["message"]
-        with controller.lock:
-            assert controller.reports[-1].labels.get("address") == "127.0.0.1"
-        wait_until(
+        with fake_controller.lock:
+            assert fake_controller.reports[-1].labels.get("address") == "127.0.0.1"
+        wait_for(
             lambda: (
-                len([r for r in latest_ranks(controller) if r.job == "demo" and r.step > 2]) == 2
+                len([r for r in latest_ranks(fake_controller) if r.job == "demo" and r.step > 2])
+                == 2
             ),
-            what="both ranks training (heartbeats in the report)",
             timeout_s=90,
+            what="both ranks training (heartbeats in the report)",
         )
-        with controller.lock:
-            (job,) = controller.reports[-1].jobs
+        with fake_controller.lock:
+            (job,) = fake_controller.reports[-1].jobs
         assert (job.job, job.attempt, job.state) == ("demo", 0, "running")
 
         ckpt = send(
-            controller,
-            {"id": "ckpt-1", "kind": "checkpoint", "args": {"job": "demo", "request_id": "req-1"}},
+            fake_controller,
+            Command(id="ckpt-1", kind="checkpoint", args={"job": "demo", "request_id": "req-1"}),
         )
         assert ckpt.data["ok"] is True and ckpt.data["message"] == "sent to 2 rank(s)"
-        wait_until(
+        wait_for(
             lambda: (
-                [r.ckpt_request_id for r in latest_ranks(controller) if r.job == "demo"]
+                [r.ckpt_request_id for r in latest_ranks(fake_controller) if r.job == "demo"]
                 == ["req-1", "req-1"]
             ),
-            what="both ranks reporting the committed request",
             timeout_s=60,
+            what="both ranks reporting the committed request",
         )
-        wait_until(
+        wait_for(
             lambda: (
                 {
                     e.rank
-                    for e in controller.events_of("checkpoint_committed")
+                    for e in fake_controller.events_of("checkpoint_committed")
                     if e.data.get("request_id") == "req-1"
                 }
                 == {0, 1}
             ),
-            what="checkpoint_committed events of both ranks",
             timeout_s=30,
+            what="checkpoint_committed events of both ranks",
         )
 
         stacks = send(
-            controller, {"id": "stk-1", "kind": "collect_stacks", "args": {"job": "demo"}}
+            fake_controller, Command(id="stk-1", kind="collect_stacks", args={"job": "demo"})
         )
         assert stacks.data["ok"] is True, stacks.data["message"]
         text = stacks.data["stacks"]
@@ -148,22 +139,23 @@ def test_start_checkpoint_stacks_and_graceful_stop_of_a_real_training_job(workdi
         assert len(text.encode()) <= 16384
         assert [r["status"] for r in stacks.data["ranks"]] == ["dumped", "dumped"]
         # the dump did not hurt the ranks: they keep stepping
-        before = max(r.step for r in latest_ranks(controller) if r.job == "demo")
-        wait_until(
-            lambda: min(r.step for r in latest_ranks(controller) if r.job == "demo") > before,
-            what="the ranks to keep training after the dump",
+        before = max(r.step for r in latest_ranks(fake_controller) if r.job == "demo")
+        wait_for(
+            lambda: min(r.step for r in latest_ranks(fake_controller) if r.job == "demo") > before,
             timeout_s=30,
+            what="the ranks to keep training after the dump",
         )
 
         assert agent.terminate(timeout_s=60) == 0
         stopped = True
-        (exit_ev,) = controller.events_of("job_exit")
+        (exit_ev,) = fake_controller.events_of("job_exit")
         assert exit_ev.job == "demo" and exit_ev.data["stopped"] is True
         assert exit_ev.data["killed"] is False, exit_ev.message
-        trainer_exits = {e.rank for e in controller.events_of("trainer_exit") if e.job == "demo"}
+        trainer_exits = {
+            e.rank for e in fake_controller.events_of("trainer_exit") if e.job == "demo"
+        }
         assert trainer_exits == {0, 1}
     finally:
         if not stopped:
             print(agent.log()[-6000:])
             agent.kill()
-        controller.stop()

@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import shutil
 import socket
 import sys
-import tempfile
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.fakes.controller_service import FakeController
 from tests.fakes.metadata_server import MetadataServer
-from tests.integration.agent_proc import FakeController
+from tests.helpers import wait_for
 from trainguard.agent.config import (
     AgentConfig,
     ControllerConfig,
@@ -44,10 +42,8 @@ time.sleep(120)
 
 
 @pytest.fixture
-def sockdir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="tgjl", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+def sockdir(short_tmp: Path) -> Path:
+    return short_tmp
 
 
 @pytest.fixture
@@ -58,9 +54,11 @@ def launcher(sockdir: Path) -> str:
     return str(path)
 
 
-def config(sockdir: Path, *, url: str = "", **sections: Any) -> AgentConfig:
+def config(
+    sockdir: Path, *, url: str = "", token_text: str = "t0ken", **sections: Any
+) -> AgentConfig:
     token = sockdir / "token"
-    token.write_text("t0ken")
+    token.write_text(token_text)
     token.chmod(0o600)
     return AgentConfig(
         node=sections.pop("node", NodeConfig(name="node-3")),
@@ -96,17 +94,6 @@ def start_job(launcher: str, *, cmd_id: str = "c1", attempt: int = 0) -> Command
     )
 
 
-def wait_for(what: str, check: Callable[[], Any], *, timeout_s: float = 15.0) -> Any:
-    deadline = SYSTEM_CLOCK.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if SYSTEM_CLOCK.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
-        SYSTEM_CLOCK.sleep(0.02)
-
-
 def results(agent: Agent) -> dict[str, Event]:
     return {
         e.data["command_id"]: e for e in agent.spool.pending(1000) if e.kind == "command_result"
@@ -127,8 +114,9 @@ def test_start_job_runs_reports_and_exits_with_a_job_exit_event(
         agent.execute(start_job(launcher))
         assert results(agent)["c1"].data["ok"] is True
         wait_for(
-            "the launcher's output in Report.jobs",
             lambda: "launcher up" in agent.build_report(1, ()).jobs[0].output_tail,
+            timeout_s=15,
+            what="the launcher's output in Report.jobs",
         )
         (job,) = agent.build_report(1, ()).jobs
         assert (job.job, job.attempt, job.state) == ("llm", 0, "running")
@@ -151,7 +139,7 @@ def test_start_job_runs_reports_and_exits_with_a_job_exit_event(
             agent.tick()
             return [e for e in agent.spool.pending(1000) if e.kind == "job_exit"]
 
-        (ev,) = wait_for("the job_exit event", exit_event)
+        (ev,) = wait_for(exit_event, timeout_s=15, what="the job_exit event")
         assert ev.job == "llm" and ev.code == 0
         assert ev.data["stopped"] is True and ev.data["attempt"] == 0
         assert "launcher up" in ev.data["output_tail"]
@@ -163,27 +151,25 @@ def test_start_job_runs_reports_and_exits_with_a_job_exit_event(
 
 
 def test_stop_of_the_agent_stops_jobs_and_the_last_report_carries_their_exit(
-    sockdir: Path, launcher: str
+    sockdir: Path, launcher: str, fake_controller: FakeController
 ) -> None:
-    controller = FakeController("t0ken")
+    cfg = config(sockdir, url=fake_controller.url, token_text=fake_controller.agent_token)
+    agent = started(cfg)
     try:
-        agent = started(config(sockdir, url=controller.url))
-        try:
-            wait_for("the first report", lambda: controller.reports)
-            agent.execute(start_job(launcher))
-            wait_for(
-                "the launcher to run",
-                lambda: "launcher up" in (sockdir / "jobs" / "llm-0.log").read_text(),
-            )
-        finally:
-            agent.close()
-        # the reporting loop sleeps 30 s between reports: only the last one can carry these
-        (ev,) = controller.events_of("job_exit")
-        assert ev.job == "llm" and ev.data["stopped"] is True and ev.code == 0
-        assert [r.data["command_id"] for r in controller.events_of("command_result")] == ["c1"]
-        assert controller.reports[-1].jobs[0].state == "exited"
+        wait_for(lambda: fake_controller.reports, timeout_s=15, what="the first report")
+        agent.execute(start_job(launcher))
+        wait_for(
+            lambda: "launcher up" in (sockdir / "jobs" / "llm-0.log").read_text(),
+            timeout_s=15,
+            what="the launcher to run",
+        )
     finally:
-        controller.stop()
+        agent.close()
+    # the reporting loop sleeps 30 s between reports: only the last one can carry these
+    (ev,) = fake_controller.events_of("job_exit")
+    assert ev.job == "llm" and ev.data["stopped"] is True and ev.code == 0
+    assert [r.data["command_id"] for r in fake_controller.events_of("command_result")] == ["c1"]
+    assert fake_controller.reports[-1].jobs[0].state == "exited"
 
 
 def test_last_report_to_a_controller_that_never_answers_gives_up(
@@ -278,7 +264,9 @@ def test_collect_stacks_runs_off_the_loop_and_its_result_is_spooled(sockdir: Pat
     agent = started(config(sockdir, url="http://127.0.0.1:1"), FakeClock())
     try:
         agent.execute(Command(id="s1", kind="collect_stacks", args={"job": "nope"}))
-        ev = wait_for("the collect_stacks result", lambda: results(agent).get("s1"))
+        ev = wait_for(
+            lambda: results(agent).get("s1"), timeout_s=15, what="the collect_stacks result"
+        )
         assert ev.data["ok"] is False and "not running under this agent" in ev.data["message"]
         agent.tick()
         assert agent.snapshot is not None

@@ -1,18 +1,15 @@
-"""Reporter and EventSpool against a real HTTP server on loopback that can go away."""
+"""Reporter and EventSpool against the fake controller on loopback, which can go away."""
 
 from __future__ import annotations
 
-import json
 import logging
 import random
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.fakes.controller_service import AGENT_TOKEN, FakeController
 from trainguard.agent.reporter import (
     EventSpool,
     Reporter,
@@ -23,80 +20,16 @@ from trainguard.agent.reporter import (
 )
 from trainguard.agent.sim import SimHardware
 from trainguard.clock import FakeClock
-from trainguard.protocol import Event, FaultSpec, RankState, Report, decode_json, encode_json
+from trainguard.protocol import (
+    Command,
+    Event,
+    FaultSpec,
+    RankState,
+    Report,
+    encode_json,
+)
 
-TOKEN = "s3cret-token-value"
-
-
-class FakeController:
-    """Stores events by (instance, id) like the real controller; answers ack + commands."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.reports: list[Report] = []
-        self.events: dict[tuple[str, int], Event] = {}
-        self.deliveries = 0
-        self.auth: list[str] = []
-        self.status = 200
-        self.commands: list[dict[str, Any]] = []
-        self.httpd: ThreadingHTTPServer | None = None
-        self.port = 0
-        self.start()
-
-    def start(self) -> None:
-        ctl = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                with ctl.lock:
-                    ctl.auth.append(self.headers.get("Authorization", ""))
-                    status = ctl.status
-                    if status == 200:
-                        report = decode_json(Report, body)
-                        ctl.reports.append(report)
-                        for ev in report.events:
-                            ctl.deliveries += 1
-                            ctl.events[(report.instance, ev.id)] = ev
-                        ids = sorted(i for inst, i in ctl.events if inst == report.instance)
-                        ack = 0
-                        for i in ids:  # contiguous prefix stored
-                            if i != ack + 1:
-                                break
-                            ack = i
-                        out = json.dumps({"ack_event_id": ack, "commands": ctl.commands}).encode()
-                    else:
-                        out = json.dumps({"detail": f"status {status}"}).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
-        self.port = self.httpd.server_address[1]
-        threading.Thread(
-            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        ).start()
-
-    def stop(self) -> None:
-        assert self.httpd is not None
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-
-@pytest.fixture
-def controller() -> Iterator[FakeController]:
-    ctl = FakeController()
-    yield ctl
-    ctl.stop()
+TOKEN = AGENT_TOKEN
 
 
 def make_reporter(url: str, spool: EventSpool, **kw: Any) -> Reporter:
@@ -116,27 +49,27 @@ def add(spool: EventSpool, n: int) -> None:
 
 
 def test_report_carries_bearer_token_and_acked_events_leave_the_spool(
-    controller: FakeController,
+    fake_controller: FakeController,
 ) -> None:
     spool = EventSpool(max_events=100)
     add(spool, 3)
-    rep = make_reporter(controller.url, spool)
+    rep = make_reporter(fake_controller.url, spool)
     out = rep.report_once()
     assert out.result == "ok" and out.acked == 3 and out.retry_in_s == 1.0
     assert len(spool) == 0
-    assert controller.auth == [f"Bearer {TOKEN}"]
-    assert [e.id for e in controller.reports[0].events] == [1, 2, 3]
+    assert [r.authorization for r in fake_controller.requests] == [f"Bearer {TOKEN}"]
+    assert [e.id for e in fake_controller.reports[0].events] == [1, 2, 3]
     rep.close()
 
 
 def test_outage_loses_nothing_and_receiver_sees_each_event_once_after_dedupe(
-    controller: FakeController,
+    fake_controller: FakeController,
 ) -> None:
     spool = EventSpool(max_events=1000)
-    rep = make_reporter(controller.url, spool, max_events_per_report=4)
+    rep = make_reporter(fake_controller.url, spool, max_events_per_report=4)
     add(spool, 5)
     assert rep.report_once().result == "ok"
-    controller.stop()
+    fake_controller.stop()
     delays = []
     for _ in range(4):  # controller down: events pile up, back-off grows
         add(spool, 3)
@@ -145,13 +78,13 @@ def test_outage_loses_nothing_and_receiver_sees_each_event_once_after_dedupe(
         delays.append(out.retry_in_s)
     assert delays[-1] > delays[0]
     assert len(spool) == 13
-    controller.start()
+    fake_controller.start()
     for _ in range(10):
         if len(spool) == 0:
             break
         assert rep.report_once().result == "ok"
     assert len(spool) == 0
-    ids = sorted(i for _, i in controller.events)
+    ids = sorted(i for _, i in fake_controller.events)
     assert ids == list(range(1, 18))  # nothing lost, ids strictly increasing
     assert rep.results_total["error"] == 4
     rep.close()
@@ -163,12 +96,12 @@ def test_outage_loses_nothing_and_receiver_sees_each_event_once_after_dedupe(
     ids=["unauthorized", "bad-request", "too-many-requests", "unavailable"],
 )
 def test_error_statuses_keep_events_and_back_off(
-    controller: FakeController, status: int, result: str
+    fake_controller: FakeController, status: int, result: str
 ) -> None:
-    controller.status = status
+    fake_controller.forced_status = status
     spool = EventSpool(max_events=10)
     add(spool, 2)
-    rep = make_reporter(controller.url, spool, interval_s=1.0, backoff_max_s=30.0)
+    rep = make_reporter(fake_controller.url, spool, interval_s=1.0, backoff_max_s=30.0)
     first = rep.report_once()
     second = rep.report_once()
     assert (first.result, first.status) == (result, status)
@@ -178,10 +111,10 @@ def test_error_statuses_keep_events_and_back_off(
 
 
 def test_rejected_report_is_logged_without_the_token(
-    controller: FakeController, caplog: pytest.LogCaptureFixture
+    fake_controller: FakeController, caplog: pytest.LogCaptureFixture
 ) -> None:
-    controller.status = 401
-    rep = make_reporter(controller.url, EventSpool(max_events=10))
+    fake_controller.forced_status = 401
+    rep = make_reporter(fake_controller.url, EventSpool(max_events=10))
     with caplog.at_level(logging.DEBUG):
         rep.report_once()
     assert "event=report_rejected" in caplog.text and "status=401" in caplog.text
@@ -189,23 +122,26 @@ def test_rejected_report_is_logged_without_the_token(
     rep.close()
 
 
-def test_payload_too_large_halves_events_per_report(controller: FakeController) -> None:
+def test_payload_too_large_halves_events_per_report(fake_controller: FakeController) -> None:
     spool = EventSpool(max_events=100)
     add(spool, 20)
-    rep = make_reporter(controller.url, spool, max_events_per_report=8)
-    controller.status = 413
+    rep = make_reporter(fake_controller.url, spool, max_events_per_report=8)
+    fake_controller.forced_status = 413
     rep.report_once()
-    controller.status = 200
+    fake_controller.forced_status = None
     rep.report_once()
-    assert len(controller.reports[0].events) == 4
+    assert len(fake_controller.reports[0].events) == 4
     rep.close()
 
 
-def test_commands_are_handed_on_once_each(controller: FakeController) -> None:
-    controller.commands = [{"id": "c1", "kind": "checkpoint", "args": {"job": "j"}}]
-    rep = make_reporter(controller.url, EventSpool(max_events=10))
+def test_commands_are_handed_on_once_each(fake_controller: FakeController) -> None:
+    # the controller hands a command out on every report until its result arrives
+    fake_controller.queue_command("node-1", Command(id="c1", kind="checkpoint", args={"job": "j"}))
+    rep = make_reporter(fake_controller.url, EventSpool(max_events=10))
     first = rep.report_once()
-    controller.commands.append({"id": "c2", "kind": "inject_fault", "args": {"kind": "dbe"}})
+    fake_controller.queue_command(
+        "node-1", Command(id="c2", kind="inject_fault", args={"kind": "dbe"})
+    )
     second = rep.report_once()
     assert [c.id for c in first.commands] == ["c1"]
     assert [c.id for c in second.commands] == ["c2"]
