@@ -183,12 +183,39 @@ def test_clear_removes_faults_but_keeps_counters() -> None:
     assert sim.active_faults() == []
 
 
-def test_every_protocol_fault_kind_is_accepted() -> None:
-    sim = make(FakeClock())
-    for kind in get_args(FaultKind):
-        sim.inject(FaultSpec(kind=kind, gpu=1, device="mlx5_1"))
-    sim.collect()
-    sim.collect_ib()
+def _fault_view(sim: SimHardware) -> tuple[object, ...]:
+    """What a fault can change, without the noise of a healthy sample."""
+    gpus = tuple(
+        (
+            g.lost,
+            g.ecc_corrected_volatile_total,
+            g.ecc_uncorrected_volatile_total,
+            g.remapped_rows_pending,
+            g.remapped_rows_failure,
+            g.throttle_hw_slowdown,
+            g.throttle_hw_thermal,
+            tuple(link.link for link in g.nvlinks if not link.up),
+        )
+        for g in sim.collect().gpus
+    )
+    ports = tuple((p.device, p.state) for p in sim.collect_ib())
+    events = tuple((e.kind, e.gpu, e.code) for e in sim.poll())
+    return gpus, ports, events
+
+
+# "clear" has its own test: test_clear_removes_faults_but_keeps_counters
+FAULT_KINDS = [k for k in get_args(FaultKind) if k != "clear"]
+
+
+@pytest.mark.parametrize("kind", FAULT_KINDS, ids=str)
+def test_every_protocol_fault_kind_is_accepted_and_shows(kind: FaultKind) -> None:
+    # a kind the sim took but ignored would leave the node looking healthy
+    healthy_clock, faulty_clock = FakeClock(), FakeClock()
+    healthy, faulty = make(healthy_clock), make(faulty_clock)
+    faulty.inject(FaultSpec(kind=kind, gpu=1, device="mlx5_1"))
+    healthy_clock.advance(1.0)
+    faulty_clock.advance(1.0)
+    assert _fault_view(faulty) != _fault_view(healthy)
 
 
 @pytest.mark.parametrize(

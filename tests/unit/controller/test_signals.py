@@ -3,17 +3,28 @@ and an ingest micro-benchmark (printed, never asserted)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
+import typing
 from dataclasses import replace
+from typing import TypeVar
 
 import pytest
 
 from trainguard.controller.model import Target
-from trainguard.controller.signals import DEFAULT_TRACKED, SIGNALS, Series, SignalState
+from trainguard.controller.signals import (
+    DEFAULT_TRACKED,
+    IB_COUNTERS,
+    IB_HW_COUNTERS,
+    SIGNALS,
+    Series,
+    SignalState,
+)
 from trainguard.model import GpuSample, IbPortSample, NvLinkSample
 from trainguard.protocol import Event, RankState, Report
 
 T0 = 1_700_000_000.0
+T = TypeVar("T")
 
 
 class _Catalog:
@@ -96,16 +107,44 @@ def test_gpu_fields_are_signals_and_absent_fields_are_absent() -> None:
     assert _value(s, Target("gpu", node="n1", gpu=5), "temperature_celsius", T0) is None
 
 
+def _filled(cls: type[T], **given: object) -> T:
+    """An instance of the sample dataclass `cls` with every optional field present: numbers
+    3, booleans False, and `given`."""
+    hints = typing.get_type_hints(cls)
+    values: dict[str, object] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.name in given or f.default is not None:
+            continue
+        hint = str(hints[f.name])
+        if "bool" in hint:
+            values[f.name] = False
+        elif "int" in hint or "float" in hint:
+            values[f.name] = 3
+    return cls(**values, **given)
+
+
 def test_every_catalogued_signal_has_a_reader() -> None:
+    # a report with every source field present, the controller's inventory of the node and
+    # the job, and an XID: each catalogued signal then reads a value of its kind
     s = SignalState()
-    link = NvLinkSample(link=0, up=True)
-    port = IbPortSample(device="mlx5_0", port=1, state_code=4, phys_state_code=5)
-    rank = RankState(job="j", rank=0, step=1)
-    s.ingest(
-        _report(gpus=(_gpu(nvlinks=(link,)),), ib_ports=(port,), ranks=(rank,)),
-        now=T0,
-        new_events=(),
+    link = _filled(NvLinkSample, link=0, up=True)
+    port = IbPortSample(
+        device="mlx5_0",
+        port=1,
+        state_code=4,
+        phys_state_code=5,
+        rate_gbps=400.0,
+        counters=dict.fromkeys(IB_COUNTERS, 3),
+        hw_counters=dict.fromkeys(IB_HW_COUNTERS, 3),
     )
+    gpu = _filled(
+        GpuSample, index=0, uuid="GPU-0", pci_bus_id="0000:00:00.0", name="H100", nvlinks=(link,)
+    )
+    rank = _filled(RankState, job="j", rank=0, step=1)
+    s.set_node_meta("n1", role="active", state="active", job="j")
+    s.set_job_meta("j", nodes=("n1",), state="running")
+    xid = Event(id=1, kind="xid", ts=T0, gpu=0, code=79)
+    s.ingest(_report(gpus=(gpu,), ib_ports=(port,), ranks=(rank,)), now=T0, new_events=(xid,))
     targets = {
         "gpu": GPU0,
         "nvlink": Target("nvlink", node="n1", gpu=0, link=0),
@@ -114,9 +153,16 @@ def test_every_catalogued_signal_has_a_reader() -> None:
         "rank": Target("rank", job="j", rank=0),
         "job": Target("job", job="j"),
     }
+    kinds = {"number": (int, float), "string": (str,)}
+    unread = []
     for scope, names in SIGNALS.items():
-        for name in names:
-            s.value(targets[scope], name, now=T0 + 1)  # raises if a reader is broken
+        for name, spec in names.items():
+            value = s.value(targets[scope], name, now=T0 + 1)
+            if not isinstance(value, kinds[spec.kind]):
+                unread.append(f"{scope}.{name}={value!r} ({spec.kind})")
+    assert unread == []
+    assert s.value(GPU0, "xid_last_code", now=T0 + 1) == 79
+    assert s.value(targets["node"], "report_age_s", now=T0 + 1) == pytest.approx(1.0)
 
 
 def test_ib_port_state_codes_become_up_signals() -> None:

@@ -227,5 +227,9 @@ def test_oversized_conditions_are_clear_errors_not_recursion(src: str, reason: s
 def test_conditions_at_the_limits_parse_and_evaluate() -> None:
     deep = "(" * 16 + "temperature_celsius > 1" + ")" * 16
     chain = " or ".join(["temperature_celsius > 1"] * 70)  # 1,886 characters, 279 tokens
-    for src in (deep, chain, "temperature_celsius > 1e15", "increase(xid_total[1d]) > 0"):
-        compile_condition(parse_condition(src, "gpu"), "gpu")
+    hot, cold = _signals(temperature_celsius=50.0), _signals(temperature_celsius=0.5)
+    for src in (deep, chain):
+        assert (_holds(src, hot), _holds(src, cold)) == (True, False)
+    huge = ("temperature_celsius > 1e15", "temperature_celsius < 1e15")
+    assert [_holds(src, hot) for src in huge] == [False, True]
+    assert _holds("increase(xid_total[1d]) > 0", hot) is False
