@@ -14,13 +14,14 @@ import contextlib
 import itertools
 import json
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tests.fakes.api_server import serve
 from trainguard.clock import SYSTEM_CLOCK, Clock, FakeClock
 from trainguard.controller.api import create_app
-from trainguard.controller.auth import TokenStore
+from trainguard.controller.auth import Role, TokenStore
 from trainguard.controller.errors import BadRequest, Conflict, NotFound
 from trainguard.controller.views import (
     ActionView,
@@ -344,25 +345,26 @@ class SeenRequest:
 class FakeController:
     """A FakeService (its clock: the system clock) behind the real API on 127.0.0.1.
 
-    Tokens: `agent_token` (role agent), OPERATOR_TOKEN and VIEWER_TOKEN. Set `forced_status`
+    Tokens: `agent_token` (role agent, actor "agents") and `people`, {token: (actor, role)}
+    (default: OPERATOR_TOKEN for "ops", VIEWER_TOKEN for "viewer"). Set `forced_status`
     to answer every request with that status (an error body, nothing ingested) until it is
     None again. `stop()` then `start()` is a controller outage; the port stays the same."""
 
     def __init__(
-        self, *, agent_token: str = AGENT_TOKEN, service: FakeService | None = None
+        self,
+        *,
+        agent_token: str = AGENT_TOKEN,
+        people: Mapping[str, tuple[str, Role]] | None = None,
+        service: FakeService | None = None,
     ) -> None:
         self.service = service if service is not None else FakeService(clock=SYSTEM_CLOCK)
         self.agent_token = agent_token
         self.forced_status: int | None = None
         self.requests: list[SeenRequest] = []
         self.port = 0
-        tokens = TokenStore.from_plaintext(
-            {
-                agent_token: ("agents", "agent"),
-                OPERATOR_TOKEN: ("ops", "operator"),
-                VIEWER_TOKEN: ("viewer", "viewer"),
-            }
-        )
+        if people is None:
+            people = {OPERATOR_TOKEN: ("ops", "operator"), VIEWER_TOKEN: ("viewer", "viewer")}
+        tokens = TokenStore.from_plaintext({agent_token: ("agents", "agent"), **people})
         self._app = create_app(self.service, tokens=tokens, max_body_bytes=4 * 1024 * 1024)
         self._serving: contextlib.ExitStack | None = None
         self.start()
