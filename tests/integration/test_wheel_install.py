@@ -281,7 +281,7 @@ def test_controller_agent_and_agentctl_from_the_wheel(installed: Installed) -> N
         def xid_line() -> str | None:
             text = httpx.get(f"http://127.0.0.1:{port.group(1)}/metrics", timeout=5).text
             hits = [ln for ln in text.splitlines() if ln.startswith("trainguard_gpu_xid")]
-            hits = [ln for ln in hits if 'code="79"' in ln]
+            hits = [ln for ln in hits if 'xid="79"' in ln]
             return hits[0] if hits else None
 
         wait_for(lambda: xid_line() is not None, timeout_s=30, what="the XID 79 counter")
