@@ -128,7 +128,7 @@ class JobPolicy:
             resolved = os.path.realpath(os.path.join(base, program))
             allowed = [os.path.realpath(p) for p in self.allowed_paths]
             if not any(is_under(resolved, p) for p in allowed):
-                shown = program if resolved == program else f"{program!r} (= {resolved})"
+                shown = repr(program) if resolved == program else f"{program!r} (= {resolved})"
                 raise JobRefused(
                     f"program {shown} is not under jobs.allowed_paths "
                     f"({', '.join(self.allowed_paths)})"
