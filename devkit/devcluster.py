@@ -423,6 +423,12 @@ class DevCluster:
                 "work_dir": str(d / "jobs"),
                 "control_dir": str(sock_dir),
                 "stop_grace_s": self.config.agent_stop_grace_s,
+                # A dev/test cluster on one machine, often run as root (CI, containers):
+                # its jobs may run as root. A real node sets jobs.run_as_user instead.
+                "allow_jobs_as_root": os.geteuid() == 0,
+                # The example training scripts and this environment's interpreter, so the
+                # allow-list is exercised by every demo and e2e run.
+                "allowed_paths": [str(REPO_ROOT / "examples"), sys.prefix],
             },
             "log": {"level": self.config.log_level},
         }
