@@ -10,6 +10,7 @@ the state needed to run step k+1; `resume()` returns k+1.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import faulthandler
 import logging
 import math
@@ -84,10 +85,15 @@ log = logging.getLogger("trainguard.trainer")
 NanPolicy = Literal["continue", "stop", "rollback"]
 _NAN_POLICIES = ("continue", "stop", "rollback")
 _HANDLED_IDS_MAX = 1024
-# Adaptive agreement: its cost stays under 0.5 % of a step, and requests, SIGTERM and NaN are
-# acted on within at most 20 steps (periodic checkpoint steps always agree).
+# Adaptive agreement: its cost stays under 0.5 % of a step, unless that would break the
+# reaction bound: stop, checkpoint requests, SIGTERM and NaN are acted on within
+# max(2 steps, _REACTION_BOUND_S). An event waits at most 2 intervals (one for the next
+# post, one for its collection), hence an interval of at most _REACTION_BOUND_S / 2.
 _SYNC_BUDGET = 0.005
-_MAX_SYNC_EVERY = 20
+_REACTION_BOUND_S = 1.0
+# nan_policy="continue" can see a non-finite loss at every step: one log line per rank at the
+# first, then at most one per this many seconds, with the count of those not logged.
+_NAN_LOG_EVERY_S = 60.0
 
 
 class Stateful(Protocol):
@@ -248,9 +254,12 @@ class Trainguard:
         self._bad_since_sync = False
         self._grad_norms: deque[float] = deque(maxlen=max(5, grad_spike_window))
         self._last_mono: float | None = None
-        self._next_sync: int | None = None  # None: the next step() call syncs
+        self._calls_to_sync = 0  # step() calls until the posted agreement is collected
         self._step_time_ema_s: float | None = None
+        self._nan_logged_at: float | None = None
+        self._nan_not_logged = 0
         self._agree_cost_s = 0.0
+        self._post_cost_s = 0.0
         self._last_step = 0
         # compute(): wall seconds of this step's blocks (CPU), or per step the CUDA event pairs
         # not yet read (the GPU may still be running them) plus the host time hooks blocked
@@ -288,6 +297,7 @@ class Trainguard:
     def resume(self, *, first_step: int = 0) -> int:
         """Load the newest good checkpoint (verified; S3 if none locally) and return the step
         to run next: checkpoint step + 1, or `first_step` when there is none."""
+        self._drain_agreement()
         self.writer.wait(self.checkpoint_timeout_s)
         found = self._agree_latest()
         if found is None:
@@ -339,22 +349,11 @@ class Trainguard:
         if step_time_s is not None:
             ema = self._step_time_ema_s
             self._step_time_ema_s = step_time_s if ema is None else 0.9 * ema + 0.1 * step_time_s
-        if self._is_sync_step(step):
-            t0 = self.clock.monotonic()
-            agreement = self.coord.agree(
-                LocalView(
-                    request=self._pending[0] if self._pending else None,
-                    sigterm=self._sigterm_at is not None,
-                    nonfinite=self._bad_since_sync,
-                    interval=self._propose_interval(),
-                )
-            )
-            self._agree_cost_s = self.clock.monotonic() - t0
-            self._bad_since_sync = False
-            self._next_sync = step + agreement.interval
+        agreement = self._agreement(step)
+        if agreement is not None:
             action = self._act(step, agreement)
-            if action.rollback:
-                self._next_sync = None
+            if not action.stop:
+                self._post(agreement.interval)
         phase: HeartbeatPhase = "stopping" if action.stop else "train"
         self._send(
             step=step,
@@ -419,6 +418,7 @@ class Trainguard:
         if self._closed:
             return
         self._closed = True
+        self._drain_agreement()
         timeout_s = self.checkpoint_timeout_s
         if self._sigterm_at is not None:
             timeout_s = max(0.0, self._sigterm_at + self.sigterm_grace_s - self.clock.monotonic())
@@ -445,12 +445,60 @@ class Trainguard:
 
     # --- per-step pieces ------------------------------------------------------------------
 
-    def _is_sync_step(self, step: int) -> bool:
-        # Depends only on the step number and on values every rank agreed on, so all ranks
-        # join the same collectives at the same steps.
-        if self._next_sync is None or step >= self._next_sync or self._is_periodic(step):
-            return True
-        return step < self._next_sync - _MAX_SYNC_EVERY  # the loop moved backwards
+    def _view(self) -> LocalView:
+        """This rank's view for the next agreement; the non-finite flag restarts with it."""
+        view = LocalView(
+            request=self._pending[0] if self._pending else None,
+            sigterm=self._sigterm_at is not None,
+            nonfinite=self._bad_since_sync,
+            interval=self._propose_interval(),
+            max_interval=self._max_interval(),
+        )
+        self._bad_since_sync = False
+        return view
+
+    def _agreement(self, step: int) -> Agreement | None:
+        """The agreement to act on at this step, or None between agreements.
+
+        Single process: the local view, every step. Distributed: the agreement posted
+        `interval` step() calls ago is collected now (its all_reduce ran during the steps in
+        between), and the next one is posted after acting. Which calls collect depends only
+        on the step number, the call count and agreed values, so all ranks join the same
+        collectives at the same steps. A step that checkpoints (periodic, requested, SIGTERM)
+        also agrees on the state at this very step, so no rank saves a non-finite state
+        another rank saw a moment ago."""
+        if not self.coord.distributed:
+            return self.coord.agree(self._view())
+        self._calls_to_sync -= 1
+        periodic = self._is_periodic(step)
+        if not self.coord.in_flight:  # the first step, or after resume()
+            return self.coord.agree(self._view())
+        if self._calls_to_sync > 0 and not periodic:
+            return None
+        t0 = self.clock.monotonic()
+        ag = self.coord.finish()
+        self._agree_cost_s = self.clock.monotonic() - t0 + self._post_cost_s
+        if periodic or ag.sigterm or ag.action in ("checkpoint", "checkpoint_stop"):
+            now = self.coord.agree(self._view())
+            ag = dataclasses.replace(
+                ag, sigterm=ag.sigterm or now.sigterm, nonfinite=ag.nonfinite or now.nonfinite
+            )
+        return ag
+
+    def _post(self, interval: int) -> None:
+        """Distributed: start the next agreement; it is collected `interval` calls later."""
+        if not self.coord.distributed:
+            return
+        t0 = self.clock.monotonic()
+        self.coord.start(self._view())
+        self._post_cost_s = self.clock.monotonic() - t0
+        self._calls_to_sync = interval
+
+    def _drain_agreement(self) -> None:
+        """Collect a posted agreement nobody will act on (resume, close): every rank posted
+        it at the same step, so every rank drains it."""
+        if self.coord.in_flight:
+            self.coord.finish()
 
     def _propose_interval(self) -> int:
         """Steps until the next agreement: fixed `sync_every`, or adaptive so that the
@@ -460,8 +508,17 @@ class Trainguard:
         step_s = self._step_time_ema_s
         if not step_s or not self.coord.distributed:
             return 1
-        need = math.ceil(self._agree_cost_s / (_SYNC_BUDGET * step_s))
-        return max(1, min(_MAX_SYNC_EVERY, need))
+        return max(1, math.ceil(self._agree_cost_s / (_SYNC_BUDGET * step_s)))
+
+    def _max_interval(self) -> int | None:
+        """The reaction bound: an event waits at most two intervals, so an interval may span
+        at most half of `_REACTION_BOUND_S` (and always one step). None with `sync_every`."""
+        if self.sync_every is not None:
+            return None
+        step_s = self._step_time_ema_s
+        if not step_s:
+            return 1
+        return max(1, int(_REACTION_BOUND_S / 2 / step_s))
 
     def _is_periodic(self, step: int) -> bool:
         return self.checkpoint_every > 0 and step > 0 and step % self.checkpoint_every == 0
@@ -766,6 +823,7 @@ class Trainguard:
             return StepAction(stop=True, reason="nan_no_checkpoint")
         good, manifest = found
         self._load(good, manifest)
+        self._bad_since_sync = False  # what was seen since came from the state just replaced
         if self.skip_batches and self.sampler is not None and hasattr(self.sampler, "mark_step"):
             self.sampler.mark_step(self.skip_batches)
         self._grad_norms.clear()
@@ -789,15 +847,23 @@ class Trainguard:
         if bad:
             self._bad_since_sync = True
             self._events.append(("nan_loss", {"step": step, "loss": loss, "grad_norm": grad_norm}))
+            now = self.clock.monotonic()
+            if self._nan_logged_at is not None and now - self._nan_logged_at < _NAN_LOG_EVERY_S:
+                self._nan_not_logged += 1
+                return
             log.error(
-                "event=nan_loss job=%s rank=%d step=%d loss=%r grad_norm=%r policy=%s",
+                "event=nan_loss job=%s rank=%d step=%d loss=%r grad_norm=%r policy=%s "
+                "not_logged_since_last=%d",
                 self.job,
                 self.rank,
                 step,
                 loss,
                 grad_norm,
                 self.nan_policy,
+                self._nan_not_logged,
             )
+            self._nan_logged_at = now
+            self._nan_not_logged = 0
             return
         if grad_norm is None or self.grad_spike_factor is None:
             return

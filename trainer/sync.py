@@ -1,11 +1,13 @@
 """Agreement between ranks: every rank acts on a request, a SIGTERM or a NaN at the same step.
 
-At each sync step all ranks join one small all_reduce(MAX) on a dedicated gloo group:
-[lowest rank holding a pending request (encoded), sigterm seen, non-finite seen, proposed
-steps until the next sync]. If any rank
-holds a request, the lowest such rank broadcasts its (action, request_id) and everyone acts on
-it at this step. Every rank joins the same collectives at the same steps whatever it received,
-so a request that reached only some ranks never leaves anyone waiting.
+An agreement is one small all_reduce(MAX) on a dedicated gloo group: [lowest rank holding a
+pending request (encoded), sigterm seen, non-finite seen, proposed interval (the largest
+wins), minus the longest interval this rank allows (the smallest wins)]. If any rank holds a
+request, the lowest such rank broadcasts its (action, request_id) and everyone acts on it.
+`start()` posts the all_reduce without waiting and `finish()` collects it later (the caller
+collects at the same step on every rank), so the collective's latency overlaps the training
+step; `agree()` is both at once. Every rank joins the same collectives at the same steps
+whatever it received, so a request that reached only some ranks never leaves anyone waiting.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ __all__ = [
 ]
 
 REQUEST_ID_MAX_BYTES = 256
+_NO_CAP = 1 << 40
 ACTION_CODES = {"checkpoint": 1, "stop": 2, "checkpoint_stop": 3}
 _ACTIONS = {v: k for k, v in ACTION_CODES.items()}
 
@@ -40,6 +43,7 @@ class LocalView:
     sigterm: bool
     nonfinite: bool
     interval: int = 1  # steps until the next sync this rank proposes (the max wins)
+    max_interval: int | None = None  # the most steps this rank allows (the min wins); None: any
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,13 @@ class Coordinator(Protocol):
     world_size: int
     distributed: bool
 
+    @property
+    def in_flight(self) -> bool: ...
+
+    def start(self, view: LocalView) -> None: ...
+
+    def finish(self) -> Agreement: ...
+
     def agree(self, view: LocalView) -> Agreement: ...
 
     def broadcast_int(self, value: int, *, checkpoint_group: bool = False) -> int: ...
@@ -74,15 +85,34 @@ class LocalCoordinator:
     world_size = 1
     distributed = False
 
-    def agree(self, view: LocalView) -> Agreement:
+    def __init__(self) -> None:
+        self._posted: LocalView | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._posted is not None
+
+    def start(self, view: LocalView) -> None:
+        if self._posted is not None:
+            raise RuntimeError("an agreement is already in flight")
+        self._posted = view
+
+    def finish(self) -> Agreement:
+        view, self._posted = self._posted, None
+        if view is None:
+            raise RuntimeError("no agreement in flight")
         action, rid = view.request if view.request else (None, None)
         return Agreement(
             action=action,
             request_id=rid,
             sigterm=view.sigterm,
             nonfinite=view.nonfinite,
-            interval=view.interval,
+            interval=_interval(view.interval, view.max_interval),
         )
+
+    def agree(self, view: LocalView) -> Agreement:
+        self.start(view)
+        return self.finish()
 
     def broadcast_int(self, value: int, *, checkpoint_group: bool = False) -> int:
         return value
@@ -110,14 +140,34 @@ class DistCoordinator:
         self.world_size = dist.get_world_size()
         self.sync_group: Any = dist.new_group(backend="gloo")
         self.ckpt_group: Any = dist.new_group(backend="gloo")
+        self._posted: tuple[LocalView, torch.Tensor, Any] | None = None
 
-    def agree(self, view: LocalView) -> Agreement:
+    @property
+    def in_flight(self) -> bool:
+        return self._posted is not None
+
+    def start(self, view: LocalView) -> None:
+        """Post this rank's view (non-blocking); nothing else may use the sync group until
+        `finish()`."""
+        if self._posted is not None:
+            raise RuntimeError("an agreement is already in flight")
         code = self.world_size - self.rank if view.request else 0
+        # MAX of the negated cap is minus the smallest cap: one all_reduce carries both.
+        cap = -(view.max_interval if view.max_interval is not None else _NO_CAP)
         flags = torch.tensor(
-            [code, int(view.sigterm), int(view.nonfinite), view.interval], dtype=torch.int64
+            [code, int(view.sigterm), int(view.nonfinite), view.interval, cap], dtype=torch.int64
         )
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.sync_group)
-        top, sigterm, nonfinite, interval = (int(x) for x in flags.tolist())
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.sync_group, async_op=True)
+        self._posted = (view, flags, work)
+
+    def finish(self) -> Agreement:
+        """Wait for the posted all_reduce; then, if a rank holds a request, its broadcast."""
+        if self._posted is None:
+            raise RuntimeError("no agreement in flight")
+        view, flags, work = self._posted
+        self._posted = None
+        work.wait()
+        top, sigterm, nonfinite, interval, neg_cap = (int(x) for x in flags.tolist())
         action: str | None = None
         rid: str | None = None
         if top > 0:
@@ -136,8 +186,12 @@ class DistCoordinator:
             request_id=rid,
             sigterm=bool(sigterm),
             nonfinite=bool(nonfinite),
-            interval=interval,
+            interval=_interval(interval, None if -neg_cap >= _NO_CAP else -neg_cap),
         )
+
+    def agree(self, view: LocalView) -> Agreement:
+        self.start(view)
+        return self.finish()
 
     def broadcast_int(self, value: int, *, checkpoint_group: bool = False) -> int:
         t = torch.tensor([value], dtype=torch.int64)
@@ -169,3 +223,8 @@ class DistCoordinator:
             json.loads(b[: int(n.item())].numpy().tobytes().decode())
             for b, n in zip(bufs, lengths, strict=True)
         ]
+
+
+def _interval(proposed: int, cap: int | None) -> int:
+    """The agreed interval: the largest proposal, within the smallest cap, at least 1."""
+    return max(1, proposed if cap is None else min(proposed, cap))
