@@ -119,7 +119,8 @@ class HeartbeatConfig:
     # world-writable socket would let any local user forge a rank's heartbeat (a NaN, a
     # stall). Training jobs get access by running in `socket_group` (docs/agent.md).
     socket_mode: str = "0660"
-    # Group that owns the socket (name or number); empty = the agent's own group.
+    # Group that owns the socket (name or number); empty = the agent's own group, or the
+    # primary group of jobs.run_as_user when jobs run as that user (its ranks must send).
     socket_group: str = ""
     # A rank silent this long, seconds, is forgotten (its metrics disappear). Long enough
     # that a rank inside a multi-minute checkpoint or eval is still reported as silent
