@@ -150,6 +150,11 @@ class JobPolicy:
     def startup_warnings(self) -> list[str]:
         """What an operator must hear about at agent start (logged as WARNING)."""
         out = []
+        if self.user is None:
+            out.append(
+                "event=jobs_refused reason=agent_is_root_and_jobs.run_as_user_is_empty "
+                "hint=set_jobs.run_as_user"
+            )
         if self.user is not None and self.user.uid == 0:
             out.append(
                 "event=jobs_run_as_root hint=jobs.allow_jobs_as_root_is_set "

@@ -81,6 +81,8 @@ def test_root_agent_without_run_as_user_refuses_every_job_naming_the_settings() 
     assert "jobs.run_as_user" in refusal and "jobs.allow_jobs_as_root" in refusal
     with pytest.raises(JobRefused, match=r"jobs\.run_as_user"):
         check(JobPolicy(user=None, refusal=refusal))
+    warnings = JobPolicy(user=None, refusal=refusal).startup_warnings()
+    assert [w.split()[0] for w in warnings] == ["event=jobs_refused"]
 
 
 def test_root_agent_with_allow_jobs_as_root_runs_jobs_as_itself_and_says_so() -> None:
