@@ -88,9 +88,12 @@ _HANDLED_IDS_MAX = 1024
 # Adaptive agreement: its cost stays under 0.5 % of a step, unless that would break the
 # reaction bound: stop, checkpoint requests, SIGTERM and NaN are acted on within
 # max(2 steps, _REACTION_BOUND_S). An event waits at most 2 intervals (one for the next
-# post, one for its collection), hence an interval of at most _REACTION_BOUND_S / 2.
+# post, one for its collection), hence an interval of at most _REACTION_BOUND_S / 2 of
+# steps, of which _REACTION_MARGIN is used: the step time is an average, and the steps of
+# the next two intervals may be slower than it.
 _SYNC_BUDGET = 0.005
 _REACTION_BOUND_S = 1.0
+_REACTION_MARGIN = 0.8
 # nan_policy="continue" can see a non-finite loss at every step: one log line per rank at the
 # first, then at most one per this many seconds, with the count of those not logged.
 _NAN_LOG_EVERY_S = 60.0
@@ -512,13 +515,14 @@ class Trainguard:
 
     def _max_interval(self) -> int | None:
         """The reaction bound: an event waits at most two intervals, so an interval may span
-        at most half of `_REACTION_BOUND_S` (and always one step). None with `sync_every`."""
+        at most half of `_REACTION_BOUND_S` (with a margin; always one step). None with a
+        fixed `sync_every`."""
         if self.sync_every is not None:
             return None
         step_s = self._step_time_ema_s
         if not step_s:
             return 1
-        return max(1, int(_REACTION_BOUND_S / 2 / step_s))
+        return max(1, int(_REACTION_MARGIN * _REACTION_BOUND_S / 2 / step_s))
 
     def _is_periodic(self, step: int) -> bool:
         return self.checkpoint_every > 0 and step > 0 and step % self.checkpoint_every == 0
