@@ -12,12 +12,20 @@ and action paths do not need. Foreign keys are on so a timeline never outlives i
 
 Thread safety: one connection guarded by a re-entrant lock; `transaction()` holds it for a
 whole BEGIN IMMEDIATE ... COMMIT so multi-statement changes are atomic.
+
+Staying small: the `expire_*` methods delete one bounded batch of old rows each (one
+transaction, so the API and the tick wait for one batch at most), `incremental_vacuum` gives
+free pages back to the filesystem (the file is `auto_vacuum=INCREMENTAL`; an older file is
+switched once at open, see `_switch_to_incremental_vacuum`) and `checkpoint_wal` empties the
+-wal file. controller/maintenance.py decides when and how much.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import os
 import sqlite3
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -33,6 +41,8 @@ from trainguard.controller.views import (
     SilenceView,
     TimelineEntry,
 )
+
+log = logging.getLogger("trainguard.controller")
 
 
 class StoreError(RuntimeError):
@@ -247,15 +257,47 @@ def _migration_3(c: sqlite3.Connection) -> None:
     _run_script(c, "ALTER TABLE commands ADD COLUMN data TEXT NOT NULL DEFAULT '{}'")
 
 
+def _migration_4(c: sqlite3.Connection) -> None:
+    """Indexes the retention deletes walk oldest-first (events by arrival, finished commands,
+    the audit log by time). The switch of an older file to auto_vacuum=INCREMENTAL goes with
+    this version but runs after the transaction (VACUUM cannot run inside one): see
+    `Store._switch_to_incremental_vacuum`."""
+    _run_script(
+        c,
+        """
+        CREATE INDEX IF NOT EXISTS events_by_received ON events (received_at);
+        CREATE INDEX IF NOT EXISTS commands_done ON commands (done_at) WHERE done_at IS NOT NULL;
+        CREATE INDEX IF NOT EXISTS audit_by_ts ON audit_log (ts)
+        """,
+    )
+
+
 # Migration N (index N-1) takes a database at version N-1 to version N. Append only.
 MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
     _migration_1,
     _migration_2,
     _migration_3,
+    _migration_4,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
 TERMINAL_ACTION_STATES = ("succeeded", "failed", "skipped")
+AUTO_VACUUM_INCREMENTAL = 2  # PRAGMA auto_vacuum's value for INCREMENTAL
+
+# What a resolved incident must not be deleted with: a step not in a final state, the step
+# that began a job's current attempt (the job attributes its attempt to that incident), a
+# circuit breaker's incident, a drain of a node still out of service (undrain and the
+# correlation of later faults look that drain up).
+_INCIDENT_EXPIRED = """
+    i.state = 'resolved' AND COALESCE(i.resolved_at, i.updated_at) < :cutoff
+    AND NOT EXISTS (SELECT 1 FROM actions a WHERE a.incident_id = i.id
+                    AND a.state NOT IN ('succeeded', 'failed', 'skipped'))
+    AND NOT EXISTS (SELECT 1 FROM actions a JOIN jobs j ON j.attempt_key = a.idempotency_key
+                    WHERE a.incident_id = i.id)
+    AND NOT EXISTS (SELECT 1 FROM breakers b WHERE b.incident_id = i.id)
+    AND NOT EXISTS (SELECT 1 FROM actions a JOIN nodes n ON n.name = a.target
+                    WHERE a.incident_id = i.id AND a.kind = 'drain' AND n.state != 'active')
+"""
 
 
 # --- records --------------------------------------------------------------------------------
@@ -451,10 +493,14 @@ class Store:
         try:
             if existed:
                 verify_connection(self._conn, self.path)
+            # takes effect at once on a new file (before its first table); an older file is
+            # switched by the VACUUM in _switch_to_incremental_vacuum
+            self._conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
             self._conn.execute("PRAGMA journal_mode=WAL")
             self._conn.execute("PRAGMA synchronous=NORMAL")
             self._conn.execute("PRAGMA foreign_keys=ON")
             self._migrate()
+            self._switch_to_incremental_vacuum()
         except StoreError:
             self._conn.close()
             raise
@@ -530,6 +576,185 @@ class Store:
             for n in range(version, SCHEMA_VERSION):
                 MIGRATIONS[n](c)
                 c.execute("UPDATE schema_version SET version = ?", (n + 1,))
+
+    def _switch_to_incremental_vacuum(self) -> None:
+        """Rewrite a file made before schema version 4 once (VACUUM) so that it is
+        auto_vacuum=INCREMENTAL: without it, pages freed by retention are reused but the file
+        never shrinks. The rewrite needs free disk about the file's size and takes seconds per
+        GB; if it fails (a full disk, the very case retention is for) the controller starts
+        anyway and tries again at the next start."""
+        if self.auto_vacuum_mode() == AUTO_VACUUM_INCREMENTAL:
+            return
+        with self._lock:
+            try:
+                self._conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
+                self._conn.execute("VACUUM")
+            except sqlite3.OperationalError as e:
+                log.warning("event=store_vacuum_switch_failed store=%s error=%s", self.path, e)
+                return
+        log.info("event=store_vacuum_switched store=%s auto_vacuum=incremental", self.path)
+
+    def auto_vacuum_mode(self) -> int:
+        """PRAGMA auto_vacuum: 0 none, 1 full, 2 incremental."""
+        return int(self._query("PRAGMA auto_vacuum")[0][0])
+
+    # --- size: retention, vacuum, WAL checkpoint --------------------------------------------
+
+    def expire_events(self, *, now: float, max_age_s: float, limit: int) -> int:
+        """Delete up to `limit` events received more than `max_age_s` before `now`, oldest
+        first, in one transaction; returns how many. Kept whatever their age: the events of a
+        node with an unresolved incident received within `max_age_s` before that incident
+        opened (its evidence: the age counts from the opening while it is unresolved), and
+        each node's newest event of its current agent instance (the high-water mark a restarted
+        controller acknowledges from, `max_event_id`)."""
+        with self.transaction() as c:
+            cur = c.execute(
+                """
+                DELETE FROM events WHERE id IN (
+                    SELECT e.id FROM events e LEFT JOIN (
+                        SELECT node, MIN(opened_at) - :age AS since FROM incidents
+                        WHERE state != 'resolved' AND node IS NOT NULL GROUP BY node
+                    ) h ON h.node = e.node
+                    WHERE e.received_at < :cutoff
+                    AND (h.node IS NULL OR e.received_at < h.since)
+                    AND NOT EXISTS (
+                        SELECT 1 FROM nodes n WHERE n.name = e.node AND n.instance = e.instance
+                        AND NOT EXISTS (
+                            SELECT 1 FROM events m WHERE m.node = e.node
+                            AND m.instance = e.instance AND m.event_id > e.event_id
+                        )
+                    )
+                    ORDER BY e.received_at LIMIT :limit
+                )
+                """,
+                {"age": max_age_s, "cutoff": now - max_age_s, "limit": limit},
+            )
+            return cur.rowcount
+
+    def expire_commands(self, *, now: float, max_age_s: float, limit: int) -> int:
+        """Delete up to `limit` finished commands whose result came more than `max_age_s`
+        before `now`; a command still waiting for its result is never deleted."""
+        with self.transaction() as c:
+            cur = c.execute(
+                "DELETE FROM commands WHERE id IN (SELECT id FROM commands"
+                " WHERE done_at IS NOT NULL AND done_at < ? ORDER BY done_at LIMIT ?)",
+                (now - max_age_s, limit),
+            )
+            return cur.rowcount
+
+    def expire_incidents(self, *, now: float, max_age_s: float, limit: int) -> dict[str, int]:
+        """Delete resolved incidents resolved more than `max_age_s` before `now`, each with its
+        timeline and actions, in one transaction of about `limit` rows (whole incidents: one
+        larger than `limit` goes alone). Never an unresolved incident, nor one holding a step
+        that is not final (see _INCIDENT_EXPIRED). Returns rows deleted per table."""
+        with self.transaction() as c:
+            rows = c.execute(
+                f"""
+                SELECT i.id,
+                    (SELECT COUNT(*) FROM incident_timeline t WHERE t.incident_id = i.id)
+                    + (SELECT COUNT(*) FROM actions a WHERE a.incident_id = i.id) + 1
+                FROM incidents i WHERE {_INCIDENT_EXPIRED} ORDER BY i.id LIMIT :limit
+                """,  # noqa: S608 (a constant of this module)
+                {"cutoff": now - max_age_s, "limit": limit},
+            ).fetchall()
+            ids: list[int] = []
+            total = 0
+            for incident_id, n in rows:
+                if ids and total + int(n) > limit:
+                    break
+                ids.append(int(incident_id))
+                total += int(n)
+            if not ids:
+                return {"incidents": 0, "incident_timeline": 0, "actions": 0}
+            chosen = (_json(ids),)
+            timeline = c.execute(
+                "DELETE FROM incident_timeline WHERE incident_id IN"
+                " (SELECT value FROM json_each(?))",
+                chosen,
+            ).rowcount
+            actions = c.execute(
+                "DELETE FROM actions WHERE incident_id IN (SELECT value FROM json_each(?))",
+                chosen,
+            ).rowcount
+            incidents = c.execute(
+                "DELETE FROM incidents WHERE id IN (SELECT value FROM json_each(?))", chosen
+            ).rowcount
+        return {"incidents": incidents, "incident_timeline": timeline, "actions": actions}
+
+    def expire_operator_actions(self, *, now: float, max_age_s: float, limit: int) -> int:
+        """Delete up to `limit` steps of no incident (operator drains, job submissions and
+        restarts) in a final state, last changed more than `max_age_s` before `now`. Kept: the
+        step that began a job's current attempt and a drain of a node still out of service."""
+        with self.transaction() as c:
+            cur = c.execute(
+                """
+                DELETE FROM actions WHERE id IN (
+                    SELECT a.id FROM actions a
+                    WHERE a.incident_id IS NULL AND a.state IN ('succeeded', 'failed', 'skipped')
+                    AND a.updated_at < ?
+                    AND NOT EXISTS (SELECT 1 FROM jobs j WHERE j.attempt_key = a.idempotency_key)
+                    AND NOT (a.kind = 'drain' AND EXISTS (
+                        SELECT 1 FROM nodes n WHERE n.name = a.target AND n.state != 'active'))
+                    ORDER BY a.id LIMIT ?
+                )
+                """,
+                (now - max_age_s, limit),
+            )
+            return cur.rowcount
+
+    def expire_audit(self, *, now: float, max_age_s: float, limit: int) -> int:
+        """Delete up to `limit` audit entries older than `max_age_s` before `now`."""
+        with self.transaction() as c:
+            cur = c.execute(
+                "DELETE FROM audit_log WHERE id IN"
+                " (SELECT id FROM audit_log WHERE ts < ? ORDER BY ts LIMIT ?)",
+                (now - max_age_s, limit),
+            )
+            return cur.rowcount
+
+    def page_counts(self) -> tuple[int, int]:
+        """(pages in the file, of which free): what incremental_vacuum can give back."""
+        with self._lock:
+            pages = int(self._conn.execute("PRAGMA page_count").fetchone()[0])
+            free = int(self._conn.execute("PRAGMA freelist_count").fetchone()[0])
+        return pages, free
+
+    def incremental_vacuum(self, *, pages: int) -> int:
+        """Give up to `pages` free pages back to the filesystem; returns how many went.
+        In WAL mode the file itself shrinks at the next checkpoint."""
+        if pages < 1:
+            return 0
+        with self._lock:
+            if self._conn.in_transaction:
+                raise RuntimeError("incremental_vacuum inside a transaction")
+            before = int(self._conn.execute("PRAGMA freelist_count").fetchone()[0])
+            # executescript steps the pragma to the end; execute() would free a single page
+            self._conn.executescript(f"PRAGMA incremental_vacuum({int(pages)})")
+            after = int(self._conn.execute("PRAGMA freelist_count").fetchone()[0])
+        return before - after
+
+    def checkpoint_wal(self, *, mode: str = "TRUNCATE") -> tuple[bool, int, int]:
+        """PRAGMA wal_checkpoint(mode): (busy, frames in the WAL, frames checkpointed).
+        TRUNCATE copies every frame into the file and cuts the -wal file to 0 bytes; with this
+        store's one connection held by the lock, nothing in this process can be reading or
+        writing meanwhile, so only another process (a backup) can make it busy."""
+        if mode not in ("PASSIVE", "FULL", "RESTART", "TRUNCATE"):
+            raise ValueError(f"unknown checkpoint mode {mode!r}")
+        with self._lock:
+            row = self._conn.execute(f"PRAGMA wal_checkpoint({mode})").fetchone()
+        return bool(row[0]), int(row[1]), int(row[2])
+
+    def file_sizes(self) -> tuple[int, int]:
+        """(bytes of the database file, bytes of its -wal file); 0 for what does not exist."""
+        if self.path == ":memory:":
+            return 0, 0
+        sizes = []
+        for name in (self.path, self.path + "-wal"):
+            try:
+                sizes.append(os.stat(name).st_size)
+            except OSError:
+                sizes.append(0)
+        return sizes[0], sizes[1]
 
     # --- nodes ------------------------------------------------------------------------------
 
