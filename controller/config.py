@@ -293,6 +293,81 @@ class JobsConfig:
             raise Invalid("spare_wait_s", f"must be >= 0, got {self.spare_wait_s}")
 
 
+_DAY_S = 86400.0
+
+
+@dataclass(frozen=True)
+class RetentionConfig:
+    """How long the store keeps each kind of row, in days; 0 keeps it forever. Older rows are
+    deleted by the maintenance job (controller/maintenance.py), never what an open incident
+    or an unfinished step still needs (docs/controller.md, "Retention")."""
+
+    # Agent events (XIDs, NaN, exits, command results), days after the controller received
+    # them. 14: two weeks covers looking back over a recurring fault; the incident timeline
+    # keeps what a decision was based on. While a node has an unresolved incident, its events
+    # age from the incident's opening, so its evidence stays.
+    events_days: float = 14.0
+    # Agent commands, days after their result came back (a command still waiting for its
+    # result is never deleted). 14: as long as the events that carried the results.
+    commands_days: float = 14.0
+    # Resolved incidents with their timelines and actions, days after they resolved. 90: a
+    # quarter of history for MTTR and recurring-node reviews. Unresolved incidents, and
+    # incidents with a step not in a final state, are never deleted.
+    incidents_days: float = 90.0
+    # Finished steps of no incident (operator drains, job submissions and restarts), days
+    # after their last change. 90: as long as the incidents they stand beside.
+    operator_actions_days: float = 90.0
+    # Audit log (who did what through the API), days. 180: the longest, because it answers
+    # "who drained this node" in reviews and access audits long after the fact.
+    audit_days: float = 180.0
+    # Rows deleted per transaction. 5,000 small rows take a few ms, so the API and the tick
+    # wait that long at most for the store while retention runs.
+    batch_rows: int = 5000
+
+    def __post_init__(self) -> None:
+        for name in (
+            "events_days",
+            "commands_days",
+            "incidents_days",
+            "operator_actions_days",
+            "audit_days",
+        ):
+            if getattr(self, name) < 0:
+                raise Invalid(name, f"must be >= 0 (0 keeps forever), got {getattr(self, name)}")
+        if not 1 <= self.batch_rows <= 100_000:
+            raise Invalid("batch_rows", f"must be within 1..100000, got {self.batch_rows}")
+
+    def max_age_s(self, table: str) -> float | None:
+        """Seconds rows of `table` (events, commands, incidents, operator_actions, audit) are
+        kept; None: forever."""
+        days = float(getattr(self, f"{table}_days"))
+        return None if days == 0 else days * _DAY_S
+
+
+@dataclass(frozen=True)
+class MaintenanceConfig:
+    """The store's maintenance jobs: retention with incremental vacuum, and WAL checkpoints."""
+
+    # false: no job runs and the store grows without bound (a test or a short-lived demo).
+    enabled: bool = True
+    # Seconds between retention runs (each followed by an incremental vacuum). 3600: a
+    # 2,048-node cluster adds a few thousand rows an hour, one or two batches' worth.
+    retention_interval_s: float = 3600.0
+    # Free pages given back to the filesystem per retention run (4 KiB each). 65536 = 256 MiB:
+    # more than an hour of deletions frees, while bounding the I/O of one run.
+    vacuum_max_pages: int = 65536
+    # Seconds between WAL checkpoints that truncate the -wal file to 0 bytes. 300: SQLite's
+    # own checkpoints keep the WAL near 4 MiB but never shrink it after a burst.
+    checkpoint_interval_s: float = 300.0
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
+
+    def __post_init__(self) -> None:
+        _positive("retention_interval_s", self.retention_interval_s)
+        _positive("checkpoint_interval_s", self.checkpoint_interval_s)
+        if self.vacuum_max_pages < 0:
+            raise Invalid("vacuum_max_pages", f"must be >= 0, got {self.vacuum_max_pages}")
+
+
 @dataclass(frozen=True)
 class LogConfig:
     level: Literal["debug", "info", "warning", "error"] = "info"
@@ -301,6 +376,7 @@ class LogConfig:
 @dataclass(frozen=True)
 class ControllerConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
+    maintenance: MaintenanceConfig = field(default_factory=MaintenanceConfig)
     # Rule files or directories (every *.yaml inside); default: the shipped rules.
     rules: list[str] = field(default_factory=default_rules_paths)
     # XID classification table (fatal / application / informational); empty = the shipped one.
@@ -358,8 +434,10 @@ __all__ = [
     "ControllerConfig",
     "JobsConfig",
     "LogConfig",
+    "MaintenanceConfig",
     "NotifyConfig",
     "PagerDutyConfig",
+    "RetentionConfig",
     "SafetyConfig",
     "Secret",
     "SlackConfig",

@@ -38,6 +38,7 @@ from trainguard.controller.config import ControllerConfig
 from trainguard.controller.incidents import IncidentManager
 from trainguard.controller.jobs import JobManager, JobSpec
 from trainguard.controller.livestate import LiveState
+from trainguard.controller.maintenance import MaintenanceScheduler
 from trainguard.controller.metrics import ControllerMetrics
 from trainguard.controller.model import Decision
 from trainguard.controller.operations import OperatorService
@@ -215,6 +216,9 @@ class Controller:
             metrics=self.metrics,
             wake=wake,
         )
+        self.maintenance = MaintenanceScheduler(
+            store=self.store, config=config.maintenance, metrics=self.metrics, clock=clock
+        )
         self.runner.recover(now=clock.now())
         self.ticker.update_gauges(clock.now())
 
@@ -230,14 +234,16 @@ class Controller:
     # --- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the tick thread and the action worker thread."""
+        """Start the tick thread, the action worker thread and the store maintenance jobs."""
         if self.ticker.running:
             return
         self.ticker.start()
+        self.maintenance.start()
         log.info("event=controller_started store=%s rules=%d", self.store.path, self.rule_count)
 
     def stop(self) -> None:
         """Stop the threads, flush freshness, close the store."""
+        self.maintenance.stop()
         self.ticker.stop()
         self.live.flush()
         self.store.close()

@@ -4,7 +4,7 @@ in names, counters end in `_total`; every label has a bounded set of values."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -22,6 +22,9 @@ PHASE_BUCKETS_S = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600
 # Steps of work lost per recovery: 0-1 with a proactive checkpoint, up to the save interval.
 LOST_STEPS_BUCKETS = (0.0, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0)
 DEFAULT_SPARE_POOL = "default"  # spares whose node has no `pool` label
+# The store's tables retention deletes from, and the maintenance jobs (controller/maintenance.py)
+RETENTION_TABLES = ("events", "commands", "incidents", "incident_timeline", "actions", "audit_log")
+MAINTENANCE_JOBS = ("retention", "checkpoint")
 
 
 class ControllerMetrics:
@@ -112,6 +115,34 @@ class ControllerMetrics:
             buckets=LOST_STEPS_BUCKETS,
             registry=r,
         )
+        self.retention_deleted_rows_total = Counter(
+            "trainguard_controller_retention_deleted_rows_total",
+            "Store rows deleted by retention, by table.",
+            ["table"],
+            registry=r,
+        )
+        for table in RETENTION_TABLES:  # exported at 0 before the first deletion
+            self.retention_deleted_rows_total.labels(table=table)
+        self.maintenance_last_run_timestamp_seconds = Gauge(
+            "trainguard_controller_maintenance_last_run_timestamp_seconds",
+            "When a store maintenance job last completed (unix time), by job.",
+            ["job"],
+            registry=r,
+        )
+        self.maintenance_errors_total = Counter(
+            "trainguard_controller_maintenance_errors_total",
+            "Store maintenance job runs that failed, by job.",
+            ["job"],
+            registry=r,
+        )
+        for job in MAINTENANCE_JOBS:
+            self.maintenance_errors_total.labels(job=job)
+        self.store_size_bytes = Gauge(
+            "trainguard_controller_store_size_bytes",
+            "Size of the store's files on disk, read at scrape time (file: db, wal).",
+            ["file"],
+            registry=r,
+        )
         self.jobs = _JobsCollector()
         r.register(self.jobs)
 
@@ -147,6 +178,11 @@ class ControllerMetrics:
     def set_node_incidents(self, open_counts: Mapping[str, int]) -> None:
         """Unresolved incidents per known node (0 included, so every node has a series)."""
         self.jobs.node_incidents = dict(open_counts)
+
+    def watch_store_size(self, sizes: Callable[[], tuple[int, int]]) -> None:
+        """Export `sizes()` = (db bytes, wal bytes) as store_size_bytes, read at each scrape."""
+        self.store_size_bytes.labels(file="db").set_function(lambda: float(sizes()[0]))
+        self.store_size_bytes.labels(file="wal").set_function(lambda: float(sizes()[1]))
 
     def set_spares(self, available: Mapping[str, int]) -> None:
         """Available hot spares per pool; the default pool is always exported."""
@@ -231,4 +267,10 @@ class _JobsCollector:
         yield per_node
 
 
-__all__ = ["DEFAULT_SPARE_POOL", "REMEDIATION_PHASES", "ControllerMetrics"]
+__all__ = [
+    "DEFAULT_SPARE_POOL",
+    "MAINTENANCE_JOBS",
+    "REMEDIATION_PHASES",
+    "RETENTION_TABLES",
+    "ControllerMetrics",
+]
