@@ -6,6 +6,14 @@ that epoch}. The position advances only when a training step completes (`mark_st
 called by `Trainguard.step`), never when a DataLoader prefetches, so a checkpoint taken after
 step k resumes with the batch of step k+1. Epochs roll over by themselves.
 
+The position is also kept in samples: the job's ranks together have consumed a prefix of the
+epoch's order (rank r takes every num_replicas-th index), so "samples done this epoch" fixes
+the data position whatever the world size. A checkpoint written by N ranks and loaded into a
+sampler over M ranks (or another batch size) continues the epoch with exactly the samples
+not yet seen, split over the M ranks the way DistributedSampler splits an epoch (what does
+not divide evenly is dropped or padded as its `drop_last` says); the next epochs are plain
+DistributedSampler epochs over M ranks.
+
     sampler = ResumableSampler(DistributedSampler(ds, shuffle=True, seed=0), batch_size=8)
     loader = DataLoader(ds, batch_size=8, sampler=sampler, drop_last=True)
     batches = sampler.batches(loader)       # endless, restart-safe iterator over epochs
@@ -16,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
+import torch
 from torch.utils.data import DistributedSampler, Sampler
 
 __all__ = ["ResumableSampler"]
@@ -33,31 +42,76 @@ class ResumableSampler(Sampler[int]):
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.epoch = 0
-        self.batches_done = 0
+        self.batches_done = 0  # this rank's batches of this epoch since `offset`
+        # Samples of this epoch (all ranks) consumed before this world size took over: non-zero
+        # only after a resume at another world size or batch size, until the epoch ends.
+        self.offset = 0
 
     @property
     def batches_per_epoch(self) -> int:
-        n = len(self.inner)
+        """This rank's batches in the current epoch (from `offset` after a world change)."""
+        n = self._rank_samples()
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
+    @property
+    def samples_done(self) -> int:
+        """Samples of the current epoch the whole job has consumed (every rank's)."""
+        return self.offset + self.batches_done * self.batch_size * self.inner.num_replicas
+
     def __len__(self) -> int:
-        remaining = len(self.inner) - self.batches_done * self.batch_size
+        """Samples left to this rank in the current epoch: after a mid-epoch resume a
+        DataLoader's len() is the rest of the epoch, not a whole one."""
+        remaining = self._rank_samples() - self.batches_done * self.batch_size
         return max(0, remaining)
 
     def __iter__(self) -> Iterator[int]:
-        self.inner.set_epoch(self.epoch)
-        indices = list(iter(self.inner))
+        if self.offset == 0:
+            self.inner.set_epoch(self.epoch)
+            indices = list(iter(self.inner))
+        else:
+            indices = self._rest_of_epoch()
         return iter(indices[self.batches_done * self.batch_size :])
 
     def mark_step(self, batches: int = 1) -> None:
         """One training step consumed `batches` batches; roll over to the next epoch at its end."""
-        per_epoch = self.batches_per_epoch
-        if per_epoch <= 0:
+        if self.batches_per_epoch <= 0 and self.offset == 0:
             raise ValueError("the dataset is smaller than one batch on this rank")
         self.batches_done += batches
-        while self.batches_done >= per_epoch:
+        while self.batches_done >= (per_epoch := self.batches_per_epoch):
             self.batches_done -= per_epoch
             self.epoch += 1
+            self.offset = 0
+            if self.batches_per_epoch <= 0:
+                raise ValueError("the dataset is smaller than one batch on this rank")
+
+    def _rank_samples(self) -> int:
+        """Indices this rank gets in the current epoch (DistributedSampler's split of the
+        epoch's order from `offset` on)."""
+        if self.offset == 0:
+            return len(self.inner)
+        rest = max(0, len(self.inner.dataset) - self.offset)  # type: ignore[arg-type]
+        replicas = self.inner.num_replicas
+        return rest // replicas if self.inner.drop_last else -(-rest // replicas)
+
+    def _rest_of_epoch(self) -> list[int]:
+        """This rank's share of the epoch's order after the first `offset` samples."""
+        inner = self.inner
+        n = len(inner.dataset)  # type: ignore[arg-type]
+        if inner.shuffle:
+            # The same permutation DistributedSampler draws for this epoch.
+            g = torch.Generator()
+            g.manual_seed(inner.seed + self.epoch)
+            order = torch.randperm(n, generator=g).tolist()
+        else:
+            order = list(range(n))
+        rest = order[self.offset :]
+        replicas = inner.num_replicas
+        if inner.drop_last:
+            rest = rest[: len(rest) - len(rest) % replicas]
+        elif rest and len(rest) % replicas:
+            pad = replicas - len(rest) % replicas
+            rest += (rest * (pad // len(rest) + 1))[:pad]
+        return rest[inner.rank :: replicas]
 
     def batches(self, loader: Iterable[B]) -> Iterator[B]:
         """Endless iterator over `loader`'s batches across epochs, from the current position."""
@@ -70,8 +124,29 @@ class ResumableSampler(Sampler[int]):
                 raise ValueError("the loader yielded no batch for a whole epoch")
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batches_done": self.batches_done}
+        return {
+            "epoch": self.epoch,
+            "batches_done": self.batches_done,
+            "offset": self.offset,
+            "samples_done": self.samples_done,
+            "num_replicas": self.inner.num_replicas,
+            "batch_size": self.batch_size,
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore a position. Saved by the same world size and batch size: exactly that
+        position. Otherwise: the epoch continues after the `samples_done` samples the saving
+        job consumed (each rank of that job saved the same figure)."""
         self.epoch = int(state["epoch"])
-        self.batches_done = int(state["batches_done"])
+        replicas = int(state.get("num_replicas", self.inner.num_replicas))
+        batch_size = int(state.get("batch_size", self.batch_size))
+        if replicas == self.inner.num_replicas and batch_size == self.batch_size:
+            self.batches_done = int(state["batches_done"])
+            self.offset = int(state.get("offset", 0))
+            return
+        self.batches_done = 0
+        self.offset = int(state["samples_done"])
+        if self.offset > 0 and self.batches_per_epoch <= 0:
+            # What is left of the epoch makes no batch on this world: the next epoch.
+            self.epoch += 1
+            self.offset = 0
