@@ -2,7 +2,9 @@
 
 `SimHardware` is driven only by its injected clock and seed, so a run is reproducible; it
 returns the same dataclasses as the NVML/sysfs/kmsg collectors, so everything downstream of
-it is the production path. `inject(FaultSpec)` applies every FaultKind of the wire protocol.
+it is the production path. `inject(FaultSpec)` applies every FaultKind of the wire protocol;
+`nvml_hang` makes the GPU collect block (as NVML does when a GPU falls off the bus) while
+the IB and XID sides keep answering.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ NVLINKS_PER_GPU = 18
 IB_RATE_GBPS = 400.0
 SM_CLOCK_MAX_MHZ = 1980.0
 SM_CLOCK_SLOW_MHZ = 345.0
+# A hung GPU collect re-checks its fault this often (real seconds): a timed hang on a fake
+# clock ends within this long of the clock passing its end.
+HANG_RECHECK_S = 0.05
 
 # NVML clock-event reason bits (nvmlClocksEventReason*), as the real collector sees them.
 REASON_HW_SLOWDOWN = 0x8
@@ -125,6 +130,10 @@ class SimHardware:
         self._node = node_name
         self._rng = random.Random(f"{seed}:{node_name}")
         self._lock = threading.Lock()
+        # a hung collect waits here with the lock released, so IB, XIDs and inject go on
+        self._unhung = threading.Condition(self._lock)
+        self._closed = False
+        self.hung_collects_total = 0
         self._faults: list[_Fault] = []
         self._events: list[HardwareEvent] = []
         self._last_mono = clock.monotonic()
@@ -183,8 +192,11 @@ class SimHardware:
                     gpu.remap_failure = False
                 for ib in self._ib:
                     ib.flap_down = False
+                self._unhung.notify_all()
                 return
-            if spec.kind in ("ib_flap", "ib_down"):
+            if spec.kind == "nvml_hang":
+                pass  # the whole NVML library hangs, not one GPU
+            elif spec.kind in ("ib_flap", "ib_down"):
                 ib = self._find_ib(spec.device, spec.port)
                 if spec.kind == "ib_down":
                     ib.counters["link_downed"] += 1
@@ -301,10 +313,17 @@ class SimHardware:
     # -- collectors ------------------------------------------------------------------------
 
     def collect(self) -> GpuCollection:
-        """GpuCollector: one sample per GPU at the clock's current time."""
+        """GpuCollector: one sample per GPU at the clock's current time. Blocks while an
+        `nvml_hang` fault lasts (until cleared, expired, or the sim is closed)."""
         now_mono = self._clock.monotonic()
         with self._lock:
             self._advance(now_mono)
+            if self._active("nvml_hang") and not self._closed:
+                self.hung_collects_total += 1
+                while self._active("nvml_hang") and not self._closed:
+                    self._unhung.wait(HANG_RECHECK_S)
+                    now_mono = self._clock.monotonic()
+                    self._advance(now_mono)
             t = now_mono - self._start_mono
             return GpuCollection(gpus=tuple(self._gpu_sample(g, t) for g in self._gpus))
 
@@ -427,7 +446,10 @@ class SimHardware:
             return [f.spec for f in self._faults]
 
     def close(self) -> None:
-        """Nothing to release; present so every backend closes the same way."""
+        """Release any collect hung by `nvml_hang` (nothing else to release)."""
+        with self._lock:
+            self._closed = True
+            self._unhung.notify_all()
 
 
 class _IbView:

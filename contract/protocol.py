@@ -250,6 +250,7 @@ FaultKind = Literal[
     "ib_down",
     "thermal",  # HW thermal slowdown, hot
     "slowdown",  # HW slowdown clocks
+    "nvml_hang",  # every NVML call blocks (a GPU off the bus) until cleared or `duration_s`
     "clear",  # remove every injected fault (counters keep their values)
 ]
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import threading
 from typing import get_args
 
 import pytest
 
+from tests.helpers import wait_for
 from trainguard.agent.sim import GPU_MEMORY_BYTES, NVLINKS_PER_GPU, SimHardware
 from trainguard.clock import FakeClock
+from trainguard.model import GpuCollection
 from trainguard.protocol import FaultKind, FaultSpec
 
 
@@ -203,8 +206,9 @@ def _fault_view(sim: SimHardware) -> tuple[object, ...]:
     return gpus, ports, events
 
 
-# "clear" has its own test: test_clear_removes_faults_but_keeps_counters
-FAULT_KINDS = [k for k in get_args(FaultKind) if k != "clear"]
+# "clear" has its own test: test_clear_removes_faults_but_keeps_counters; "nvml_hang" blocks
+# the GPU collect, so its tests collect in a thread: test_nvml_hang_*
+FAULT_KINDS = [k for k in get_args(FaultKind) if k not in ("clear", "nvml_hang")]
 
 
 @pytest.mark.parametrize("kind", FAULT_KINDS, ids=str)
@@ -234,3 +238,45 @@ def test_fault_on_missing_hardware_is_rejected_naming_the_field(
     with pytest.raises(ValueError, match=f"^{field}:"):
         sim.inject(spec)
     assert sim.active_faults() == []
+
+
+def _collect_in_thread(sim: SimHardware) -> tuple[threading.Thread, list[GpuCollection]]:
+    out: list[GpuCollection] = []
+    t = threading.Thread(target=lambda: out.append(sim.collect()), daemon=True)
+    t.start()
+    return t, out
+
+
+def test_nvml_hang_blocks_the_gpu_collect_until_its_duration_passes() -> None:
+    clock = FakeClock()
+    sim = make(clock)
+    sim.inject(FaultSpec(kind="nvml_hang", duration_s=30.0))
+    t, out = _collect_in_thread(sim)
+    wait_for(lambda: sim.hung_collects_total == 1, timeout_s=5.0, what="the collect to hang")
+    # IB, XIDs and fault injection answer meanwhile (the hang does not hold the sim's lock)
+    assert len(sim.collect_ib()) == 2
+    sim.inject(FaultSpec(kind="xid", gpu=0, code=79))
+    assert [e.code for e in sim.poll()] == [79]
+    clock.advance(10.0)
+    t.join(0.3)
+    assert t.is_alive() and out == []  # 10 s into a 30 s hang: still hung
+    clock.advance(21.0)
+    t.join(5.0)
+    assert not t.is_alive() and len(out[0].gpus) == 2
+    assert "nvml_hang" not in [f.kind for f in sim.active_faults()]
+
+
+@pytest.mark.parametrize("release", ["clear", "close"])
+def test_nvml_hang_without_duration_lasts_until_cleared_or_closed(release: str) -> None:
+    sim = make(FakeClock())
+    sim.inject(FaultSpec(kind="nvml_hang"))
+    t, out = _collect_in_thread(sim)
+    wait_for(lambda: sim.hung_collects_total == 1, timeout_s=5.0, what="the collect to hang")
+    t.join(0.2)
+    assert t.is_alive()
+    if release == "clear":
+        sim.inject(FaultSpec(kind="clear"))
+    else:
+        sim.close()
+    t.join(5.0)
+    assert not t.is_alive() and len(out[0].gpus) == 2
