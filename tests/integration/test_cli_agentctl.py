@@ -1,4 +1,5 @@
-"""agentctl against a real uvicorn server on a free loopback port serving the recording fake."""
+"""agentctl against the fake controller (the real API on a loopback port over a recording
+FakeService), with its own named operator and viewer."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -18,40 +18,34 @@ from pathlib import Path
 
 import pytest
 import yaml
-from controller_proc import dbe_rules
 
-from tests.fakes.api_server import serve
-from tests.fakes.controller_service import FakeService
+from tests.fakes.controller_service import FakeController, FakeService
+from tests.helpers import free_port
+from tests.integration.controller_proc import dbe_rules
 from trainguard import __version__
-from trainguard.clock import SYSTEM_CLOCK
-from trainguard.controller.api import create_app
-from trainguard.controller.auth import TokenStore, hash_token
+from trainguard.controller.auth import Role, hash_token
 from trainguard.controller.cli import build_parser, format_age, main, parse_duration
 from trainguard.protocol import FaultSpec
 from trainguard.rules import shipped_dir
 from trainguard.xid_catalog import XidCatalog
 
-TOKENS = {
+TOKENS: dict[str, tuple[str, Role]] = {
     "op-token": ("ops-alice", "operator"),
     "viewer-token": ("viewer-bob", "viewer"),
 }
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[tuple[str, FakeService]]:
-    svc = FakeService(clock=SYSTEM_CLOCK)
-    app = create_app(
-        svc,
-        tokens=TokenStore.from_plaintext(TOKENS),  # type: ignore[arg-type]
-        max_body_bytes=1 << 20,
-    )
-    with serve(app) as url:
-        yield url, svc
+def controller() -> Iterator[FakeController]:
+    """One fake controller for the module (its state is reset by `svc` for each test)."""
+    ctl = FakeController(people=TOKENS)
+    yield ctl
+    ctl.stop()
 
 
 @pytest.fixture
-def svc(server: tuple[str, FakeService]) -> FakeService:
-    s = server[1]
+def svc(controller: FakeController) -> FakeService:
+    s = controller.service
     s.nodes.clear()
     s.incidents.clear()
     s.jobs.clear()
@@ -64,9 +58,9 @@ def svc(server: tuple[str, FakeService]) -> FakeService:
 
 
 @pytest.fixture
-def env(server: tuple[str, FakeService], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def env(controller: FakeController, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """URL and operator token from the environment; no user config file."""
-    monkeypatch.setenv("TRAINGUARD_URL", server[0])
+    monkeypatch.setenv("TRAINGUARD_URL", controller.url)
     monkeypatch.setenv("TRAINGUARD_TOKEN", "op-token")
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
     return tmp_path
@@ -221,17 +215,14 @@ def test_exit_codes(
 
 
 def test_cannot_connect_is_exit_5(env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()  # nothing listens there now
+    port = free_port()  # nothing listens there now
     code, _, err = run("--url", f"http://127.0.0.1:{port}", "get", "nodes")
     assert code == 5
     assert "cannot connect" in err
 
 
 def test_url_and_token_file_from_config_file(
-    server: tuple[str, FakeService],
+    controller: FakeController,
     svc: FakeService,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -241,7 +232,7 @@ def test_url_and_token_file_from_config_file(
     cfg_dir = tmp_path / "xdg" / "trainguard"
     cfg_dir.mkdir(parents=True)
     (cfg_dir / "token").write_text("viewer-token\n")
-    (cfg_dir / "agentctl.yaml").write_text(f"url: {server[0]}\ntoken_file: token\n")
+    (cfg_dir / "agentctl.yaml").write_text(f"url: {controller.url}\ntoken_file: token\n")
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
     assert run("get", "nodes")[0] == 0
     # a flag beats the config file: this token file holds an unknown token
@@ -521,18 +512,18 @@ def test_every_subcommand_help_has_a_one_line_description_and_an_example(
 
 
 def test_group_readable_token_file_warns_with_the_fix(
-    server: tuple[str, FakeService], svc: FakeService, tmp_path: Path
+    controller: FakeController, svc: FakeService, tmp_path: Path
 ) -> None:
     token = tmp_path / "op.token"
     token.write_text("op-token\n")
     token.chmod(0o644)
-    code, _, err = run("--url", server[0], "--token-file", str(token), "get", "nodes")
+    code, _, err = run("--url", controller.url, "--token-file", str(token), "get", "nodes")
     assert code == 0
     assert err.startswith("warning: ")
     assert str(token) in err
     assert f"chmod 600 {token}" in err
     token.chmod(0o600)
-    assert run("--url", server[0], "--token-file", str(token), "get", "nodes")[2] == ""
+    assert run("--url", controller.url, "--token-file", str(token), "get", "nodes")[2] == ""
 
 
 def test_rules_check_without_a_path_checks_the_shipped_rules_and_xid_catalog(
