@@ -8,16 +8,14 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
 from tests.helpers import short_tmpdir, wait_for
 
-__all__ = ["AgentProcess", "agent_command", "cleanup", "sample_value", "short_tmpdir", "wait_until"]
+__all__ = ["AgentProcess", "agent_command", "cleanup", "sample_value", "short_tmpdir"]
 
 
 def agent_command() -> list[str]:
@@ -26,12 +24,6 @@ def agent_command() -> list[str]:
     if script.exists():
         return [str(script)]
     return [sys.executable, "-m", "trainguard.agent.main"]
-
-
-def wait_until(cond: Callable[[], Any], *, what: str, timeout_s: float = 30.0) -> Any:
-    """Old name of tests.helpers.wait_for, kept for test_agent_systemd.py and
-    test_controller_systemd.py until they call wait_for themselves."""
-    return wait_for(cond, timeout_s=timeout_s, what=what)
 
 
 class AgentProcess:

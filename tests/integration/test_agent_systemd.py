@@ -9,8 +9,10 @@ import socket
 from pathlib import Path
 
 import pytest
-from agent_proc import AgentProcess, agent_command, cleanup, short_tmpdir, wait_until
-from systemd_units import (
+
+from tests.helpers import wait_for
+from tests.integration.agent_proc import AgentProcess, agent_command
+from tests.integration.systemd_units import (
     REPO,
     assert_verifies_clean,
     exec_start_program,
@@ -58,8 +60,8 @@ def test_documented_jobs_drop_in_verifies_clean(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_agent_notifies_ready_watchdog_and_stopping() -> None:
-    workdir = short_tmpdir()
+def test_agent_notifies_ready_watchdog_and_stopping(short_tmp: Path) -> None:
+    workdir = short_tmp  # unix socket paths are limited to 108 bytes
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(workdir / "notify"))
     notify.setblocking(False)
@@ -77,14 +79,17 @@ def test_agent_notifies_ready_watchdog_and_stopping() -> None:
         workdir, "--collect-interval-s", "0.2", env={"NOTIFY_SOCKET": str(workdir / "notify")}
     )
     try:
-        wait_until(lambda: any(m.startswith("READY=1") for m in drain()), what="READY=1")
+        wait_for(
+            lambda: any(m.startswith("READY=1") for m in drain()), timeout_s=30, what="READY=1"
+        )
         ready_at = next(i for i, m in enumerate(got) if m.startswith("READY=1"))
-        wait_until(
-            lambda: drain()[ready_at:].count("WATCHDOG=1") >= 3, what="watchdog pings after READY"
+        wait_for(
+            lambda: drain()[ready_at:].count("WATCHDOG=1") >= 3,
+            timeout_s=30,
+            what="watchdog pings after READY",
         )
         assert agent.terminate() == 0
-        wait_until(lambda: "STOPPING=1" in drain(), what="STOPPING=1")
+        wait_for(lambda: "STOPPING=1" in drain(), timeout_s=30, what="STOPPING=1")
     finally:
         agent.kill()
         notify.close()
-        cleanup(workdir)

@@ -13,9 +13,21 @@ from pathlib import Path
 
 import httpx
 import pytest
-from agent_proc import cleanup, short_tmpdir, wait_until
-from controller_proc import BIN, OP, ControllerProcess, start_controller, write_config
-from systemd_units import assert_verifies_clean, exec_start_program, install_unit, systemd_analyze
+
+from tests.helpers import wait_for
+from tests.integration.controller_proc import (
+    BIN,
+    OP,
+    ControllerProcess,
+    start_controller,
+    write_config,
+)
+from tests.integration.systemd_units import (
+    assert_verifies_clean,
+    exec_start_program,
+    install_unit,
+    systemd_analyze,
+)
 
 
 def test_installed_controller_unit_runs_this_installation_and_verifies_clean(
@@ -79,8 +91,8 @@ def test_controller_reads_its_tokens_from_the_credentials_directory(tmp_path: Pa
 
 
 @pytest.mark.slow
-def test_controller_notifies_ready_watchdog_and_stopping() -> None:
-    workdir = short_tmpdir()  # unix socket paths are limited to 108 bytes
+def test_controller_notifies_ready_watchdog_and_stopping(short_tmp: Path) -> None:
+    workdir = short_tmp  # unix socket paths are limited to 108 bytes
     cfg = write_config(workdir, rules="rules: []\n", tick_interval_s=0.2)
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(workdir / "notify"))
@@ -99,15 +111,18 @@ def test_controller_notifies_ready_watchdog_and_stopping() -> None:
     env = {**os.environ, "NOTIFY_SOCKET": str(workdir / "notify"), "WATCHDOG_USEC": "1000000"}
     proc = ControllerProcess(cfg, log_path=workdir / "controller.log", env=env)
     try:
-        wait_until(lambda: any(m.startswith("READY=1") for m in drain()), what="READY=1")
+        wait_for(
+            lambda: any(m.startswith("READY=1") for m in drain()), timeout_s=30, what="READY=1"
+        )
         assert "event=api_listening" in proc.log()  # READY only once it listens
         ready_at = next(i for i, m in enumerate(got) if m.startswith("READY=1"))
-        wait_until(
-            lambda: drain()[ready_at:].count("WATCHDOG=1") >= 3, what="watchdog pings after READY"
+        wait_for(
+            lambda: drain()[ready_at:].count("WATCHDOG=1") >= 3,
+            timeout_s=30,
+            what="watchdog pings after READY",
         )
         assert proc.terminate(timeout_s=30) == 0, proc.log()
-        wait_until(lambda: "STOPPING=1" in drain(), what="STOPPING=1")
+        wait_for(lambda: "STOPPING=1" in drain(), timeout_s=30, what="STOPPING=1")
     finally:
         proc.kill()
         notify.close()
-        cleanup(workdir)
