@@ -6,6 +6,9 @@ it absent and adds a bounded line to `GpuCollection.errors`; GpuIsLost marks the
 (identity kept from the last good read) and emits one `gpu_lost` event on the edge. A failing
 `nvmlInit` is retried with backoff and reported on every collect; nothing here raises.
 `pynvml` is imported only when no module is injected, so `import agent` never needs it.
+An NVML call can also hang (a GPU off the bus): the agent's source deadline covers that, and
+nothing else here waits behind a hung `collect()` (the bus map answers from what it knows,
+`close()` gives up after a moment).
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ INIT_BACKOFF_INITIAL_S = 1.0
 INIT_BACKOFF_MAX_S = 60.0  # a node without a driver retries once a minute, cheaply
 ERROR_MAX_CHARS = 200
 ERRORS_MAX_PER_COLLECT = 32  # a sick node must not turn one report into megabytes of text
+# close() waits this long for a collect in progress before leaving NVML as it is (a hung
+# call holds the lock for good; nvmlShutdown under it could hang the agent's stop too).
+CLOSE_LOCK_WAIT_S = 1.0
 
 # Every pynvml function this module may call; a test checks each exists in nvidia-ml-py.
 NVML_FUNCTIONS_USED: tuple[str, ...] = (
@@ -147,6 +153,8 @@ class NvmlGpuCollector:
         self._gpus: list[_Gpu] = []
         # identity survives re-init so a GPU that vanished from the device list stays named
         self._known: dict[int, _Gpu] = {}
+        # the last bus map built under the lock, replaced whole: read without the lock
+        self._bus_cache: dict[str, int] = {}
         self.init_failures_total = 0
 
     # --- init ---------------------------------------------------------------------------------
@@ -244,11 +252,17 @@ class NvmlGpuCollector:
                         )
                         gpu.lost = False
                 samples.append(sample)
+            self._bus_map()
             return GpuCollection(gpus=tuple(samples), events=tuple(events), errors=_cap(errors))
 
     def bus_id_to_index(self) -> dict[str, int]:
-        """Normalised PCI bus id ("0000:18:00.0") -> GPU index, for mapping kernel XIDs."""
-        with self._lock:
+        """Normalised PCI bus id ("0000:18:00.0") -> GPU index, for mapping kernel XIDs.
+
+        Never waits for a collect in progress: that collect may be hung in NVML exactly when
+        the kernel logs the XID 79 that needs this map, so the last map built answers."""
+        if not self._lock.acquire(blocking=False):
+            return dict(self._bus_cache)
+        try:
             if not self._initialised and not self._ensure_init([]):
                 return self._bus_map()
             for gpu in self._gpus:
@@ -259,15 +273,24 @@ class NvmlGpuCollector:
                 except (_GpuLost, _Uninitialized):
                     continue  # collect() reports it; the map just lacks this GPU for now
             return self._bus_map()
+        finally:
+            self._lock.release()
 
     def _bus_map(self) -> dict[str, int]:
-        return {g.pci_bus_id: g.index for g in self._known.values() if g.pci_bus_id}
+        """The map from what is known (lock held); also kept for lock-free readers."""
+        self._bus_cache = {g.pci_bus_id: g.index for g in self._known.values() if g.pci_bus_id}
+        return dict(self._bus_cache)
 
     def close(self) -> None:
-        with self._lock:
+        if not self._lock.acquire(timeout=CLOSE_LOCK_WAIT_S):
+            log.warning("event=nvml_shutdown ok=false reason='a collect is still in NVML'")
+            return
+        try:
             if self._initialised:
                 self._shutdown_quietly()
                 self._initialised = False
+        finally:
+            self._lock.release()
 
     # --- per GPU ------------------------------------------------------------------------------
 

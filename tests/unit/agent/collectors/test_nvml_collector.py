@@ -6,6 +6,7 @@ import importlib
 import inspect
 import subprocess
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -503,3 +504,32 @@ def test_lost_gpu_without_a_handle_after_reinit_stays_lost_without_a_new_event(f
     assert out.gpus[1].lost is True
     assert out.gpus[1].pci_bus_id == ""  # never read: it was lost from the first collect
     assert out.events == ()
+
+
+def test_a_collect_hung_in_nvml_holds_up_neither_the_bus_map_nor_close(fake_nvml, monkeypatch):
+    # a GPU off the bus: an NVML call never returns, and the kernel logs XID 79 meanwhile
+    collector = _collector(fake_nvml)
+    collector.collect()
+    mapping = collector.bus_id_to_index()
+    entered, release = threading.Event(), threading.Event()
+    real = fake_nvml.nvmlDeviceGetTemperature
+
+    def hung(handle, sensor):
+        entered.set()
+        release.wait(30.0)
+        return real(handle, sensor)
+
+    monkeypatch.setattr(fake_nvml, "nvmlDeviceGetTemperature", hung)
+    worker = threading.Thread(target=collector.collect, daemon=True)
+    worker.start()
+    assert entered.wait(5.0)
+
+    assert collector.bus_id_to_index() == mapping  # answered from the last map built
+    collector.close()  # gives up on the lock instead of hanging the agent's stop
+    assert _calls(fake_nvml, "nvmlShutdown") == 0 and worker.is_alive()
+
+    release.set()
+    worker.join(5.0)
+    assert not worker.is_alive()
+    collector.close()
+    assert _calls(fake_nvml, "nvmlShutdown") == 1
