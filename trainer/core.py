@@ -65,6 +65,7 @@ from trainguard.trainer.state import (
     SnapshotPool,
     capture_rng,
     check_storable,
+    derive_rng,
     fill_tensors,
     restore_rng,
     split_tensors,
@@ -106,7 +107,8 @@ class Stateful(Protocol):
 
 
 class CheckpointMismatch(RuntimeError):
-    """A good checkpoint exists but cannot be loaded into this run (e.g. another world size)."""
+    """A good checkpoint exists but cannot be loaded into this run (e.g. a checkpoint written
+    without a process group, resumed at another world size)."""
 
 
 @dataclass(frozen=True)
@@ -720,12 +722,19 @@ class Trainguard:
 
     def _load(self, step: int, manifest: Manifest) -> None:
         path = self.ckpt_dir / step_dir_name(step)
-        if manifest.world_size != self.world_size:
+        same_world = manifest.world_size == self.world_size
+        if not same_world and not (manifest.format == "dcp" and self.coord.distributed):
             raise CheckpointMismatch(
-                f"{path}: written by world size {manifest.world_size}, this run has "
-                f"{self.world_size}; per-rank state (RNG, data position) cannot be remapped"
+                f"{path}: written by world size {manifest.world_size} in format "
+                f"{manifest.format!r}, this run has world size {self.world_size} "
+                f"{'with' if self.coord.distributed else 'without'} a process group; only a "
+                "checkpoint written with a process group (format 'dcp') loads at another world "
+                "size, and only into a run with one (torchrun --nproc-per-node 1 for one rank)"
             )
-        rs = load_rank_file(path / rank_file_name(self.rank))
+        # At another world size the saved ranks are not this run's ranks: rank 0's file gives
+        # the structure of the state and the values every rank shares (scheduler, scaler,
+        # data position in samples, extras), and DCP reshards the tensors.
+        rs = load_rank_file(path / rank_file_name(self.rank if same_world else 0))
         if manifest.format == "dcp":
             # Deferred heavy dependency: torch.distributed.checkpoint adds ~700 modules (~0.6 s)
             # to torch's import and only distributed runs use it (load a DCP checkpoint).
@@ -771,7 +780,20 @@ class Trainguard:
             if name not in rs["extra"]:
                 raise CheckpointMismatch(f"{path}: no state for extra {name!r}")
             obj.load_state_dict(rs["extra"][name])
-        restore_rng(rs["rng"])
+        if same_world:
+            restore_rng(rs["rng"])
+            return
+        seed = derive_rng(rs["rng"], step=step, rank=self.rank, world_size=self.world_size)
+        log.info(
+            "event=resumed_at_other_world_size job=%s rank=%d step=%d saved_world_size=%d "
+            "world_size=%d rng_seed=%d",
+            self.job,
+            self.rank,
+            step,
+            manifest.world_size,
+            self.world_size,
+            seed,
+        )
 
     def _agree_latest(self) -> tuple[int, Manifest] | None:
         """Rank 0 verifies and picks; every rank loads the step it broadcasts (shared FS)."""

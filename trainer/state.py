@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import logging
 import mmap
 import os
@@ -29,6 +30,7 @@ __all__ = [
     "SnapshotPool",
     "capture_rng",
     "check_storable",
+    "derive_rng",
     "fill_tensors",
     "restore_rng",
     "split_tensors",
@@ -85,6 +87,21 @@ def restore_rng(state: Mapping[str, Any]) -> None:
     if cuda_states and torch.cuda.is_available():
         n = min(len(cuda_states), torch.cuda.device_count())
         torch.cuda.set_rng_state_all(cuda_states[:n])
+
+
+def derive_rng(state: Mapping[str, Any], *, step: int, rank: int, world_size: int) -> int:
+    """Seed every generator (python, numpy, torch CPU and all CUDA devices) from a saved RNG
+    state and this rank's place in a new world: used when a checkpoint is resumed at another
+    world size, where the saved per-rank states have no rank to go to. The same checkpoint
+    resumed at the same new world size always gives the same seeds. Returns the seed."""
+    digest = hashlib.sha256()
+    digest.update(state["torch"].numpy().tobytes())
+    digest.update(f":{step}:{world_size}:{rank}".encode())
+    seed = int.from_bytes(digest.digest()[:8], "big") >> 1
+    random.seed(seed)
+    np.random.seed(seed & 0xFFFF_FFFF)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    return seed
 
 
 def check_storable(obj: Any, path: str = "") -> None:
