@@ -7,14 +7,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_for
 
 __all__ = ["require_binary", "start_alertmanager", "start_prometheus", "stop", "wait_ready"]
 
@@ -29,17 +28,21 @@ def require_binary(name: str, *, package: str = "prometheus") -> str:
     return path
 
 
-def wait_ready(proc: subprocess.Popen[bytes], url: str, *, timeout_s: float) -> bool:
-    """True once /-/ready answers 200; False if the process exits or the time runs out."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and proc.poll() is None:
+def wait_ready(proc: subprocess.Popen[bytes], url: str, *, timeout_s: float, what: str) -> bool:
+    """True once /-/ready answers 200, False if the process exits first; AssertionError
+    naming `what` if neither happens within timeout_s."""
+
+    def state() -> str | None:
+        if proc.poll() is not None:
+            return "exited"
         try:
             if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200:
-                return True
+                return "ready"
         except httpx.HTTPError:
             pass
-        time.sleep(0.1)
-    return False
+        return None
+
+    return wait_for(state, timeout_s=timeout_s, what=what, interval_s=0.1) == "ready"
 
 
 def _start(
@@ -50,7 +53,12 @@ def _start(
         with log.open("wb") as out:
             proc = subprocess.Popen(argv(port), stdout=out, stderr=subprocess.STDOUT, cwd=cwd)
         url = f"http://127.0.0.1:{port}"
-        if wait_ready(proc, url, timeout_s=20):
+        try:
+            ready = wait_ready(proc, url, timeout_s=20, what=f"{what} to answer /-/ready")
+        except AssertionError as e:
+            stop(proc)
+            pytest.fail(f"{e}:\n{log.read_text()}")
+        if ready:
             return proc, url
         stop(proc)
         if "address already in use" not in log.read_text():
