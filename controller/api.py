@@ -5,6 +5,12 @@ The API calls only `ControllerService`. Every body is decoded by the wire decode
 `trainguard.protocol.to_wire` (non-finite floats as strings), so no NaN ever reaches JSON. The
 OpenAPI document at `/v1/openapi.json` is generated from the same wire schemas.
 Errors are always `{"error": "...", "detail": ...}`; bad input gets a 4xx, never a 5xx.
+
+Identity: a report is accepted only for the node its credential speaks for (an agent token's
+`node:`, or the node a client certificate names; see `tlsauth`), checked once per report
+after decoding, in-process and for reports handed over by ingest workers alike: a mismatch is
+a 403 naming both, audited, and nothing is stored. A repeated Authorization header is a 400 on
+every route (two credentials in one request would be read differently by different layers).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from trainguard.controller.auth import Permission, Principal, TokenStore
 from trainguard.controller.errors import ServiceError
 from trainguard.controller.jobs import JobSpec
 from trainguard.controller.service import ControllerService
+from trainguard.controller.tlsauth import PEER_NODE_KEY
 from trainguard.controller.views import (
     ActionView,
     AuditEntry,
@@ -54,6 +61,7 @@ __all__ = [
     "DrainRequest",
     "RoleRequest",
     "SilenceRequest",
+    "authenticate_report",
     "create_app",
     "encode_report_response",
 ]
@@ -239,20 +247,26 @@ def create_app(
         return await read_limited(limit, request.receive, max_body_bytes)
 
     async def handle_report(
-        headers: dict[bytes, bytes], receive: Receive
+        scope: Scope, receive: Receive
     ) -> tuple[int, bytes, dict[str, str] | None]:
         """POST /v1/reports without the framework: auth, size limit, decode, ingest."""
         try:
-            principal = authenticate(tokens, headers.get(b"authorization"), "report")
+            headers = request_headers(scope["headers"])
+            principal = authenticate_report(tokens, headers, scope)
             raw = await read_limited(headers.get(b"content-length"), receive, max_body_bytes)
         except ApiError as e:
             return e.status, _json_bytes({"error": e.error, "detail": e.detail}), e.headers
-        return await ingest_body(raw, principal.name)
+        return await ingest_body(raw, principal.name, principal.node)
 
-    async def ingest_body(raw: bytes, actor: str) -> tuple[int, bytes, dict[str, str] | None]:
+    shared_token_nodes: set[str] = set()  # nodes already warned about (shared agent tokens)
+
+    async def ingest_body(
+        raw: bytes, actor: str, node: str | None
+    ) -> tuple[int, bytes, dict[str, str] | None]:
         """Decode and ingest the body of a report whose sender is already authenticated as
-        `actor` and whose size is within the limit: the part of POST /v1/reports after the
-        HTTP layer, shared with the ingest worker processes (`trainguard.controller.ingest`)."""
+        `actor`, speaking for `node` (None: a shared agent token), and whose size is within
+        the limit: the part of POST /v1/reports after the HTTP layer, shared with the ingest
+        worker processes (`trainguard.controller.ingest`)."""
         try:
             started = time.perf_counter()
             try:
@@ -261,6 +275,22 @@ def create_app(
                     _check_event_ids(report)
             except ProtocolError as e:
                 raise _invalid(e) from None
+            if node is not None:
+                if report.node != node:
+                    service.refuse_report(actor=actor, node=report.node, bound_node=node)
+                    raise ApiError(
+                        403,
+                        f"credential {actor} speaks for node {node}, not for node {report.node}",
+                        {"credential": actor, "bound_node": node, "node": report.node},
+                    )
+            elif report.node not in shared_token_nodes:
+                shared_token_nodes.add(report.node)
+                log.warning(
+                    "event=shared_agent_token_used actor=%s node=%s detail=this token may speak "
+                    "for any node; bind one token per node (docs/security.md)",
+                    actor,
+                    report.node,
+                )
             if ingest_executor is not None:
                 loop = asyncio.get_running_loop()
                 resp = await loop.run_in_executor(
@@ -406,7 +436,7 @@ def create_app(
     ) -> Response:
         # served by _Api.__call__ (the report fast path); this route documents it and
         # serves the same way if the fast path is ever bypassed
-        status, body, headers = await handle_report(dict(request.scope["headers"]), request.receive)
+        status, body, headers = await handle_report(request.scope, request.receive)
         return Response(body, status_code=status, media_type="application/json", headers=headers)
 
     # --- nodes ---
@@ -691,6 +721,28 @@ def _drain_reason(given: str | None, who: Principal, client: str | None) -> str:
     return f"drained by {who.name} ({who.role}) via {via}"
 
 
+def request_headers(raw: list[tuple[bytes, bytes]]) -> dict[bytes, bytes]:
+    """A request's headers as a dict (names are lower case in ASGI); 400 when Authorization
+    is repeated: one layer reading the first and another the last would let a request carry
+    two credentials."""
+    headers = dict(raw)
+    if len(headers) < len(raw) and sum(1 for k, _ in raw if k == b"authorization") > 1:
+        raise ApiError(400, "repeated Authorization header: send one", {"header": "Authorization"})
+    return headers
+
+
+def authenticate_report(tokens: TokenStore, headers: dict[bytes, bytes], scope: Scope) -> Principal:
+    """Who posts a report: the bearer token when an Authorization header is sent, else the
+    node named by the connection's verified client certificate (mutual TLS), else 401."""
+    header = headers.get(b"authorization")
+    if header is None:
+        state = scope.get("state")
+        node = state.get(PEER_NODE_KEY) if state else None
+        if node is not None:
+            return Principal(name=f"cert:{node}", role="agent", node=node)
+    return authenticate(tokens, header, "report")
+
+
 def authenticate(tokens: TokenStore, header: bytes | None, permission: Permission) -> Principal:
     """The Authorization header's bearer token checked for `permission` (as HTTPBearer reads
     it: scheme case-insensitive, anything but "Bearer <token>" counts as no token)."""
@@ -730,7 +782,8 @@ class _Api(FastAPI):
     were a visible share of a core. Everything else goes through FastAPI unchanged."""
 
     report_handler: Any = None
-    # (raw body, actor) -> (status, body, extra headers): reports handed over by ingest workers
+    # (raw body, actor, node) -> (status, body, extra headers): reports handed over by ingest
+    # workers
     report_ingest: Any = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -741,10 +794,16 @@ class _Api(FastAPI):
             or scope["path"] != "/v1/reports"
             or scope["method"] != "POST"
         ):
+            if scope["type"] == "http":
+                try:
+                    request_headers(scope["headers"])
+                except ApiError as e:
+                    await _send_error(send, e)
+                    return
             await super().__call__(scope, receive, send)
             return
         try:
-            status, body, extra = await handle(dict(scope["headers"]), receive)
+            status, body, extra = await handle(scope, receive)
         except Exception as exc:  # what the framework's error handler would answer
             log.error(
                 "event=api_error method=POST path=/v1/reports error=%s",
@@ -761,6 +820,15 @@ class _Api(FastAPI):
             headers += [(k.lower().encode(), v.encode()) for k, v in extra.items()]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+async def _send_error(send: Send, e: ApiError) -> None:
+    body = _json_bytes({"error": e.error, "detail": e.detail})
+    headers = [_JSON_HEADER, (b"content-length", b"%d" % len(body))]
+    if e.headers:
+        headers += [(k.lower().encode(), v.encode()) for k, v in e.headers.items()]
+    await send({"type": "http.response.start", "status": e.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def encode_report_response(resp: ReportResponse) -> bytes:

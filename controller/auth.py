@@ -1,25 +1,31 @@
-"""API bearer tokens: the tokens file, roles and what each role may do, and the check itself.
+"""API credentials: the tokens file, roles and what each role may do, and the token check.
 
-The tokens file holds SHA-256 hashes, never plaintext (`agentctl token hash` makes a line).
-A presented token is hashed and compared with `hmac.compare_digest` against every stored hash,
-so the time taken does not depend on how much of a token matched or which entry it was.
-Tokens and Authorization headers are never logged; the audit log sees the token's name only.
+The tokens file holds SHA-256 hashes, never plaintext (`agentctl token issue NODE` or
+`agentctl token hash` makes a line). An agent token is bound to one node (`node:`): it speaks
+for that node only (the API refuses a report for any other). A token without `node:` for the
+agent role (a token shared by many nodes) is refused at load unless the config says
+`api.allow_shared_agent_tokens: true` (a migration aid, see docs/security.md).
+A presented token is hashed once and looked up by its SHA-256 digest: the time taken depends
+only on that digest (which its sender can compute anyway), never on how much of a stored
+token matched, and it stays the same with thousands of node tokens. Tokens and Authorization
+headers are never logged; the audit log sees the token's name only.
 """
 
 from __future__ import annotations
 
 import hashlib
-import hmac
 import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from trainguard.controller.config import expand_credentials
 from trainguard.strict import ConfigError, Invalid, build, load_yaml
 
 __all__ = [
     "PERMISSIONS",
+    "Entry",
     "Permission",
     "Principal",
     "Role",
@@ -33,7 +39,8 @@ __all__ = [
 Role = Literal["agent", "operator", "viewer"]
 Permission = Literal["report", "read", "write"]
 
-# agent: post reports only; operator: reads and every mutating operator endpoint; viewer: reads
+# agent: post reports (for its own node) only; operator: reads and every mutating operator
+# endpoint; viewer: reads
 PERMISSIONS: dict[str, frozenset[str]] = {
     "agent": frozenset({"report"}),
     "operator": frozenset({"read", "write"}),
@@ -58,10 +65,17 @@ class TokenEntry:
     role: Role
     sha256: str | None = None
     token_file: str | None = None
+    # agent tokens: the one node this token speaks for (reports, commands, command results)
+    node: str | None = None
 
     def __post_init__(self) -> None:
         if not self.name.strip():
             raise Invalid("name", "must not be empty")
+        if self.node is not None:
+            if self.role != "agent":
+                raise Invalid("node", f"only an agent token is bound to a node, not a {self.role}")
+            if not self.node.strip() or self.node != self.node.strip():
+                raise Invalid("node", f"must be a node name, got {self.node!r}")
         if (self.sha256 is None) == (self.token_file is None):
             raise Invalid("sha256", "give exactly one of sha256 or token_file")
         if self.sha256 is not None and not _HEX64.match(self.sha256):
@@ -78,68 +92,89 @@ class TokensFile:
 
 @dataclass(frozen=True)
 class Principal:
-    """Who made a request: the token's name and role."""
+    """Who made a request: the credential's name and role and, for an agent, the node it
+    speaks for (None: a shared agent token, allowed only by api.allow_shared_agent_tokens)."""
 
     name: str
     role: Role
+    node: str | None = None
 
     def may(self, permission: Permission) -> bool:
         return permission in PERMISSIONS[self.role]
 
 
+# (name, role, sha256 hex, bound node or None): a token as the store and the ingest workers
+# take it
+Entry = tuple[str, Role, str, str | None]
+
+
 class TokenStore:
     """Hashed tokens; `authenticate` returns the matching Principal or None."""
 
-    def __init__(self, entries: list[tuple[str, Role, str]]) -> None:
-        """`entries`: (name, role, sha256 hex) triples."""
-        self._entries: list[tuple[bytes, Principal]] = []
+    def __init__(self, entries: Iterable[Sequence[Any]]) -> None:
+        """`entries`: (name, role, sha256 hex[, node]) tuples; no node: not bound to one."""
+        self._by_digest: dict[bytes, Principal] = {}
         names: set[str] = set()
-        digests: set[bytes] = set()
-        for name, role, digest_hex in entries:
+        for entry in entries:
+            name, role, digest_hex = entry[0], entry[1], entry[2]
+            node = entry[3] if len(entry) > 3 else None
             if role not in PERMISSIONS:
                 raise ValueError(f"token {name!r}: unknown role {role!r}")
+            if node is not None and role != "agent":
+                raise ValueError(f"token {name!r}: only an agent token is bound to a node")
             if name in names:
                 raise ValueError(f"token {name!r}: duplicate name")
             digest = bytes.fromhex(digest_hex)
-            if digest in digests:
+            if digest in self._by_digest:
                 raise ValueError(f"token {name!r}: same token as another entry")
             names.add(name)
-            digests.add(digest)
-            self._entries.append((digest, Principal(name=name, role=role)))
+            self._by_digest[digest] = Principal(name=name, role=role, node=node)
 
     @classmethod
-    def from_plaintext(cls, tokens: dict[str, tuple[str, Role]]) -> TokenStore:
-        """{token: (name, role)}; for tests and tools that mint tokens themselves."""
-        return cls([(name, role, hash_token(tok)) for tok, (name, role) in tokens.items()])
+    def from_plaintext(cls, tokens: Mapping[str, Sequence[str | None]]) -> TokenStore:
+        """{token: (name, role[, node])}; for tests and tools that mint tokens themselves."""
+        return cls([(v[0], v[1], hash_token(tok), *v[2:]) for tok, v in tokens.items()])
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._by_digest)
 
-    def entries(self) -> list[tuple[str, Role, str]]:
-        """(name, role, sha256 hex) of every token, as the constructor takes them: what
+    def entries(self) -> list[Entry]:
+        """(name, role, sha256 hex, node) of every token, as the constructor takes them: what
         another process needs to check the same tokens (hashes only, never a token)."""
-        return [(p.name, p.role, digest.hex()) for digest, p in self._entries]
+        return [(p.name, p.role, digest.hex(), p.node) for digest, p in self._by_digest.items()]
+
+    def shared_agent_tokens(self) -> list[str]:
+        """Names of the agent tokens bound to no node (each may speak for any node)."""
+        return sorted(p.name for p in self._by_digest.values() if p.role == "agent" and not p.node)
 
     def authenticate(self, token: str) -> Principal | None:
         if not token:
             return None
         presented = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
-        found: Principal | None = None
-        for digest, principal in self._entries:
-            # no early exit: every entry is compared whatever matched
-            if hmac.compare_digest(presented, digest):
-                found = principal
-        return found
+        # a lookup by digest: what it takes depends on the digest of the presented token,
+        # which its sender knows anyway, never on a stored token
+        return self._by_digest.get(presented)
 
 
-def load_tokens(path: str | Path) -> TokenStore:
-    """Load a tokens file strictly; errors are ConfigError naming file, key and reason."""
+def load_tokens(path: str | Path, *, allow_shared_agent_tokens: bool = False) -> TokenStore:
+    """Load a tokens file strictly; errors are ConfigError naming file, key and reason.
+
+    An agent token without `node:` is an error unless `allow_shared_agent_tokens`."""
     p = Path(path)
     data = load_yaml(p)
     parsed = build(TokensFile, data, source=str(p))
-    entries: list[tuple[str, Role, str]] = []
+    entries: list[Entry] = []
     for i, entry in enumerate(parsed.tokens):
         key = f"tokens[{i}]"
+        if entry.role == "agent" and entry.node is None and not allow_shared_agent_tokens:
+            raise ConfigError(
+                str(p),
+                f"{key}.node",
+                f"agent token {entry.name!r} is bound to no node: a shared agent token lets "
+                "any node speak for every other. Give each node its own token "
+                "(`agentctl token issue NODE` prints the line with `node:`), or, while "
+                "migrating, set api.allow_shared_agent_tokens: true (see docs/security.md)",
+            )
         if entry.token_file is not None:
             tf = Path(entry.token_file)
             if not tf.is_absolute():
@@ -155,7 +190,7 @@ def load_tokens(path: str | Path) -> TokenStore:
             digest = hash_token(token)
         else:
             digest = str(entry.sha256).lower()
-        entries.append((entry.name, entry.role, digest))
+        entries.append((entry.name, entry.role, digest, entry.node))
     try:
         return TokenStore(entries)
     except ValueError as e:

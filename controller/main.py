@@ -27,6 +27,7 @@ from trainguard.controller.core import Controller
 from trainguard.controller.errors import ServiceError
 from trainguard.controller.ingest.frontend import IngestFrontend
 from trainguard.controller.runtime import new_event_loop, setup_logging
+from trainguard.controller.tlsauth import uvicorn_tls_options
 from trainguard.controller.watchdog import watchdog_running
 from trainguard.strict import ConfigError
 from trainguard.systemd import SystemdNotifier
@@ -98,7 +99,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     try:
         config = load_config(args.config, overrides=overrides)
-        tokens = load_tokens(config.api.tokens_file)
+        tokens = load_tokens(
+            config.api.tokens_file,
+            allow_shared_agent_tokens=config.api.allow_shared_agent_tokens,
+        )
     except ConfigError as e:
         print(f"trainguard-controller: bad configuration: {e}", file=sys.stderr)
         return EXIT_CONFIG
@@ -107,6 +111,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(tokens) == 0:
         log.warning(
             "event=no_tokens tokens_file=%s detail=every_request_is_401", config.api.tokens_file
+        )
+    shared = tokens.shared_agent_tokens()
+    if shared:
+        log.warning(
+            "event=shared_agent_tokens tokens=%s detail=api.allow_shared_agent_tokens is on: "
+            "each of these may speak for ANY node; bind one token per node (docs/security.md)",
+            ",".join(shared),
         )
 
     try:
@@ -149,10 +160,12 @@ def _serve(
         log_level="warning",
         access_log=False,
         lifespan="off",
-        ssl_certfile=config.api.tls_cert_file,
-        ssl_keyfile=config.api.tls_key_file,
-        http="auto",  # httptools when installed: a C parser for 2,048 reports a second
         timeout_keep_alive=75,  # agents keep one connection and post every second
+        **uvicorn_tls_options(
+            cert_file=config.api.tls_cert_file,
+            key_file=config.api.tls_key_file,
+            client_ca_file=config.api.tls_client_ca_file,
+        ),
     )
     server: Any = uvicorn.Server(uv_config)
     if config.api.ingest_workers > 0:
@@ -163,6 +176,7 @@ def _serve(
             max_body_bytes=config.api.max_body_bytes,
             tls_cert_file=config.api.tls_cert_file,
             tls_key_file=config.api.tls_key_file,
+            tls_client_ca_file=config.api.tls_client_ca_file,
             log_level=logging.getLevelName(logging.getLogger().level).lower(),
         )
     notifier = SystemdNotifier()

@@ -11,6 +11,12 @@ controller last applied for its instance (`base_seq`); the SignalState keeps the
 snapshot. A delta the controller cannot apply on top of what it holds (a new controller
 process, another instance, a base that is not the last report applied) is still applied for
 what it lists, and the response asks for a full report (`want_full`).
+
+A node's role is the controller's inventory: a new node starts active whatever its report's
+`role_hint` says (the hint is kept as a signal and shown by describe); only an operator makes a
+node a spare. A report refused because its credential speaks for another node
+(`refuse_report`) stores nothing but an audit entry (at most one a minute per credential and
+node, so a misconfigured agent does not flood the audit log).
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ log = logging.getLogger("trainguard.controller")
 _RUNNING_JOB_STATES = ("starting", "running", "stopping")
 # command_result fields the commands table has columns for; the rest is the result's data
 _RESULT_FIELDS = frozenset({"command_id", "kind", "ok", "message"})
+# a refused report is audited at most once per (credential, claimed node) in this window
+_REFUSAL_AUDIT_EVERY_S = 60.0
 
 
 class ReportService:
@@ -73,6 +81,36 @@ class ReportService:
         self._hwm: dict[str, tuple[str, int]] = {}  # node -> (instance, highest stored id)
         # node -> (instance, seq of the last report applied whole, None: a full one is needed)
         self._delta_base: dict[str, tuple[str, int | None]] = {}
+        self._refusals: dict[tuple[str, str], float] = {}  # (actor, node) -> last audited at
+        self._refusals_lock = threading.Lock()
+
+    def refuse_report(self, *, actor: str, node: str, bound_node: str) -> None:
+        """Record a report for `node` refused because `actor`'s credential speaks for
+        `bound_node` only: a log line, the refusal counter and (rate-bounded) an audit entry.
+        Nothing about either node is stored."""
+        now = self._clock.now()
+        self._metrics.reports_refused_total.inc()
+        key = (actor, node)
+        with self._refusals_lock:
+            last = self._refusals.get(key)
+            if last is not None and now - last < _REFUSAL_AUDIT_EVERY_S:
+                return
+            if len(self._refusals) > 10_000:
+                self._refusals.clear()
+            self._refusals[key] = now
+        log.warning(
+            "event=report_refused reason=node_mismatch actor=%s node=%s bound_node=%s",
+            actor,
+            node,
+            bound_node,
+        )
+        self._store.audit(
+            ts=now,
+            actor=actor,
+            action="report_refused",
+            target=node,
+            detail={"reason": "credential bound to another node", "bound_node": bound_node},
+        )
 
     def ingest_report(self, report: Report, *, actor: str) -> ReportResponse:
         """Store a node's report; return the acknowledged event id and its pending commands."""
@@ -81,9 +119,8 @@ class ReportService:
         with self._lock:
             node = self._nodes.get(name)
             if node is None:
-                node = self._store.add_node(
-                    name, role=report.role_hint or "active", labels=dict(report.labels)
-                )
+                # a report's role_hint never makes a spare: an operator does (set_role)
+                node = self._store.add_node(name, role="active", labels=dict(report.labels))
                 self._nodes[name] = node
                 self._signals_do(
                     self._signals.set_node_meta,

@@ -26,6 +26,9 @@ class ControllerService(Protocol):
     def ingest_report(self, report: Report, *, actor: str) -> ReportResponse:
         """Store a node's report; return acknowledged event id + pending commands."""
 
+    def refuse_report(self, *, actor: str, node: str, bound_node: str) -> None:
+        """Audit a report for `node` refused because `actor` speaks for `bound_node` only."""
+
     def list_nodes(self) -> list[NodeView]: ...
 
     def get_node(self, name: str) -> NodeView:

@@ -2,12 +2,13 @@
 
 With `api.ingest_workers: N` (N > 0) the controller process (the core) binds the listening
 socket and starts N worker processes (`python -m trainguard.controller.ingest`) that inherit it and
-accept on it. A worker parses HTTP and, for `POST /v1/reports`, checks the bearer token
-(agent role, 401/403 as the core answers them) and the body limit (413), then hands the raw
-body (bytes) to the core over its own unix socket pair; the core decodes and ingests it
-exactly as it does its own requests and sends back the response bytes. Every other request
-(API, agentctl, /metrics, /healthz) is forwarded whole, and the core runs it through its
-ASGI app in-process, so there is one API implementation.
+accept on it. A worker parses HTTP and, for `POST /v1/reports`, checks the credential (agent
+token or client certificate; 401/403 as the core answers them) and the body limit (413),
+then hands the raw body (bytes) and the node that credential speaks for to the core over its
+own unix socket pair; the core decodes the body, refuses a report for another node and
+ingests it exactly as it does its own requests, and sends back the response bytes. Every
+other request (API, agentctl, /metrics, /healthz) is forwarded whole, and the core runs it
+through its ASGI app in-process, so there is one API implementation.
 
 Channel: one SOCK_STREAM socket pair per worker, frames of `!IBI` (payload length, kind,
 request id) followed by the payload; request ids pair answers with requests, so forwarded

@@ -34,9 +34,9 @@ __all__ = [
 
 # payload length, kind, request id
 HEADER = struct.Struct("!IBI")
-KIND_TOKENS = 1  # core -> worker: JSON [[name, role, sha256 hex], ...]
+KIND_TOKENS = 1  # core -> worker: JSON [[name, role, sha256 hex, node or null], ...]
 KIND_READY = 2  # worker -> core: JSON {"pid": ...}, once it accepts connections
-KIND_REPORT = 3  # worker -> core: actor name, raw report body
+KIND_REPORT = 3  # worker -> core: actor name, the node it speaks for, raw report body
 KIND_HTTP = 4  # worker -> core: any other request, whole
 KIND_ANSWER = 5  # core -> worker: status, headers, body
 KINDS = frozenset({KIND_TOKENS, KIND_READY, KIND_REPORT, KIND_HTTP, KIND_ANSWER})
@@ -61,18 +61,28 @@ def encode_frame(kind: int, request_id: int, payload: bytes) -> bytes:
     return HEADER.pack(len(payload), kind, request_id) + payload
 
 
-def encode_report(actor: str, body: bytes) -> bytes:
+def encode_report(actor: str, node: str | None, body: bytes) -> bytes:
+    """A report frame's payload: the authenticated actor, the node its credential speaks for
+    (None: a shared agent token; sent as an empty name) and the raw body."""
     name = actor.encode()
-    return _U16.pack(len(name)) + name + body
+    bound = (node or "").encode()
+    return _U16.pack(len(name)) + name + _U16.pack(len(bound)) + bound + body
 
 
-def decode_report(payload: bytes) -> tuple[str, bytes]:
+def decode_report(payload: bytes) -> tuple[str, str | None, bytes]:
+    """(actor, node or None, raw body) of a report frame's payload."""
     if len(payload) < _U16.size:
         raise FrameError("report frame shorter than its header")
     (n,) = _U16.unpack_from(payload)
-    if _U16.size + n > len(payload):
+    pos = _U16.size + n
+    if pos + _U16.size > len(payload):
         raise FrameError("report frame: actor name runs past the frame")
-    return payload[2 : 2 + n].decode(), payload[2 + n :]
+    (m,) = _U16.unpack_from(payload, pos)
+    start = pos + _U16.size
+    if start + m > len(payload):
+        raise FrameError("report frame: node name runs past the frame")
+    node = payload[start : start + m].decode() or None
+    return payload[2:pos].decode(), node, payload[start + m :]
 
 
 def encode_http(meta: dict[str, Any], body: bytes) -> bytes:

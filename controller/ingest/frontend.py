@@ -148,6 +148,7 @@ class IngestFrontend:
         max_body_bytes: int,
         tls_cert_file: str | None = None,
         tls_key_file: str | None = None,
+        tls_client_ca_file: str | None = None,
         log_level: str = "info",
         ready_timeout_s: float = 60.0,
         stop_grace_s: float = 10.0,
@@ -157,12 +158,14 @@ class IngestFrontend:
         self.started = False
         self.should_exit = False
         self._app = app
-        self._ingest: Callable[[bytes, str], Awaitable[tuple[int, bytes, dict[str, str] | None]]]
+        self._ingest: Callable[
+            [bytes, str, str | None], Awaitable[tuple[int, bytes, dict[str, str] | None]]
+        ]
         self._ingest = app.report_ingest
         self._tokens = tokens
         self._max_body_bytes = max_body_bytes
         self._max_frame_bytes = max_body_bytes + _META_ALLOWANCE_BYTES
-        self._tls = (tls_cert_file, tls_key_file)
+        self._tls = (tls_cert_file, tls_key_file, tls_client_ca_file)
         self._log_level = log_level
         self._ready_timeout_s = ready_timeout_s
         self._stop_grace_s = stop_grace_s
@@ -247,9 +250,11 @@ class IngestFrontend:
             "--log-level",
             self._log_level,
         ]
-        cert, key = self._tls
+        cert, key, client_ca = self._tls
         if cert is not None and key is not None:
             cmd += ["--tls-cert-file", cert, "--tls-key-file", key]
+        if client_ca is not None:
+            cmd += ["--tls-client-ca-file", client_ca]
         # spawned from the event loop's (main) thread: the parent-death signal fires when the
         # thread that forked exits, and this one lives as long as the core
         return subprocess.Popen(cmd, pass_fds=(listen_fd, channel_fd), stdin=subprocess.DEVNULL)
@@ -309,9 +314,9 @@ class IngestFrontend:
                 if kind == KIND_REPORT:
                     # inline and in order, as the core serves its own reports: the ingest is
                     # synchronous and serialised on the controller's lock anyway
-                    actor, raw = decode_report(payload)
+                    actor, node, raw = decode_report(payload)
                     try:
-                        status, body, extra = await ingest(raw, actor)
+                        status, body, extra = await ingest(raw, actor, node)
                         headers = (
                             [(k.lower().encode(), v.encode()) for k, v in extra.items()]
                             if extra

@@ -1,7 +1,9 @@
 """An ingest worker process (`python -m trainguard.controller.ingest --worker N ...`): serves
-the inherited API socket with uvicorn, checks agent tokens and the body limit of
-`POST /v1/reports` and hands the raw body to the core over its channel; every other request
-is forwarded whole. It exits at EOF on its channel and, on Linux, when the core dies.
+the inherited API socket with uvicorn, checks the credential (agent token or client
+certificate) and the body limit of `POST /v1/reports` and hands the raw body, with the node
+that credential speaks for, to the core over its channel; every other request is forwarded
+whole. A repeated Authorization header is answered 400 here, on every route. It exits at EOF
+on its channel and, on Linux, when the core dies.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from trainguard.controller.ingest.frames import (
     read_frame,
 )
 from trainguard.controller.runtime import new_event_loop, setup_logging
+from trainguard.controller.tlsauth import uvicorn_tls_options
 
 __all__ = ["CoreChannel", "WorkerApp", "main"]
 
@@ -83,7 +86,7 @@ class CoreChannel:
                     if future is not None and not future.done():
                         future.set_result(decode_answer(payload))
                 elif kind == KIND_TOKENS:
-                    self.tokens = TokenStore([tuple(e) for e in json.loads(payload)])
+                    self.tokens = TokenStore(json.loads(payload))
                     self.tokens_changed.set()
                 else:
                     raise FrameError(f"frame kind {kind} is not sent by the core")
@@ -109,7 +112,11 @@ class WorkerApp:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
-        if scope["path"] == "/v1/reports" and scope["method"] == "POST":
+        if _repeated_authorization(scope["headers"]):
+            status, headers, body = error_answer(
+                400, "repeated Authorization header: send one", {"header": "Authorization"}
+            )
+        elif scope["path"] == "/v1/reports" and scope["method"] == "POST":
             status, headers, body = await self._report(scope, receive)
         else:
             status, headers, body = await self._forward(scope, receive)
@@ -119,17 +126,23 @@ class WorkerApp:
     async def _report(self, scope: Any, receive: Any) -> tuple[int, Headers, bytes]:
         # defers fastapi (which the api module imports) to the first report: an idle worker
         # stays small
-        from trainguard.controller.api import ApiError, authenticate, read_limited  # noqa: PLC0415
+        from trainguard.controller.api import (  # noqa: PLC0415
+            ApiError,
+            authenticate_report,
+            read_limited,
+            request_headers,
+        )
 
-        headers = dict(scope["headers"])
         try:
             # the same checks, in the same order, with the same answers as the core's own
-            principal = authenticate(self._channel.tokens, headers.get(b"authorization"), "report")
+            headers = request_headers(scope["headers"])
+            principal = authenticate_report(self._channel.tokens, headers, scope)
             raw = await read_limited(headers.get(b"content-length"), receive, self._max_body_bytes)
         except ApiError as e:
             body = json.dumps({"error": e.error, "detail": e.detail}, separators=(",", ":"))
             return e.status, json_headers(body.encode(), e.headers), body.encode()
-        return await self._channel.request(KIND_REPORT, encode_report(principal.name, raw))
+        payload = encode_report(principal.name, principal.node, raw)
+        return await self._channel.request(KIND_REPORT, payload)
 
     async def _forward(self, scope: Any, receive: Any) -> tuple[int, Headers, bytes]:
         # at most one byte past the limit is read and handed on: the core's app then answers
@@ -158,6 +171,10 @@ class WorkerApp:
             "server": list(scope["server"]) if scope.get("server") else None,
         }
         return await self._channel.request(KIND_HTTP, encode_http(meta, body))
+
+
+def _repeated_authorization(raw: list[tuple[bytes, bytes]]) -> bool:
+    return sum(1 for k, _ in raw if k == b"authorization") > 1
 
 
 _term_requested = False
@@ -204,10 +221,12 @@ async def _worker(args: argparse.Namespace) -> int:
             log_level="warning",
             access_log=False,
             lifespan="off",
-            ssl_certfile=args.tls_cert_file,
-            ssl_keyfile=args.tls_key_file,
-            http="auto",
             timeout_keep_alive=75,
+            **uvicorn_tls_options(
+                cert_file=args.tls_cert_file,
+                key_file=args.tls_key_file,
+                client_ca_file=args.tls_client_ca_file,
+            ),
         )
     )
 
@@ -248,6 +267,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--log-level", default="info")
     p.add_argument("--tls-cert-file", default=None)
     p.add_argument("--tls-key-file", default=None)
+    p.add_argument("--tls-client-ca-file", default=None)
     return p.parse_args(argv)
 
 

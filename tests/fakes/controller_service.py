@@ -149,9 +149,8 @@ class FakeService:
             self.reports.append(report)
             now = self.clock.now()
             old = self.nodes.get(report.node)
-            base = old or NodeView(
-                name=report.node, role=report.role_hint or "active", state="active"
-            )
+            # like the controller: a role hint makes no spare, an operator does
+            base = old or NodeView(name=report.node, role="active", state="active")
             self.nodes[report.node] = replace(
                 base,
                 labels=dict(report.labels),

@@ -60,17 +60,28 @@ def write_config(
     tick_interval_s: float | None = None,
     stale_after_s: float | None = None,
     extra_yaml: str = "",
+    agent_tokens: Mapping[str, str] | None = None,
 ) -> Path:
-    """rules.yaml, tokens.yaml (OP_TOKEN for an operator, AGENT_TOKEN for agents) and
-    controller.yaml in `directory`, the store in c.db there, the API on a free loopback port;
-    `extra_yaml` (whole top-level sections) is appended as it is. Returns controller.yaml."""
+    """rules.yaml, tokens.yaml (OP_TOKEN for an operator, AGENT_TOKEN shared by the agents of
+    every node, allowed by api.allow_shared_agent_tokens) and controller.yaml in `directory`,
+    the store in c.db there, the API on a free loopback port; `extra_yaml` (whole top-level
+    sections) is appended as it is. `agent_tokens` ({node: token}): one token bound to each
+    node instead of the shared one. Returns controller.yaml."""
     (directory / "rules.yaml").write_text(rules)
-    (directory / "tokens.yaml").write_text(
-        "tokens:\n"
-        f'  - {{name: ops, role: operator, sha256: "{hash_token(OP_TOKEN)}"}}\n'
+    agents = (
         f'  - {{name: agents, role: agent, sha256: "{hash_token(AGENT_TOKEN)}"}}\n'
+        if agent_tokens is None
+        else "".join(
+            f'  - {{name: agent-{n}, role: agent, node: {n}, sha256: "{hash_token(t)}"}}\n'
+            for n, t in agent_tokens.items()
+        )
+    )
+    (directory / "tokens.yaml").write_text(
+        f'tokens:\n  - {{name: ops, role: operator, sha256: "{hash_token(OP_TOKEN)}"}}\n' + agents
     )
     api = f"host: 127.0.0.1, port: 0, tokens_file: {directory / 'tokens.yaml'}"
+    if agent_tokens is None:
+        api += ", allow_shared_agent_tokens: true"
     if max_body_bytes is not None:
         api += f", max_body_bytes: {max_body_bytes}"
     text = (

@@ -38,8 +38,9 @@ DASHBOARDS = ROOT / "dashboards"
 BIN = Path(sys.executable).parent
 JOB = "demo"
 RANKS = 3
-AGENT_TOKEN = "dash-agent-token"
+AGENT_TOKENS = {"node-1": "dash-agent-token-1", "node-2": "dash-agent-token-2"}
 VIEWER_TOKEN = "dash-viewer-token"
+OP_TOKEN = "dash-op-token"
 # Grafana's built-in interval variables, as Grafana would expand them for a short range
 GRAFANA_INTERVALS = {"__rate_interval": "1m", "__interval": "2s", "__range": "5m"}
 # Series that exist only once the controller computes them for a job (see _allowed_empty)
@@ -161,8 +162,12 @@ class Stack:
 def _start_controller(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
     (workdir / "tokens.yaml").write_text(
         "tokens:\n"
-        f'  - {{name: agents, role: agent, sha256: "{hash_token(AGENT_TOKEN)}"}}\n'
-        f'  - {{name: grafana, role: viewer, sha256: "{hash_token(VIEWER_TOKEN)}"}}\n'
+        + "".join(
+            f'  - {{name: agent-{n}, role: agent, node: {n}, sha256: "{hash_token(t)}"}}\n'
+            for n, t in AGENT_TOKENS.items()
+        )
+        + f'  - {{name: grafana, role: viewer, sha256: "{hash_token(VIEWER_TOKEN)}"}}\n'
+        + f'  - {{name: ops, role: operator, sha256: "{hash_token(OP_TOKEN)}"}}\n'
     )
     cfg = workdir / "controller.yaml"
     cfg.write_text(
@@ -218,19 +223,31 @@ def stack() -> Iterator[Stack]:
     try:
         controller, controller_url = _start_controller(workdir)
         procs.append(controller)
-        token_file = workdir / "agent.token"
-        token_file.write_text(AGENT_TOKEN + "\n")
-        common = ["--controller", controller_url, "--token-file", str(token_file),
-                  "--report-interval-s", "1", "--kmsg-path", ""]  # fmt: skip
+        for node, token in AGENT_TOKENS.items():
+            (workdir / f"{node}.token").write_text(token + "\n")
+        common = ["--controller", controller_url, "--report-interval-s", "1", "--kmsg-path", ""]
         (workdir / "n1").mkdir()
-        agents["node-1"] = AgentProcess(workdir / "n1", "--gpus", "2", "--ib-ports", "2", *common)
+        agents["node-1"] = AgentProcess(
+            workdir / "n1", "--gpus", "2", "--ib-ports", "2",
+            "--token-file", str(workdir / "node-1.token"), *common,
+        )  # fmt: skip
         (workdir / "n2").mkdir()
         spare_cfg = workdir / "n2" / "agent.yaml"
-        spare_cfg.write_text("node: {role_hint: spare, labels: {pool: h100}}\n")
+        spare_cfg.write_text("node: {labels: {pool: h100}}\n")
         agents["node-2"] = AgentProcess(
             workdir / "n2", "--config", str(spare_cfg), "--node-name", "node-2",
-            "--gpus", "1", "--ib-ports", "1", *common,
+            "--gpus", "1", "--ib-ports", "1",
+            "--token-file", str(workdir / "node-2.token"), *common,
         )  # fmt: skip
+        # a spare is one because an operator says so, once the node has reported
+        op = {"Authorization": f"Bearer {OP_TOKEN}"}
+        wait_for(
+            lambda: httpx.get(f"{controller_url}/v1/nodes/node-2", headers=op).status_code == 200,
+            timeout_s=30,
+            what="node-2 to report",
+        )
+        r = httpx.put(f"{controller_url}/v1/nodes/node-2/role", json={"role": "spare"}, headers=op)
+        assert r.status_code == 200, r.text
         sender = TrainerSender(agents["node-1"].socket_path)
         sender.thread.start()
 

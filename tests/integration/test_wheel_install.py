@@ -183,7 +183,8 @@ def test_controller_agent_and_agentctl_from_the_wheel(installed: Installed) -> N
     (work / "tokens.yaml").write_text(
         "tokens:\n"
         f'  - {{name: ops, role: operator, sha256: "{hash_token(OP_TOKEN)}"}}\n'
-        f'  - {{name: agents, role: agent, sha256: "{hash_token(AGENT_TOKEN)}"}}\n'
+        "  - {name: agent-node-12, role: agent, node: node-12,"
+        f' sha256: "{hash_token(AGENT_TOKEN)}"}}\n'
     )
     (work / "agent.token").write_text(AGENT_TOKEN + "\n")
     (work / "agent.token").chmod(0o600)

@@ -74,6 +74,8 @@ class Sim:
         agent.labels.update(labels)
         self.agents[name] = agent
         self._report(agent)
+        if role == "spare":  # a report's role hint makes no spare: an operator does
+            self.c.set_role(name, role="spare", actor="operator")
         return agent
 
     def _report(self, agent: FakeJobAgent) -> None:

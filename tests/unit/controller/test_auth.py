@@ -1,4 +1,4 @@
-"""Tokens file loading, hashing and role checks."""
+"""Tokens file loading, hashing, role checks and agent tokens bound to one node."""
 
 from __future__ import annotations
 
@@ -26,11 +26,11 @@ def test_loaded_tokens_authenticate_by_hash_and_token_file(tmp_path: Path) -> No
         tmp_path,
         f"tokens:\n"
         f"  - {{name: ops-alice, role: operator, sha256: {hash_token('alice-secret').upper()}}}\n"
-        f"  - {{name: agents, role: agent, token_file: agent.token}}\n",
+        f"  - {{name: agent-node-1, role: agent, node: node-1, token_file: agent.token}}\n",
     )
     store = load_tokens(p)
     assert store.authenticate("alice-secret") == Principal("ops-alice", "operator")
-    assert store.authenticate("agent-secret") == Principal("agents", "agent")
+    assert store.authenticate("agent-secret") == Principal("agent-node-1", "agent", "node-1")
     assert store.authenticate("alice-secret ") is None
     assert store.authenticate("") is None
 
@@ -68,6 +68,21 @@ def test_loaded_tokens_authenticate_by_hash_and_token_file(tmp_path: Path) -> No
             id="missing-token-file",
         ),
         pytest.param("tokns: []\n", "tokns", id="typo-top-level"),
+        pytest.param(
+            "tokens:\n  - {name: a, role: operator, node: node-1, sha256: " + "a" * 64 + "}\n",
+            "only an agent token is bound to a node",
+            id="operator-with-node",
+        ),
+        pytest.param(
+            "tokens:\n  - {name: a, role: agent, node: ' ', sha256: " + "a" * 64 + "}\n",
+            "tokens[0].node",
+            id="blank-node",
+        ),
+        pytest.param(
+            "tokens:\n  - {name: agents, role: agent, sha256: " + "a" * 64 + "}\n",
+            "allow_shared_agent_tokens",
+            id="shared-agent-token-without-the-option",
+        ),
     ],
 )
 def test_bad_tokens_file_fails_with_file_key_and_reason(
@@ -118,3 +133,38 @@ def test_token_file_may_name_the_credentials_directory(
         load_tokens(p)
     assert e.value.key == "tokens[0].token_file"
     assert "CREDENTIALS_DIRECTORY is not set" in e.value.reason
+
+
+def test_shared_agent_token_loads_only_behind_the_option(tmp_path: Path) -> None:
+    p = _write(
+        tmp_path,
+        "tokens:\n"
+        f"  - {{name: agents, role: agent, sha256: {hash_token('shared')}}}\n"
+        f"  - {{name: agent-node-2, role: agent, node: node-2, sha256: {hash_token('n2')}}}\n",
+    )
+    with pytest.raises(ConfigError) as e:
+        load_tokens(p)
+    assert e.value.key == "tokens[0].node"
+    assert "agentctl token issue" in e.value.reason
+    store = load_tokens(p, allow_shared_agent_tokens=True)
+    assert store.authenticate("shared") == Principal("agents", "agent", None)
+    assert store.authenticate("n2") == Principal("agent-node-2", "agent", "node-2")
+    assert store.shared_agent_tokens() == ["agents"]
+
+
+def test_entries_carry_the_bound_node_to_another_store() -> None:
+    store = TokenStore.from_plaintext(
+        {"t1": ("agent-node-1", "agent", "node-1"), "op": ("ops", "operator")}
+    )
+    copy = TokenStore(store.entries())
+    assert copy.authenticate("t1") == Principal("agent-node-1", "agent", "node-1")
+    assert copy.authenticate("op") == Principal("ops", "operator", None)
+    assert copy.shared_agent_tokens() == []
+
+
+def test_many_node_tokens_each_authenticate_as_their_own_node() -> None:
+    store = TokenStore.from_plaintext(
+        {f"tok-{i}": (f"agent-node-{i}", "agent", f"node-{i}") for i in range(2048)}
+    )
+    assert store.authenticate("tok-1234") == Principal("agent-node-1234", "agent", "node-1234")
+    assert store.authenticate("tok-2048") is None

@@ -23,14 +23,19 @@ def _result_event(event_id: int, command_id: str, *, ok: bool = True) -> Event:
     )
 
 
-def test_first_report_registers_node_with_role_hint(make_core, core_clock):
+def test_first_report_registers_node_active_whatever_its_role_hint(make_core, core_clock):
     c = make_core()
     resp = c.ingest_report(
         Reporter("spare-1", role="spare").report(now=core_clock.now()), actor="a"
     )
     assert resp.ack_event_id == 0 and resp.commands == ()
     node = c.get_node("spare-1")
-    assert (node.role, node.state, node.reporting, node.gpus) == ("spare", "active", True, 1)
+    assert (node.role, node.state, node.reporting, node.gpus) == ("active", "active", True, 1)
+    assert c.list_spares() == []
+    # a spare is one because an operator said so
+    c.set_role("spare-1", role="spare", actor="ops")
+    assert [n.name for n in c.list_spares()] == ["spare-1"]
+    c.ingest_report(Reporter("spare-1", role="active").report(now=core_clock.now()), actor="a")
     assert [n.name for n in c.list_spares()] == ["spare-1"]
 
 

@@ -52,10 +52,12 @@ def test_ingest_workers_default_and_flag_override(tmp_path: Any) -> None:
 
 
 def test_frames_round_trip() -> None:
-    frame = encode_frame(KIND_REPORT, 7, encode_report("agents", b'{"v":1}'))
+    frame = encode_frame(KIND_REPORT, 7, encode_report("agent-n1", "n1", b'{"v":1}'))
     length, kind, request_id = HEADER.unpack(frame[: HEADER.size])
     assert (length, kind, request_id) == (len(frame) - HEADER.size, KIND_REPORT, 7)
-    assert decode_report(frame[HEADER.size :]) == ("agents", b'{"v":1}')
+    assert decode_report(frame[HEADER.size :]) == ("agent-n1", "n1", b'{"v":1}')
+    # a shared agent token speaks for no one node
+    assert decode_report(encode_report("agents", None, b"{}")) == ("agents", None, b"{}")
 
     meta = {"method": "GET", "path": "/v1/nodes", "headers": [["x", "y"]]}
     assert decode_http(encode_http(meta, b"body")) == (meta, b"body")
@@ -76,6 +78,7 @@ def test_frames_round_trip() -> None:
     [
         pytest.param(decode_report, b"\x00", "shorter", id="report-short"),
         pytest.param(decode_report, b"\x00\x09ab", "runs past", id="report-actor-past-end"),
+        pytest.param(decode_report, b"\x00\x01a\x00\x05b", "node name runs past", id="node-past"),
         pytest.param(decode_http, b"\x00\x00\x00\x10{}", "runs past", id="http-head-past-end"),
         pytest.param(decode_http, b"\x00\x00\x00\x01{", "not JSON", id="http-head-not-json"),
         pytest.param(decode_http, b"\x00\x00\x00\x02[]", "not an object", id="http-head-list"),
@@ -197,8 +200,8 @@ def test_report_ingest_decodes_and_ingests_a_handed_over_body(app: Any) -> None:
     body = encode_json(Report(node="node-3", instance="i", seq=1, sent_at=1_000.0))
 
     async def run() -> tuple[Any, Any, Any]:
-        ok = await app.report_ingest(body, "agents")
-        invalid = await app.report_ingest(b'{"v": 1}', "agents")
+        ok = await app.report_ingest(body, "agent-node-3", "node-3")
+        invalid = await app.report_ingest(b'{"v": 1}', "agent-node-3", "node-3")
         status, _, listed = await call_asgi(app, _meta("GET", "/v1/nodes", token="op"), b"")
         return ok, invalid, (status, json.loads(listed))
 
@@ -206,3 +209,23 @@ def test_report_ingest_decodes_and_ingests_a_handed_over_body(app: Any) -> None:
     assert ok[0] == 200 and json.loads(ok[1])["ack_event_id"] == 0
     assert invalid[0] == 422 and json.loads(invalid[1])["error"] == "invalid body"
     assert status == 200 and [n["name"] for n in nodes] == ["node-3"]
+
+
+def test_report_handed_over_for_another_node_is_refused_and_audited(app: Any) -> None:
+    body = encode_json(Report(node="node-2", instance="i", seq=1, sent_at=1_000.0))
+
+    async def run() -> tuple[Any, Any, Any]:
+        refused = await app.report_ingest(body, "agent-node-1", "node-1")
+        _, _, listed = await call_asgi(app, _meta("GET", "/v1/nodes", token="op"), b"")
+        _, _, audit = await call_asgi(app, _meta("GET", "/v1/audit", token="op"), b"")
+        return refused, json.loads(listed), json.loads(audit)
+
+    refused, nodes, audit = asyncio.run(run())
+    assert refused[0] == 403
+    error = json.loads(refused[1])
+    assert "agent-node-1" in error["error"] and "node-1" in error["error"]
+    assert "node-2" in error["error"]
+    assert nodes == []
+    assert [(a["actor"], a["action"], a["target"]) for a in audit] == [
+        ("agent-node-1", "report_refused", "node-2")
+    ]

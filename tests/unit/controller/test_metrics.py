@@ -15,7 +15,8 @@ from tests.builders import Reporter
 def test_metrics_follow_nodes_incidents_and_actions(make_core, core_clock):
     c = make_core()
     c.ingest_report(Reporter("n1").report(now=core_clock.now(), dbe=1), actor="a")
-    c.ingest_report(Reporter("n2", role="spare").report(now=core_clock.now()), actor="a")
+    c.ingest_report(Reporter("n2").report(now=core_clock.now()), actor="a")
+    c.set_role("n2", role="spare", actor="ops")
     c.tick()
     m = c.metrics
     assert m.nodes.labels(role="active", state="drained")._value.get() == 1
