@@ -14,9 +14,11 @@ The only part of trainguard that imports torch; `import agent` never imports thi
 
 from trainguard.trainer.chaos import ChaosError, ChaosSpecError
 from trainguard.trainer.core import CheckpointMismatch, NanPolicy, Stateful, StepAction, Trainguard
+from trainguard.trainer.loader import resumable_loader
 from trainguard.trainer.manifest import CheckpointInvalid, Manifest, find_latest_good, verify_dir
 from trainguard.trainer.s3 import S3Config
 from trainguard.trainer.sampler import ResumableSampler
+from trainguard.trainer.workers import WorkerInit, guard_workers, worker_init_fn
 
 __all__ = [
     "ChaosError",
@@ -30,6 +32,10 @@ __all__ = [
     "Stateful",
     "StepAction",
     "Trainguard",
+    "WorkerInit",
     "find_latest_good",
+    "guard_workers",
+    "resumable_loader",
     "verify_dir",
+    "worker_init_fn",
 ]

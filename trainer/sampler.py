@@ -21,11 +21,13 @@ DistributedSampler epochs over M ranks.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
 from torch.utils.data import DistributedSampler, Sampler
+
+from trainguard.trainer.workers import guard_workers, stop_signals_blocked
 
 __all__ = ["ResumableSampler"]
 
@@ -113,11 +115,18 @@ class ResumableSampler(Sampler[int]):
             rest += (rest * (pad // len(rest) + 1))[:pad]
         return rest[inner.rank :: replicas]
 
-    def batches(self, loader: Iterable[B]) -> Iterator[B]:
-        """Endless iterator over `loader`'s batches across epochs, from the current position."""
+    def batches(self, loader: Iterable[B]) -> Generator[B, None, None]:
+        """Endless iterator over `loader`'s batches across epochs, from the current position.
+
+        A DataLoader with worker processes gets `WorkerInit` (trainer.workers) first: its
+        workers ignore the SIGTERM/SIGINT meant for the rank, so a stop reaches the emergency
+        checkpoint instead of killing the loader."""
+        guard_workers(loader)
         while True:
             empty = True
-            for batch in loader:
+            with stop_signals_blocked():  # until the new workers run their WorkerInit
+                it = iter(loader)
+            for batch in it:
                 empty = False
                 yield batch
             if empty:
