@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import os
-import shutil
 import socket
-import tempfile
 from pathlib import Path
 
 from trainguard.systemd import SystemdNotifier
 
 
-def test_sends_ready_watchdog_stopping_to_notify_socket() -> None:
-    d = Path(tempfile.mkdtemp(prefix="tgsd", dir="/tmp"))
+def test_sends_ready_watchdog_stopping_to_notify_socket(short_tmp: Path) -> None:
     recv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    recv.bind(str(d / "notify"))
+    recv.bind(str(short_tmp / "notify"))
     recv.settimeout(5)
     try:
-        n = SystemdNotifier({"NOTIFY_SOCKET": str(d / "notify")})
+        n = SystemdNotifier({"NOTIFY_SOCKET": str(short_tmp / "notify")})
         assert n.enabled
         assert n.ready(status="serving") and n.watchdog() and n.stopping()
         got = [recv.recv(4096).decode() for _ in range(3)]
@@ -25,7 +22,6 @@ def test_sends_ready_watchdog_stopping_to_notify_socket() -> None:
         n.close()
     finally:
         recv.close()
-        shutil.rmtree(d)
 
 
 def test_abstract_socket_address_is_supported() -> None:

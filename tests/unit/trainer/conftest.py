@@ -2,27 +2,19 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from trainer_helpers import FakeAgent
+
+from tests.unit.trainer.trainer_helpers import FakeAgent
 
 
 @pytest.fixture
-def short_dir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="tgt-"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def agent(short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeAgent]:
-    a = FakeAgent(short_dir)
+def agent(short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeAgent]:
+    a = FakeAgent(short_tmp)
     monkeypatch.setenv("TRAINGUARD_AGENT_SOCKET", a.path)
-    monkeypatch.setenv("TRAINGUARD_CONTROL_DIR", str(short_dir))
+    monkeypatch.setenv("TRAINGUARD_CONTROL_DIR", str(short_tmp))
     monkeypatch.setenv("TRAINGUARD_JOB", "unit")
     monkeypatch.delenv("TRAINGUARD_CHAOS", raising=False)
     yield a

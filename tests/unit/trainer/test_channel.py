@@ -17,11 +17,11 @@ from trainguard.trainer.channel import (
 )
 
 
-def test_heartbeat_reaches_a_listening_agent_socket(short_dir: Path) -> None:
+def test_heartbeat_reaches_a_listening_agent_socket(short_tmp: Path) -> None:
     agent = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    agent.bind(str(short_dir / "hb.sock"))
+    agent.bind(str(short_tmp / "hb.sock"))
     agent.settimeout(5)
-    ch = AgentChannel(agent_socket=str(short_dir / "hb.sock"), control_socket=None)
+    ch = AgentChannel(agent_socket=str(short_tmp / "hb.sock"), control_socket=None)
     try:
         hb = Heartbeat(
             job="j",
@@ -41,8 +41,8 @@ def test_heartbeat_reaches_a_listening_agent_socket(short_dir: Path) -> None:
         agent.close()
 
 
-def test_missing_agent_socket_is_a_silent_no_op(short_dir: Path) -> None:
-    ch = AgentChannel(agent_socket=str(short_dir / "absent.sock"), control_socket=None)
+def test_missing_agent_socket_is_a_silent_no_op(short_tmp: Path) -> None:
+    ch = AgentChannel(agent_socket=str(short_tmp / "absent.sock"), control_socket=None)
     try:
         for step in range(100):
             assert ch.send(Heartbeat(job="j", rank=0, step=step, t=0.0)) is False
@@ -51,10 +51,10 @@ def test_missing_agent_socket_is_a_silent_no_op(short_dir: Path) -> None:
         ch.close()
 
 
-def test_full_agent_buffer_drops_instead_of_blocking(short_dir: Path) -> None:
+def test_full_agent_buffer_drops_instead_of_blocking(short_tmp: Path) -> None:
     agent = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    agent.bind(str(short_dir / "hb.sock"))  # bound but never read: its queue fills up
-    ch = AgentChannel(agent_socket=str(short_dir / "hb.sock"), control_socket=None)
+    agent.bind(str(short_tmp / "hb.sock"))  # bound but never read: its queue fills up
+    ch = AgentChannel(agent_socket=str(short_tmp / "hb.sock"), control_socket=None)
     try:
         for step in range(5000):
             ch.send(Heartbeat(job="j", rank=0, step=step, t=0.0))
@@ -65,10 +65,10 @@ def test_full_agent_buffer_drops_instead_of_blocking(short_dir: Path) -> None:
 
 
 def test_controls_are_received_and_malformed_ones_dropped(
-    short_dir: Path, caplog: pytest.LogCaptureFixture
+    short_tmp: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    path = str(short_dir / "ctl.sock")
-    ch = AgentChannel(agent_socket=str(short_dir / "hb.sock"), control_socket=path)
+    path = str(short_tmp / "ctl.sock")
+    ch = AgentChannel(agent_socket=str(short_tmp / "hb.sock"), control_socket=path)
     sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     try:
         assert ch.control_socket == path
@@ -86,9 +86,9 @@ def test_controls_are_received_and_malformed_ones_dropped(
     assert not Path(path).exists(), "the control socket is removed on close"
 
 
-def test_unbindable_control_socket_leaves_heartbeats_working(short_dir: Path) -> None:
+def test_unbindable_control_socket_leaves_heartbeats_working(short_tmp: Path) -> None:
     ch = AgentChannel(
-        agent_socket=str(short_dir / "hb.sock"), control_socket=str(short_dir / "no/such/c.sock")
+        agent_socket=str(short_tmp / "hb.sock"), control_socket=str(short_tmp / "no/such/c.sock")
     )
     try:
         assert ch.control_socket is None

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from trainer_helpers import TinyJob
 
+from tests.unit.trainer.trainer_helpers import TinyJob
 from trainguard.clock import FakeClock
 from trainguard.trainer import ChaosError
 from trainguard.trainer.chaos import ChaosHook, chaos_hooks, parse_chaos

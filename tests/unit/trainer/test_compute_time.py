@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from trainer_helpers import FakeAgent, TinyJob
 
+from tests.unit.trainer.trainer_helpers import FakeAgent, TinyJob
 from trainguard.clock import FakeClock
 from trainguard.protocol import Heartbeat
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import boto3
 import pytest
 from moto.server import ThreadedMotoServer
-from trainer_helpers import TinyJob
 
+from tests.unit.trainer.trainer_helpers import TinyJob
 from trainguard.trainer import S3Config
 from trainguard.trainer.manifest import list_committed
 

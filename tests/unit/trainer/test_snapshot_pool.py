@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_helpers import TinyJob
 
+from tests.unit.trainer.trainer_helpers import TinyJob
 from trainguard.trainer import state as state_mod
 from trainguard.trainer.state import SnapshotPool
 

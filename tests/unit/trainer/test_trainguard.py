@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_helpers import FakeAgent, TinyJob
 
+from tests.unit.trainer.trainer_helpers import FakeAgent, TinyJob
 from trainguard.protocol import Control, encode_json
 from trainguard.trainer import ChaosSpecError, Trainguard
 from trainguard.trainer.checkpoint import load_rank_file, read_tensor_file
