@@ -12,6 +12,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from trainguard.bounds import (
+    IDENT_PATTERN,
+    IDENT_RE,
+    LABEL_VALUE_MAX_CHARS,
+    MAX_EVENTS_PER_REPORT,
+    MAX_MAP_ENTRIES,
+    MAX_RANKS_PER_REPORT,
+    bad_name_reason,
+)
 from trainguard.strict import ConfigError, Invalid, apply_overrides, build, load_file
 
 DEFAULT_CONFIG_PATH = "/etc/trainguard/agent.yaml"
@@ -41,6 +50,9 @@ DEFAULT_ENV_DENY = (
 _ENV_DENY_ENTRY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\*?")
 # Upper bound of jobs.max_nproc_per_node: far above any node's GPU or sensible CPU rank count.
 MAX_NPROC_PER_NODE_LIMIT = 1024
+# Lines of a job's output a report carries: 100 lines of at most 513 characters stay within
+# the wire's bound on output_tail (trainguard.bounds.TEXT_MAX_CHARS).
+OUTPUT_TAIL_LINES_MAX = 100
 
 GpuBackend = Literal["nvml", "sim"]
 
@@ -69,6 +81,19 @@ class NodeConfig:
     advertise_address: str = ""
 
     def __post_init__(self) -> None:
+        if self.name:
+            bad = bad_name_reason(self.name)
+            if bad is not None:
+                raise Invalid("name", bad)
+        if len(self.labels) > MAX_MAP_ENTRIES:
+            raise Invalid("labels", f"too many entries: at most {MAX_MAP_ENTRIES}")
+        for key, value in self.labels.items():
+            if not IDENT_RE.fullmatch(key):
+                raise Invalid(f"labels.{key}", f"key must match {IDENT_PATTERN}")
+            if len(value) > LABEL_VALUE_MAX_CHARS:
+                raise Invalid(
+                    f"labels.{key}", f"too long: at most {LABEL_VALUE_MAX_CHARS} characters"
+                )
         addr = self.advertise_address
         if addr and (any(c.isspace() for c in addr) or "/" in addr or len(addr) > 253):
             raise Invalid("advertise_address", f"must be an IP address or host name, got {addr!r}")
@@ -90,8 +115,9 @@ class NodeConfig:
 class HardwareConfig:
     # "nvml" on real GPU nodes; "sim" for demos, CI and chaos tests (same interfaces).
     gpu_backend: GpuBackend = "nvml"
-    # How often the collectors run, seconds. 1 s matches the report interval: a lost GPU
-    # is seen within a second without NVML polling costing more than ~1 % of a core.
+    # How often the collect loop assembles a snapshot (and pets the watchdog), seconds, and
+    # the default interval of every source (collectors.*.interval_s). 1 s matches the report
+    # interval: a lost GPU is seen within a second at ~1 % of a core of NVML polling.
     collect_interval_s: float = 1.0
     # sim backend only: number of GPUs / IB ports (8 + 8 is one HGX H100 node).
     sim_gpus: int = 8
@@ -109,6 +135,36 @@ class HardwareConfig:
             raise Invalid("sim_gpus", f"must be >= 0, got {self.sim_gpus}")
         if self.sim_ib_ports < 0:
             raise Invalid("sim_ib_ports", f"must be >= 0, got {self.sim_ib_ports}")
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    # Seconds between calls of this source; null = hardware.collect_interval_s.
+    interval_s: float | None = None
+    # Seconds one call may take before the source is marked stale (metric, event, report);
+    # the other sources, reports and the watchdog go on. Far above a healthy call (an 8-GPU
+    # NVML read takes tens of ms, sysfs and the kernel log less) and short enough that a
+    # GPU gone off the bus stales its source well inside the node-silent window.
+    deadline_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.interval_s is not None:
+            _check_positive("interval_s", self.interval_s)
+        _check_positive("deadline_s", self.deadline_s)
+
+    def resolved_interval_s(self, collect_interval_s: float) -> float:
+        return self.interval_s if self.interval_s is not None else collect_interval_s
+
+
+@dataclass(frozen=True)
+class CollectorsConfig:
+    # Each source runs in its own worker on its own schedule, with its own deadline.
+    # NVML: GPU and NVLink values (one NVML pass reads them all).
+    gpu: SourceConfig = field(default_factory=SourceConfig)
+    # InfiniBand ports from sysfs.
+    ib: SourceConfig = field(default_factory=SourceConfig)
+    # XID events from the kernel log (non-blocking reads).
+    xid: SourceConfig = field(default_factory=SourceConfig)
 
 
 @dataclass(frozen=True)
@@ -148,8 +204,10 @@ class HeartbeatConfig:
         if not 0 <= mode <= 0o777:
             raise Invalid("socket_mode", f"must be within 0000..0777, got {self.socket_mode!r}")
         _check_positive("rank_timeout_s", self.rank_timeout_s)
-        if self.max_ranks < 1:
-            raise Invalid("max_ranks", f"must be >= 1, got {self.max_ranks}")
+        if not 1 <= self.max_ranks <= MAX_RANKS_PER_REPORT:
+            raise Invalid(
+                "max_ranks", f"must be in [1, {MAX_RANKS_PER_REPORT}], got {self.max_ranks}"
+            )
         _check_positive("per_sender_rate_hz", self.per_sender_rate_hz)
         _check_positive("max_rate_hz", self.max_rate_hz)
 
@@ -205,8 +263,11 @@ class ControllerConfig:
                 "backoff_max_s",
                 f"must be >= controller.report_interval_s ({self.report_interval_s})",
             )
-        if self.max_events_per_report < 1:
-            raise Invalid("max_events_per_report", "must be >= 1")
+        if not 1 <= self.max_events_per_report <= MAX_EVENTS_PER_REPORT:
+            raise Invalid(
+                "max_events_per_report",
+                f"must be in [1, {MAX_EVENTS_PER_REPORT}], got {self.max_events_per_report}",
+            )
         if self.spool_max_events < 1:
             raise Invalid("spool_max_events", "must be >= 1")
 
@@ -279,8 +340,11 @@ class JobsConfig:
             )
         if not 0 <= self.stop_grace_s <= 3600:
             raise Invalid("stop_grace_s", f"must be in [0, 3600], got {self.stop_grace_s}")
-        if self.output_tail_lines < 0:
-            raise Invalid("output_tail_lines", f"must be >= 0, got {self.output_tail_lines}")
+        if not 0 <= self.output_tail_lines <= OUTPUT_TAIL_LINES_MAX:
+            raise Invalid(
+                "output_tail_lines",
+                f"must be in [0, {OUTPUT_TAIL_LINES_MAX}], got {self.output_tail_lines}",
+            )
         _check_positive("stacks_timeout_s", self.stacks_timeout_s)
         if self.stacks_max_bytes < 1024:
             raise Invalid("stacks_max_bytes", f"must be >= 1024, got {self.stacks_max_bytes}")
@@ -301,6 +365,9 @@ class PreemptionConfig:
     poll_interval_s: float = 2.0
     # Seconds for one metadata request; short, the service is on the host.
     timeout_s: float = 1.0
+    # Seconds one poll (up to three requests: token, read, retry) may take before the
+    # preemption source is marked stale, like the hardware sources (collectors.*).
+    deadline_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.base_url and not self.base_url.startswith(("http://", "https://")):
@@ -311,6 +378,8 @@ class PreemptionConfig:
             raise Invalid(
                 "timeout_s", f"must not exceed preemption.poll_interval_s ({self.poll_interval_s})"
             )
+        if self.deadline_s < self.timeout_s:
+            raise Invalid("deadline_s", f"must be >= preemption.timeout_s ({self.timeout_s})")
 
     def resolved_base_url(self) -> str:
         return (self.base_url or METADATA_BASE_URL).rstrip("/")
@@ -326,6 +395,7 @@ class LogConfig:
 class AgentConfig:
     node: NodeConfig = field(default_factory=NodeConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    collectors: CollectorsConfig = field(default_factory=CollectorsConfig)
     heartbeat: HeartbeatConfig = field(default_factory=HeartbeatConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
@@ -374,6 +444,7 @@ __all__ = [
     "DEFAULT_JOBS_WORK_DIR",
     "METADATA_BASE_URL",
     "AgentConfig",
+    "CollectorsConfig",
     "ConfigError",
     "ControllerConfig",
     "HardwareConfig",
@@ -383,5 +454,6 @@ __all__ = [
     "MetricsConfig",
     "NodeConfig",
     "PreemptionConfig",
+    "SourceConfig",
     "load_config",
 ]

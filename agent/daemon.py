@@ -1,10 +1,12 @@
 """The agent daemon: builds the backends, runs the collect loop, serves, reports, executes.
 
-`Agent.tick()` is one collect iteration (testable on a FakeClock); `Agent.run()` is the loop
-that also executes controller commands as they arrive and drives the job backend. Threads:
-heartbeat reader, HTTP server, reporter (only with a controller), preemption watcher (only
-with a provider), one worker for slow commands (`collect_stacks`); everything they share is
-an immutable snapshot or guarded by a lock.
+`Agent.tick()` is one collect iteration (testable on a FakeClock): it takes what each source
+finished (`agent.sources`), spools events and publishes a snapshot, never waiting on a source;
+`Agent.run()` is the loop that also executes controller commands as they arrive and drives the
+job backend. Threads: one worker per source (GPU, IB, XIDs, preemption; each with its own
+interval and deadline, so a hung NVML call stales one source, never the loop), heartbeat
+reader, HTTP server, reporter (only with a controller), one worker for slow commands
+(`collect_stacks`); everything they share is an immutable snapshot or guarded by a lock.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import random
 import tempfile
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,9 +42,18 @@ from trainguard.agent.preemption import (
 )
 from trainguard.agent.reporter import EventSpool, Reporter, read_token
 from trainguard.agent.sim import SimHardware
+from trainguard.agent.sources import Harvest, Outcome, Source, Transition
 from trainguard.agent.stacks import stacks_handler
 from trainguard.clock import SYSTEM_CLOCK, Clock
-from trainguard.model import EventSource, GpuCollector, GpuSample, HardwareEvent, IbCollector
+from trainguard.model import (
+    EventSource,
+    GpuCollection,
+    GpuCollector,
+    GpuSample,
+    HardwareEvent,
+    IbCollector,
+    IbPortSample,
+)
 from trainguard.protocol import Command, Control, Event, FaultSpec, Report
 from trainguard.strict import ConfigError
 from trainguard.systemd import SystemdNotifier
@@ -58,6 +69,11 @@ SLOW_COMMANDS = frozenset({"collect_stacks"})
 # The last report on shutdown carries the stop's own events (job exits); bounded so a dead
 # controller cannot hold up the stop (systemd's TimeoutStopSec is 20 s).
 FINAL_REPORT_TIMEOUT_S = 2.0
+# start() waits this long at most for every source's first result, so /metrics and the first
+# report have hardware in them; a source hung from the start only delays READY by this much.
+FIRST_RESULTS_WAIT_S = 2.0
+# close(): how long one source worker is given to leave its call; a hung one is abandoned.
+SOURCE_STOP_WAIT_S = 0.5
 
 
 class StartupError(RuntimeError):
@@ -143,6 +159,13 @@ def _fallback_jobs_dir() -> Path:
     return Path(base) / f"trainguard-{os.getuid()}" / "jobs"
 
 
+def _stale_health(stale: Mapping[str, bool]) -> dict[str, float]:
+    """The report's `sources_stale` (how many) and `source_stale.<name>` (0/1) figures."""
+    out = {f"source_stale.{name}": 1.0 if v else 0.0 for name, v in sorted(stale.items())}
+    out["sources_stale"] = float(sum(stale.values()))
+    return out
+
+
 class _AgentFaults:
     """The agent as a FaultTarget: controller-injected faults are logged and spooled too."""
 
@@ -164,7 +187,10 @@ class Agent:
         backends: Backends | None = None,
         notifier: SystemdNotifier | None = None,
         serve_http: bool = True,
+        inline_sources: bool = False,
     ) -> None:
+        """`inline_sources=True` runs each due source inside `tick()`, in the caller's thread,
+        instead of in its worker: deterministic tests on a FakeClock, no threads."""
         self.config = config
         self.node = config.node.resolved_name()
         self.instance = uuid.uuid4().hex[:16]
@@ -173,9 +199,16 @@ class Agent:
         self._notifier = notifier or SystemdNotifier()
         self._serve_http = serve_http
         self._stop = threading.Event()
-        self._commands: queue.Queue[Command] = queue.Queue(maxsize=COMMAND_QUEUE_MAX)
+        # None wakes the loop to spool a source's fresh events before the next tick
+        self._commands: queue.Queue[Command | None] = queue.Queue(maxsize=COMMAND_QUEUE_MAX)
         self._snapshot: AgentSnapshot | None = None
+        self._inline_sources = inline_sources
+        self._sources: list[tuple[Source, Callable[[Any], None]]] = []
+        self._source_stale: dict[str, bool] = {}
+        self._source_last_success: dict[str, float] = {}
         self._gpus: tuple[GpuSample, ...] = ()
+        self._ib_ports: tuple[IbPortSample, ...] = ()
+        self._hw_events: list[HardwareEvent] = []
         self._xid_total: dict[tuple[int, int], int] = {}
         self._collect_duration_s: dict[str, float] = {}
         self._collect_errors_total: dict[str, int] = {}
@@ -222,6 +255,8 @@ class Agent:
             max_bytes=self.config.jobs.stacks_max_bytes,
         ).items():
             self.executor.register(kind, handler)
+        self._build_sources()
+        self._start_sources()
         self.tick()
         if self._serve_http:
             m = self.config.metrics
@@ -266,14 +301,6 @@ class Agent:
                 daemon=True,
             )
             self._reporter_thread.start()
-        probe = self._probe()
-        if probe is not None:
-            self.preemption = PreemptionWatcher(
-                probe,
-                interval_s=self.config.preemption.poll_interval_s,
-                on_notice=self._on_preemption_notice,
-            )
-            self.preemption.start()
         log.info(
             "event=agent_started version=%s instance=%s backend=%s gpus=%d ib_ports=%d "
             "metrics_port=%s heartbeat_socket=%s controller=%s jobs_dir=%s preemption=%s",
@@ -389,6 +416,91 @@ class Agent:
     def _probe(self) -> MetadataProbe | None:
         return build_probe(self.config.preemption, clock=self._clock)
 
+    def _build_sources(self) -> None:
+        """One Source per collector, event source and the preemption probe, each with its
+        interval and deadline from the config and the handler the loop feeds its results to."""
+        collect_s = self.config.hardware.collect_interval_s
+        cc = self.config.collectors
+
+        def add(
+            name: str,
+            body: Callable[[], Any],
+            handle: Callable[[Any], None],
+            *,
+            interval_s: float,
+            deadline_s: float,
+        ) -> None:
+            source = Source(
+                name,
+                body,
+                interval_s=interval_s,
+                deadline_s=deadline_s,
+                clock=self._clock,
+                on_outcome=None if self._inline_sources else self._wake_on_events,
+            )
+            self._sources.append((source, handle))
+
+        b = self._backends
+        if b.gpu is not None:
+            add(
+                "gpu",
+                b.gpu.collect,
+                self._take_gpu,
+                interval_s=cc.gpu.resolved_interval_s(collect_s),
+                deadline_s=cc.gpu.deadline_s,
+            )
+        if b.ib is not None:
+            add(
+                "ib",
+                b.ib.collect,
+                self._take_ib,
+                interval_s=cc.ib.resolved_interval_s(collect_s),
+                deadline_s=cc.ib.deadline_s,
+            )
+        for name, event_source in b.event_sources:  # the kernel log's XIDs
+            add(
+                name,
+                event_source.poll,
+                self._take_events,
+                interval_s=cc.xid.resolved_interval_s(collect_s),
+                deadline_s=cc.xid.deadline_s,
+            )
+        probe = self._probe()
+        if probe is not None:
+            p = self.config.preemption
+            self.preemption = PreemptionWatcher(
+                probe, interval_s=p.poll_interval_s, on_notice=self._on_preemption_notice
+            )
+            add(
+                "preemption",
+                self.preemption.check_once,
+                lambda _notice: None,  # check_once hands a notice to _on_preemption_notice
+                interval_s=p.poll_interval_s,
+                deadline_s=p.deadline_s,
+            )
+        for source, _ in self._sources:
+            self._source_stale[source.name] = False
+
+    def _start_sources(self) -> None:
+        """Start every source's worker and give them a bounded moment for a first result."""
+        if self._inline_sources:
+            return
+        for source, _ in self._sources:
+            source.start()
+        until = self._clock.monotonic() + FIRST_RESULTS_WAIT_S
+        for source, _ in self._sources:
+            if not source.wait_first(max(0.0, until - self._clock.monotonic())):
+                log.warning(
+                    "event=source_slow_at_start source=%s waited_s=%.1f",
+                    source.name,
+                    FIRST_RESULTS_WAIT_S,
+                )
+
+    def _stop_sources(self) -> None:
+        for source, _ in self._sources:
+            if not source.stop(timeout_s=SOURCE_STOP_WAIT_S):
+                log.warning("event=source_abandoned source=%s reason=call_in_progress", source.name)
+
     def stop(self) -> None:
         """Ask the loop to end (safe from a signal handler: sets a flag only)."""
         self._stop.set()
@@ -400,6 +512,7 @@ class Agent:
         self._stop.set()
         if self._reporter_thread is not None:
             self._reporter_thread.join(timeout=10.0)
+        self._stop_sources()
         if self.preemption is not None:
             self.preemption.close()
         if self._slow_thread is not None:
@@ -448,35 +561,20 @@ class Agent:
                 cmd = self._commands.get(timeout=min(0.5, next_mono - now))
             except queue.Empty:
                 continue
+            if cmd is None:  # a source finished with events: spool them now, not next tick
+                self._take_sources()
+                continue
             self.execute(cmd)
 
     # -- the loop's work -------------------------------------------------------------------
 
     def tick(self) -> None:
-        """Collect everything once, spool new events, publish a snapshot, pet the watchdog."""
-        hw_events: list[HardwareEvent] = []
-        gpus = self._gpus
-        if self._backends.gpu is not None:
-            coll = self._timed("gpu", self._backends.gpu.collect)
-            if coll is not None:
-                gpus = coll.gpus
-                hw_events.extend(coll.events)
-                if coll.errors:
-                    self._collect_errors_total["gpu"] = self._collect_errors_total.get(
-                        "gpu", 0
-                    ) + len(coll.errors)
-        self._gpus = gpus
-        ib_ports = self._snapshot.ib_ports if self._snapshot else ()
-        if self._backends.ib is not None:
-            ports = self._timed("ib", self._backends.ib.collect)
-            if ports is not None:
-                ib_ports = ports
-        for name, source in self._backends.event_sources:
-            polled = self._timed(name, source.poll)
-            if polled:
-                hw_events.extend(polled)
-        for ev in hw_events:
-            self._on_hardware_event(ev)
+        """Take every source's latest results, spool new events, publish a snapshot, pet the
+        watchdog. Never waits on a source: a hung one is stale and keeps its last values."""
+        if self._inline_sources:
+            for source, _ in self._sources:
+                source.run_if_due()
+        self._take_sources()
         assert self.heartbeat is not None, "start() binds the heartbeat socket first"
         self._spool_trainer_events()
         self._spool_job_events()
@@ -494,8 +592,8 @@ class Agent:
         self._snapshot = AgentSnapshot(
             node=self.node,
             version=__version__,
-            gpus=gpus,
-            ib_ports=ib_ports,
+            gpus=self._gpus,
+            ib_ports=self._ib_ports,
             ranks=ranks,
             xid_total=dict(self._xid_total),
             collect_duration_s=dict(self._collect_duration_s),
@@ -512,6 +610,8 @@ class Agent:
             loop_iterations_total=self._loops,
             checkpoints=dict(self._checkpoints),
             preemption_notice=self._preemption_handled is not None,
+            source_stale=dict(self._source_stale),
+            source_last_success_unix=dict(self._source_last_success),
         )
         self._last_tick_mono = self._clock.monotonic()
         self._notifier.watchdog()
@@ -609,24 +709,87 @@ class Agent:
                 duration_s = float(raw)
         self._checkpoints[(tev.job, tev.rank)] = (duration_s, tev.ts)
 
-    def _timed(self, name: str, fn: Callable[[], Any]) -> Any:
-        t0 = self._clock.monotonic()
-        try:
-            result = fn()
-        except Exception as e:
+    # -- sources -------------------------------------------------------------------------
+
+    def _wake_on_events(self, name: str, outcome: Outcome) -> None:
+        """From a source worker: wake the loop when the result carries events (an XID must
+        not wait for the next tick to reach the spool)."""
+        v = outcome.value
+        if (isinstance(v, GpuCollection) and v.events) or (isinstance(v, list) and v):
+            try:
+                self._commands.put_nowait(None)
+            except queue.Full:
+                pass  # the loop is busy with commands and takes the events at its next tick
+
+    def _take_sources(self) -> None:
+        """Feed every source's finished results to its handler and note stale/recovered
+        edges (the loop's thread only: the handlers touch the loop's own state)."""
+        for source, handle in self._sources:
+            harvest: Harvest = source.take()
+            for transition in harvest.transitions:
+                self._on_source_transition(transition)
+            for outcome in harvest.outcomes:
+                self._take_outcome(source.name, outcome, handle)
+            self._source_stale[source.name] = harvest.stale
+            if harvest.last_success_unix is not None:
+                self._source_last_success[source.name] = harvest.last_success_unix
+
+    def _take_outcome(self, name: str, outcome: Outcome, handle: Callable[[Any], None]) -> None:
+        self._collect_duration_s[name] = outcome.duration_s
+        if outcome.error is not None:
             self._collect_errors_total[name] = self._collect_errors_total.get(name, 0) + 1
             if name not in self._collector_failing:  # log the edge, count every failure
-                log.error(
-                    "event=collector_failed collector=%s error=%r", name, f"{type(e).__name__}: {e}"
-                )
+                log.error("event=collector_failed collector=%s error=%r", name, outcome.error)
                 self._collector_failing.add(name)
-            return None
-        finally:
-            self._collect_duration_s[name] = self._clock.monotonic() - t0
+            return
         if name in self._collector_failing:
             log.info("event=collector_recovered collector=%s", name)
             self._collector_failing.discard(name)
-        return result
+        handle(outcome.value)
+
+    def _take_gpu(self, coll: GpuCollection) -> None:
+        self._gpus = coll.gpus
+        if coll.errors:
+            self._collect_errors_total["gpu"] = self._collect_errors_total.get("gpu", 0) + len(
+                coll.errors
+            )
+        for ev in coll.events:
+            self._on_hardware_event(ev)
+
+    def _take_ib(self, ports: tuple[IbPortSample, ...]) -> None:
+        self._ib_ports = ports
+
+    def _take_events(self, events: list[HardwareEvent]) -> None:
+        for ev in events:
+            self._on_hardware_event(ev)
+
+    def _on_source_transition(self, t: Transition) -> None:
+        """A source went stale (once per episode) or recovered: log it and tell the
+        controller; its last values stay in the snapshot, marked stale."""
+        if t.kind == "stale":
+            log.error(
+                "event=source_stale source=%s running_s=%.1f deadline_s=%g",
+                t.source,
+                t.running_s,
+                t.deadline_s,
+            )
+            self._spool_event(
+                kind="source_stale",
+                ts=self._clock.now(),
+                message=f"{t.source}: a call has run {t.running_s:.1f} s "
+                f"(deadline {t.deadline_s:g} s)",
+                data={"source": t.source, "deadline_s": t.deadline_s, "running_s": t.running_s},
+            )
+        else:
+            log.warning(
+                "event=source_recovered source=%s stale_for_s=%.1f", t.source, t.stale_for_s
+            )
+            self._spool_event(
+                kind="source_recovered",
+                ts=self._clock.now(),
+                message=f"{t.source}: on time again after {t.stale_for_s:.1f} s stale",
+                data={"source": t.source, "stale_for_s": t.stale_for_s},
+            )
 
     def _on_hardware_event(self, ev: HardwareEvent) -> None:
         if ev.kind == "xid" and ev.gpu is not None and ev.code is not None:
@@ -766,6 +929,7 @@ class Agent:
                 "heartbeats_dropped_total": float(sum(hb.get("dropped_total", {}).values())),
                 "collect_errors_total": float(sum(self._collect_errors_total.values())),
                 "loop_age_s": self._loop_age_s(),
+                **_stale_health(snap.source_stale if snap else {}),
             },
         )
 
@@ -784,6 +948,11 @@ class Agent:
     @property
     def snapshot(self) -> AgentSnapshot | None:
         return self._snapshot
+
+    @property
+    def sources(self) -> dict[str, Source]:
+        """The collection sources by name (built by start())."""
+        return {source.name: source for source, _ in self._sources}
 
     @property
     def metrics_port(self) -> int | None:

@@ -3,7 +3,8 @@
 `metric_families(snapshot)` is a pure function from an `AgentSnapshot` (what the collect loop
 last saw) to metric families; `SnapshotCollector` plugs it into a prometheus_client registry.
 `AgentHttpServer` serves /metrics, /healthz and, for loopback clients of a sim-backend agent
-only, POST /v1/faults (local fault injection).
+only, POST /v1/faults (local fault injection). No value can break the exposition: one that
+has no sample value (`trainguard.bounds.metric_value`) is skipped and counted.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from trainguard.bounds import metric_value
 from trainguard.model import GpuSample, IbPortSample
 from trainguard.protocol import FaultSpec, ProtocolError, RankState, from_wire
 
@@ -57,15 +59,60 @@ class AgentSnapshot:
     checkpoints: Mapping[tuple[str, int], tuple[float | None, float]] = field(default_factory=dict)
     # a cloud preemption notice was seen (the node is going away; ranks were told to stop)
     preemption_notice: bool = False
+    # source name -> a call overran its deadline and no call has been on time since
+    source_stale: Mapping[str, bool] = field(default_factory=dict)
+    # source name -> unix time its last call returned without error (absent: none yet)
+    source_last_success_unix: Mapping[str, float] = field(default_factory=dict)
+
+
+class _Skipped:
+    """Samples skipped since start because their value had no sample value (see
+    `metric_value`), or their family group failed to build."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.total = 0
+
+    def add(self, n: int = 1) -> None:
+        with self._lock:
+            self.total += n
+
+
+SKIPPED = _Skipped()
+
+
+class _SafeGauge(GaugeMetricFamily):
+    def add_metric(self, labels: Any, value: Any, timestamp: Any = None) -> None:
+        v = metric_value(value)
+        if v is None:
+            SKIPPED.add()
+            return
+        super().add_metric(labels, v, timestamp)
+
+
+class _SafeCounter(CounterMetricFamily):
+    def add_metric(
+        self,
+        labels: Any,
+        value: Any,
+        created: Any = None,
+        timestamp: Any = None,
+        exemplar: Any = None,
+    ) -> None:
+        v = metric_value(value)
+        if v is None:
+            SKIPPED.add()
+            return
+        super().add_metric(labels, v, created, timestamp, exemplar)
 
 
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, doc, labels=labels)
+    return _SafeGauge(name, doc, labels=labels)
 
 
 def _counter(name: str, doc: str, labels: list[str]) -> CounterMetricFamily:
     # prometheus_client appends `_total` to counter samples; give the name without it
-    return CounterMetricFamily(name.removesuffix("_total"), doc, labels=labels)
+    return _SafeCounter(name.removesuffix("_total"), doc, labels=labels)
 
 
 def _b(v: bool) -> float:
@@ -78,11 +125,29 @@ def metric_families(
     """The metric families for one snapshot. Absent (None) fields give no sample."""
     node = snap.node
     out: list[Metric] = []
-    out.extend(_gpu_families(snap, node, xid_severity))
-    out.extend(_nvlink_families(snap, node))
-    out.extend(_ib_families(snap, node))
-    out.extend(_trainer_families(snap, node))
-    out.extend(_agent_families(snap, node))
+    groups: list[Callable[[], Iterator[Metric]]] = [
+        lambda: _gpu_families(snap, node, xid_severity),
+        lambda: _nvlink_families(snap, node),
+        lambda: _ib_families(snap, node),
+        lambda: _trainer_families(snap, node),
+        lambda: _agent_families(snap, node),
+    ]
+    for group in groups:
+        # the last line of defence: a group that fails is left out (its complete families
+        # stay), counted and logged, and the rest of the page is served
+        try:
+            for fam in group():
+                out.append(fam)
+        except Exception as e:
+            SKIPPED.add()
+            log.error("event=metrics_group_failed error=%s", type(e).__name__, exc_info=e)
+    skipped = _counter(
+        "trainguard_agent_metric_values_skipped_total",
+        "Samples left out of /metrics because their value could not be exported.",
+        ["node"],
+    )
+    skipped.add_metric([node], SKIPPED.total)
+    out.append(skipped)
     return out
 
 
@@ -161,7 +226,7 @@ def _gpu_families(
         for fam, get in families:
             v = get(g)
             if v is not None:
-                fam.add_metric(labels, float(v))
+                fam.add_metric(labels, v)
         for reason, on in (
             ("hw_slowdown", g.throttle_hw_slowdown),
             ("hw_thermal", g.throttle_hw_thermal),
@@ -177,18 +242,18 @@ def _gpu_families(
             ("uncorrected", "aggregate", g.ecc_uncorrected_aggregate_total),
         ):
             if v is not None:
-                ecc.add_metric([*labels, kind, scope], float(v))
+                ecc.add_metric([*labels, kind, scope], v)
         for kind, v in (
             ("correctable", g.remapped_rows_correctable),
             ("uncorrectable", g.remapped_rows_uncorrectable),
         ):
             if v is not None:
-                remapped.add_metric([*labels, kind], float(v))
+                remapped.add_metric([*labels, kind], v)
         for cause, v in (("sbe", g.retired_pages_sbe), ("dbe", g.retired_pages_dbe)):
             if v is not None:
-                retired.add_metric([*labels, cause], float(v))
+                retired.add_metric([*labels, cause], v)
         if g.pcie_replay_total is not None:
-            pcie.add_metric(labels, float(g.pcie_replay_total))
+            pcie.add_metric(labels, g.pcie_replay_total)
     uuids = {g.index: g.uuid for g in snap.gpus}
     xl = [*gl, "xid"] + (["severity"] if xid_severity else [])
     xid = _counter("trainguard_gpu_xid_errors_total", "XID errors seen since agent start.", xl)
@@ -196,7 +261,7 @@ def _gpu_families(
         labels = [node, str(gpu), uuids.get(gpu, ""), str(code)]
         if xid_severity:
             labels.append(xid_severity(code))
-        xid.add_metric(labels, float(n))
+        xid.add_metric(labels, n)
     yield lost
     for fam, _ in families:
         yield fam
@@ -219,7 +284,7 @@ def _nvlink_families(snap: AgentSnapshot, node: str) -> Iterator[Metric]:
                 ("recovery", link.recovery_errors_total),
             ):
                 if v is not None:
-                    errors.add_metric([*labels, kind], float(v))
+                    errors.add_metric([*labels, kind], v)
     yield from (up, errors)
 
 
@@ -266,16 +331,16 @@ def _ib_families(snap: AgentSnapshot, node: str) -> Iterator[Metric]:
             rate.add_metric(labels, p.rate_gbps * 1e9 / 8)
         for name, v in sorted(p.counters.items()):
             if name in IB_DATA_COUNTERS:
-                data.add_metric([*labels, IB_DATA_COUNTERS[name]], float(v) * 4)
+                data.add_metric([*labels, IB_DATA_COUNTERS[name]], v * 4)
             elif name.endswith("_packets"):
-                packets.add_metric([*labels, name], float(v))
+                packets.add_metric([*labels, name], v)
             elif name == "port_xmit_wait":
-                wait.add_metric(labels, float(v))
+                wait.add_metric(labels, v)
             else:
-                errors.add_metric([*labels, name], float(v))
+                errors.add_metric([*labels, name], v)
         for name, v in sorted(p.hw_counters.items()):
-            hw.add_metric([*labels, name], float(v))
-        unreadable.add_metric(labels, float(len(p.unreadable)))
+            hw.add_metric([*labels, name], v)
+        unreadable.add_metric(labels, len(p.unreadable))
     yield from (up, phys_up, rate, data, packets, wait, errors, hw, unreadable)
 
 
@@ -319,7 +384,7 @@ def _trainer_families(snap: AgentSnapshot, node: str) -> Iterator[Metric]:
         for fam, get in fams:
             v = get(r)
             if v is not None:
-                fam.add_metric(labels, float(v))
+                fam.add_metric(labels, v)
     for fam, _ in fams:
         yield fam
     duration = _gauge(
@@ -371,7 +436,7 @@ def _agent_families(snap: AgentSnapshot, node: str) -> Iterator[Metric]:
     received = _counter(
         "trainguard_agent_heartbeats_received_total", "Heartbeats accepted.", ["node"]
     )
-    received.add_metric([node], float(snap.heartbeats_received_total))
+    received.add_metric([node], snap.heartbeats_received_total)
     yield received
     yield _labelled_counter(
         "trainguard_agent_heartbeats_dropped_total",
@@ -383,24 +448,24 @@ def _agent_families(snap: AgentSnapshot, node: str) -> Iterator[Metric]:
     sent = _counter(
         "trainguard_agent_control_sent_total", "Control datagrams sent to ranks.", ["node"]
     )
-    sent.add_metric([node], float(snap.control_sent_total))
+    sent.add_metric([node], snap.control_sent_total)
     yield sent
     cerr = _counter(
         "trainguard_agent_control_errors_total",
         "Control datagrams that could not be sent.",
         ["node"],
     )
-    cerr.add_metric([node], float(snap.control_errors_total))
+    cerr.add_metric([node], snap.control_errors_total)
     yield cerr
     spool = _gauge("trainguard_agent_spool_events", "Events waiting for acknowledgement.", ["node"])
-    spool.add_metric([node], float(snap.spool_events))
+    spool.add_metric([node], snap.spool_events)
     yield spool
     sdrop = _counter(
         "trainguard_agent_spool_dropped_events_total",
         "Events dropped because the spool was full.",
         ["node"],
     )
-    sdrop.add_metric([node], float(snap.spool_dropped_total))
+    sdrop.add_metric([node], snap.spool_dropped_total)
     yield sdrop
     yield _labelled_counter(
         "trainguard_agent_events_total",
@@ -415,10 +480,10 @@ def _agent_families(snap: AgentSnapshot, node: str) -> Iterator[Metric]:
         ["node", "kind", "result"],
     )
     for (kind, result), n in sorted(snap.commands_total.items()):
-        cmds.add_metric([node, kind, result], float(n))
+        cmds.add_metric([node, kind, result], n)
     yield cmds
     loops = _counter("trainguard_agent_loop_iterations_total", "Collect loop iterations.", ["node"])
-    loops.add_metric([node], float(snap.loop_iterations_total))
+    loops.add_metric([node], snap.loop_iterations_total)
     yield loops
     preempt = _gauge(
         "trainguard_agent_preemption_notice",
@@ -427,6 +492,22 @@ def _agent_families(snap: AgentSnapshot, node: str) -> Iterator[Metric]:
     )
     preempt.add_metric([node], _b(snap.preemption_notice))
     yield preempt
+    stale = _gauge(
+        "trainguard_agent_source_stale",
+        "1 while a collection source's call has overrun its deadline (its values are old).",
+        ["node", "source"],
+    )
+    for name, is_stale in sorted(snap.source_stale.items()):
+        stale.add_metric([node, name], _b(is_stale))
+    yield stale
+    success = _gauge(
+        "trainguard_agent_source_last_success_timestamp_seconds",
+        "Unix time a collection source's last call returned without error.",
+        ["node", "source"],
+    )
+    for name, ts in sorted(snap.source_last_success_unix.items()):
+        success.add_metric([node, name], ts)
+    yield success
 
 
 def _labelled_counter(
@@ -434,7 +515,7 @@ def _labelled_counter(
 ) -> CounterMetricFamily:
     fam = _counter(name, doc, ["node", label])
     for key, n in sorted(values.items()):
-        fam.add_metric([node, key], float(n))
+        fam.add_metric([node, key], n)
     return fam
 
 

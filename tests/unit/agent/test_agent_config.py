@@ -64,10 +64,14 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
         ("heartbeat:\n  rank_timeout_s: 0.5\n", "heartbeat.rank_timeout_s", "must exceed"),
         ("heartbeat:\n  socket_mode: rw\n", "heartbeat.socket_mode", "octal"),
         ("controller:\n  report_interval_s: 0\n", "controller.report_interval_s", "must be > 0"),
+        ("collectors:\n  gpu:\n    deadline_s: 0\n", "collectors.gpu.deadline_s", "must be > 0"),
+        ("collectors:\n  ib:\n    interval_s: -1\n", "collectors.ib.interval_s", "must be > 0"),
+        ("preemption:\n  deadline_s: 0.5\n", "preemption.deadline_s", "must be >= preemption"),
     ],
     ids=[
         "typo", "port-range", "negative-gpus", "unknown-backend", "url-without-token",
         "url-without-scheme", "rank-timeout-too-short", "bad-socket-mode", "zero-interval",
+        "zero-source-deadline", "negative-source-interval", "preemption-deadline-below-timeout",
     ],
 )  # fmt: skip
 def test_bad_config_fails_naming_file_key_and_reason(

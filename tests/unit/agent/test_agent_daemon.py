@@ -61,7 +61,8 @@ def config(sockdir: Path, *, controller: bool = False) -> AgentConfig:
 
 
 def started(cfg: AgentConfig, clock: FakeClock, **kw: object) -> Agent:
-    agent = Agent(cfg, clock=clock, serve_http=False, **kw)  # type: ignore[arg-type]
+    # sources run inside tick() when due: deterministic on the FakeClock, no worker threads
+    agent = Agent(cfg, clock=clock, serve_http=False, inline_sources=True, **kw)  # type: ignore[arg-type]
     agent.start()
     return agent
 
@@ -105,6 +106,7 @@ def test_with_controller_events_and_command_results_are_spooled(sockdir: Path) -
             Command(id="c1", kind="inject_fault", args={"kind": "xid", "gpu": 1, "code": 74})
         )
         agent.execute(Command(id="c2", kind="start_job", args={"job": "j"}))
+        clock.advance(1.0)  # the XID source's next poll is due
         agent.tick()
         kinds = [
             (e.kind, e.code, e.data.get("command_id"), e.data.get("ok"))
@@ -165,8 +167,9 @@ def test_failing_collector_is_counted_each_time_and_logged_once(
     with caplog.at_level(logging.INFO):
         agent = started(config(sockdir), clock, backends=backends)
         try:
-            agent.tick()
-            agent.tick()
+            for _ in range(2):
+                clock.advance(1.0)  # each source runs once per interval
+                agent.tick()
             snap = agent.snapshot
             assert snap is not None
             assert snap.collect_errors_total == {"gpu": 3}
