@@ -188,7 +188,9 @@ class Trainguard:
         self.scaler = scaler
         self.sampler = sampler
         self.extra = dict(extra or {})
-        self.ckpt_dir = Path(ckpt_dir)
+        # Absolute: paths in events and logs (checkpoint_committed.path) mean the same file to
+        # whoever reads them, whatever their working directory.
+        self.ckpt_dir = Path(ckpt_dir).absolute()
         self.checkpoint_every = checkpoint_every
         self.nan_policy = nan_policy
         self.skip_batches = skip_batches
