@@ -104,7 +104,7 @@ class ApiConfig:
     host: str = "127.0.0.1"
     # 8800: clear of Prometheus (9090), agents (9500) and common web ports. 0 = free port.
     port: int = 8800
-    # YAML mapping token name -> {token, role}; mode 0600. Under the systemd unit:
+    # YAML list of {name, role, sha256 | token_file, node}; mode 0600. Under the systemd unit:
     # ${CREDENTIALS_DIRECTORY}/tokens (LoadCredential=tokens:/etc/trainguard/tokens.yaml).
     tokens_file: str = "/etc/trainguard/tokens.yaml"
     # Largest accepted request body, bytes: a report of a full 8-GPU node with a 500-event
@@ -113,13 +113,22 @@ class ApiConfig:
     # PEM certificate and key; both or neither (plain HTTP behind a TLS proxy).
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
+    # PEM CA bundle for client certificates (mutual TLS; needs tls_cert_file): a client
+    # certificate it signed whose subject CN (or, without a CN, its one DNS subjectAltName)
+    # is a node name speaks as that node's agent, no token needed. Clients without a
+    # certificate (agentctl, token agents) still connect. See docs/security.md.
+    tls_client_ca_file: str | None = None
+    # Migration aid, off by default: accept agent tokens bound to no node (`node:` missing),
+    # each of which may speak for ANY node. Logged as a WARNING at start and at each node's
+    # first report through such a token. See docs/security.md "Migrating".
+    allow_shared_agent_tokens: bool = False
     # Processes that serve the port (HTTP, token check, body limit) and hand report bodies to
     # the controller process, which decodes and ingests them (controller/ingest/).
     # 0 = the controller process serves everything itself. See BENCHMARKS.md "Controller scale".
     ingest_workers: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("tokens_file", "tls_cert_file", "tls_key_file"):
+        for name in ("tokens_file", "tls_cert_file", "tls_key_file", "tls_client_ca_file"):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, expand_credentials(value, key=name))
@@ -130,6 +139,10 @@ class ApiConfig:
         _positive("max_body_bytes", self.max_body_bytes)
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise Invalid("tls_key_file", "tls_cert_file and tls_key_file go together")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise Invalid(
+                "tls_client_ca_file", "client certificates need TLS: set tls_cert_file too"
+            )
 
 
 @dataclass(frozen=True)

@@ -314,6 +314,9 @@ class Controller:
     def nodes_known(self) -> Iterable[str]:
         return self.live.nodes_known()
 
+    def refuse_report(self, *, actor: str, node: str, bound_node: str) -> None:
+        self.reports.refuse_report(actor=actor, node=node, bound_node=bound_node)
+
     # --- reads (QueryService) -----------------------------------------------------------------
 
     def list_nodes(self) -> list[NodeView]:

@@ -89,6 +89,11 @@ class ControllerMetrics:
             "Agent reports ingested.",
             registry=r,
         )
+        self.reports_refused_total = Counter(
+            "trainguard_controller_reports_refused_total",
+            "Agent reports refused because the credential speaks for another node.",
+            registry=r,
+        )
         self.events_total = Counter(
             "trainguard_controller_events_total",
             "New agent events stored (duplicates excluded), by kind.",
