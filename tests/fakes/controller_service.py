@@ -143,6 +143,18 @@ class FakeService:
         except KeyError:
             raise NotFound(f"node {name} not found") from None
 
+    def refuse_report(self, *, actor: str, node: str, bound_node: str) -> None:
+        """Audit a report refused by the API: `actor` speaks for `bound_node` only (the real
+        service also bounds how often; every refusal is kept here)."""
+        self._record("refuse_report", actor=actor, node=node, bound_node=bound_node)
+        self._audit(
+            actor,
+            "report_refused",
+            node,
+            reason="credential bound to another node",
+            bound_node=bound_node,
+        )
+
     def ingest_report(self, report: Report, *, actor: str) -> ReportResponse:
         with self.lock:
             self._record("ingest_report", report, actor=actor)
@@ -344,8 +356,12 @@ class SeenRequest:
 class FakeController:
     """A FakeService (its clock: the system clock) behind the real API on 127.0.0.1.
 
-    Tokens: `agent_token` (role agent, actor "agents") and `people`, {token: (actor, role)}
-    (default: OPERATOR_TOKEN for "ops", VIEWER_TOKEN for "viewer"). Set `forced_status`
+    Tokens: `agent_token` (role agent) and `people`, {token: (actor, role)} (default:
+    OPERATOR_TOKEN for "ops", VIEWER_TOKEN for "viewer"). With `agent_node` the agent token
+    is bound to that node (actor "agent-NODE", as `node:` binds one in tokens.yaml) and a
+    report for any other node is refused with a 403, as the real API does; without, it is a
+    shared token (actor "agents") that speaks for every node, as a controller configured with
+    `api.allow_shared_agent_tokens: true` accepts one. Set `forced_status`
     to answer every request with that status (an error body, nothing ingested) until it is
     None again. `stop()` then `start()` is a controller outage; the port stays the same."""
 
@@ -353,6 +369,7 @@ class FakeController:
         self,
         *,
         agent_token: str = AGENT_TOKEN,
+        agent_node: str | None = None,
         people: Mapping[str, tuple[str, Role]] | None = None,
         service: FakeService | None = None,
     ) -> None:
@@ -363,7 +380,10 @@ class FakeController:
         self.port = 0
         if people is None:
             people = {OPERATOR_TOKEN: ("ops", "operator"), VIEWER_TOKEN: ("viewer", "viewer")}
-        tokens = TokenStore.from_plaintext({agent_token: ("agents", "agent"), **people})
+        agent: tuple[str, ...] = ("agents", "agent")
+        if agent_node is not None:
+            agent = (f"agent-{agent_node}", "agent", agent_node)
+        tokens = TokenStore.from_plaintext({agent_token: agent, **people})
         self._app = create_app(self.service, tokens=tokens, max_body_bytes=4 * 1024 * 1024)
         self._serving: contextlib.ExitStack | None = None
         self.start()
