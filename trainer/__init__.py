@@ -14,6 +14,7 @@ The only part of trainguard that imports torch; `import agent` never imports thi
 
 from trainguard.trainer.chaos import ChaosError, ChaosSpecError
 from trainguard.trainer.core import CheckpointMismatch, NanPolicy, Stateful, StepAction, Trainguard
+from trainguard.trainer.launch import LaunchMismatch
 from trainguard.trainer.loader import resumable_loader
 from trainguard.trainer.manifest import CheckpointInvalid, Manifest, find_latest_good, verify_dir
 from trainguard.trainer.s3 import S3Config
@@ -25,6 +26,7 @@ __all__ = [
     "ChaosSpecError",
     "CheckpointInvalid",
     "CheckpointMismatch",
+    "LaunchMismatch",
     "Manifest",
     "NanPolicy",
     "ResumableSampler",

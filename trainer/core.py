@@ -49,7 +49,9 @@ from trainguard.trainer.checkpoint import (
     read_tensor_file,
     tensor_file_name,
 )
+from trainguard.trainer.grace import GraceWatchdog
 from trainguard.trainer.hooks import StepHook
+from trainguard.trainer.launch import LaunchMismatch, check_launch
 from trainguard.trainer.manifest import (
     CheckpointInvalid,
     Manifest,
@@ -79,7 +81,14 @@ from trainguard.trainer.sync import (
     LocalView,
 )
 
-__all__ = ["CheckpointMismatch", "NanPolicy", "Stateful", "StepAction", "Trainguard"]
+__all__ = [
+    "CheckpointMismatch",
+    "LaunchMismatch",
+    "NanPolicy",
+    "Stateful",
+    "StepAction",
+    "Trainguard",
+]
 
 log = logging.getLogger("trainguard.trainer")
 
@@ -164,6 +173,7 @@ class Trainguard:
         dump_stacks_on_sigusr1: bool = True,
         job: str | None = None,
         chaos: str | None = None,
+        single_process: bool = False,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         if checkpoint_every < 0:
@@ -207,7 +217,9 @@ class Trainguard:
         )
 
         self.coord: Coordinator
-        if dist.is_available() and dist.is_initialized():
+        distributed = dist.is_available() and dist.is_initialized()
+        check_launch(initialized=distributed, single_process=single_process)
+        if distributed:
             self.coord = DistCoordinator()
         else:
             self.coord = LocalCoordinator()
@@ -278,7 +290,7 @@ class Trainguard:
         self._compute_pending: deque[tuple[list[tuple[Any, Any]], float]] = deque()
         self._compute_last_s: float | None = None
         self._sigterm_at: float | None = None
-        self._hard_exit_timer: threading.Timer | None = None
+        self._hard_exit_timer: GraceWatchdog | None = None
         self._closed = False
         self._prev_handler: Any = None
         self._handler_installed = False
@@ -441,8 +453,6 @@ class Trainguard:
         if self._handler_installed:
             with contextlib.suppress(ValueError, TypeError):
                 signal.signal(signal.SIGTERM, self._prev_handler)
-        if self._hard_exit_timer is not None:
-            self._hard_exit_timer.cancel()
 
     def __enter__(self) -> Trainguard:
         return self
@@ -1014,19 +1024,12 @@ class Trainguard:
             "event=sigterm job=%s rank=%d grace_s=%.1f", self.job, self.rank, self.sigterm_grace_s
         )
         if self.sigterm_hard_exit:
-            self._hard_exit_timer = threading.Timer(self.sigterm_grace_s, self._hard_exit)
-            self._hard_exit_timer.daemon = True
+            # Runs past close(): the grace bounds the whole exit, interpreter shutdown included.
+            self._hard_exit_timer = GraceWatchdog(
+                grace_s=self.sigterm_grace_s,
+                describe=lambda: f"job={self.job} rank={self.rank} latest_step={self.ckpt_step}",
+            )
             self._hard_exit_timer.start()
-
-    def _hard_exit(self) -> None:
-        log.error(
-            "event=sigterm_grace_expired job=%s rank=%d action=exit_0 latest_step=%s",
-            self.job,
-            self.rank,
-            self.ckpt_step,
-        )
-        logging.shutdown()
-        os._exit(0)
 
     def _take_compute_time(self) -> float | None:
         """This step's compute() time (None if it used none); on CUDA the newest step whose
