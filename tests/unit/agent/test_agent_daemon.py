@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,10 +34,8 @@ class RecordingNotifier(SystemdNotifier):
 
 
 @pytest.fixture
-def sockdir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="tgag", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+def sockdir(short_tmp: Path) -> Path:
+    return short_tmp
 
 
 def config(sockdir: Path, *, controller: bool = False) -> AgentConfig:
