@@ -1,6 +1,6 @@
 """The trainer examples run as written: README's loop is examples/trainer_single.py verbatim,
-and that file and examples/trainer_ddp.py (under real torchrun, 2 gloo ranks) train, commit
-checkpoints and resume."""
+docs/trainer.md shows it and examples/trainer_ddp.py verbatim, and both train, commit
+checkpoints and resume (the DDP one under real torchrun, 2 gloo ranks)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,13 @@ def env(tmp_path: Path) -> dict[str, str]:
 
 def test_readme_loop_is_the_single_process_example_verbatim() -> None:
     assert readme_loop() == SINGLE.read_text()
+
+
+def test_docs_quick_start_shows_both_examples_verbatim() -> None:
+    text = (REPO / "docs" / "trainer.md").read_text()
+    section = text.split("## Quick start\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert blocks == [SINGLE.read_text(), DDP.read_text()]
 
 
 def test_single_process_example_runs_as_written_and_resumes(tmp_path: Path) -> None:
