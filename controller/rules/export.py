@@ -140,6 +140,7 @@ def _table() -> dict[tuple[str, str], PromSignal]:
         ("node", "gpus"): PromSignal("trainguard_gpu_lost", agg="count"),
         ("node", "gpus_lost"): PromSignal("trainguard_gpu_lost", agg="sum"),
         ("node", "ib_ports"): PromSignal("trainguard_ib_port_up", agg="count"),
+        ("node", "agent_sources_stale"): PromSignal("trainguard_agent_source_stale", agg="sum"),
         ("node", "xid_total"): _xid_counter("trainguard_gpu_xid_errors_total"),
         ("node", "xid_fatal_total"): _xid_counter(
             f'trainguard_gpu_xid_errors_total{{xid=~"{_FATAL_XID_PLACEHOLDER}"}}'

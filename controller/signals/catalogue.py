@@ -197,6 +197,11 @@ def _build_catalogue() -> dict[str, dict[str, SignalSpec]]:
         "preemption_total": _n(
             "preemption_notice events from the node's agent (counter)", counter=True
         ),
+        "agent_sources_stale": _n(
+            "collection sources (gpu, ib, xid, preemption) the node's agent reports stale: a "
+            "call overran its deadline, so their values are old (0 from an agent that does not "
+            "say)"
+        ),
         "role": _s('"active" or "spare" (controller inventory, else the agent\'s hint)'),
         "state": _s('"active", "draining" or "drained" (controller inventory)'),
         "job": _s("the job the node is assigned to (absent when none)"),

@@ -157,6 +157,7 @@ def _build_getters() -> dict[tuple[str, str], Getter]:
     g["node", "xid_total"] = lambda c: c.node.xid_total
     g["node", "xid_fatal_total"] = lambda c: c.node.xid_fatal_total
     g["node", "preemption_total"] = lambda c: c.node.preemption_total
+    g["node", "agent_sources_stale"] = lambda c: c.node.agent_sources_stale
     g["node", "role"] = _role
     g["node", "state"] = lambda c: c.node.state
     g["node", "job"] = lambda c: c.node.job

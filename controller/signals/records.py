@@ -62,6 +62,7 @@ class _PortRec:
 
 class _NodeRec:
     __slots__ = (
+        "agent_sources_stale",
         "first_seen",
         "gpus",
         "job",
@@ -93,6 +94,7 @@ class _NodeRec:
         self.xid_total = 0
         self.xid_fatal_total = 0
         self.preemption_total = 0
+        self.agent_sources_stale = 0.0  # from the latest report's health
 
 
 class _RankRec:

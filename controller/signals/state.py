@@ -130,6 +130,7 @@ class SignalState:
             node.first_seen = now
         node.last_report_at = now
         node.role_hint = report.role_hint
+        node.agent_sources_stale = report.health.get("sources_stale", 0.0)
         delta = report.full is False
         self._ingest_gpus(node, report.gpus, now, delta=delta)
         self._ingest_ports(node, report.ib_ports, now, delta=delta)

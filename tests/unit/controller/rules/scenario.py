@@ -80,6 +80,7 @@ class SimNode:
     ib: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
     ranks: list[SimRank] = field(default_factory=list)
     pending_events: list[Event] = field(default_factory=list)
+    health: dict[str, float] = field(default_factory=dict)
     silent: bool = False
     next_event_id: int = 1
 
@@ -122,6 +123,7 @@ class SimNode:
             ib_ports=tuple(ports),
             ranks=tuple(r.state() for r in self.ranks),
             events=tuple(events),
+            health=dict(self.health),
         )
         return rep, events
 

@@ -247,6 +247,12 @@ CASES = [
         lambda c: c.signals.set_job_meta("job-a", nodes=["n1", "n2"], state="restarting"),
     ),
     Case(
+        "agent_source_stale",
+        lambda c: c.nodes["n1"].health.update(sources_stale=1.0),
+        "node:n1",
+        lambda c: c.nodes["n1"].health.update(sources_stale=0.0),
+    ),
+    Case(
         "preemption_notice",
         lambda c: c.nodes["n1"].event("preemption_notice"),
         "node:n1",
