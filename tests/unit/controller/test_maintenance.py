@@ -51,16 +51,14 @@ def test_a_failing_job_body_is_logged_and_counted_and_the_controller_goes_on(
     monkeypatch.setattr(maintenance_mod, "run_retention", broken)
     core = make_core()
     core.start()
+    errors = "trainguard_controller_maintenance_errors_total"
     for expected in (1.0, 2.0):  # and the job keeps its schedule: it runs again
+
+        def counted(expected: float = expected) -> bool:
+            return _sample(core, errors, job="retention") == expected
+
         core.maintenance.run_now("retention")
-        wait_for(
-            lambda: _sample(
-                core, "trainguard_controller_maintenance_errors_total", job="retention"
-            )
-            == expected,
-            timeout_s=10,
-            what=f"retention error number {expected:.0f} counted",
-        )
+        wait_for(counted, timeout_s=10, what=f"retention error number {expected:.0f} counted")
     assert "event=maintenance_error job=retention" in caplog.text
     assert "disk on fire" in caplog.text
     assert core.running and core.maintenance.running and core.ticking(within_s=30)
