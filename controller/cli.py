@@ -1,9 +1,10 @@
 """agentctl: the operator's command line. It talks only to the controller's REST API.
 
-URL and token come from flags (`--url`, `--token-file`), then the environment
-(`TRAINGUARD_URL`, `TRAINGUARD_TOKEN`), then `~/.config/trainguard/agentctl.yaml`
-(`url`, `token_file`; strict). `rules check|export`, `token hash` and `completion` work
-offline; rules default to the shipped ones. Reads print as `-o table|wide|json|yaml`.
+URL, token and CA file come from flags (`--url`, `--token-file`, `--ca-file`), then the
+environment (`TRAINGUARD_URL`, `TRAINGUARD_TOKEN`, `TRAINGUARD_CA_FILE`), then
+`~/.config/trainguard/agentctl.yaml` (`url`, `token_file`, `ca_file`; strict). `rules
+check|export`, `token hash|issue` and `completion` work offline; rules default to the
+shipped ones. Reads print as `-o table|wide|json|yaml`.
 Exit codes: 0 ok, 1 error or request failed, 2 usage, 3 not found, 4 unauthorized or
 forbidden, 5 cannot connect.
 """
@@ -16,6 +17,7 @@ import json
 import math
 import os
 import re
+import ssl
 import stat
 import sys
 import time
@@ -31,6 +33,13 @@ import yaml
 from trainguard import __version__
 from trainguard.controller.auth import hash_token
 from trainguard.controller.completion import SHELLS, completion_script
+from trainguard.controller.tokenissue import (
+    TokenIssueError,
+    append_line,
+    new_token,
+    tokens_line,
+    write_new,
+)
 from trainguard.rules import shipped_dir
 from trainguard.strict import ConfigError, build, load_yaml
 from trainguard.xid_catalog import XidCatalog
@@ -49,6 +58,9 @@ CLIENT_HEADER = "X-Trainguard-Client"
 class AgentctlConfig:
     url: str | None = None
     token_file: str | None = None
+    # PEM CA bundle that signed the controller's certificate (a self-signed or private CA);
+    # relative to this file
+    ca_file: str | None = None
 
 
 class CliError(Exception):
@@ -257,13 +269,26 @@ def _describe(out: IO[str], obj: dict[str, Any], now: float, indent: str = "") -
 
 
 class Api:
-    def __init__(self, url: str, token: str | None, *, timeout_s: float) -> None:
+    def __init__(
+        self, url: str, token: str | None, *, timeout_s: float, ca_file: str | None = None
+    ) -> None:
         self.url = url.rstrip("/")
         # the client header lets the API say "via agentctl" in a reason it fills in
         headers = {CLIENT_HEADER: "agentctl", "User-Agent": f"agentctl/{__version__}"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
-        self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+        verify: ssl.SSLContext | bool = True
+        if ca_file is not None:
+            try:
+                verify = ssl.create_default_context(cafile=ca_file)
+            except (OSError, ssl.SSLError) as e:
+                raise CliError(
+                    f"error: cannot use CA file {ca_file}: {getattr(e, 'strerror', None) or e}",
+                    EXIT["usage"],
+                ) from None
+        self._client = httpx.Client(
+            base_url=self.url, headers=headers, timeout=timeout_s, verify=verify
+        )
 
     def request(self, method: str, path: str, **kw: Any) -> Any:
         try:
@@ -355,6 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--token-file", default=argparse.SUPPRESS, help="file holding the bearer token"
     )
+    common.add_argument(
+        "--ca-file", default=argparse.SUPPRESS, help="CA file for the controller's certificate"
+    )
     common.add_argument("--config", default=argparse.SUPPRESS, help="agentctl config file")
     common.add_argument(
         "--timeout", type=float, default=argparse.SUPPRESS, help="request timeout, seconds"
@@ -377,7 +405,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"agentctl {__version__}")
     p.add_argument("--url", default=None, help="controller URL (env TRAINGUARD_URL)")
     p.add_argument("--token-file", default=None, help="bearer token file (env TRAINGUARD_TOKEN)")
-    p.add_argument("--config", default=None, help="config file (url, token_file)")
+    p.add_argument(
+        "--ca-file",
+        default=None,
+        help="PEM CA file that signed the controller's certificate (env TRAINGUARD_CA_FILE)",
+    )
+    p.add_argument("--config", default=None, help="config file (url, token_file, ca_file)")
     p.add_argument("--timeout", type=float, default=10.0, help="request timeout, seconds")
     p.add_argument(
         "-o", "--output", choices=FORMATS, default="table", help="table, wide, json or yaml"
@@ -532,13 +565,36 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
     )
 
-    token = _command(sub, "token", "Token helpers.", 'printf %s "$TOKEN" | agentctl token hash')
+    token = _command(
+        sub,
+        "token",
+        "Token helpers.",
+        "agentctl token issue node-12 --out node-12.token",
+        'printf %s "$TOKEN" | agentctl token hash',
+    )
     tsub = token.add_subparsers(dest="token_command", required=True, metavar="SUBCOMMAND")
     _command(
         tsub,
         "hash",
         "Read a token on stdin, print its tokens-file sha256 line.",
         'printf %s "$TOKEN" | agentctl token hash',
+    )
+    issue = _command(
+        tsub,
+        "issue",
+        "Make a new agent token bound to NODE: the token once (stdout, or --out FILE, mode "
+        "0600) and its tokens-file line (stdout with --out, else stderr).",
+        "agentctl token issue node-12 --out /etc/trainguard/agent.token",
+        "agentctl token issue node-12 --out n12.token --tokens-file /etc/trainguard/tokens.yaml",
+    )
+    issue.add_argument("node", help="the node this token speaks for")
+    issue.add_argument("--name", default=None, help="the token's name (default agent-NODE)")
+    issue.add_argument("--out", default=None, help="write the token to this new file (0600)")
+    issue.add_argument(
+        "--tokens-file",
+        dest="append_to",
+        default=None,
+        help="also append the line to this tokens file, atomically (restart the controller)",
     )
 
     comp = _command(
@@ -562,7 +618,14 @@ def _config_path(arg: str | None) -> tuple[Path, bool]:
     return Path(base) / "trainguard" / "agentctl.yaml", False
 
 
-def _settings(args: argparse.Namespace, err: IO[str]) -> tuple[str, str | None]:
+@dataclass(frozen=True)
+class Settings:
+    url: str
+    token: str | None
+    ca_file: str | None
+
+
+def _settings(args: argparse.Namespace, err: IO[str]) -> Settings:
     path, explicit = _config_path(args.config)
     cfg = AgentctlConfig()
     if explicit or path.exists():
@@ -571,13 +634,22 @@ def _settings(args: argparse.Namespace, err: IO[str]) -> tuple[str, str | None]:
         except ConfigError as e:
             raise CliError(f"error: {e}", EXIT["usage"]) from None
     url = args.url or os.environ.get("TRAINGUARD_URL") or cfg.url or DEFAULT_URL
+    ca_file = args.ca_file or os.environ.get("TRAINGUARD_CA_FILE") or None
+    if ca_file is None and cfg.ca_file is not None:
+        ca_file = cfg.ca_file
+        if not Path(ca_file).is_absolute():
+            ca_file = str(path.parent / ca_file)
+    return Settings(url=url, token=_token(args, cfg, path, err), ca_file=ca_file)
+
+
+def _token(args: argparse.Namespace, cfg: AgentctlConfig, path: Path, err: IO[str]) -> str | None:
     token_file = args.token_file
     if token_file is None and not os.environ.get("TRAINGUARD_TOKEN"):
         token_file = cfg.token_file
         if token_file is not None and not Path(token_file).is_absolute():
             token_file = str(path.parent / token_file)
     if token_file is None:
-        return url, os.environ.get("TRAINGUARD_TOKEN") or None
+        return os.environ.get("TRAINGUARD_TOKEN") or None
     try:
         with open(token_file, encoding="utf-8") as f:
             mode = os.fstat(f.fileno()).st_mode
@@ -591,7 +663,7 @@ def _settings(args: argparse.Namespace, err: IO[str]) -> tuple[str, str | None]:
             f"warning: token file {token_file} is open to group or others "
             f"(mode {stat.S_IMODE(mode):04o}); fix: chmod 600 {token_file}\n"
         )
-    return url, token
+    return token
 
 
 # --- commands ----------------------------------------------------------------------------------
@@ -638,8 +710,8 @@ def _quote(name: str) -> str:
 
 
 def _run_api(args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
-    url, token = _settings(args, err)
-    api = Api(url, token, timeout_s=args.timeout)
+    settings = _settings(args, err)
+    api = Api(settings.url, settings.token, timeout_s=args.timeout, ca_file=settings.ca_file)
     cmd = args.command
     if cmd == "get":
         _get(api, args, out)
@@ -743,6 +815,27 @@ def _token_hash(stdin: IO[str], out: IO[str]) -> None:
     out.write(f"sha256: {hash_token(token)}\n")
 
 
+def _token_issue(args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
+    token = new_token()
+    try:
+        line = tokens_line(name=args.name or f"agent-{args.node}", node=args.node, token=token)
+        if args.append_to is not None:
+            # the line goes in before the token is handed out: a refused append leaves
+            # no token behind that no tokens file knows
+            append_line(Path(args.append_to), line)
+        if args.out is not None:
+            write_new(Path(args.out), token + "\n")
+    except TokenIssueError as e:
+        raise CliError(f"error: {e}", EXIT["usage"]) from None
+    if args.out is None:
+        out.write(token + "\n")
+        err.write(f"# tokens.yaml line (under tokens:):\n{line}\n")
+    else:
+        out.write(line + "\n")
+    if args.append_to is not None:
+        err.write(f"appended to {args.append_to}; restart the controller to accept the token\n")
+
+
 def main(
     argv: Sequence[str] | None = None,
     *,
@@ -763,7 +856,10 @@ def main(
     args.command = _COMMAND_OF.get(args.command, args.command)
     try:
         if args.command == "token":
-            _token_hash(stdin or sys.stdin, out)
+            if args.token_command == "issue":  # noqa: S105 (a subcommand's name)
+                _token_issue(args, out, err)
+            else:
+                _token_hash(stdin or sys.stdin, out)
         elif args.command == "completion":
             out.write(completion_script(parser, shell=args.shell))
         elif args.command == "rules" and args.rules_command in ("check", "export"):

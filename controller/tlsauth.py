@@ -58,6 +58,8 @@ def peer_node_protocol(base: type[asyncio.Protocol]) -> type[asyncio.Protocol]:
     each request's `scope["state"][PEER_NODE_KEY]`."""
 
     class PeerNodeProtocol(base):  # type: ignore[valid-type,misc]
+        app_state: dict[str, Any]  # set by uvicorn's protocol __init__
+
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)
             node = peer_node(transport)
