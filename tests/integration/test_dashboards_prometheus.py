@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,8 @@ import httpx
 import pytest
 import yaml
 
-from tests.integration.agent_proc import AgentProcess, cleanup, short_tmpdir
+from tests.helpers import short_tmpdir, wait_for
+from tests.integration.agent_proc import AgentProcess, cleanup
 from tests.integration.prometheus_proc import require_binary, start_prometheus
 from trainguard.controller.auth import hash_token
 from trainguard.protocol import Heartbeat, encode_json
@@ -68,17 +69,6 @@ READY_WHEN = (
     ),
     ("a few controller scrapes", "count_over_time(trainguard_controller_nodes_reporting[1m]) >= 3"),
 )
-
-
-def wait_for(cond: Callable[[], Any], *, timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.1)
 
 
 # --- the trainer: three ranks posting heartbeats to the agent's socket ----------------------

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.controller_proc import wait_for
+from tests.helpers import wait_for
 from tests.integration.systemd_units import (
     assert_verifies_clean,
     exec_start_program,
