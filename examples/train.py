@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sync-every", type=int, default=1)
     p.add_argument("--sigterm-grace-s", type=float, default=30.0)
     p.add_argument("--s3-bucket")
-    p.add_argument("--s3-prefix", default="trainguard")
+    p.add_argument("--s3-prefix", help="default: trainguard/<job>")
     p.add_argument("--s3-endpoint-url")
     return p.parse_args(argv)
 

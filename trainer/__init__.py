@@ -16,7 +16,13 @@ from trainguard.trainer.chaos import ChaosError, ChaosSpecError
 from trainguard.trainer.core import CheckpointMismatch, NanPolicy, Stateful, StepAction, Trainguard
 from trainguard.trainer.launch import LaunchMismatch
 from trainguard.trainer.loader import resumable_loader
-from trainguard.trainer.manifest import CheckpointInvalid, Manifest, find_latest_good, verify_dir
+from trainguard.trainer.manifest import (
+    CheckpointInvalid,
+    ForeignCheckpoint,
+    Manifest,
+    find_latest_good,
+    verify_dir,
+)
 from trainguard.trainer.s3 import S3Config
 from trainguard.trainer.sampler import ResumableSampler
 from trainguard.trainer.workers import WorkerInit, guard_workers, worker_init_fn
@@ -26,6 +32,7 @@ __all__ = [
     "ChaosSpecError",
     "CheckpointInvalid",
     "CheckpointMismatch",
+    "ForeignCheckpoint",
     "LaunchMismatch",
     "Manifest",
     "NanPolicy",

@@ -467,3 +467,14 @@ class CheckpointWriter:
                     step,
                     str(e).replace(" ", "_"),
                 )
+                return
+            # Only after this upload succeeded: the bucket then holds the newest copy.
+            try:
+                self.s3.apply_retention(keep_last=self.keep_last, newest_step=step)
+            except Exception as e:
+                log.error(
+                    "event=checkpoint_remote_retention_failed job=%s step=%d reason=%s",
+                    self.job,
+                    step,
+                    str(e).replace(" ", "_"),
+                )

@@ -54,7 +54,9 @@ from trainguard.trainer.hooks import StepHook
 from trainguard.trainer.launch import LaunchMismatch, check_launch
 from trainguard.trainer.manifest import (
     CheckpointInvalid,
+    ForeignCheckpoint,
     Manifest,
+    check_job,
     clean_stale,
     commit_dir,
     find_latest_good,
@@ -95,6 +97,7 @@ log = logging.getLogger("trainguard.trainer")
 NanPolicy = Literal["continue", "stop", "rollback"]
 _NAN_POLICIES = ("continue", "stop", "rollback")
 _HANDLED_IDS_MAX = 1024
+_FOREIGN = -2  # broadcast by rank 0 when the newest checkpoint belongs to another job
 # Adaptive agreement: its cost stays under 0.5 % of a step, unless that would break the
 # reaction bound: stop, checkpoint requests, SIGTERM and NaN are acted on within
 # max(2 steps, _REACTION_BOUND_S). An event waits at most 2 intervals (one for the next
@@ -250,7 +253,7 @@ class Trainguard:
             clean_stale(self.ckpt_dir)
         # Also a barrier: no rank starts writing before rank 0 cleaned stale directories.
         run_nonce = self.coord.broadcast_str(secrets.token_hex(4))
-        self._s3 = S3Store(s3) if s3 is not None else None
+        self._s3 = S3Store(s3, job=self.job) if s3 is not None else None
         self.writer = CheckpointWriter(
             ckpt_dir=self.ckpt_dir,
             coordinator=self.coord,
@@ -808,15 +811,36 @@ class Trainguard:
         )
 
     def _agree_latest(self) -> tuple[int, Manifest] | None:
-        """Rank 0 verifies and picks; every rank loads the step it broadcasts (shared FS)."""
+        """Rank 0 verifies and picks; every rank loads the step it broadcasts (shared FS).
+        A checkpoint of another job makes every rank raise `ForeignCheckpoint`."""
         step = -1
+        foreign: ForeignCheckpoint | None = None
         if self.rank == 0:
-            found = find_latest_good(self.ckpt_dir)
-            if found is None and self._s3 is not None:
-                found = self._fetch_from_s3()
+            try:
+                found = find_latest_good(self.ckpt_dir)
+                if found is not None:
+                    check_job(found[2], job=self.job, where=str(found[1]))
+                elif self._s3 is not None:
+                    found = self._fetch_from_s3()
+            except ForeignCheckpoint as e:
+                found, foreign = None, e
             if found is not None:
                 step = found[0]
+            elif foreign is not None:
+                step = _FOREIGN
         step = self.coord.broadcast_int(step)
+        if step == _FOREIGN:
+            where, _, theirs = self.coord.broadcast_str(
+                f"{foreign.where}\0{foreign.theirs}" if foreign is not None else ""
+            ).partition("\0")
+            log.error(
+                "event=checkpoint_refused job=%s rank=%d other_job=%s where=%s",
+                self.job,
+                self.rank,
+                theirs,
+                where,
+            )
+            raise ForeignCheckpoint(where, theirs=theirs, ours=self.job)
         if step < 0:
             return None
         return step, read_manifest(self.ckpt_dir / step_dir_name(step))
@@ -833,6 +857,9 @@ class Trainguard:
             try:
                 self._s3.download(step, tmp)
                 manifest = verify_dir(tmp, expected_step=step)
+            except ForeignCheckpoint:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
             except (CheckpointInvalid, Exception) as e:
                 log.warning(
                     "event=checkpoint_skipped source=s3 step=%d reason=%s",

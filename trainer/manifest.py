@@ -31,9 +31,11 @@ from typing import IO, Any
 __all__ = [
     "MANIFEST_NAME",
     "CheckpointInvalid",
+    "ForeignCheckpoint",
     "HashingWriter",
     "Manifest",
     "apply_retention",
+    "check_job",
     "clean_stale",
     "commit_dir",
     "find_latest_good",
@@ -65,6 +67,20 @@ class CheckpointInvalid(Exception):
         super().__init__(f"{file}: {reason}")
 
 
+class ForeignCheckpoint(Exception):
+    """A checkpoint written by another job: never loaded, whatever else is right with it."""
+
+    def __init__(self, where: str, *, theirs: str, ours: str) -> None:
+        self.where = where
+        self.theirs = theirs
+        self.ours = ours
+        super().__init__(
+            f"{where}: checkpoint of job {theirs!r}, this run is job {ours!r}; refusing to load "
+            f"another job's state. Give this job its own ckpt_dir (and S3 prefix), or run it "
+            f"under the name {theirs!r} (job= or TRAINGUARD_JOB) if it is that job"
+        )
+
+
 @dataclass(frozen=True)
 class Manifest:
     step: int
@@ -92,6 +108,21 @@ class Manifest:
             "job": self.job,
             "extra": self.extra,
         }
+
+
+# `torchrun --standalone` makes up a new uuid4 run id for every launch; a job named by it has no
+# name that lasts from one launch to the next.
+_LAUNCH_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
+
+
+def check_job(manifest: Manifest, *, job: str, where: str) -> None:
+    """Raise `ForeignCheckpoint` if `manifest` names another job. Not compared: a manifest
+    without a job (written before manifests recorded it) and a name that is torchrun's
+    per-launch uuid4 on either side (a job started with `--standalone` and no name)."""
+    theirs = manifest.job
+    if not theirs or theirs == job or _LAUNCH_UUID.fullmatch(theirs) or _LAUNCH_UUID.fullmatch(job):
+        return
+    raise ForeignCheckpoint(where, theirs=theirs, ours=job)
 
 
 def step_dir_name(step: int) -> str:

@@ -1,8 +1,13 @@
 """Optional S3 copy of committed checkpoints (boto3, imported here and only when configured).
 
 Upload: every file of a committed checkpoint, `manifest.json` last, so an object listing that
-has the manifest has the whole checkpoint. Download: the newest remote checkpoint whose
-manifest exists, into a temporary local directory that the caller verifies and commits.
+has the manifest has the whole checkpoint. Retention: after an upload, the bucket keeps the
+same newest `keep_last` checkpoints as the disk; an older one loses its manifest first, so a
+deletion cut short never leaves something that looks complete. Download: the newest remote
+checkpoint whose manifest exists, into a temporary local directory that the caller verifies
+and commits; a manifest of another job stops the download before any other file is fetched.
+Keys live under `prefix`, by default `trainguard/<job>`, so jobs sharing a bucket never see
+each other's checkpoints.
 """
 
 from __future__ import annotations
@@ -13,12 +18,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainguard.trainer.manifest import MANIFEST_NAME, read_manifest
+from trainguard.trainer.manifest import MANIFEST_NAME, check_job, read_manifest
 
 __all__ = ["S3Config", "S3Store"]
 
 log = logging.getLogger("trainguard.trainer")
 _STEP_PREFIX = re.compile(r"step_(\d{6,})/$")
+_DELETE_BATCH = 1000  # DeleteObjects takes at most 1,000 keys
+
+
+def default_prefix(job: str) -> str:
+    """`trainguard/<job>`, the job name made key-safe."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in job) or "default"
+    return f"trainguard/{safe}"
 
 
 @dataclass(frozen=True)
@@ -27,7 +39,7 @@ class S3Config:
     instance role); they are never part of this config and never logged."""
 
     bucket: str
-    prefix: str = "trainguard"
+    prefix: str | None = None  # None: trainguard/<job>, one place per job
     endpoint_url: str | None = None  # for S3-compatible stores (MinIO, a local test server)
     region_name: str | None = None
 
@@ -37,17 +49,20 @@ class S3Config:
 
 
 class S3Store:
-    def __init__(self, config: S3Config) -> None:
+    def __init__(self, config: S3Config, *, job: str) -> None:
         import boto3  # noqa: PLC0415 - lazy: only jobs that configure S3 need boto3
 
         self.config = config
+        self.job = job
+        self.prefix = (config.prefix if config.prefix is not None else default_prefix(job)).strip(
+            "/"
+        )
         self._client: Any = boto3.client(
             "s3", endpoint_url=config.endpoint_url, region_name=config.region_name
         )
 
     def _key(self, *parts: str) -> str:
-        prefix = self.config.prefix.strip("/")
-        return "/".join(p for p in (prefix, *parts) if p)
+        return "/".join(p for p in (self.prefix, *parts) if p)
 
     def upload(self, directory: Path) -> None:
         """Upload a committed checkpoint directory; the manifest goes last."""
@@ -68,25 +83,71 @@ class S3Store:
             self._key(directory.name),
         )
 
-    def remote_steps(self) -> list[int]:
-        """Steps with a manifest in the bucket, newest first."""
+    def _step_prefixes(self) -> list[int]:
+        """Every step with any object in the bucket (complete or not), newest first."""
         steps: list[int] = []
         paginator = self._client.get_paginator("list_objects_v2")
-        base = self._key() + "/" if self.config.prefix.strip("/") else ""
+        base = self._key() + "/" if self.prefix else ""
         for page in paginator.paginate(Bucket=self.config.bucket, Prefix=base, Delimiter="/"):
             for cp in page.get("CommonPrefixes", []):
                 m = _STEP_PREFIX.search(cp["Prefix"])
-                if m is None:
-                    continue
-                step = int(m.group(1))
-                head_key = self._key(f"step_{step:06d}", MANIFEST_NAME)
-                try:
-                    self._client.head_object(Bucket=self.config.bucket, Key=head_key)
-                except self._client.exceptions.ClientError:
-                    continue
-                steps.append(step)
+                if m is not None:
+                    steps.append(int(m.group(1)))
         steps.sort(reverse=True)
         return steps
+
+    def _has_manifest(self, step: int) -> bool:
+        try:
+            self._client.head_object(
+                Bucket=self.config.bucket, Key=self._key(f"step_{step:06d}", MANIFEST_NAME)
+            )
+        except self._client.exceptions.ClientError:
+            return False
+        return True
+
+    def remote_steps(self) -> list[int]:
+        """Steps with a manifest in the bucket, newest first."""
+        return [s for s in self._step_prefixes() if self._has_manifest(s)]
+
+    def apply_retention(self, *, keep_last: int, newest_step: int) -> list[int]:
+        """Delete remote checkpoints beyond the newest `keep_last` complete ones (0 = keep all),
+        and incomplete uploads older than those; never `newest_step` or anything newer.
+        Returns the steps deleted."""
+        if keep_last <= 0:
+            return []
+        steps = self._step_prefixes()
+        complete = [s for s in steps if self._has_manifest(s)]
+        kept = complete[:keep_last]
+        if len(kept) < keep_last:
+            return []
+        oldest_kept = min(kept)
+        deleted: list[int] = []
+        for step in steps:
+            if step >= oldest_kept or step >= newest_step:
+                continue
+            self._delete_step(step)
+            deleted.append(step)
+            log.info(
+                "event=checkpoint_deleted step=%d bucket=%s key=%s reason=retention",
+                step,
+                self.config.bucket,
+                self._key(f"step_{step:06d}"),
+            )
+        return deleted
+
+    def _delete_step(self, step: int) -> None:
+        name = f"step_{step:06d}"
+        manifest_key = self._key(name, MANIFEST_NAME)
+        # The manifest first: from then on nothing treats the rest as a checkpoint.
+        self._client.delete_object(Bucket=self.config.bucket, Key=manifest_key)
+        paginator = self._client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.config.bucket, Prefix=self._key(name) + "/"):
+            keys = [o["Key"] for o in page.get("Contents", [])]
+            for i in range(0, len(keys), _DELETE_BATCH):
+                batch = [{"Key": k} for k in keys[i : i + _DELETE_BATCH]]
+                self._client.delete_objects(
+                    Bucket=self.config.bucket, Delete={"Objects": batch, "Quiet": True}
+                )
 
     def download(self, step: int, dest: Path) -> None:
         """Fetch checkpoint `step` into `dest` (manifest first, then the files it lists)."""
@@ -96,6 +157,7 @@ class S3Store:
             self.config.bucket, self._key(name, MANIFEST_NAME), str(dest / MANIFEST_NAME)
         )
         manifest = read_manifest(dest)
+        check_job(manifest, job=self.job, where=f"s3://{self.config.bucket}/{self._key(name)}")
         for fname in sorted(manifest.files):
             target = dest / fname
             target.parent.mkdir(parents=True, exist_ok=True)
