@@ -3,12 +3,14 @@
 
 Used by the demo (`examples/demo.py`), the chaos tests (`tests/e2e/`) and the recovery
 benchmarks (`bench/recovery.py`, `bench/soak.py`). It writes configs and tokens into a run
-directory, starts every process from an argument list in a session of its own, waits on
-conditions with deadlines, talks to the API over HTTP, injects faults, kills and stops
-things, and on `close()` ends every process it started or that descends from one: each
-carries the environment marker `TRAINGUARD_DEVCLUSTER=<run id>` (agents pass their
-environment on to torchrun and its workers), so processes re-parented after a `kill -9`
-are found in `/proc` too. It never imports torch.
+directory (one agent token per node, bound to it; spares are made spares by an operator
+call once they report, as a real cluster's operator would), starts every process from an
+argument list in a session of its own, waits on conditions with deadlines, talks to the
+API over HTTP, injects faults, kills and stops things, and on `close()` ends every process
+it started or that descends from one: each carries the environment marker
+`TRAINGUARD_DEVCLUSTER=<run id>` (agents pass their environment on to torchrun and its
+workers), so processes re-parented after a `kill -9` are found in `/proc` too. It never
+imports torch.
 """
 
 from __future__ import annotations
@@ -199,6 +201,8 @@ class ClusterConfig:
     jobs: Mapping[str, Any] = field(default_factory=dict)
     actions: Mapping[str, Any] = field(default_factory=dict)
     safety: Mapping[str, Any] = field(default_factory=dict)
+    # controller `backend:` section (kind: slurm + its settings); empty = torchrun
+    backend: Mapping[str, Any] = field(default_factory=dict)
     agent_stop_grace_s: float = 5.0
     log_level: str = "info"
 
@@ -211,7 +215,10 @@ class DevCluster:
         self.run_dir = Path(run_dir).resolve()
         self.run_id = secrets.token_hex(6)
         self.operator_token = secrets.token_urlsafe(24)
-        self.agent_token = secrets.token_urlsafe(24)
+        # one token per node, bound to it: a node's agent speaks for that node only
+        self.agent_tokens = {
+            name: secrets.token_urlsafe(24) for name in (*self.config.active, *self.config.spares)
+        }
         # unix socket paths must stay short: sockets live under /tmp whatever run_dir is
         self.socket_root = Path(tempfile.mkdtemp(prefix="tgdc", dir="/tmp"))
         self.controller_port = 0
@@ -266,6 +273,9 @@ class DevCluster:
             timeout_s=timeout_s,
             what=f"nodes {', '.join(sorted(names))} to report",
         )
+        # a spare is one because an operator says so (an agent's role_hint is only a hint)
+        for name in self.config.spares:
+            self.api("PUT", f"/v1/nodes/{name}/role", json={"role": "spare"})
 
     def close(self, *, grace_s: float = 5.0) -> None:
         """Stop everything: SIGTERM to the controller and agents, then SIGKILL to every
@@ -324,12 +334,13 @@ class DevCluster:
         (self.run_dir / "tokens.yaml").write_text(
             "tokens:\n"
             f'  - {{name: operator, role: operator, sha256: "{_sha256(self.operator_token)}"}}\n'
-            f'  - {{name: agents, role: agent, sha256: "{_sha256(self.agent_token)}"}}\n'
+            + "".join(
+                f"  - {{name: agent-{node}, role: agent, node: {node},"
+                f' sha256: "{_sha256(token)}"}}\n'
+                for node, token in self.agent_tokens.items()
+            )
         )
         os.chmod(self.run_dir / "tokens.yaml", 0o600)
-        token_file = self.run_dir / "agent.token"
-        token_file.write_text(self.agent_token + "\n")
-        os.chmod(token_file, 0o600)
         self.controller_port = free_port()
         span = 16
         self.rdzv_port_base = free_port_block(span)
@@ -353,6 +364,8 @@ class DevCluster:
             cfg["actions"] = dict(c.actions)
         if c.safety:
             cfg["safety"] = dict(c.safety)
+        if c.backend:
+            cfg["backend"] = dict(c.backend)
         # JSON is YAML: no need to format YAML by hand
         (self.run_dir / "controller.yaml").write_text(json.dumps(cfg, indent=2) + "\n")
 
@@ -402,6 +415,9 @@ class DevCluster:
         (d / "jobs").mkdir(exist_ok=True)
         sock_dir = self.socket_root / name
         sock_dir.mkdir(parents=True, exist_ok=True)
+        token_file = d / "agent.token"
+        token_file.write_text(self.agent_tokens[name] + "\n")
+        os.chmod(token_file, 0o600)
         cfg = {
             "node": {"name": name, "role_hint": role, "advertise_address": "127.0.0.1"},
             "hardware": {
@@ -415,7 +431,7 @@ class DevCluster:
             "metrics": {"address": "127.0.0.1", "port": 0},
             "controller": {
                 "url": self.url,
-                "token_file": str(self.run_dir / "agent.token"),
+                "token_file": str(token_file),
                 "report_interval_s": self.config.report_interval_s,
                 "backoff_max_s": 1.0,
             },
