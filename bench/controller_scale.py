@@ -84,6 +84,15 @@ def _format_values(seq: int, *, gpus: int, ports: int) -> list[bytes]:
     return out
 
 
+def _node_names(count: int) -> list[str]:
+    return [f"node-{i:04d}" for i in range(count)]
+
+
+def _agent_token(node: str) -> str:
+    """The agent token of `node` (each node has its own, bound to it)."""
+    return f"{AGENT_TOKEN}-{node}"
+
+
 def _report(node: str, *, dbe: bool, mode: str = "legacy") -> Report:
     """One node's report with placeholders for every value that moves. mode: "legacy" (no
     delta fields), "full" (a full report of a delta-capable agent) or "delta" (what changes
@@ -217,7 +226,8 @@ async def _agent(
     since_full: int | None = None  # acknowledged deltas since the last full; None: need one
     reader, writer = await asyncio.open_connection(host, port)
     head = (
-        f"POST /v1/reports HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {AGENT_TOKEN}\r\n"
+        f"POST /v1/reports HTTP/1.1\r\nHost: {host}\r\n"
+        f"Authorization: Bearer {_agent_token(node)}\r\n"
         "Content-Type: application/json\r\nContent-Length: "
     ).encode()
     seq = 0
@@ -449,12 +459,15 @@ def main() -> int:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(need, soft)), hard))
 
     tmp = Path(tempfile.mkdtemp(prefix="tg-scale-"))
-    agent_hash = hashlib.sha256(AGENT_TOKEN.encode()).hexdigest()
     op_hash = hashlib.sha256(OP_TOKEN.encode()).hexdigest()
+    # one token per node, bound to it, as in production: the bench pays the identity check
+    agents = "".join(
+        f"  - {{name: agent-{node}, role: agent, node: {node}, sha256: "
+        f'"{hashlib.sha256(_agent_token(node).encode()).hexdigest()}"}}\n'
+        for node in _node_names(args.nodes)
+    )
     (tmp / "tokens.yaml").write_text(
-        "tokens:\n"
-        f'  - {{name: agents, role: agent, sha256: "{agent_hash}"}}\n'
-        f'  - {{name: bench, role: operator, sha256: "{op_hash}"}}\n'
+        "tokens:\n" + agents + f'  - {{name: bench, role: operator, sha256: "{op_hash}"}}\n'
     )
     (tmp / "controller.yaml").write_text(
         f"store: {{path: {tmp / 'controller.db'}}}\n"
@@ -511,7 +524,7 @@ def _run(
     port: int,
     log_path: Path,
 ) -> int:
-    nodes = [f"node-{i:04d}" for i in range(args.nodes)]
+    nodes = _node_names(args.nodes)
     start = time.time() + 2.0
     measure_from = start + args.warmup
     end = measure_from + args.seconds
