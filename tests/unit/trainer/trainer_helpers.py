@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from tests.helpers import wait_for
 from trainguard.protocol import Heartbeat, decode_json
 from trainguard.trainer import ResumableSampler, Trainguard
 
@@ -114,13 +114,14 @@ class FakeAgent:
                 self.received.append(hb)
 
     def drain(self) -> list[Heartbeat]:
-        """Everything received; waits (bounded) for the trainer's final "exit" heartbeat."""
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
+        """Everything received, once the trainer's final "exit" heartbeat is in (AssertionError
+        if it has not come within 10 s)."""
+
+        def exited() -> bool:
             with self._lock:
-                if any(h.event == "exit" for h in self.received):
-                    break
-            time.sleep(0.01)
+                return any(h.event == "exit" for h in self.received)
+
+        wait_for(exited, timeout_s=10, what='the trainer\'s "exit" heartbeat', interval_s=0.01)
         with self._lock:
             return list(self.received)
 
