@@ -15,7 +15,13 @@ import httpx
 import pytest
 
 from tests.helpers import wait_for
-from tests.integration.controller_proc import OP, ControllerProcess, dbe_rules, write_config
+from tests.integration.controller_proc import (
+    AGENT,
+    OP,
+    ControllerProcess,
+    dbe_rules,
+    write_config,
+)
 from trainguard.model import GpuSample
 from trainguard.protocol import Event, Report, encode_json
 
@@ -220,3 +226,31 @@ def test_repeated_authorization_header_is_400_on_every_route(
     assert r.json()["detail"] == {"header": "Authorization"}
     assert "Authorization" in r.json()["error"]
     assert cluster.get("/v1/nodes/node-2")["state"] == "active"
+
+
+def test_a_shared_agent_token_needs_the_loudly_named_option(
+    tmp_path: Path, controllers: list[ControllerProcess]
+) -> None:
+    cfg = write_config(tmp_path, rules=dbe_rules())  # the shared AGENT_TOKEN, option on
+    shared = cfg.read_text()
+    assert ", allow_shared_agent_tokens: true" in shared
+    cfg.write_text(shared.replace(", allow_shared_agent_tokens: true", ""))
+    refused = ControllerProcess(cfg, log_path=tmp_path / "refused.log")
+    controllers.append(refused)
+    assert refused.popen.wait(timeout=60) == 2
+    assert "tokens[1].node" in refused.log() and "allow_shared_agent_tokens" in refused.log()
+
+    cfg.write_text(shared)
+    proc = ControllerProcess(cfg, log_path=tmp_path / "controller.log")
+    controllers.append(proc)
+    proc.wait_listening(timeout_s=60)
+    assert "event=shared_agent_tokens tokens=agents" in proc.log()
+    for node in ("node-7", "node-7", "node-8"):
+        r = httpx.post(
+            f"{proc.url}/v1/reports",
+            content=encode_json(Report(node=node, instance="i", seq=1, sent_at=time.time())),
+            headers=AGENT,
+        )
+        assert r.status_code == 200, r.text
+    used = re.findall(r"event=shared_agent_token_used actor=agents node=(\S+)", proc.log())
+    assert used == ["node-7", "node-8"]
