@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import Dataset, DistributedSampler, TensorDataset
 
-from trainguard.trainer import ResumableSampler, S3Config, Trainguard
+from trainguard.trainer import ResumableSampler, S3Config, Trainguard, resumable_loader
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,6 +66,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-batches", type=int, default=0)
     p.add_argument("--sync-every", type=int, default=1)
     p.add_argument("--sigterm-grace-s", type=float, default=30.0)
+    p.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
+    p.add_argument(
+        "--augment-noise",
+        type=float,
+        default=0.0,
+        help="random noise of this scale added to each sample when it is loaded (augmentation)",
+    )
     p.add_argument("--s3-bucket")
     p.add_argument("--s3-prefix", help="default: trainguard/<job>")
     p.add_argument("--s3-endpoint-url")
@@ -78,6 +85,23 @@ def make_data(*, seed: int, samples: int, features: int, classes: int) -> Tensor
     w = torch.randn(features, classes, generator=g)
     y = (x @ w + 0.5 * torch.randn(samples, classes, generator=g)).argmax(dim=1)
     return TensorDataset(x, y)
+
+
+class Augmented(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Random augmentation at load time, in the DataLoader's workers when there are some."""
+
+    def __init__(self, data: TensorDataset, *, noise: float) -> None:
+        self.data = data
+        self.noise = noise
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.data[index]
+        if self.noise:
+            x = x + self.noise * torch.randn(x.shape)
+        return x, y
 
 
 def average_gradients(model: nn.Module, world: int) -> None:
@@ -138,14 +162,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     inner = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
     sampler = ResumableSampler(inner, batch_size=args.batch_size)
-    # The loader gets its own generator: each iter(loader) draws a seed from it, and drawing
-    # from the global one would make the global RNG depend on when iterators were created.
-    loader = DataLoader(
-        data,
-        batch_size=args.batch_size,
+    # Batch size and order from the sampler; its own generator for the loader (drawing from the
+    # global one would make the global RNG depend on when iterators were created); workers
+    # that ignore the stop signals meant for this rank and load each sample with the random
+    # state of its position, so a resume with workers and augmentation is exact too.
+    loader = resumable_loader(
+        Augmented(data, noise=args.augment_noise),
         sampler=sampler,
-        drop_last=True,
-        generator=torch.Generator().manual_seed(args.seed),
+        seed=args.seed,
+        num_workers=args.num_workers,
     )
 
     s3 = None

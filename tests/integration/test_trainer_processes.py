@@ -409,3 +409,79 @@ def test_sigterm_takes_an_emergency_checkpoint_and_exits_zero(
     assert last["ckpt_step"] == last["step"]
     found = find_latest_good(ck)
     assert found is not None and found[0] == last["step"]
+
+
+# --- DataLoader workers: stop signals and resume with random augmentation ---------------------
+
+_WORKER_ARGS = [
+    "--steps", "40", "--checkpoint-every", "0", "--num-workers", "2", "--augment-noise", "0.3",
+    "--samples", "512", "--batch-size", "8", "--seed", "5", "--sigterm-grace-s", "30",
+]  # fmt: skip
+
+
+def _sigterm_mid_epoch(run: Run, *, after_step: int) -> None:
+    wait_for(
+        lambda: len(run.lines()) >= after_step or run.proc.poll() is not None,
+        timeout_s=90,
+        what=f"step {after_step}",
+    )
+    assert run.proc.poll() is None, "the run finished before it could be signalled"
+
+
+def test_sigterm_to_the_process_group_with_loader_workers_checkpoints_and_resumes_bitwise(
+    tmp_path: Path, no_agent: dict[str, str]
+) -> None:
+    # 64 batches an epoch: the signal lands mid-epoch. killpg reaches the DataLoader's workers
+    # too, as a launcher's stop does.
+    straight = Run(tmp_path, [*_WORKER_ARGS, "--ckpt-dir", str(tmp_path / "a")], env=no_agent)
+    ck = tmp_path / "b"
+    run = Run(
+        tmp_path, [*_WORKER_ARGS, "--ckpt-dir", str(ck), "--step-time-s", "0.05"], env=no_agent
+    )
+    _sigterm_mid_epoch(run, after_step=8)
+    os.killpg(run.proc.pid, signal.SIGTERM)
+    assert run.wait(60) == 0, run.stderr()
+    last = run.lines()[-1]
+    assert last["action"] == "stop" and last["reason"] == "sigterm", last
+    found = find_latest_good(ck)
+    assert found is not None and found[0] == last["step"]
+    assert straight.wait() == 0, straight.stderr()
+    resumed = Run(tmp_path, [*_WORKER_ARGS, "--ckpt-dir", str(ck)], env=no_agent)
+    assert resumed.wait() == 0, resumed.stderr()
+    got = losses(resumed.lines())
+    assert min(got) == last["step"] + 1
+    expected = losses(straight.lines())
+    assert got == {s: expected[s] for s in range(last["step"] + 1, 41)}
+
+
+def test_sigterm_forwarded_by_torchrun_with_loader_workers_checkpoints_all_ranks_and_resumes(
+    tmp_path: Path, no_agent: dict[str, str]
+) -> None:
+    # torchrun forwards SIGTERM to each rank's process group, the rank's DataLoader workers
+    # included; 2 gloo ranks, 2 workers each, random augmentation.
+    straight = Run(
+        tmp_path, [*_WORKER_ARGS, "--ckpt-dir", str(tmp_path / "a")], nproc=2, env=no_agent
+    )
+    assert straight.wait() == 0, straight.stderr()
+    ck = tmp_path / "b"
+    run = Run(
+        tmp_path,
+        [*_WORKER_ARGS, "--ckpt-dir", str(ck), "--step-time-s", "0.05"],
+        nproc=2,
+        env=no_agent,
+    )
+    _sigterm_mid_epoch(run, after_step=8)
+    run.proc.send_signal(signal.SIGTERM)  # the launcher only: it signals the ranks
+    run.wait(90)  # torchrun itself exits non-zero after a signal; the ranks' outcome counts
+    last = run.lines()[-1]
+    assert last["action"] == "stop" and last["reason"] == "sigterm", (last, run.stderr())
+    found = find_latest_good(ck)
+    assert found is not None and found[0] == last["step"]
+    assert read_manifest(found[1]).world_size == 2
+    assert "killed by signal" not in run.stderr()
+    resumed = Run(tmp_path, [*_WORKER_ARGS, "--ckpt-dir", str(ck)], nproc=2, env=no_agent)
+    assert resumed.wait() == 0, resumed.stderr()
+    got = losses(resumed.lines())
+    assert min(got) == last["step"] + 1
+    expected = losses(straight.lines())
+    assert got == {s: expected[s] for s in range(last["step"] + 1, 41)}
