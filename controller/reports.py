@@ -13,8 +13,8 @@ process, another instance, a base that is not the last report applied) is still 
 what it lists, and the response asks for a full report (`want_full`).
 
 A node's role is the controller's inventory: a new node starts active whatever its report's
-`role_hint` says (the hint is kept as a signal and shown by describe); only an operator makes a
-node a spare. A report refused because its credential speaks for another node
+`role_hint` says (the hint stays in the signal state only); only an operator makes a node a
+spare. A report refused because its credential speaks for another node
 (`refuse_report`) stores nothing but an audit entry (at most one a minute per credential and
 node, so a misconfigured agent does not flood the audit log).
 """
