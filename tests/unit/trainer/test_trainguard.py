@@ -90,7 +90,8 @@ def test_checkpoint_holds_full_state_loadable_with_weights_only(tmp_path: Path) 
     full = load_full_state(tmp_path / "step_000005")
     assert set(full["model"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
     assert len(full["optim"]["state"]) == 4
-    assert state["sampler"] == {"epoch": 0, "batches_done": 5}
+    assert state["sampler"]["epoch"] == 0 and state["sampler"]["batches_done"] == 5
+    assert state["sampler"]["samples_done"] == 5 * 4  # the position in samples too
     assert state["scheduler"]["last_epoch"] == 5
     assert isinstance(state["rng"]["torch"], torch.Tensor)
 
@@ -199,7 +200,7 @@ def test_nan_rollback_restores_the_last_good_state_and_skips_batches(
     assert all(_all_finite(tmp_path / f"step_{s:06d}") for s in steps)
     # Position after step 10 = 10 steps + 2 skipped batches since the rollback.
     state = load_rank_file(tmp_path / "step_000010" / "rank_00000.pt")
-    assert state["sampler"] == {"epoch": 0, "batches_done": 12}
+    assert (state["sampler"]["epoch"], state["sampler"]["batches_done"]) == (0, 12)
 
 
 def test_nan_continue_reports_and_never_commits_a_nonfinite_state(
