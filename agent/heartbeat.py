@@ -41,6 +41,7 @@ log = logging.getLogger("trainguard.agent.heartbeat")
 DROP_REASONS = (
     "oversized",
     "malformed",
+    "out_of_bounds",  # well-formed, but a value outside trainguard.bounds (name, time, int64)
     "unsupported_version",
     "rate_limited",
     "too_many_ranks",
@@ -313,7 +314,10 @@ class HeartbeatServer:
             hb = decode_json(Heartbeat, data)
         except ProtocolError as e:
             with self._lock:
-                self._drop("unsupported_version" if e.field == "v" else "malformed")
+                if e.field == "v":
+                    self._drop("unsupported_version")
+                else:
+                    self._drop("out_of_bounds" if e.out_of_bounds else "malformed")
             return
         with self._lock:
             self._accept(hb, now_mono, sender_pid=pid)

@@ -30,6 +30,7 @@ from typing import IO, Any, Literal
 
 from trainguard.agent.commands import CommandResult, Handler
 from trainguard.agent.jobpolicy import JobPolicy, JobRefused
+from trainguard.bounds import bad_name_reason
 from trainguard.clock import SYSTEM_CLOCK, Clock
 from trainguard.protocol import Command, Event, JobProcess
 from trainguard.strict import ConfigError, Invalid, build
@@ -56,8 +57,6 @@ log = logging.getLogger("trainguard.agent.jobs")
 
 JOB_EXIT = "job_exit"
 
-# Names end up in file names (`<job>-<attempt>.log`) and metric labels: keep them tame.
-_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _RDZV_CONF_KEY = re.compile(r"[a-z][a-z0-9_]*")
 # The agent sets these; a job must not point its ranks at another agent or job name.
@@ -126,8 +125,11 @@ class StartJob:
     rdzv_conf: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not _JOB_NAME.fullmatch(self.job):
-            raise Invalid("job", f"must match {_JOB_NAME.pattern}, got {self.job!r}")
+        # names end up in file names (`<job>-<attempt>.log`) and metric labels: the one
+        # name pattern of trainguard.bounds
+        bad = bad_name_reason(self.job)
+        if bad is not None:
+            raise Invalid("job", bad)
         if self.attempt < 0:
             raise Invalid("attempt", f"must be >= 0, got {self.attempt}")
         if not self.command:

@@ -6,7 +6,11 @@ true for 1, no 1.0 for an int; an int is a valid float; non-finite floats travel
 "Infinity", "-Infinity"), every `__post_init__` runs, and the dataclasses come out as if
 constructed. The first problem, in the order the input reads, becomes one DecodeError with
 its dotted path and a reason in words; an `Invalid(key, reason)` from `__post_init__` names
-its key under the object's path. Config (`lenient=True`) also takes what YAML and Python
+its key under the object's path. Bounds are part of the schema: every integer fits int64
+(what SQLite stores and a float exports), every `Any` value too, and a field annotated
+`Annotated[T, Bound(...)]` is also held to its range, finiteness, pattern, length or count
+(the named bounds live in `trainguard.bounds`); a value outside one is an error whose
+`out_of_bounds` is true. Config (`lenient=True`) also takes what YAML and Python
 callers hand over: a tuple for a list, and any mapping key, made a string.
 `trainguard.strict.build` (config files) and `trainguard.protocol` (the wire) are its edges.
 """
@@ -25,7 +29,10 @@ from pydantic_core import PydanticCustomError, SchemaValidator, ValidationError
 from pydantic_core import core_schema as cs
 
 __all__ = [
+    "INT64_MAX",
+    "INT64_MIN",
     "NONFINITE",
+    "Bound",
     "DecodeError",
     "Decoder",
     "Invalid",
@@ -40,6 +47,26 @@ T = TypeVar("T")
 NONFINITE = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}
 
 
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """What a field may hold beyond its type, as `Annotated[T, Bound(...)]` metadata.
+
+    ge/le: numbers (an int's always lie within int64); finite: a float that is neither NaN
+    nor infinite; pattern: a string matching it whole (a regular expression without anchors);
+    max_length: characters of a string; max_items: entries of a list or mapping."""
+
+    ge: float | None = None
+    le: float | None = None
+    finite: bool = False
+    pattern: str | None = None
+    max_length: int | None = None
+    max_items: int | None = None
+
+
 class Invalid(ValueError):
     """Raised by a dataclass's `__post_init__` to reject a value; `key` is relative to it."""
 
@@ -50,11 +77,13 @@ class Invalid(ValueError):
 
 
 class DecodeError(ValueError):
-    """Data that does not fit the class: `path` is the dotted key ("" for the whole)."""
+    """Data that does not fit the class: `path` is the dotted key ("" for the whole);
+    `out_of_bounds`: the value had the right type but lay outside a bound."""
 
-    def __init__(self, path: str, reason: str) -> None:
+    def __init__(self, path: str, reason: str, *, out_of_bounds: bool = False) -> None:
         self.path = path
         self.reason = reason
+        self.out_of_bounds = out_of_bounds
         super().__init__(f"{path}: {reason}" if path else reason)
 
 
@@ -84,6 +113,42 @@ def _float_schema() -> cs.CoreSchema:
         custom_error_type="number_type",
         custom_error_message="expected a number",
     )
+
+
+def _bounded_float_schema(bound: Bound) -> cs.CoreSchema:
+    if bound.finite:
+        return cs.float_schema(strict=True, allow_inf_nan=False, ge=bound.ge, le=bound.le)
+    if bound.ge is None and bound.le is None:
+        return _float_schema()
+    return cs.no_info_after_validator_function(
+        functools.partial(_float_range, ge=bound.ge, le=bound.le), _float_schema()
+    )
+
+
+def _float_range(value: float, *, ge: float | None, le: float | None) -> float:
+    # NaN compares false both ways, so a NaN passes a range that is not also `finite`
+    if ge is not None and value < ge:
+        raise PydanticCustomError("greater_than_equal", "too small", {"ge": ge})
+    if le is not None and value > le:
+        raise PydanticCustomError("less_than_equal", "too large", {"le": le})
+    return value
+
+
+def _int64_any(value: Any) -> Any:
+    """An `Any` value whose integers, however deep, fit int64 (SQLite's and a float's)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if type(v) is int:
+            if not INT64_MIN <= v <= INT64_MAX:
+                raise PydanticCustomError(
+                    "int64_range", "integer out of range", {"ge": INT64_MIN, "le": INT64_MAX}
+                )
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list | tuple):
+            stack.extend(v)
+    return value
 
 
 def _list_of_tuple(value: Any) -> Any:
@@ -140,10 +205,18 @@ class _Builder:
         )
 
     def type_schema(self, tp: Any) -> cs.CoreSchema:
+        bound = Bound()
+        if typing.get_origin(tp) is typing.Annotated:
+            tp, *meta = typing.get_args(tp)
+            found = [m for m in meta if isinstance(m, Bound)]
+            if len(found) == 1:
+                bound = found[0]
+            elif found:
+                raise TypeError(f"one Bound per field, got {len(found)}")
         origin = typing.get_origin(tp)
         args = typing.get_args(tp)
         if tp is Any:
-            return cs.any_schema()
+            return cs.no_info_after_validator_function(_int64_any, cs.any_schema())
         if origin is Union or origin is types.UnionType:
             members = [a for a in args if a is not type(None)]
             if len(members) != 1:
@@ -153,7 +226,9 @@ class _Builder:
             return cs.literal_schema(list(args))
         if origin in (list, tuple) or tp in (list, tuple):
             items: cs.CoreSchema = cs.list_schema(
-                self.type_schema(args[0] if args else Any), strict=True
+                self.type_schema(args[0] if args else Any),
+                strict=True,
+                max_length=bound.max_items,
             )
             if self.lenient:
                 items = cs.no_info_before_validator_function(_list_of_tuple, items)
@@ -167,17 +242,20 @@ class _Builder:
                 else cs.str_schema(strict=True)
             )
             values = self.type_schema(args[1] if len(args) == 2 else Any)
-            return cs.dict_schema(keys, values, strict=True)
+            return cs.dict_schema(keys, values, strict=True, max_length=bound.max_items)
         if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             return self.dataclass(tp)
         if tp is bool:
             return cs.bool_schema(strict=True)
         if tp is int:
-            return cs.int_schema(strict=True)
+            ge = INT64_MIN if bound.ge is None else max(INT64_MIN, int(bound.ge))
+            le = INT64_MAX if bound.le is None else min(INT64_MAX, int(bound.le))
+            return cs.int_schema(strict=True, ge=ge, le=le)
         if tp is float:
-            return _float_schema()
+            return _bounded_float_schema(bound)
         if tp is str:
-            return cs.str_schema(strict=True)
+            pattern = None if bound.pattern is None else f"^(?:{bound.pattern})$"
+            return cs.str_schema(strict=True, pattern=pattern, max_length=bound.max_length)
         raise TypeError(f"unsupported type {tp!r}")
 
 
@@ -215,15 +293,22 @@ class Decoder(Generic[T]):
         try:
             out = self._validator.validate_python(data)
         except ValidationError as e:
-            raise self.error(*explain(self.cls, e, version=self.version)) from None
+            raise self._failed(e) from None
         return typing.cast(T, out)
 
     def decode_json(self, raw: bytes | str) -> T:
         try:
             out = self._validator.validate_json(raw)
         except ValidationError as e:
-            raise self.error(*explain(self.cls, e, version=self.version)) from None
+            raise self._failed(e) from None
         return typing.cast(T, out)
+
+    def _failed(self, e: ValidationError) -> Exception:
+        path, reason, out_of_bounds = _explain(self.cls, e, version=self.version)
+        err = self.error(path, reason)
+        if out_of_bounds:
+            err.out_of_bounds = True  # type: ignore[attr-defined]
+        return err
 
     def error(self, path: str, reason: str) -> Exception:
         return DecodeError(path, reason)
@@ -248,6 +333,11 @@ def explain(cls: type, e: ValidationError, *, version: int | None = None) -> tup
     each object its unknown keys, then its fields in declared order (and, on the wire, the
     protocol version before anything). Anything but `Invalid` that a `__post_init__` raised
     is raised again as it was."""
+    path, reason, _ = _explain(cls, e, version=version)
+    return path, reason
+
+
+def _explain(cls: type, e: ValidationError, *, version: int | None = None) -> tuple[str, str, bool]:
     errors = e.errors(include_url=False)
     first_seen: dict[tuple[Any, ...], int] = {}
     for i, err in enumerate(errors):
@@ -261,7 +351,52 @@ def explain(cls: type, e: ValidationError, *, version: int | None = None) -> tup
         return (0 if on_version else 1, walked[i].rank)
 
     i = min(range(len(errors)), key=order)
-    return _reason(cls, errors[i], walked[i], version=version)
+    bounded = _bound_reason(errors[i])
+    if bounded is not None:
+        return walked[i].path, bounded, True
+    path, reason = _reason(cls, errors[i], walked[i], version=version)
+    return path, reason, False
+
+
+def _bound_reason(err: Any) -> str | None:
+    """The reason for a value of the right type outside a bound, or None for any other
+    error. The offending value is quoted only when short: it may be 10**400 or 4 MB."""
+    kind = err["type"]
+    ctx = err.get("ctx") or {}
+    if kind in ("greater_than_equal", "less_than_equal", "int64_range"):
+        low, high = ctx.get("ge"), ctx.get("le")
+        if kind == "int64_range":
+            return f"out of range: integers must lie in [{low}, {high}]"
+        if kind == "greater_than_equal":
+            return f"out of range: at least {_num(low)}, got {_short(err.get('input'))}"
+        return f"out of range: at most {_num(high)}, got {_short(err.get('input'))}"
+    value = err.get("input")
+    if kind == "finite_number" or (
+        kind == "float_type" and isinstance(value, str) and value in NONFINITE
+    ):
+        # the strings "NaN"/"Infinity" are a float type error only where a bound is finite
+        return f"must be a finite number, got {_short(err.get('input'))}"
+    if kind == "string_too_long":
+        return f"too long: at most {ctx.get('max_length')} characters"
+    if kind == "string_pattern_mismatch":
+        pattern = str(ctx.get("pattern", ""))
+        if pattern.startswith("^(?:") and pattern.endswith(")$"):
+            pattern = pattern[4:-2]
+        return f"must match {pattern}, got {_short(err.get('input'))}"
+    if kind == "too_long":
+        return f"too many entries: at most {ctx.get('max_length')}"
+    return None
+
+
+def _num(value: Any) -> str:
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e16:
+        return str(int(value))
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,16 +480,22 @@ def _expected(tp: Any, value: Any) -> str | None:
 
 
 def _unoptional(tp: Any) -> Any:
-    if typing.get_origin(tp) in (Union, types.UnionType):
-        members = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(members) == 1:
-            return members[0]
-    return tp
+    """The type under `X | None` and `Annotated[X, ...]` (in any nesting)."""
+    while True:
+        if typing.get_origin(tp) is typing.Annotated:
+            tp = typing.get_args(tp)[0]
+            continue
+        if typing.get_origin(tp) in (Union, types.UnionType):
+            members = [a for a in typing.get_args(tp) if a is not type(None)]
+            if len(members) == 1:
+                tp = members[0]
+                continue
+        return tp
 
 
 @functools.cache
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    return typing.get_type_hints(cls, include_extras=True)
 
 
 @functools.cache

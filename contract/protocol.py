@@ -7,7 +7,9 @@ the agent relays checkpoint/stop requests to ranks as JSON Control datagrams.
 Every message is a frozen dataclass with `to_wire()` (plain JSON-ready dict) and a strict
 `from_wire()` / `decode_json()` (the one decoder, `trainguard.decode`, compiled per class)
 that raise ProtocolError naming the field. JSON has no NaN: non-finite floats travel as the
-strings "NaN", "Infinity", "-Infinity" (a NaN loss is data we must not lose).
+strings "NaN", "Infinity", "-Infinity" (a NaN loss is data we must not lose). Fields are
+held to the bounds of `trainguard.bounds` (names, times, counts, entries per message) by the
+decoder; every integer fits int64.
 The controller imports this module; the agent never imports the controller.
 """
 
@@ -19,9 +21,26 @@ import math
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from trainguard.decode import Decoder
+from trainguard.bounds import (
+    MAX_EVENTS_PER_REPORT,
+    MAX_GPUS_PER_REPORT,
+    MAX_IB_PORTS_PER_REPORT,
+    MAX_JOBS_PER_REPORT,
+    MAX_MAP_ENTRIES,
+    MAX_RANKS_PER_REPORT,
+    Count,
+    Duration,
+    FiniteFloat,
+    Ident,
+    LabelValue,
+    Name,
+    NameOrEmpty,
+    Text,
+    UnixTime,
+)
+from trainguard.decode import Bound, Decoder
 from trainguard.model import GpuSample, HardwareEvent, IbPortSample, NvLinkSample
 
 __all__ = [
@@ -60,9 +79,15 @@ REPORT_MAX_BYTES = 4 * 1024 * 1024  # the controller rejects larger report bodie
 
 T = TypeVar("T")
 
+_Data = Annotated[dict[str, Any], Bound(max_items=MAX_MAP_ENTRIES)]
+_Path = Annotated[str, Bound(max_length=1024)]
+
 
 class ProtocolError(ValueError):
-    """A message that does not match the wire schema; `field` is the dotted path."""
+    """A message that does not match the wire schema; `field` is the dotted path;
+    `out_of_bounds`: the value had the right type but lay outside a bound."""
+
+    out_of_bounds = False
 
     def __init__(self, field_path: str, reason: str) -> None:
         self.field = field_path
@@ -83,27 +108,27 @@ class Heartbeat:
     never loses the fact that a checkpoint committed.
     """
 
-    job: str
-    rank: int
+    job: Name
+    rank: Count
     step: int
-    t: float  # sender's unix time
-    local_rank: int = 0
-    world_size: int = 1
-    pid: int = 0
+    t: UnixTime  # sender's unix time
+    local_rank: Count = 0
+    world_size: Count = 1
+    pid: Count = 0
     loss: float | None = None
     grad_norm: float | None = None
-    samples_per_s: float | None = None
-    tokens_per_s: float | None = None
-    step_time_s: float | None = None
+    samples_per_s: FiniteFloat | None = None
+    tokens_per_s: FiniteFloat | None = None
+    step_time_s: Duration | None = None
     # this rank's own work in the step (forward/backward; not waits in collectives), seconds
-    compute_time_s: float | None = None
+    compute_time_s: Duration | None = None
     phase: HeartbeatPhase = "train"
     ckpt_step: int | None = None  # newest committed checkpoint step
-    ckpt_request_id: str | None = None  # newest proactive request that committed
-    control_socket: str | None = None  # where this rank listens for Control datagrams
+    ckpt_request_id: Ident | None = None  # newest proactive request that committed
+    control_socket: _Path | None = None  # where this rank listens for Control datagrams
     # edge event: "nan_loss", "checkpoint_committed", "checkpoint_failed", "stop", "exit", ...
-    event: str | None = None
-    event_data: dict[str, Any] = field(default_factory=dict)
+    event: Ident | None = None
+    event_data: _Data = field(default_factory=dict)
     v: int = PROTOCOL_VERSION
 
 
@@ -115,8 +140,8 @@ class Control:
     """Agent -> rank request. All ranks act at the same step (the trainer library agrees)."""
 
     action: ControlAction
-    request_id: str
-    job: str = ""
+    request_id: Ident
+    job: NameOrEmpty = ""
     v: int = PROTOCOL_VERSION
 
 
@@ -127,35 +152,35 @@ class Control:
 class RankState:
     """The agent's view of one local rank, from its latest heartbeat."""
 
-    job: str
-    rank: int
+    job: Name
+    rank: Count
     step: int
-    local_rank: int = 0
-    world_size: int = 1
-    pid: int = 0
+    local_rank: Count = 0
+    world_size: Count = 1
+    pid: Count = 0
     loss: float | None = None
     grad_norm: float | None = None
-    samples_per_s: float | None = None
-    tokens_per_s: float | None = None
-    step_time_s: float | None = None
-    compute_time_s: float | None = None
-    phase: str = "train"
-    heartbeat_age_s: float = 0.0  # agent clock: now - last heartbeat received
-    step_age_s: float = 0.0  # agent clock: now - when `step` last changed
+    samples_per_s: FiniteFloat | None = None
+    tokens_per_s: FiniteFloat | None = None
+    step_time_s: Duration | None = None
+    compute_time_s: Duration | None = None
+    phase: Ident = "train"
+    heartbeat_age_s: Duration = 0.0  # agent clock: now - last heartbeat received
+    step_age_s: Duration = 0.0  # agent clock: now - when `step` last changed
     ckpt_step: int | None = None
-    ckpt_request_id: str | None = None
+    ckpt_request_id: Ident | None = None
 
 
 @dataclass(frozen=True)
 class JobProcess:
     """A job's processes (torchrun) launched by this agent."""
 
-    job: str
-    attempt: int
+    job: Name
+    attempt: Count
     state: Literal["starting", "running", "stopping", "exited"]
-    pid: int | None = None
+    pid: Count | None = None
     exit_code: int | None = None
-    output_tail: str = ""  # last lines of output, bounded
+    output_tail: Text = ""  # last lines of output, bounded
 
 
 @dataclass(frozen=True)
@@ -168,32 +193,37 @@ class Event:
     "fault_injected", "preemption_notice".
     """
 
-    id: int
-    kind: str
-    ts: float
-    gpu: int | None = None
-    job: str | None = None
-    rank: int | None = None
+    id: Count
+    kind: Ident
+    ts: UnixTime
+    gpu: Count | None = None
+    job: Name | None = None
+    rank: Count | None = None
     code: int | None = None
-    message: str = ""
-    data: dict[str, Any] = field(default_factory=dict)
+    message: Text = ""
+    data: _Data = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class Report:
-    node: str
-    instance: str  # random id chosen at agent start
-    seq: int  # report sequence within the instance
-    sent_at: float
-    agent_version: str = ""
+    node: Name
+    instance: Ident  # random id chosen at agent start
+    seq: Count  # report sequence within the instance
+    sent_at: UnixTime
+    agent_version: LabelValue = ""
     role_hint: Literal["active", "spare"] | None = None
-    labels: dict[str, str] = field(default_factory=dict)
-    gpus: tuple[GpuSample, ...] = ()
-    ib_ports: tuple[IbPortSample, ...] = ()
-    ranks: tuple[RankState, ...] = ()
-    jobs: tuple[JobProcess, ...] = ()
-    events: tuple[Event, ...] = ()
-    health: dict[str, float] = field(default_factory=dict)  # agent self-health figures
+    labels: Annotated[dict[Ident, LabelValue], Bound(max_items=MAX_MAP_ENTRIES)] = field(
+        default_factory=dict
+    )
+    gpus: Annotated[tuple[GpuSample, ...], Bound(max_items=MAX_GPUS_PER_REPORT)] = ()
+    ib_ports: Annotated[tuple[IbPortSample, ...], Bound(max_items=MAX_IB_PORTS_PER_REPORT)] = ()
+    ranks: Annotated[tuple[RankState, ...], Bound(max_items=MAX_RANKS_PER_REPORT)] = ()
+    jobs: Annotated[tuple[JobProcess, ...], Bound(max_items=MAX_JOBS_PER_REPORT)] = ()
+    events: Annotated[tuple[Event, ...], Bound(max_items=MAX_EVENTS_PER_REPORT)] = ()
+    # agent self-health figures
+    health: Annotated[dict[Ident, FiniteFloat], Bound(max_items=MAX_MAP_ENTRIES)] = field(
+        default_factory=dict
+    )
     # Delta reports (optional; an agent that never sets `full` sends full reports only).
     # full=True: gpus/ib_ports are the whole hardware snapshot. full=False: a delta against
     # the report `base_seq` (same instance) that the controller acknowledged: only the GPUs,
@@ -201,7 +231,7 @@ class Report:
     # whole; an absent entry means "unchanged", never "gone" (a removal forces a full report).
     # ranks, jobs, events, health and labels are always complete.
     full: bool | None = None
-    base_seq: int | None = None
+    base_seq: Count | None = None
     v: int = PROTOCOL_VERSION
 
 
@@ -221,16 +251,16 @@ class Command:
     """Controller -> agent, riding on the report response. Results come back as
     `command_result` events with data {"command_id", "ok", "message"}."""
 
-    id: str
+    id: Ident
     kind: CommandKind
-    args: dict[str, Any] = field(default_factory=dict)
+    args: _Data = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class ReportResponse:
     ack_event_id: int  # every event with id <= this (for the report's instance) is stored
     commands: tuple[Command, ...] = ()
-    server_time: float = 0.0
+    server_time: FiniteFloat = 0.0
     # True: the controller cannot apply deltas for this agent (a new controller process, an
     # unknown instance, a base_seq that is not the last report it applied): send a full
     # report next. Only sent (when true) to agents that send `full`.
@@ -260,13 +290,13 @@ class FaultSpec:
     """A fault to inject into the simulated hardware (sim backend only)."""
 
     kind: FaultKind
-    gpu: int = 0
-    link: int = 0
-    device: str = "mlx5_0"
-    port: int = 1
-    code: int = 79
-    rate_per_s: float = 50.0
-    duration_s: float | None = None  # None = until cleared
+    gpu: Count = 0
+    link: Count = 0
+    device: Name = "mlx5_0"
+    port: Count = 1
+    code: Count = 79
+    rate_per_s: Annotated[float, Bound(ge=0.0, le=1e6, finite=True)] = 50.0
+    duration_s: Duration | None = None  # None = until cleared
 
 
 # --- encoding ------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from trainguard.bounds import MAX_RANKS_PER_REPORT, bad_name_reason
 from trainguard.controller.config import JobsConfig
 from trainguard.controller.store import CommandRecord, JobRecord, NodeRecord, Store
 from trainguard.controller.views import JobView
@@ -32,7 +33,6 @@ from trainguard.strict import Invalid, build
 
 log = logging.getLogger("trainguard.controller.jobs")
 
-_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # The agent sets these for every launch (agent.jobs.RESERVED_ENV); one more is ours: the
 # rollback's skip window, set by the controller on a rollback restart only.
@@ -86,18 +86,26 @@ class JobSpec:
     rdzv_conf: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not _JOB_NAME.fullmatch(self.name):
-            raise Invalid("name", f"must match {_JOB_NAME.pattern}, got {self.name!r}")
+        bad = bad_name_reason(self.name)
+        if bad is not None:
+            raise Invalid("name", bad)
         if not self.command or not self.command[0] or self.command[0].startswith("-"):
             raise Invalid("command", "must be a non-empty list starting with the program")
         if any("\0" in a for a in self.command):
             raise Invalid("command", "contains a NUL byte")
         if not self.nodes:
             raise Invalid("nodes", "must name at least one node")
-        if len(set(self.nodes)) != len(self.nodes) or not all(self.nodes):
-            raise Invalid("nodes", "must be distinct non-empty node names")
-        if self.nproc_per_node < 1:
-            raise Invalid("nproc_per_node", f"must be >= 1, got {self.nproc_per_node}")
+        for i, node in enumerate(self.nodes):
+            bad = bad_name_reason(node)
+            if bad is not None:
+                raise Invalid(f"nodes[{i}]", bad)
+        if len(set(self.nodes)) != len(self.nodes):
+            raise Invalid("nodes", "must be distinct node names")
+        if not 1 <= self.nproc_per_node <= MAX_RANKS_PER_REPORT:
+            raise Invalid(
+                "nproc_per_node",
+                f"must be in [1, {MAX_RANKS_PER_REPORT}], got {self.nproc_per_node}",
+            )
         if self.min_nodes is not None and not 1 <= self.min_nodes <= len(self.nodes):
             raise Invalid("min_nodes", f"must be within 1..{len(self.nodes)}, got {self.min_nodes}")
         if self.max_nproc_per_node is not None and self.max_nproc_per_node < self.nproc_per_node:

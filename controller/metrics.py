@@ -1,14 +1,18 @@
 """The controller's own Prometheus metrics, in a per-instance CollectorRegistry (two
 controllers in one test process never share series). Names `trainguard_controller_*`, units
-in names, counters end in `_total`; every label has a bounded set of values."""
+in names, counters end in `_total`; every label has a bounded set of values. A value with no
+sample value (`trainguard.bounds.metric_value`) is skipped and counted, never a broken
+/metrics."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from trainguard.bounds import metric_value
 from trainguard.controller.views import JobView
 
 # Report ingest is sub-millisecond when healthy; the 100 ms p99 target sits mid-range.
@@ -194,6 +198,48 @@ class ControllerMetrics:
         self.jobs.spares = {DEFAULT_SPARE_POOL: 0, **available}
 
 
+class _Skips:
+    """Samples a collector skipped since start because their value had no sample value."""
+
+    def __init__(self) -> None:
+        self.total = 0
+
+
+class _SafeGauge(GaugeMetricFamily):
+    """A gauge family that skips (and counts in `skips`) a value with no sample value."""
+
+    def __init__(self, name: str, doc: str, *, labels: list[str], skips: _Skips) -> None:
+        super().__init__(name, doc, labels=labels)
+        self.skips = skips
+
+    def add_metric(self, labels: Any, value: Any, timestamp: Any = None) -> None:
+        v = metric_value(value)
+        if v is None:
+            self.skips.total += 1
+            return
+        super().add_metric(labels, v, timestamp)
+
+
+class _SafeCounter(CounterMetricFamily):
+    def __init__(self, name: str, doc: str, *, labels: list[str], skips: _Skips) -> None:
+        super().__init__(name, doc, labels=labels)
+        self.skips = skips
+
+    def add_metric(
+        self,
+        labels: Any,
+        value: Any,
+        created: Any = None,
+        timestamp: Any = None,
+        exemplar: Any = None,
+    ) -> None:
+        v = metric_value(value)
+        if v is None:
+            self.skips.total += 1
+            return
+        super().add_metric(labels, v, created, timestamp, exemplar)
+
+
 class _JobsCollector:
     """Per-job, per-pool and per-node families from the latest views: a job or node that
     leaves the views leaves /metrics too, so label values stay bounded by what the controller
@@ -203,6 +249,7 @@ class _JobsCollector:
         self.jobs: tuple[JobView, ...] = ()
         self.spares: dict[str, int] = {DEFAULT_SPARE_POOL: 0}
         self.node_incidents: dict[str, int] = {}
+        self.skips = _Skips()
 
     def describe(self) -> Iterable[Metric]:
         return []  # label values change every tick; describing would freeze them
@@ -210,36 +257,42 @@ class _JobsCollector:
     def collect(self) -> Iterator[Metric]:
         jobs, spares, node_incidents = self.jobs, dict(self.spares), dict(self.node_incidents)
         gauges = {
-            "ettr": GaugeMetricFamily(
+            "ettr": _SafeGauge(
                 "trainguard_controller_job_ettr_ratio",
                 "Effective training time ratio of the job (0..1).",
                 labels=["job"],
+                skips=self.skips,
             ),
-            "attempt": GaugeMetricFamily(
+            "attempt": _SafeGauge(
                 "trainguard_controller_job_attempt",
                 "Current attempt of the job (increments on every restart).",
                 labels=["job"],
+                skips=self.skips,
             ),
-            "step": GaugeMetricFamily(
+            "step": _SafeGauge(
                 "trainguard_controller_job_step",
                 "Highest step any rank of the job reported.",
                 labels=["job"],
+                skips=self.skips,
             ),
-            "ckpt": GaugeMetricFamily(
+            "ckpt": _SafeGauge(
                 "trainguard_controller_job_checkpoint_step",
                 "Newest committed checkpoint step the ranks reported.",
                 labels=["job"],
+                skips=self.skips,
             ),
-            "nodes": GaugeMetricFamily(
+            "nodes": _SafeGauge(
                 "trainguard_controller_job_nodes",
                 "Nodes the job runs on.",
                 labels=["job"],
+                skips=self.skips,
             ),
         }
-        restarts = CounterMetricFamily(
+        restarts = _SafeCounter(
             "trainguard_controller_job_restarts",
             "Restarts of the job (any cause).",
             labels=["job"],
+            skips=self.skips,
         )
         for job in jobs:
             labels = [job.name]
@@ -254,22 +307,30 @@ class _JobsCollector:
             restarts.add_metric(labels, job.restarts)
         yield from gauges.values()
         yield restarts
-        pools = GaugeMetricFamily(
+        pools = _SafeGauge(
             "trainguard_controller_spares",
             "Hot spares available (role spare, state active), by pool.",
             labels=["pool"],
+            skips=self.skips,
         )
         for pool, n in sorted(spares.items()):
             pools.add_metric([pool], n)
         yield pools
-        per_node = GaugeMetricFamily(
+        per_node = _SafeGauge(
             "trainguard_controller_node_incidents_open",
             "Unresolved incidents per node (one series per known node).",
             labels=["node"],
+            skips=self.skips,
         )
         for node, n in sorted(node_incidents.items()):
             per_node.add_metric([node], n)
         yield per_node
+        skipped = CounterMetricFamily(
+            "trainguard_controller_metric_values_skipped",
+            "Samples left out of /metrics because their value could not be exported.",
+        )
+        skipped.add_metric([], self.skips.total)
+        yield skipped
 
 
 __all__ = [

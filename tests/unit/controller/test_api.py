@@ -352,8 +352,13 @@ def test_openapi_describes_report_body_and_response(client: TestClient) -> None:
     report = doc["components"]["schemas"]["Report"]
     assert report["additionalProperties"] is False
     assert set(report["required"]) == {"node", "instance", "seq", "sent_at"}
+    # a loss may be NaN (it travels as a string); a temperature is a finite number
+    loss = doc["components"]["schemas"]["RankState"]["properties"]["loss"]
+    assert {"enum": ["NaN", "Infinity", "-Infinity"], "type": "string"} in loss["anyOf"]
     temp = doc["components"]["schemas"]["GpuSample"]["properties"]["temperature_celsius"]
-    assert {"enum": ["NaN", "Infinity", "-Infinity"], "type": "string"} in temp["anyOf"]
+    assert {"type": "number"} in temp["anyOf"]
+    step = doc["components"]["schemas"]["RankState"]["properties"]["step"]
+    assert (step["minimum"], step["maximum"]) == (-(2**63), 2**63 - 1)
     resp = op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"]
     assert resp.endswith("/ReportResponse")
     assert "HTTPValidationError" not in doc["components"]["schemas"]

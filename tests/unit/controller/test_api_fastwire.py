@@ -3,7 +3,9 @@
 The rules, written out as a plain walk over the type hints (`_reference` below, test code
 only): unknown keys fail, nothing is coerced (no "1" for 1, no true for 1, no 1.0 for an
 int; an int is a float), non-finite floats travel as "NaN"/"Infinity"/"-Infinity", and `v`
-must be the protocol version. The decoder must agree with it on every report and mutation.
+must be the protocol version. Bounds: every integer (in `Any` values too) fits int64, and a
+field annotated with a `Bound` keeps to its range, finiteness, pattern, length and count.
+The decoder must agree with it on every report and mutation.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import collections.abc
 import copy
 import dataclasses
 import json
+import math
+import re
 import types
 import typing
 from typing import Any, Union
@@ -20,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trainguard.decode import NONFINITE
+from trainguard.decode import INT64_MAX, INT64_MIN, NONFINITE, Bound
 from trainguard.fastwire import decoder
 from trainguard.model import GpuSample, IbPortSample, NvLinkSample
 from trainguard.protocol import (
@@ -62,9 +66,45 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
+def _int64_everywhere(value: Any) -> bool:
+    if type(value) is int:
+        return INT64_MIN <= value <= INT64_MAX
+    if isinstance(value, dict):
+        return all(_int64_everywhere(v) for v in value.values())
+    if isinstance(value, list):
+        return all(_int64_everywhere(v) for v in value)
+    return True
+
+
+def _bounded(bound: Bound, value: Any, path: str) -> None:
+    """`value` (already of its type) against `bound`, as the bound's docstring words it."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if bound.finite and not math.isfinite(value):
+            raise _Reject(path)
+        if bound.ge is not None and value < bound.ge:
+            raise _Reject(path)
+        if bound.le is not None and value > bound.le:
+            raise _Reject(path)
+    if isinstance(value, str):
+        if bound.pattern is not None and not re.fullmatch(bound.pattern, value):
+            raise _Reject(path)
+        if bound.max_length is not None and len(value) > bound.max_length:
+            raise _Reject(path)
+    if isinstance(value, tuple | list | dict) and bound.max_items is not None:
+        if len(value) > bound.max_items:
+            raise _Reject(path)
+
+
 def _walk(tp: Any, value: Any, path: str) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Annotated:
+        out = _walk(args[0], value, path)
+        for bound in args[1:]:
+            _bounded(bound, out, path)
+        return out
     if tp is Any:
+        if not _int64_everywhere(value):
+            raise _Reject(path)  # the `Any` value as a whole, however deep the integer
         return value
     if origin in (Union, types.UnionType):
         if value is None:
@@ -86,7 +126,7 @@ def _walk(tp: Any, value: Any, path: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if type(value) is not dict:
             raise _Reject(path)
-        hints = typing.get_type_hints(tp)
+        hints = typing.get_type_hints(tp, include_extras=True)
         fields = {f.name: f for f in dataclasses.fields(tp)}
         for key in value:
             if key not in fields:
@@ -106,14 +146,23 @@ def _walk(tp: Any, value: Any, path: str) -> Any:
         return float(value)
     if type(value) is not tp:  # bool, int, str: exactly
         raise _Reject(path)
+    if tp is int and not INT64_MIN <= value <= INT64_MAX:
+        raise _Reject(path)
     return value
 
 
 # no surrogates: Python's json accepts lone surrogates in strings, JSON parsers need not
 text = st.text(st.characters(exclude_categories=("Cs",)), max_size=8)
+# node and job names, and identifiers (kinds, ids): within trainguard.bounds
+names = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,12}", fullmatch=True)
+idents = st.from_regex(r"[!-~]{1,12}", fullmatch=True)
 floats = st.floats(allow_nan=True, allow_infinity=True)
+finite = st.floats(allow_nan=False, allow_infinity=False)
+times = st.floats(0.0, 4_102_444_800.0)
 opt_float = st.none() | floats
-opt_int = st.none() | st.integers(min_value=-(2**70), max_value=2**70)
+opt_finite = st.none() | finite
+counts = st.integers(0, INT64_MAX)
+opt_int = st.none() | counts
 opt_bool = st.none() | st.booleans()
 
 nvlinks = st.builds(
@@ -130,8 +179,8 @@ gpus = st.builds(
     pci_bus_id=text,
     name=text,
     lost=st.booleans(),
-    temperature_celsius=opt_float,
-    power_watts=opt_float,
+    temperature_celsius=opt_finite,
+    power_watts=opt_finite,
     memory_used_bytes=opt_int,
     throttle_hw_slowdown=opt_bool,
     ecc_uncorrected_volatile_total=opt_int,
@@ -139,30 +188,30 @@ gpus = st.builds(
 )
 ib_ports = st.builds(
     IbPortSample,
-    device=text,
+    device=names,
     port=st.integers(1, 2),
     state=st.none() | text,
-    rate_gbps=opt_float,
-    counters=st.dictionaries(text, st.integers(0, 2**64), max_size=3),
+    rate_gbps=opt_finite,
+    counters=st.dictionaries(text, counts, max_size=3),
     unreadable=st.lists(text, max_size=2).map(tuple),
 )
 json_any = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | text,
+    st.none() | st.booleans() | st.integers(INT64_MIN, INT64_MAX) | finite | text,
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3),
     max_leaves=6,
 )
 events = st.builds(
     Event,
     id=st.integers(0, 2**40),
-    kind=text,
-    ts=floats,
+    kind=idents,
+    ts=times,
     gpu=st.none() | st.integers(0, 7),
     code=st.none() | st.integers(0, 200),
     data=st.dictionaries(text, json_any, max_size=3),
 )
 ranks = st.builds(
     RankState,
-    job=text,
+    job=names,
     rank=st.integers(0, 100),
     step=st.integers(0, 10**6),
     loss=opt_float,
@@ -170,25 +219,25 @@ ranks = st.builds(
 )
 jobs = st.builds(
     JobProcess,
-    job=text,
+    job=names,
     attempt=st.integers(0, 5),
     state=st.sampled_from(["starting", "running", "stopping", "exited"]),
     exit_code=st.none() | st.integers(-9, 255),
 )
 reports = st.builds(
     Report,
-    node=text,
-    instance=text,
+    node=names,
+    instance=idents,
     seq=st.integers(0, 10**9),
-    sent_at=floats,
+    sent_at=times,
     role_hint=st.none() | st.sampled_from(["active", "spare"]),
-    labels=st.dictionaries(text, text, max_size=3),
+    labels=st.dictionaries(idents, text, max_size=3),
     gpus=st.lists(gpus, max_size=2).map(tuple),
     ib_ports=st.lists(ib_ports, max_size=2).map(tuple),
     ranks=st.lists(ranks, max_size=2).map(tuple),
     jobs=st.lists(jobs, max_size=1).map(tuple),
     events=st.lists(events, max_size=2).map(tuple),
-    health=st.dictionaries(text, floats, max_size=2),
+    health=st.dictionaries(idents, finite, max_size=2),
 )
 
 # replacement values that are wrong for some field types and right for others
@@ -208,6 +257,12 @@ odd_values = st.sampled_from(
         "nan",
         "Infinity",
         "inf",
+        "a b",
+        "n\n",
+        2**63,
+        -(2**63) - 1,
+        10**400,
+        1e308,
         [],
         {},
         [1],
@@ -324,6 +379,25 @@ def _get(value: Any, path: tuple[Any, ...]) -> Any:
         pytest.param(
             b'{"node":"n","instance":"i","seq":1,"sent_at":1,"zz":1}', "zz", id="unknown-key"
         ),
+        pytest.param(
+            b'{"node":"n\\n","instance":"i","seq":1,"sent_at":1}', "node", id="name-newline"
+        ),
+        pytest.param(
+            b'{"node":"n","instance":"i","seq":1,"sent_at":"Infinity"}', "sent_at", id="time-inf"
+        ),
+        pytest.param(
+            b'{"node":"n","instance":"i","seq":1,"sent_at":1,"ranks":[{"job":"j","rank":0,"step":'
+            + b"1" * 400
+            + b"}]}",
+            "ranks[0].step",
+            id="int-beyond-int64",
+        ),
+        pytest.param(
+            b'{"node":"n","instance":"i","seq":1,"sent_at":1,"events":[{"id":1,"kind":"k","ts":1,'
+            b'"data":{"a":[9223372036854775808]}}]}',
+            "events[0].data.a",
+            id="any-beyond-int64",
+        ),
         pytest.param(b"[]", "", id="array"),
         pytest.param(b"{", "", id="truncated"),
     ],
@@ -349,7 +423,7 @@ def test_rejections_name_the_same_field(raw: bytes, field: str) -> None:
             ),
             id="report-response",
         ),
-        pytest.param(FaultSpec(kind="dbe", gpu=2, duration_s=float("inf")), id="fault-spec"),
+        pytest.param(FaultSpec(kind="dbe", gpu=2, duration_s=30.0), id="fault-spec"),
     ],
 )
 def test_other_messages_round_trip(msg: Any) -> None:

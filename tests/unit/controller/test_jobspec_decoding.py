@@ -27,7 +27,9 @@ GOOD = "name: llama\ncommand: [train.py, --lr, '3e-4']\nnodes: [node-1, node-2]\
 @pytest.mark.parametrize(
     ("extra", "key", "reason"),
     [
-        pytest.param("nproc_per_node: 0\n", "nproc_per_node", "must be >= 1, got 0", id="nproc-0"),
+        pytest.param(
+            "nproc_per_node: 0\n", "nproc_per_node", "must be in [1, 1024], got 0", id="nproc-0"
+        ),
         pytest.param("min_nodes: 3\n", "min_nodes", "must be within 1..2, got 3", id="min-nodes"),
         pytest.param(
             "env: {TRAINGUARD_JOB: x}\n",
@@ -88,4 +90,7 @@ def test_post_jobs_runs_the_spec_checks(client: TestClient) -> None:
     spec: dict[str, Any] = {**yaml.safe_load(GOOD), "nproc_per_node": 0}
     r = client.post("/v1/jobs", json=spec, headers={"Authorization": "Bearer op-token"})
     assert r.status_code == 422
-    assert r.json()["detail"] == {"field": "nproc_per_node", "reason": "must be >= 1, got 0"}
+    assert r.json()["detail"] == {
+        "field": "nproc_per_node",
+        "reason": "must be in [1, 1024], got 0",
+    }
