@@ -25,9 +25,9 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -37,6 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from trainguard.bounds import INT64_MAX
 from trainguard.controller.auth import Permission, Principal, TokenStore
 from trainguard.controller.errors import ServiceError
 from trainguard.controller.jobs import JobSpec
@@ -547,7 +548,9 @@ def create_app(
             (401, 403, 404, 422),
         ),
     )
-    async def get_incident(incident_id: int, _: Principal = Depends(reader)) -> Response:
+    async def get_incident(
+        incident_id: Annotated[int, Path(ge=1, le=INT64_MAX)], _: Principal = Depends(reader)
+    ) -> Response:
         return _ok(await run_in_threadpool(service.get_incident, incident_id))
 
     # --- jobs ---
@@ -653,7 +656,9 @@ def create_app(
         {204: {"description": "Deleted"}, **_errors(401, 403, 404, 422)},
         status_code=204,
     )
-    async def delete_silence(silence_id: int, who: Principal = Depends(writer)) -> Response:
+    async def delete_silence(
+        silence_id: Annotated[int, Path(ge=1, le=INT64_MAX)], who: Principal = Depends(writer)
+    ) -> Response:
         await run_in_threadpool(call, service.delete_silence, silence_id, actor=who.name)
         log.info("event=silence_deleted silence=%s actor=%s", silence_id, who.name)
         return Response(status_code=204)

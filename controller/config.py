@@ -126,6 +126,10 @@ class ApiConfig:
     # the controller process, which decodes and ingests them (controller/ingest/).
     # 0 = the controller process serves everything itself. See BENCHMARKS.md "Controller scale".
     ingest_workers: int = 0
+    # Most nodes this controller registers: a report from a new node beyond it is refused
+    # (403 naming the limit, nothing stored), so a caller with an agent credential cannot
+    # grow the store and the live state without end. 10,000 is 5x a 2,000-node cluster.
+    max_nodes: int = 10_000
 
     def __post_init__(self) -> None:
         for name in ("tokens_file", "tls_cert_file", "tls_key_file", "tls_client_ca_file"):
@@ -137,6 +141,8 @@ class ApiConfig:
         if not 0 <= self.port <= 65535:
             raise Invalid("port", f"must be within 0..65535, got {self.port}")
         _positive("max_body_bytes", self.max_body_bytes)
+        if not 1 <= self.max_nodes <= 1_000_000:
+            raise Invalid("max_nodes", f"must be within 1..1000000, got {self.max_nodes}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise Invalid("tls_key_file", "tls_cert_file and tls_key_file go together")
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:

@@ -183,6 +183,7 @@ class Controller:
             metrics=self.metrics,
             clock=clock,
             wake=wake,
+            max_nodes=config.api.max_nodes,
         )
         # the hot path: api.py calls this bound method directly, no delegating call between
         self.ingest_report = self.reports.ingest_report

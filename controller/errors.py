@@ -21,3 +21,9 @@ class Conflict(ServiceError):
 
 class BadRequest(ServiceError):
     status = 400
+
+
+class LimitReached(ServiceError):
+    """A configured limit (e.g. api.max_nodes) refuses the request; the message names it."""
+
+    status = 403

@@ -14,7 +14,8 @@ what it lists, and the response asks for a full report (`want_full`).
 
 A node's role is the controller's inventory: a new node starts active whatever its report's
 `role_hint` says (the hint stays in the signal state only); only an operator makes a node a
-spare. A report refused because its credential speaks for another node
+spare. A report from a new node when `max_nodes` are registered is refused
+(LimitReached, nothing stored). A report refused because its credential speaks for another node
 (`refuse_report`) stores nothing but an audit entry (at most one a minute per credential and
 node, so a misconfigured agent does not flood the audit log).
 """
@@ -28,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from trainguard.clock import Clock
+from trainguard.controller.errors import LimitReached
 from trainguard.controller.jobs import JobManager
 from trainguard.controller.livestate import JobSeen, LiveState
 from trainguard.controller.metrics import ControllerMetrics
@@ -58,7 +60,10 @@ class ReportService:
         metrics: ControllerMetrics,
         clock: Clock,
         wake: threading.Event,
+        max_nodes: int = 10_000,
     ) -> None:
+        self._max_nodes = max_nodes  # a report from a new node beyond it is refused
+        self._limit_logged_at = float("-inf")
         self._live = live
         self._jobs = jobs
         self._store = store
@@ -119,6 +124,19 @@ class ReportService:
         with self._lock:
             node = self._nodes.get(name)
             if node is None:
+                if len(self._nodes) >= self._max_nodes:
+                    if now - self._limit_logged_at >= _REFUSAL_AUDIT_EVERY_S:
+                        self._limit_logged_at = now
+                        log.warning(
+                            "event=node_limit_reached node=%s max_nodes=%d actor=%s",
+                            name,
+                            self._max_nodes,
+                            actor,
+                        )
+                    raise LimitReached(
+                        f"node limit reached: api.max_nodes is {self._max_nodes}; "
+                        f"node {name} is not registered"
+                    )
                 # a report's role_hint never makes a spare: an operator does (set_role)
                 node = self._store.add_node(name, role="active", labels=dict(report.labels))
                 self._nodes[name] = node
