@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 
+from trainguard.bounds import INT64_MAX
 from trainguard.model import IbPortSample
 
 __all__ = ["SysfsIbCollector", "parse_rate_gbps", "parse_state"]
@@ -158,7 +159,9 @@ class SysfsIbCollector:
             except ValueError:
                 unreadable.append(rel)
                 continue
-            if value < 0:
+            if not 0 <= value <= INT64_MAX:
+                # sysfs counters are unsigned 64-bit; the wire carries int64 (what the
+                # controller stores), and one odd counter must not cost the whole report
                 unreadable.append(rel)
                 continue
             values[name] = value
