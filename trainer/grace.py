@@ -32,7 +32,7 @@ _FLUSH_TIMEOUT_S = 0.2
 
 def _margin_s(grace_s: float) -> float:
     """How long before the deadline the thread acts, so it wins over the C backstop."""
-    return min(0.5, grace_s / 10)
+    return min(1.0, grace_s / 4)
 
 
 class GraceWatchdog:
