@@ -52,9 +52,11 @@ READY_WHEN = (
         "the exported DBE alert to fire",
         'ALERTS{alertname="gpu_uncorrectable_ecc",alertstate="firing"}',
     ),
+    # One fault, one incident: a DBE is also an XID 48, and whichever of the two the agent's
+    # sources report first opens the incident the other then joins.
     (
         "the controller's DBE incident",
-        'trainguard_controller_incidents_open{rule="gpu_uncorrectable_ecc"}',
+        'trainguard_controller_incidents_open{rule=~"gpu_uncorrectable_ecc|gpu_fatal_xid"} > 0',
     ),
     # born at 1 when first counted: increase() needs a second sample
     (
