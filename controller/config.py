@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from trainguard.controller.backends.config import BackendConfig, SlurmBackendConfig
 from trainguard.rules import shipped_dir
 from trainguard.strict import ConfigError, Invalid, apply_overrides, build, load_file
 
@@ -416,6 +417,8 @@ class ControllerConfig:
     notify: NotifyConfig = field(default_factory=NotifyConfig)
     actions: ActionsConfig = field(default_factory=ActionsConfig)
     jobs: JobsConfig = field(default_factory=JobsConfig)
+    # Where jobs run: torchrun launched by the agents (default) or Slurm (docs/slurm.md).
+    backend: BackendConfig = field(default_factory=BackendConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
@@ -448,6 +451,7 @@ __all__ = [
     "SEVERITY_RANK",
     "ActionsConfig",
     "ApiConfig",
+    "BackendConfig",
     "CREDENTIALS_VAR",
     "ConfigError",
     "ControllerConfig",
@@ -460,6 +464,7 @@ __all__ = [
     "SafetyConfig",
     "Secret",
     "SlackConfig",
+    "SlurmBackendConfig",
     "StoreConfig",
     "WebhookConfig",
     "default_rules_paths",

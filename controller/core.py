@@ -20,13 +20,7 @@ from typing import Any
 
 from trainguard.clock import SYSTEM_CLOCK, Clock
 from trainguard.controller.actions.base import ActionHandler, HandlerRegistry
-from trainguard.controller.actions.drain import (
-    DrainBackend,
-    DrainHandler,
-    LocalDrainBackend,
-    UndrainHandler,
-)
-from trainguard.controller.actions.jobsteps import job_handlers
+from trainguard.controller.actions.drain import DrainBackend, DrainHandler, UndrainHandler
 from trainguard.controller.actions.notify import (
     Notifier,
     NotifyHandler,
@@ -34,6 +28,9 @@ from trainguard.controller.actions.notify import (
     channels_for,
 )
 from trainguard.controller.actions.worker import ActionRunner
+from trainguard.controller.backends.base import step_handlers
+from trainguard.controller.backends.build import build_backend
+from trainguard.controller.backends.slurmcli import SlurmRunner
 from trainguard.controller.config import ControllerConfig
 from trainguard.controller.incidents import IncidentManager
 from trainguard.controller.jobs import JobManager, JobSpec
@@ -69,14 +66,15 @@ log = logging.getLogger("trainguard.controller")
 class ActionBackends:
     """Injectable action backends (tests pass recording fakes).
 
-    notifiers None: built from config.notify. drain None: the local backend over this
-    controller. handlers: extra step handlers (checkpoint, replace, restart, ...) registered
-    over the unavailable defaults.
+    notifiers None: built from config.notify. drain None: the scheduler backend's (the local
+    backend over this controller for torchrun, scontrol for Slurm). handlers: extra step
+    handlers registered over the backend's. slurm_runner: replaces the Slurm commands.
     """
 
     notifiers: list[Notifier] | None = None
     drain: DrainBackend | None = None
     handlers: list[ActionHandler] = field(default_factory=list)
+    slurm_runner: SlurmRunner | None = None
 
 
 class Controller:
@@ -129,11 +127,17 @@ class Controller:
                 on_failure=self._notification_failed,
             )
         )
-        drain_backend = backends.drain or LocalDrainBackend(
-            live,
-            stop_grace_s=config.actions.drain_stop_grace_s,
-            silent_after_s=config.node_silent_after_s,
+        # where jobs run (torchrun on the agents, or Slurm): every job step asks it
+        self.backend = build_backend(
+            config,
+            live=live,
+            jobs=self.jobs,
+            clock=clock,
+            open_incident_nodes=lambda: set(self.store.open_incident_counts()),
+            observe=self._observe_recovery,
+            slurm_runner=backends.slurm_runner,
         )
+        drain_backend = backends.drain or self.backend
         self.registry.register(
             DrainHandler(
                 backend=drain_backend,
@@ -143,11 +147,7 @@ class Controller:
             )
         )
         self.registry.register(UndrainHandler(backend=drain_backend))
-        for job_handler in job_handlers(
-            self.jobs,
-            open_incident_nodes=lambda: set(self.store.open_incident_counts()),
-            observe=self._observe_recovery,
-        ):
+        for job_handler in step_handlers(self.backend):
             self.registry.register(job_handler)
         for handler in backends.handlers:
             self.registry.register(handler)
@@ -193,6 +193,7 @@ class Controller:
             store=self.store,
             clock=clock,
             node_silent_after_s=config.node_silent_after_s,
+            scheduler_jobs=self.backend.job_views,
         )
         self.operations = OperatorService(
             live=live,
@@ -238,6 +239,7 @@ class Controller:
         """Start the tick thread, the action worker thread and the store maintenance jobs."""
         if self.ticker.running:
             return
+        self.backend.start()
         self.ticker.start()
         self.maintenance.start()
         log.info("event=controller_started store=%s rules=%d", self.store.path, self.rule_count)
@@ -246,6 +248,7 @@ class Controller:
         """Stop the threads, flush freshness, close the store."""
         self.maintenance.stop()
         self.ticker.stop()
+        self.backend.close()
         self.live.flush()
         self.store.close()
         log.info("event=controller_stopped")

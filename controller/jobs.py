@@ -181,6 +181,10 @@ class _Live:
     nan_steps: list[tuple[float, int]] = field(default_factory=list)  # (ts, step)
     rollbacks: list[tuple[float, int]] = field(default_factory=list)  # (ts, to_step)
     ckpt_failed: list[tuple[float, str]] = field(default_factory=list)  # (ts, request_id)
+    # the highest step and newest checkpoint any rank reported, kept after the ranks are
+    # gone: a job outside the job table (Slurm) has no stored values to fall back on
+    top_step: int | None = None
+    top_ckpt: int | None = None
 
 
 _KEEP_EVENTS = 64
@@ -396,7 +400,15 @@ class JobManager:
                 if live is not None:
                     live.ranks.pop(node, None)
             for job, ranks in now_jobs.items():
-                self._live.setdefault(job, _Live()).ranks[node] = tuple(ranks)
+                live = self._live.setdefault(job, _Live())
+                live.ranks[node] = tuple(ranks)
+                for r in ranks:
+                    if live.top_step is None or r.step > live.top_step:
+                        live.top_step = r.step
+                    if r.ckpt_step is not None and (
+                        live.top_ckpt is None or r.ckpt_step > live.top_ckpt
+                    ):
+                        live.top_ckpt = r.ckpt_step
             self._node_job_ranks[node] = set(now_jobs)
             procs = {p.job: p for p in report.jobs}
             for job, live in self._live.items():
@@ -528,13 +540,21 @@ class JobManager:
 
     def latest_steps(self, job: str) -> tuple[int | None, int | None]:
         """(highest step, newest committed checkpoint step) over the reported ranks, falling
-        back to the last values stored for the job."""
+        back to the last values stored for the job (for a job outside the job table: the
+        highest its ranks ever reported)."""
         ranks = self.ranks(job)
         steps = [r.step for _, r in ranks]
         ckpts = [r.ckpt_step for _, r in ranks if r.ckpt_step is not None]
         rec = self.get(job)
-        step = max(steps) if steps else (rec.last_step if rec else None)
-        stored = rec.ckpt_step if rec else None
+        if rec is None:
+            with self._lock:
+                live = self._live.get(job)
+                top_step, top_ckpt = (live.top_step, live.top_ckpt) if live else (None, None)
+            step = max(steps) if steps else top_step
+            ckpt = max([*ckpts, *([top_ckpt] if top_ckpt is not None else [])], default=None)
+            return step, ckpt
+        step = max(steps) if steps else rec.last_step
+        stored = rec.ckpt_step
         ckpt = max([*ckpts, *([stored] if stored is not None else [])], default=None)
         return step, ckpt
 

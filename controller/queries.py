@@ -3,6 +3,8 @@ audit log as views, from the live state, the job manager and the store. Changes 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from trainguard.clock import Clock
 from trainguard.controller.errors import BadRequest, NotFound
 from trainguard.controller.jobs import JobManager
@@ -31,8 +33,12 @@ class QueryService:
         store: Store,
         clock: Clock,
         node_silent_after_s: float,
+        scheduler_jobs: Callable[..., list[JobView]] = lambda *, now: [],
     ) -> None:
         self._live = live
+        # jobs a scheduler (Slurm) runs beyond the job table: shown instead of their
+        # heartbeat-only view
+        self._scheduler_jobs = scheduler_jobs
         self._jobs = jobs
         self._store = store
         self._clock = clock
@@ -120,6 +126,8 @@ class QueryService:
     def list_jobs(self) -> list[JobView]:
         now = self._clock.now()
         views = {j.name: self._jobs.view(j, now=now) for j in self._jobs.records()}
+        for view in self._scheduler_jobs(now=now):
+            views.setdefault(view.name, view)
         with self._live.lock:
             for name, seen in self._live.jobs_seen.items():
                 if name not in views:
@@ -130,6 +138,9 @@ class QueryService:
         rec = self._jobs.get(name)
         if rec is not None:
             return self._jobs.view(rec, now=self._clock.now())
+        for view in self._scheduler_jobs(now=self._clock.now()):
+            if view.name == name:
+                return view
         with self._live.lock:
             seen = self._live.jobs_seen.get(name)
             if seen is not None:

@@ -91,6 +91,10 @@ class JobView:
     world_size: int = 0
     state_reason: str = ""
     started_at: float | None = None  # unix s, first time the job ran (ETTR's wall clock)
+    # what runs the job: "" = trainguard itself (torchrun on the agents), "slurm"; and the
+    # job's id there (the Slurm job id)
+    scheduler: str = ""
+    scheduler_job_id: str = ""
 
 
 @dataclass(frozen=True)

@@ -89,8 +89,17 @@ def encode_plain_heartbeat(fields: dict[str, object]) -> bytes:
 
 
 def job_name(env: dict[str, str] | None = None) -> str:
+    """The job the heartbeats name: TRAINGUARD_JOB (the agents' launches set it), else
+    `slurm-<SLURM_JOB_ID>` under Slurm (the same id across requeues: how the controller's
+    Slurm backend knows the job), else torchrun's run id."""
     e = os.environ if env is None else env
-    return e.get("TRAINGUARD_JOB") or e.get("TORCHELASTIC_RUN_ID") or "default"
+    slurm = e.get("SLURM_JOB_ID")
+    return (
+        e.get("TRAINGUARD_JOB")
+        or (f"slurm-{slurm}" if slurm else "")
+        or e.get("TORCHELASTIC_RUN_ID")
+        or "default"
+    )
 
 
 def agent_socket_path(env: dict[str, str] | None = None) -> str:

@@ -1,4 +1,5 @@
-"""Draining nodes: the DrainBackend Protocol, the local backend (node state + a `stop_job`
+"""Draining nodes: the DrainBackend Protocol (a scheduler backend is one, see
+controller.backends), the local backend (node state + a `stop_job`
 command to the node's agent), a recording fake, and the `drain` / `undrain` step handlers.
 
 Local drain: node -> draining; if the node runs a job, queue `stop_job` for its agent and
@@ -45,13 +46,24 @@ class NodeOps(Protocol):
 class DrainBackend(Protocol):
     name: str
 
-    def drain(self, node: str, *, reason: str, key: str) -> tuple[DrainState, dict[str, Any]]:
-        """Start draining; returns the state reached and progress data to poll with."""
+    def drain(
+        self,
+        node: str,
+        *,
+        reason: str,
+        key: str,
+        rule: str | None = None,
+        incident_id: int | None = None,
+    ) -> tuple[DrainState, dict[str, Any]]:
+        """Start draining; returns the state reached and progress data to poll with. `rule`
+        and `incident_id` say which incident asks (None: an operator)."""
 
     def poll(self, node: str, *, key: str, progress: dict[str, Any]) -> DrainState:
         """Check a drain in progress; raises PermanentError when it cannot complete."""
 
-    def undrain(self, node: str, *, key: str) -> None: ...
+    def undrain(self, node: str, *, key: str, force: bool = False) -> None:
+        """Back into service; `force` also undoes a drain trainguard did not make (where
+        the backend can tell)."""
 
 
 class LocalDrainBackend:
@@ -68,7 +80,15 @@ class LocalDrainBackend:
         # (the command stays queued for when its agent returns). None: always wait.
         self._silent_after_s = silent_after_s
 
-    def drain(self, node: str, *, reason: str, key: str) -> tuple[DrainState, dict[str, Any]]:
+    def drain(
+        self,
+        node: str,
+        *,
+        reason: str,
+        key: str,
+        rule: str | None = None,
+        incident_id: int | None = None,
+    ) -> tuple[DrainState, dict[str, Any]]:
         state = self._ops.node_state(node)
         if state is None:
             raise PermanentError(f"unknown node {node!r}")
@@ -114,7 +134,7 @@ class LocalDrainBackend:
         self._ops.set_node_state(node, "drained", reason=progress.get("reason"))
         return "drained"
 
-    def undrain(self, node: str, *, key: str) -> None:
+    def undrain(self, node: str, *, key: str, force: bool = False) -> None:
         if self._ops.node_state(node) is None:
             raise PermanentError(f"unknown node {node!r}")
         self._ops.set_node_state(node, "active", reason=None)
@@ -130,7 +150,15 @@ class RecordingDrainBackend:
         self.calls: list[tuple[str, str]] = []
         self._lock = threading.Lock()
 
-    def drain(self, node: str, *, reason: str, key: str) -> tuple[DrainState, dict[str, Any]]:
+    def drain(
+        self,
+        node: str,
+        *,
+        reason: str,
+        key: str,
+        rule: str | None = None,
+        incident_id: int | None = None,
+    ) -> tuple[DrainState, dict[str, Any]]:
         with self._lock:
             self.calls.append(("drain", node))
         return ("drained" if self.complete else "draining"), {}
@@ -140,7 +168,7 @@ class RecordingDrainBackend:
             self.calls.append(("poll", node))
         return "drained" if self.complete else "draining"
 
-    def undrain(self, node: str, *, key: str) -> None:
+    def undrain(self, node: str, *, key: str, force: bool = False) -> None:
         with self._lock:
             self.calls.append(("undrain", node))
 
@@ -181,10 +209,21 @@ class DrainHandler:
                 )
                 if why is not None:
                     return Outcome(message=f"skipped: {why}", skipped=True)
-            state, data = self.backend.drain(node, reason=reason, key=ctx.action.idempotency_key)
+            asked = ctx.params.get("rule")
+            state, data = self.backend.drain(
+                node,
+                reason=reason,
+                key=ctx.action.idempotency_key,
+                rule=asked if isinstance(asked, str) and asked else None,
+                incident_id=ctx.incident.id if ctx.incident is not None else None,
+            )
             progress = {**data, "phase": "draining"}
         if state == "drained":
-            return Outcome(message=f"{node} drained", output={"node": node, "phase": "drained"})
+            note = progress.get("note")
+            return Outcome(
+                message=f"{node} drained" + (f" ({note})" if note else ""),
+                output={"node": node, "phase": "drained", **({"note": note} if note else {})},
+            )
         return Outcome(
             message=f"{node} draining: waiting for its job to stop",
             output=progress,
@@ -208,7 +247,8 @@ class UndrainHandler:
         node = str(ctx.params.get("node", ""))
         if not node:
             raise PermanentError("undrain needs a node")
-        self.backend.undrain(node, key=ctx.action.idempotency_key)
+        force = ctx.params.get("force") is True
+        self.backend.undrain(node, key=ctx.action.idempotency_key, force=force)
         return Outcome(message=f"{node} back in service", output={"node": node})
 
 

@@ -562,28 +562,35 @@ class RestartHandler(JobStep):
     def _phases(
         self, ctx: ActionContext, progress: dict[str, Any], *, now: float
     ) -> dict[str, float]:
-        """detect = incident opened - condition since; checkpoint = the checkpoint step;
-        drain = checkpoint done (or incident opened) -> the replace step began; restart = stop
-        sent -> first step past the checkpoint; mttr = condition since -> that first step."""
-        phases: dict[str, float] = {}
-        restart_s = now - float(progress.get("stop_sent_at", progress["started_at"]))
-        phases["restart"] = restart_s
-        if ctx.incident is None:
-            return phases
-        opened = ctx.incident.opened_at
-        since_raw = ctx.params.get("since")
-        since = float(since_raw) if isinstance(since_raw, int | float) else opened
-        phases["detect"] = max(0.0, opened - since)
-        ckpt = ctx.previous.get("checkpoint", {})
-        if "finished_at" in ckpt and "started_at" in ckpt:
-            phases["checkpoint"] = float(ckpt["finished_at"]) - float(ckpt["started_at"])
-        drained = ctx.previous.get("drain")
-        replace = ctx.previous.get("replace", {})
-        if drained is not None and "started_at" in replace:
-            begin = float(ckpt.get("finished_at", opened))
-            phases["drain"] = max(0.0, float(replace["started_at"]) - begin)
-        phases["mttr"] = max(0.0, now - since)
+        return recovery_phases(ctx, progress, now=now)
+
+
+def recovery_phases(
+    ctx: ActionContext, progress: dict[str, Any], *, now: float
+) -> dict[str, float]:
+    """A restart's phases: detect = incident opened - condition since; checkpoint = the
+    checkpoint step; drain = checkpoint done (or incident opened) -> the replace step
+    began; restart = stop sent -> first step past the checkpoint; mttr = condition since
+    -> that first step. Every backend's restart step reports these."""
+    phases: dict[str, float] = {}
+    restart_s = now - float(progress.get("stop_sent_at", progress["started_at"]))
+    phases["restart"] = restart_s
+    if ctx.incident is None:
         return phases
+    opened = ctx.incident.opened_at
+    since_raw = ctx.params.get("since")
+    since = float(since_raw) if isinstance(since_raw, int | float) else opened
+    phases["detect"] = max(0.0, opened - since)
+    ckpt = ctx.previous.get("checkpoint", {})
+    if "finished_at" in ckpt and "started_at" in ckpt:
+        phases["checkpoint"] = float(ckpt["finished_at"]) - float(ckpt["started_at"])
+    drained = ctx.previous.get("drain")
+    replace = ctx.previous.get("replace", {})
+    if drained is not None and "started_at" in replace:
+        begin = float(ckpt.get("finished_at", opened))
+        phases["drain"] = max(0.0, float(replace["started_at"]) - begin)
+    phases["mttr"] = max(0.0, now - since)
+    return phases
 
 
 @dataclass
@@ -727,5 +734,6 @@ __all__ = [
     "RestartHandler",
     "StopHandler",
     "job_handlers",
+    "recovery_phases",
     "swap_or_shrink",
 ]

@@ -1,0 +1,93 @@
+"""The default backend: jobs submitted to trainguard run as torchrun launched by the agents
+(controller.jobs + the agents' start_job/stop_job), and a drain is trainguard's own (node
+state in the store, `stop_job` to the node's agent). This wraps the existing drain backend
+and job step handlers unchanged."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from trainguard.controller.actions.base import ActionContext, Outcome
+from trainguard.controller.actions.drain import DrainState, LocalDrainBackend
+from trainguard.controller.actions.jobsteps import (
+    CheckpointHandler,
+    CollectStacksHandler,
+    PhaseObserver,
+    ReplaceHandler,
+    RestartHandler,
+    StopHandler,
+)
+from trainguard.controller.jobs import JobManager
+from trainguard.controller.views import JobView
+
+
+class TorchrunBackend:
+    """SchedulerBackend over LocalDrainBackend and the torchrun job steps."""
+
+    name = "torchrun"
+
+    def __init__(
+        self,
+        *,
+        drain: LocalDrainBackend,
+        jobs: JobManager,
+        open_incident_nodes: Callable[[], set[str]],
+        observe: PhaseObserver,
+    ) -> None:
+        self._drain = drain
+        self._checkpoint = CheckpointHandler(jobs)
+        self._replace = ReplaceHandler(jobs, open_incident_nodes)
+        self._restart = RestartHandler(jobs, observe, open_incident_nodes=open_incident_nodes)
+        self._rollback = RestartHandler(
+            jobs, observe, kind="rollback", open_incident_nodes=open_incident_nodes
+        )
+        self._stop = StopHandler(jobs)
+        self._stacks = CollectStacksHandler(jobs)
+
+    def drain(
+        self,
+        node: str,
+        *,
+        reason: str,
+        key: str,
+        rule: str | None = None,
+        incident_id: int | None = None,
+    ) -> tuple[DrainState, dict[str, Any]]:
+        return self._drain.drain(node, reason=reason, key=key)
+
+    def poll(self, node: str, *, key: str, progress: dict[str, Any]) -> DrainState:
+        return self._drain.poll(node, key=key, progress=progress)
+
+    def undrain(self, node: str, *, key: str, force: bool = False) -> None:
+        self._drain.undrain(node, key=key)
+
+    def checkpoint(self, ctx: ActionContext) -> Outcome:
+        return self._checkpoint.run(ctx)
+
+    def replace(self, ctx: ActionContext) -> Outcome:
+        return self._replace.run(ctx)
+
+    def restart(self, ctx: ActionContext) -> Outcome:
+        return self._restart.run(ctx)
+
+    def rollback(self, ctx: ActionContext) -> Outcome:
+        return self._rollback.run(ctx)
+
+    def stop(self, ctx: ActionContext) -> Outcome:
+        return self._stop.run(ctx)
+
+    def collect_stacks(self, ctx: ActionContext) -> Outcome:
+        return self._stacks.run(ctx)
+
+    def job_views(self, *, now: float) -> list[JobView]:
+        return []  # every torchrun job is in the job table
+
+    def start(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+__all__ = ["TorchrunBackend"]

@@ -1,0 +1,246 @@
+"""The closed loop on real Slurm: munged + slurmctld + 4 slurmd (n1..n4; n4 a spare held in
+the `trainguard_spares` reservation), four sim agents named n1..n4, and the controller with
+the Slurm backend, all started once for the module. A real `sbatch` of
+examples/slurm/train.sbatch trains on 3 nodes with the trainer library, and:
+
+- a DBE on n2's agent -> proactive checkpoint -> `sinfo -R` shows n2 drained with
+  trainguard's reason -> the job is requeued and runs on n1, n3, n4 -> every loss equals
+  the uninterrupted run's, bitwise;
+- a node dies under Slurm (its slurmd, its ranks and its agent killed) -> the job moves to a
+  spare the same way;
+- drains made by others show with their reason and are never undone by trainguard; a Slurm
+  command that fails fails the step with Slurm's own message.
+
+Needs root (slurmd); skipped otherwise. As root the Debian packages must be installed
+(`make deps` does it): their absence is a failure, not a skip.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.chaos import STEPS, TRAIN_ARGS, new_incidents, now, reference_lines, start_reference
+from trainguard.controller.backends.slurmcli import SlurmCli, SlurmCommands, SlurmError
+from trainguard.devkit.devcluster import REPO_ROOT, ClusterConfig, DevCluster, compare_losses
+from trainguard.devkit.slurm import SlurmCluster, attempt_lines, missing_reason
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0, reason="a local Slurm cluster needs root (slurmd)"),
+]
+SBATCH = REPO_ROOT / "examples" / "slurm" / "train.sbatch"
+FAULT_STEP = 12
+_OUR_REASON = re.compile(r"^trainguard: (\w+) incident (\d+)$")
+
+
+@dataclass
+class World:
+    cluster: DevCluster
+    slurm: SlurmCluster
+    base: Path
+    reference: list[dict[str, Any]]
+
+    def submit(self, tag: str) -> tuple[str, Path]:
+        out = self.base / f"{tag}-%j.out"
+        job_id = self.slurm.sbatch(
+            SBATCH,
+            *TRAIN_ARGS,
+            options=[f"--output={out}"],
+            env={
+                "TG_AGENT_SOCKET_PATTERN": str(self.cluster.socket_root / "%n" / "hb.sock"),
+                "TG_CKPT_DIR": str(self.base / "ckpt" / tag),
+                "TG_PYTHON": sys.executable,
+                "TG_REPO": str(REPO_ROOT),
+            },
+        )
+        return job_id, Path(str(out).replace("%j", job_id))
+
+    def run_until_step(self, job_id: str, step: int) -> dict[str, Any]:
+        name = f"slurm-{job_id}"
+        return self.cluster.wait_job(
+            name,
+            lambda j: j["state"] == "running" and (j.get("last_step") or 0) >= step,
+            timeout_s=90,
+            what=f"Slurm job {job_id} at step {step}",
+        )
+
+    def finished(self, job_id: str) -> dict[str, Any]:
+        def done() -> dict[str, Any] | None:
+            job = self.slurm.jobs().get(job_id)
+            return (
+                job
+                if job and job["job_state"] not in ("RUNNING", "PENDING", "COMPLETING")
+                else None
+            )
+
+        return self.cluster.wait(done, timeout_s=150, what=f"Slurm job {job_id} to finish")
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    why = missing_reason()
+    if why is not None:
+        pytest.fail(f"{why}: `make deps` installs them (as root)")
+    base = Path(tmp_path_factory.mktemp("slurm-loop"))
+    slurm_dir = base / "slurm"
+    config = ClusterConfig(
+        active=("n1", "n2", "n3"),
+        spares=("n4",),
+        safety={"drain_budget": 100, "breaker_threshold": 100},
+        jobs={"checkpoint_timeout_s": 5, "progress_timeout_s": 90, "spare_wait_s": 30},
+        backend={
+            "kind": "slurm",
+            "slurm": {"slurm_conf": str(slurm_dir / "slurm.conf"), "sync_interval_s": 1.0},
+        },
+    )
+    with DevCluster(base / "cluster", config) as cluster:
+        # one marker for both: closing the trainguard cluster ends the job processes too
+        with SlurmCluster(slurm_dir, run_id=cluster.run_id) as slurm:
+            slurm.start()
+            cluster.start()
+            ref = start_reference(cluster)
+            yield World(cluster, slurm, base, reference_lines(cluster, ref))
+    assert cluster.leftover_pids() == set()
+
+
+def _check_losses(world: World, out: Path, *, restarts: int) -> dict[int, list[dict[str, Any]]]:
+    attempts = attempt_lines(out)
+    assert min(attempts) == 0 and max(attempts) == restarts, (
+        sorted(attempts),
+        out.read_text()[-3000:],
+    )
+    assert compare_losses(list(attempts.values()), world.reference) == []
+    logged = {x["step"] for lines in attempts.values() for x in lines}
+    assert logged == set(range(1, STEPS + 1))
+    return attempts
+
+
+def _incident_steps(world: World, since: float) -> dict[str, Any]:
+    detail = world.cluster.wait(
+        lambda: world.cluster.restarted_since(since),
+        timeout_s=120,
+        what="a restart step to succeed",
+    )
+    kinds = {a["kind"]: a["state"] for a in detail["actions"]}
+    assert kinds.get("drain") == "succeeded", detail["actions"]
+    assert kinds.get("replace") == "succeeded", detail["actions"]
+    return detail
+
+
+def test_dbe_drains_the_node_in_slurm_and_requeues_the_job_onto_the_spare(world: World) -> None:
+    c, slurm = world.cluster, world.slurm
+    job_id, out = world.submit("dbe")
+    world.run_until_step(job_id, FAULT_STEP)
+    assert slurm.job_nodes(job_id) == ["n1", "n2", "n3"]
+    # agentctl get jobs shows the Slurm job with its id
+    view = c.job(f"slurm-{job_id}")
+    assert (view["scheduler"], view["scheduler_job_id"]) == ("slurm", job_id)
+    since = now()
+    c.inject("n2", "dbe", gpu=0)
+    detail = _incident_steps(world, since)
+    incident = detail["incident"]
+    checkpoint = next(a for a in detail["actions"] if a["kind"] == "checkpoint")
+    assert checkpoint["state"] == "succeeded" and "committed" in checkpoint["result"]
+    # sinfo -R: n2 drained with trainguard's reason naming the rule and the incident
+    reason = slurm.drain_reasons()["n2"]
+    m = _OUR_REASON.match(reason)
+    assert m is not None, reason
+    assert int(m.group(2)) == incident["id"] or m.group(1) in ("gpu_fatal_xid",)
+    finished = world.finished(job_id)
+    assert finished["job_state"] == "COMPLETED", finished
+    assert finished["restart_cnt"] == 1
+    assert slurm.job_nodes(job_id) == ["n1", "n3", "n4"]
+    attempts = _check_losses(world, out, restarts=1)
+    restart = next(a for a in detail["actions"] if a["kind"] == "restart")
+    ckpt_step = checkpoint_step(detail)
+    # resumed from the proactive checkpoint, or from the emergency one the trainer takes on
+    # the requeue's SIGTERM: never from before the proactive one, never past the last step
+    assert ckpt_step + 1 <= attempts[1][0]["step"] <= attempts[0][-1]["step"] + 1
+    assert ckpt_step >= FAULT_STEP
+    assert "requeue" in restart["result"] and "allocation" in restart["result"], restart
+    # agentctl get nodes: n2 drained with the same reason; n4 no longer a spare
+    n2 = c.node("n2")
+    assert (n2["state"], n2["drain_reason"]) == ("drained", reason)
+    assert c.wait(lambda: c.node("n4")["role"] == "active", timeout_s=10, what="n4 active")
+    incidents = new_incidents(c, since)
+    assert all(i["state"] in ("acting", "mitigated", "resolved") for i in incidents)
+
+
+def checkpoint_step(detail: dict[str, Any]) -> int:
+    for a in detail["actions"]:
+        if a["kind"] == "checkpoint":
+            m = re.search(r"committed at step (\d+)", a["result"])
+            if m:
+                return int(m.group(1))
+    raise AssertionError(f"no committed checkpoint in {detail['actions']}")
+
+
+def test_drains_made_by_others_show_with_their_reason_and_are_never_undone(world: World) -> None:
+    c, slurm = world.cluster, world.slurm
+    slurm.scontrol("update", "nodename=n3", "state=drain", "reason=admin: fan replaced")
+    node = c.wait(
+        lambda: (n := c.node("n3"))["state"] == "drained" and n,
+        timeout_s=15,
+        what="n3 drained by the admin to show",
+    )
+    assert node["drain_reason"].startswith("admin: fan replaced (Slurm drain, set by")
+    r = c.client.post("/v1/nodes/n3/undrain")
+    assert r.status_code == 400 and "someone else" in r.text, r.text
+    assert slurm.drain_reasons()["n3"] == "admin: fan replaced"
+    # a drain trainguard made is undone on request (n2 from the DBE test), in Slurm
+    r = c.client.post("/v1/nodes/n2/undrain")
+    assert r.status_code == 200, r.text
+    assert "n2" not in slurm.drain_reasons()
+    slurm.scontrol("update", "nodename=n3", "state=resume")
+    c.wait(lambda: c.node("n3")["state"] == "active", timeout_s=15, what="n3 active again")
+
+
+def test_a_failing_slurm_command_fails_with_slurms_own_message(world: World) -> None:
+    commands = SlurmCommands(SlurmCli(slurm_conf=str(world.slurm.conf_path), timeout_s=10))
+    with pytest.raises(SlurmError, match="Invalid node name specified") as err:
+        commands.drain("n9", reason="trainguard: test")
+    assert not err.value.transient
+    with pytest.raises(SlurmError, match="Invalid job id specified"):
+        commands.requeue_hold("999999")
+
+
+def test_a_node_that_dies_under_slurm_moves_the_job_to_a_spare(world: World) -> None:
+    c, slurm = world.cluster, world.slurm
+    spares = slurm.reservation_nodes()
+    if not spares:
+        # the DBE test used the spare: an admin puts a healthy idle node into the reservation
+        idle = [n for n, v in slurm.nodes().items() if v["state"] == ["IDLE"]]
+        slurm.scontrol(
+            "create", "reservation", "reservationname=trainguard_spares", f"nodes={idle[0]}",
+            "starttime=now", "duration=infinite", "users=root", "flags=ignore_jobs",
+        )  # fmt: skip
+        spares = [idle[0]]
+    spare = spares[0]
+    c.wait(lambda: c.node(spare)["role"] == "spare", timeout_s=15, what=f"{spare} a spare")
+    job_id, out = world.submit("death")
+    world.run_until_step(job_id, FAULT_STEP)
+    nodes = slurm.job_nodes(job_id)
+    assert len(nodes) == 3 and spare not in nodes, nodes
+    dead = nodes[-1]  # not the batch host: the batch script survives the node
+    since = now()
+    slurm.kill_node(dead)
+    c.kill_agent(dead, signal.SIGKILL)
+    detail = _incident_steps(world, since)
+    assert detail["incident"]["rule"] == "node_silent" or any(
+        e["kind"] == "correlated" for e in detail["timeline"]
+    )
+    reason = slurm.drain_reasons().get(dead, "")
+    assert _OUR_REASON.match(reason), reason
+    finished = world.finished(job_id)
+    assert finished["job_state"] == "COMPLETED", finished
+    assert slurm.job_nodes(job_id) == sorted([*nodes[:-1], spare])
+    _check_losses(world, out, restarts=finished["restart_cnt"])
