@@ -250,12 +250,23 @@ class ControllerConfig:
     spool_max_events: int = 10_000
     # CA bundle to verify the controller's TLS certificate; empty = system store.
     ca_file: str = ""
+    # Client certificate (PEM) naming this node (CN or its one DNS name) and its key, for a
+    # controller with api.tls_client_ca_file (mutual TLS): the certificate then speaks for
+    # the node instead of a token. Both or neither; https:// only.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
 
     def __post_init__(self) -> None:
         if self.url and not self.url.startswith(("http://", "https://")):
             raise Invalid("url", f"must start with http:// or https://, got {self.url!r}")
-        if self.url and not self.token_file:
-            raise Invalid("token_file", "is required when controller.url is set")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise Invalid("tls_key_file", "tls_cert_file and tls_key_file go together")
+        if self.tls_cert_file and not self.url.startswith("https://"):
+            raise Invalid("tls_cert_file", "a client certificate needs an https:// controller.url")
+        if self.url and not self.token_file and not self.tls_cert_file:
+            raise Invalid(
+                "token_file", "is required when controller.url is set (or a tls_cert_file)"
+            )
         _check_positive("report_interval_s", self.report_interval_s)
         _check_positive("timeout_s", self.timeout_s)
         if self.backoff_max_s < self.report_interval_s:

@@ -16,6 +16,7 @@ import math
 import os
 import queue
 import random
+import ssl
 import tempfile
 import threading
 import uuid
@@ -29,7 +30,12 @@ from trainguard.agent.collectors.infiniband import SysfsIbCollector
 from trainguard.agent.collectors.nvml import NvmlGpuCollector
 from trainguard.agent.collectors.xid import KmsgXidSource
 from trainguard.agent.commands import CommandExecutor, CommandResult, default_executor
-from trainguard.agent.config import DEFAULT_HEARTBEAT_SOCKET, DEFAULT_JOBS_WORK_DIR, AgentConfig
+from trainguard.agent.config import (
+    DEFAULT_HEARTBEAT_SOCKET,
+    DEFAULT_JOBS_WORK_DIR,
+    AgentConfig,
+    ControllerConfig,
+)
 from trainguard.agent.heartbeat import HeartbeatServer, TrainerEvent
 from trainguard.agent.jobpolicy import PolicyError, policy_from_config, prepare_access
 from trainguard.agent.jobs import JobRunner, job_handlers
@@ -147,6 +153,23 @@ def _xid_severity() -> Callable[[int], str]:
         return str(getattr(info, "severity", None) or "unknown")
 
     return severity
+
+
+def _tls_context(c: ControllerConfig) -> ssl.SSLContext | bool:
+    """How the reporter verifies the controller (ca_file or the system store) and, with
+    tls_cert_file, the client certificate that names this node (mutual TLS)."""
+    if not c.ca_file and not c.tls_cert_file:
+        return True
+    ctx = ssl.create_default_context(cafile=c.ca_file or None)
+    if c.tls_cert_file:
+        try:
+            ctx.load_cert_chain(c.tls_cert_file, c.tls_key_file)
+        except (OSError, ssl.SSLError) as e:
+            raise StartupError(
+                f"controller.tls_cert_file {c.tls_cert_file} / tls_key_file {c.tls_key_file}: "
+                f"cannot load: {e}"
+            ) from None
+    return ctx
 
 
 def _fallback_socket_path() -> Path:
@@ -278,8 +301,9 @@ class Agent:
         c = self.config.controller
         if c.url:
             try:
-                token = read_token(c.token_file)
-            except ValueError as e:
+                token = read_token(c.token_file) if c.token_file else None
+                tls = _tls_context(c)
+            except (ValueError, OSError, ssl.SSLError) as e:
                 raise StartupError(str(e)) from None
             self.reporter = Reporter(
                 url=c.url,
@@ -291,7 +315,7 @@ class Agent:
                 timeout_s=c.timeout_s,
                 backoff_max_s=c.backoff_max_s,
                 max_events_per_report=c.max_events_per_report,
-                verify=c.ca_file or True,
+                verify=tls,
                 rng=random.Random(),
             )
             self._reporter_thread = threading.Thread(

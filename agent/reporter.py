@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import random
+import ssl
 import stat
 import threading
 from collections import OrderedDict, deque
@@ -267,7 +268,7 @@ class Reporter:
         self,
         *,
         url: str,
-        token: str,
+        token: str | None,
         spool: EventSpool,
         build_report: BuildReport,
         clock: Clock,
@@ -275,7 +276,7 @@ class Reporter:
         timeout_s: float = 5.0,
         backoff_max_s: float = 30.0,
         max_events_per_report: int = 500,
-        verify: bool | str = True,
+        verify: bool | str | ssl.SSLContext = True,
         rng: random.Random | None = None,
         transport: httpx.BaseTransport | None = None,
         full_report_every: int = FULL_REPORT_EVERY,
@@ -288,11 +289,11 @@ class Reporter:
         self._backoff_max_s = backoff_max_s
         self._max_events = max_events_per_report
         self._rng = rng or random.Random()
+        headers = {"Content-Type": "application/json"}
+        if token is not None:  # else the client certificate names the node (mutual TLS)
+            headers["Authorization"] = f"Bearer {token}"
         self._client = httpx.Client(
-            headers={
-                "Authorization": f"Bearer {token}",
-                "Content-Type": "application/json",
-            },
+            headers=headers,
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0)),
             verify=verify,
             transport=transport,

@@ -24,6 +24,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from tests.helpers import wait_for
+from tests.integration.agent_proc import AgentProcess
 from tests.integration.controller_proc import (
     OP,
     OP_TOKEN,
@@ -239,3 +241,41 @@ def test_agentctl_trusts_the_self_signed_controller_with_ca_file(tls: Tls) -> No
     config.write_text(f"ca_file: {tls.ca.pem.name}\n")  # relative to the config file
     by_config = run("--config", str(config), "get", "nodes", "-o", "json")
     assert by_config.returncode == 0, by_config.stderr
+
+
+def test_a_real_agent_reports_with_its_node_certificate_and_no_token(
+    tls: Tls, short_tmp: Path
+) -> None:
+    node1 = tls.ca.issue("agent-node-1", cn="node-1")
+    cfg = short_tmp / "agent.yaml"
+    cfg.write_text(
+        "controller:\n"
+        f"  url: {tls.url}\n"
+        f"  ca_file: {tls.ca.pem}\n"
+        f"  tls_cert_file: {node1.cert}\n"
+        f"  tls_key_file: {node1.key}\n"
+    )
+    agent = AgentProcess(short_tmp, "--config", str(cfg), "--kmsg-path", "")
+    try:
+        wait_for(lambda: tls.nodes() == ["node-1"], timeout_s=30, what="node-1 to report")
+        assert "report_failed" not in agent.log()
+    finally:
+        assert agent.terminate() == 0, agent.log()
+
+
+def test_an_agent_certificate_for_another_node_is_refused(tls: Tls, short_tmp: Path) -> None:
+    other = tls.ca.issue("agent-node-9", cn="node-9")
+    cfg = short_tmp / "agent.yaml"
+    cfg.write_text(
+        "controller:\n"
+        f"  url: {tls.url}\n"
+        f"  ca_file: {tls.ca.pem}\n"
+        f"  tls_cert_file: {other.cert}\n"
+        f"  tls_key_file: {other.key}\n"
+    )
+    agent = AgentProcess(short_tmp, "--config", str(cfg), "--kmsg-path", "")  # node-1
+    try:
+        wait_for(lambda: "403" in agent.log(), timeout_s=30, what="the controller's 403")
+        assert tls.nodes() == []
+    finally:
+        agent.terminate()
