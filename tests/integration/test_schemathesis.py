@@ -3,7 +3,9 @@
 Every operation gets generated requests (valid reports included: the Report schema is the wire
 schema); no response may be a 5xx, and every response must match its documented status code,
 content type and schema. Once over the recording fake, once over the real Controller (SQLite
-store, shipped rules, not started: no tick thread).
+store, shipped rules, not started: no tick thread). Then once more over the real Controller
+with one value of each generated request (a body leaf or an id in the path) replaced by an
+integer outside int64 or a non-finite or huge float: never a 5xx, and /metrics still renders.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Any
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from prometheus_client import generate_latest
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
@@ -121,3 +125,46 @@ def _close_real_controller() -> Iterator[None]:
 )
 def test_real_controller_api_conforms_to_its_openapi_document(case: Any) -> None:
     _call(case)
+
+
+# what the red-team pass sent: integers past int64 (10**400 breaks float()), non-finite floats
+# (as the wire writes them: JSON has no NaN) and huge finite ones
+EXTREMES = [2**63, -(2**63) - 1, 10**400, "Infinity", "-Infinity", "NaN", 1e308, -1e308]
+
+
+def _leaves(value: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _leaves(v, (*path, k))]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _leaves(v, (*path, i))]
+    return [path] if path else []
+
+
+@real.given(data=st.data())
+@real.parametrize()
+@settings(
+    max_examples=8,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    derandomize=True,
+)
+def test_real_controller_never_answers_5xx_to_values_outside_the_bounds(
+    case: Any, data: st.DataObject
+) -> None:
+    extreme = data.draw(st.sampled_from(EXTREMES), label="extreme")
+    ids = sorted(k for k in (case.path_parameters or {}) if k.endswith("_id"))
+    leaves = _leaves(case.body) if isinstance(case.body, dict | list) else []
+    if ids and (not leaves or data.draw(st.booleans(), label="in the path")):
+        key = data.draw(st.sampled_from(ids), label="path parameter")
+        case.path_parameters[key] = str(extreme).lower()
+    elif leaves:
+        path = data.draw(st.sampled_from(leaves), label="body leaf")
+        target = case.body
+        for part in path[:-1]:
+            target = target[part]
+        target[path[-1]] = extreme
+    token = "agent-token" if case.path == "/v1/reports" else "op-token"
+    case.call_and_validate(
+        headers={"Authorization": f"Bearer {token}"}, checks=[not_a_server_error]
+    )
+    assert generate_latest(REAL_CONTROLLER.metrics.registry)
