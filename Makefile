@@ -7,9 +7,9 @@ STAMP := $(VENV)/.installed
 SRC := agent controller contract trainer devkit rules tests bench examples
 # strict editable install: a link per file, so a new module needs a reinstall
 PKG_FILES := $(shell find agent controller contract trainer devkit rules -name "*.py" -o -name "*.yaml" -o -name py.typed 2>/dev/null)
-DEB_PACKAGES := prometheus prometheus-alertmanager systemd
+DEB_PACKAGES := prometheus prometheus-alertmanager systemd slurmctld slurmd slurm-client munge
 
-.PHONY: test demo venv deps lint typecheck unit integration e2e bench clean
+.PHONY: test demo demo-slurm venv deps lint typecheck unit integration e2e bench clean
 
 venv: $(STAMP)
 
@@ -42,5 +42,9 @@ test: venv deps lint typecheck
 demo: venv
 	$(BIN)/python examples/demo.py
 
+# the same scenario under real Slurm on this machine (root; installs the Slurm packages)
+demo-slurm: venv
+	$(BIN)/python examples/demo_slurm.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache demo-run demo-report.json demo-loss.png
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache demo-run demo-report.json demo-loss.png demo-slurm-run demo-slurm-report.json

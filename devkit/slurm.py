@@ -1,6 +1,7 @@
 """A real Slurm cluster on one machine, for the Slurm backend's tests, demo and benchmark:
 munged, slurmctld and one slurmd per node name (n1..n4 by default), every daemon in the
-foreground as a child of this process, on free loopback ports, with its files in one run dir.
+foreground as a child of this process, on free loopback ports, with its files in one run dir;
+and `SlurmSite`, that cluster plus a trainguard controller (Slurm backend) and sim agents.
 
 The spare nodes are held in a reservation (`trainguard_spares`), so general work cannot take
 them: what docs/slurm.md asks of a real site. Needs root (slurmd runs jobs as their user) and
@@ -19,6 +20,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,7 +29,10 @@ from typing import Any
 
 from trainguard.devkit.devcluster import (
     MARKER_ENV,
+    REPO_ROOT,
+    ClusterConfig,
     ClusterError,
+    DevCluster,
     free_port_block,
     marked_pids,
     wait_until,
@@ -37,6 +42,7 @@ DEB_PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 _DAEMONS = ("munged", "slurmctld", "slurmd")
 _CLIENTS = ("sbatch", "scontrol", "squeue", "sinfo", "srun")
 SPARE_RESERVATION = "trainguard_spares"
+SBATCH_EXAMPLE = REPO_ROOT / "examples" / "slurm" / "train.sbatch"
 
 
 def missing_reason() -> str | None:
@@ -454,6 +460,81 @@ class SlurmCluster:
                     d.popen.wait(timeout=5)
 
 
+class SlurmSite:
+    """A whole site on one machine: the Slurm cluster, the trainguard controller with its
+    Slurm backend, and a sim agent per Slurm node (same names). `nodes[:-len(spares)]` run
+    jobs; the spares sit in the spare reservation. A context manager; `close()` ends every
+    process of both (one environment marker)."""
+
+    def __init__(
+        self,
+        run_dir: Path | str,
+        *,
+        slurm: SlurmConfig | None = None,
+        jobs: Mapping[str, Any] | None = None,
+        safety: Mapping[str, Any] | None = None,
+        sync_interval_s: float = 1.0,
+    ) -> None:
+        self.run_dir = Path(run_dir).resolve()
+        sc = slurm or SlurmConfig()
+        active = tuple(n for n in sc.nodes if n not in sc.spares)
+        self.cluster = DevCluster(
+            self.run_dir / "cluster",
+            ClusterConfig(
+                active=active,
+                spares=tuple(sc.spares),
+                safety=dict(safety or {"drain_budget": 100, "breaker_threshold": 100}),
+                jobs=dict(jobs or {}),
+                backend={
+                    "kind": "slurm",
+                    "slurm": {
+                        "slurm_conf": str(self.run_dir / "slurm" / "slurm.conf"),
+                        "sync_interval_s": sync_interval_s,
+                        "spare_reservation": sc.reservation,
+                    },
+                },
+            ),
+        )
+        # one marker for both: closing the trainguard cluster ends the job processes too
+        self.slurm = SlurmCluster(self.run_dir / "slurm", sc, run_id=self.cluster.run_id)
+
+    def __enter__(self) -> SlurmSite:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.slurm.start()
+        self.cluster.start()
+
+    def close(self) -> None:
+        try:
+            self.cluster.close()
+        finally:
+            self.slurm.close()
+
+    def submit(
+        self, tag: str, args: Sequence[str], *, script: Path = SBATCH_EXAMPLE
+    ) -> tuple[str, Path]:
+        """sbatch the example (or `script`) with the trainer's `args`, every rank talking to
+        the agent named like its Slurm node; (job id, its output file)."""
+        out = self.run_dir / f"{tag}-%j.out"
+        job_id = self.slurm.sbatch(
+            script,
+            *args,
+            options=[f"--output={out}"],
+            env={
+                "TG_AGENT_SOCKET_PATTERN": str(self.cluster.socket_root / "%n" / "hb.sock"),
+                "TG_CKPT_DIR": str(self.run_dir / "ckpt" / tag),
+                "TG_PYTHON": sys.executable,
+                "TG_REPO": str(REPO_ROOT),
+            },
+        )
+        return job_id, Path(str(out).replace("%j", job_id))
+
+
 _START_LINE = re.compile(r"event=slurm_start job=(\d+) restart=(\d+)")
 _DECODER = json.JSONDecoder()
 
@@ -537,7 +618,9 @@ __all__ = [
     "DEB_PACKAGES",
     "SPARE_RESERVATION",
     "SlurmCluster",
+    "SBATCH_EXAMPLE",
     "SlurmConfig",
+    "SlurmSite",
     "attempt_lines",
     "install_packages",
     "missing_reason",

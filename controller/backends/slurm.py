@@ -567,8 +567,13 @@ class SlurmBackend:
         )
         since = ctx.incident.opened_at if ctx.incident is not None else ctx.now
         target_slurm = {self.slurm_name(n) for n in target}
-        if job.active and set(job.nodes) <= target_slurm and job.start_time >= since - 1:
-            # Slurm already requeued it (a node set DOWN) and started it on the new set
+        if (
+            job.state == "RUNNING"
+            and job.restart_cnt > 0
+            and set(job.nodes) <= target_slurm
+            and job.start_time >= since - 1
+        ):
+            # Slurm requeued it itself (a node failure) and started it on the new set
             progress.update(phase="released", released_at=ctx.now, already=True)
             return Outcome(
                 message=f"Slurm job {job_id} already runs again on {job_nodes_text(job)};"
@@ -579,9 +584,13 @@ class SlurmBackend:
             )
         with self._slurm(f"requeueing Slurm job {job_id}"):
             if job.state == "PENDING":
-                if "held" not in job.state_reason.lower() and job.state_reason != "JobHeldAdmin":
-                    self.commands.hold(job_id)
+                self.commands.hold(job_id)
                 verb = "held (it was pending)"
+            elif job.state == "COMPLETING":
+                # Slurm is taking it down already (its own requeue after a node failure):
+                # hold it once it is pending
+                verb = "completing (Slurm is ending it)"
+                progress["hold_when_pending"] = True
             else:
                 self.commands.requeue_hold(job_id)
                 verb = f"requeued (held) from {job.state.lower()}"
@@ -622,6 +631,8 @@ class SlurmBackend:
                 f" {', '.join(target) or '(none)'} has {len(target)}"
             )
         with self._slurm(f"releasing Slurm job {job.id} on {','.join(target)}"):
+            if progress.pop("hold_when_pending", False):
+                self.commands.hold(job.id)
             self.commands.set_job_nodes(job.id, target)
             self.commands.release(job.id)
             self.commands.start_now(job.id)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,44 +29,36 @@ import pytest
 
 from tests.e2e.chaos import STEPS, TRAIN_ARGS, new_incidents, now, reference_lines, start_reference
 from trainguard.controller.backends.slurmcli import SlurmCli, SlurmCommands, SlurmError
-from trainguard.devkit.devcluster import REPO_ROOT, ClusterConfig, DevCluster, compare_losses
-from trainguard.devkit.slurm import SlurmCluster, attempt_lines, missing_reason
+from trainguard.devkit.devcluster import DevCluster, compare_losses
+from trainguard.devkit.slurm import SlurmCluster, SlurmSite, attempt_lines, missing_reason
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(os.geteuid() != 0, reason="a local Slurm cluster needs root (slurmd)"),
 ]
-SBATCH = REPO_ROOT / "examples" / "slurm" / "train.sbatch"
 FAULT_STEP = 12
 _OUR_REASON = re.compile(r"^trainguard: (\w+) incident (\d+)$")
 
 
 @dataclass
 class World:
-    cluster: DevCluster
-    slurm: SlurmCluster
-    base: Path
+    site: SlurmSite
     reference: list[dict[str, Any]]
 
+    @property
+    def cluster(self) -> DevCluster:
+        return self.site.cluster
+
+    @property
+    def slurm(self) -> SlurmCluster:
+        return self.site.slurm
+
     def submit(self, tag: str) -> tuple[str, Path]:
-        out = self.base / f"{tag}-%j.out"
-        job_id = self.slurm.sbatch(
-            SBATCH,
-            *TRAIN_ARGS,
-            options=[f"--output={out}"],
-            env={
-                "TG_AGENT_SOCKET_PATTERN": str(self.cluster.socket_root / "%n" / "hb.sock"),
-                "TG_CKPT_DIR": str(self.base / "ckpt" / tag),
-                "TG_PYTHON": sys.executable,
-                "TG_REPO": str(REPO_ROOT),
-            },
-        )
-        return job_id, Path(str(out).replace("%j", job_id))
+        return self.site.submit(tag, TRAIN_ARGS)
 
     def run_until_step(self, job_id: str, step: int) -> dict[str, Any]:
-        name = f"slurm-{job_id}"
         return self.cluster.wait_job(
-            name,
+            f"slurm-{job_id}",
             lambda j: j["state"] == "running" and (j.get("last_step") or 0) >= step,
             timeout_s=90,
             what=f"Slurm job {job_id} at step {step}",
@@ -76,11 +67,8 @@ class World:
     def finished(self, job_id: str) -> dict[str, Any]:
         def done() -> dict[str, Any] | None:
             job = self.slurm.jobs().get(job_id)
-            return (
-                job
-                if job and job["job_state"] not in ("RUNNING", "PENDING", "COMPLETING")
-                else None
-            )
+            running = ("RUNNING", "PENDING", "COMPLETING")
+            return job if job and job["job_state"] not in running else None
 
         return self.cluster.wait(done, timeout_s=150, what=f"Slurm job {job_id} to finish")
 
@@ -90,26 +78,12 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     why = missing_reason()
     if why is not None:
         pytest.fail(f"{why}: `make deps` installs them (as root)")
-    base = Path(tmp_path_factory.mktemp("slurm-loop"))
-    slurm_dir = base / "slurm"
-    config = ClusterConfig(
-        active=("n1", "n2", "n3"),
-        spares=("n4",),
-        safety={"drain_budget": 100, "breaker_threshold": 100},
-        jobs={"checkpoint_timeout_s": 5, "progress_timeout_s": 90, "spare_wait_s": 30},
-        backend={
-            "kind": "slurm",
-            "slurm": {"slurm_conf": str(slurm_dir / "slurm.conf"), "sync_interval_s": 1.0},
-        },
-    )
-    with DevCluster(base / "cluster", config) as cluster:
-        # one marker for both: closing the trainguard cluster ends the job processes too
-        with SlurmCluster(slurm_dir, run_id=cluster.run_id) as slurm:
-            slurm.start()
-            cluster.start()
-            ref = start_reference(cluster)
-            yield World(cluster, slurm, base, reference_lines(cluster, ref))
-    assert cluster.leftover_pids() == set()
+    jobs = {"checkpoint_timeout_s": 5, "progress_timeout_s": 90, "spare_wait_s": 30}
+    with SlurmSite(tmp_path_factory.mktemp("slurm-loop"), jobs=jobs) as site:
+        site.start()
+        ref = start_reference(site.cluster)
+        yield World(site, reference_lines(site.cluster, ref))
+    assert site.cluster.leftover_pids() == set()
 
 
 def _check_losses(world: World, out: Path, *, restarts: int) -> dict[int, list[dict[str, Any]]]:

@@ -1,0 +1,245 @@
+"""The Slurm backend against a fake Slurm (tests/fakes/slurm.py): what it prints is parsed,
+drains are Slurm's and only trainguard's own are undone, others' drains show with their
+reason, a failing Slurm command fails the step with Slurm's message, and a replace + restart
+takes a spare out of the reservation, requeues (held), pins the new node set and releases.
+The closed loop on real Slurm is tests/e2e/test_slurm_loop.py."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from tests.builders import Reporter
+from tests.fakes.slurm import FakeSlurm
+from trainguard.clock import FakeClock
+from trainguard.controller.actions.base import (
+    ActionContext,
+    PermanentError,
+    TransientError,
+)
+from trainguard.controller.backends.config import BackendConfig
+from trainguard.controller.backends.slurm import SlurmBackend, node_state_of
+from trainguard.controller.backends.slurmcli import (
+    SlurmNode,
+    expand_hostlist,
+    parse_reservation,
+    parse_sinfo,
+    parse_squeue,
+)
+from trainguard.controller.core import ActionBackends, Controller
+from trainguard.controller.errors import BadRequest
+from trainguard.controller.views import ActionView
+from trainguard.protocol import RankState
+from trainguard.strict import ConfigError, build
+from trainguard.trainer.channel import job_name
+
+NODES = ("n1", "n2", "n3", "n4")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("n1", ["n1"]),
+        ("n[1,3-4]", ["n1", "n3", "n4"]),
+        ("gpu[08-10],login1", ["gpu08", "gpu09", "gpu10", "login1"]),
+        ("", []),
+    ],
+    ids=["single", "ranges", "zero-padded-and-plain", "empty"],
+)
+def test_host_lists_expand_like_scontrol_show_hostnames(text: str, expected: list[str]) -> None:
+    assert expand_hostlist(text) == expected
+
+
+def test_sinfo_and_squeue_json_parse_into_nodes_and_jobs() -> None:
+    nodes = parse_sinfo(
+        '{"errors": [], "nodes": [{"name": "n2", "state": "allocated", "state_flags": ["DRAIN"],'
+        ' "reason": "trainguard: gpu_dbe incident 3", "reason_set_by_user": "root"}]}'
+    )
+    assert nodes["n2"].drain and nodes["n2"].busy and not nodes["n2"].usable
+    assert node_state_of(nodes["n2"]) == ("draining", "trainguard: gpu_dbe incident 3")
+    jobs = parse_squeue(
+        '{"errors": [], "jobs": [{"job_id": 42, "name": "tg", "job_state": "RUNNING",'
+        ' "nodes": "n[1-3]", "restart_cnt": 1, "node_count": 3}]}'
+    )
+    assert jobs["42"].nodes == ("n1", "n2", "n3") and jobs["42"].restart_cnt == 1
+    assert parse_reservation("ReservationName=r Nodes=n[4-5] NodeCnt=2") == ("n4", "n5")
+
+
+def test_a_drain_made_by_someone_else_shows_who_set_it() -> None:
+    node = SlurmNode(name="n3", state="idle", flags=frozenset({"DRAIN"}), reason="bad fan",
+                     reason_user="alice")  # fmt: skip
+    assert node_state_of(node) == ("drained", "bad fan (Slurm drain, set by alice)")
+
+
+@pytest.mark.parametrize(
+    ("section", "key"),
+    [
+        ({"kind": "slurm", "slurm": {"spare_reservaton": "x"}}, "spare_reservaton"),
+        ({"kind": "lsf"}, "kind"),
+        ({"kind": "slurm", "slurm": {"sync_interval_s": 0}}, "sync_interval_s"),
+        ({"kind": "slurm", "slurm": {"node_names": {"a": "x", "b": "x"}}}, "node_names"),
+    ],
+    ids=["unknown-key", "unknown-kind", "zero-interval", "two-agents-one-node"],
+)
+def test_the_backend_section_is_strict(section: dict[str, Any], key: str) -> None:
+    with pytest.raises(ConfigError, match=key):
+        build(BackendConfig, section, source="controller.yaml")
+
+
+def test_the_trainer_names_a_slurm_job_by_its_id() -> None:
+    assert job_name({"SLURM_JOB_ID": "42"}) == "slurm-42"
+    assert job_name({"SLURM_JOB_ID": "42", "TORCHELASTIC_RUN_ID": "r"}) == "slurm-42"
+    assert job_name({"SLURM_JOB_ID": "42", "TRAINGUARD_JOB": "mine"}) == "mine"
+
+
+# --- the backend in a controller ------------------------------------------------------------
+
+
+@pytest.fixture
+def slurm() -> FakeSlurm:
+    return FakeSlurm(NODES, spares=["n4"])
+
+
+@pytest.fixture
+def core(
+    make_core: Callable[..., Controller], core_config: Callable[..., Any], core_clock: FakeClock,
+    slurm: FakeSlurm,
+) -> Controller:  # fmt: skip
+    c = Controller(
+        core_config(backend={"kind": "slurm"}),
+        clock=core_clock,
+        backends=ActionBackends(notifiers=[], slurm_runner=slurm),
+    )
+    for n in NODES:
+        c.ingest_report(Reporter(n).report(now=core_clock.now()), actor="a")
+    backend(c).refresh()
+    yield c
+    c.stop()
+
+
+def backend(c: Controller) -> SlurmBackend:
+    assert isinstance(c.backend, SlurmBackend)
+    return c.backend
+
+
+def ctx(kind: str, *, now: float, params: dict[str, Any], **extra: Any) -> ActionContext:
+    view = ActionView(
+        id=1, incident_id=None, kind=kind, target=str(params.get("node", "")), state="running",
+        attempts=1, idempotency_key=f"k:{kind}", created_at=now, updated_at=now, params=params,
+    )  # fmt: skip
+    return ActionContext(action=view, incident=None, now=now, attempt=1, **extra)
+
+
+def test_drain_is_scontrol_drain_with_the_rule_and_incident_in_the_reason(core, slurm):
+    state, _ = backend(core).drain("n2", reason="x", key="k", rule="gpu_dbe", incident_id=7)
+    assert state == "drained"
+    assert ("scontrol", "update", "nodename=n2", "state=drain",
+            "reason=trainguard: gpu_dbe incident 7") in slurm.calls  # fmt: skip
+    assert core.get_node("n2").drain_reason == "trainguard: gpu_dbe incident 7"
+    assert core.get_node("n2").state == "drained"  # nothing runs there
+
+
+def test_a_node_still_running_a_job_shows_draining_until_slurm_frees_it(core, slurm):
+    slurm.submit("7", ["n1", "n2", "n3"])
+    backend(core).drain("n2", reason="x", key="k", rule="gpu_dbe", incident_id=7)
+    assert core.get_node("n2").state == "draining"
+    slurm.jobs["7"].state = "COMPLETED"
+    slurm.nodes["n2"].state = "idle"
+    backend(core).refresh()
+    assert core.get_node("n2").state == "drained"
+
+
+def test_undrain_resumes_only_trainguards_own_drains_unless_forced(core, slurm):
+    slurm.admin("n3", state="drain", reason="NHC: disk full", user="nhc")
+    backend(core).refresh()
+    view = core.get_node("n3")
+    assert (
+        view.state == "drained" and view.drain_reason == "NHC: disk full (Slurm drain, set by nhc)"
+    )
+    with pytest.raises(BadRequest, match="someone else"):
+        core.undrain("n3", actor="ops")
+    assert slurm.nodes["n3"].reason == "NHC: disk full"
+    # a drain of that node by trainguard leaves the admin's reason alone
+    assert backend(core).drain("n3", reason="x", key="k", rule="r", incident_id=1)[0] == "drained"
+    assert slurm.nodes["n3"].reason == "NHC: disk full"
+    backend(core).undrain("n3", key="u", force=True)
+    assert "DRAIN" not in slurm.nodes["n3"].flags and core.get_node("n3").state == "active"
+
+
+def test_agentctl_drain_on_a_slurm_site_drains_in_slurm(core, slurm):
+    view = core.drain("n1", reason="drained by ops (operator) via agentctl", actor="ops")
+    assert view.state == "drained"
+    assert slurm.nodes["n1"].reason == "trainguard: drained by ops (operator) via agentctl"
+    core.undrain("n1", actor="ops")
+    assert "DRAIN" not in slurm.nodes["n1"].flags
+
+
+def test_a_failing_slurm_command_fails_the_step_with_slurms_message(core, slurm):
+    slurm.fail_next("scontrol update nodename=n2",
+                    "scontrol update: Access/permission denied")  # fmt: skip
+    with pytest.raises(BadRequest, match="Access/permission denied"):
+        core.drain("n2", reason="r", actor="ops")
+    slurm.fail_next("sinfo", "sinfo: error: Unable to contact slurm controller (connect failure)",
+                    transient=True)  # fmt: skip
+    with pytest.raises(TransientError, match="Unable to contact slurm controller"):
+        backend(core).drain("n2", reason="r", key="k")
+    # a node Slurm does not know: Slurm's own message, no retry
+    with pytest.raises(PermanentError, match="Invalid node name specified"):
+        backend(core).drain("n9", reason="r", key="k")
+
+
+def _ranks(c: Controller, clock: FakeClock, nodes: list[str], *, step: int, pid0: int) -> None:
+    for i, n in enumerate(nodes):
+        report = Reporter(n, instance=f"i-{n}").report(now=clock.now())
+        rank = RankState(job="slurm-7", rank=i, step=step, pid=pid0 + i, world_size=3,
+                         ckpt_step=15)  # fmt: skip
+        c.ingest_report(dataclasses.replace(report, seq=step, ranks=(rank,)), actor="a")
+
+
+def test_replace_and_restart_move_the_job_to_the_spare_through_a_held_requeue(
+    core, slurm, core_clock
+):
+    slurm.submit("7", ["n1", "n2", "n3"])
+    _ranks(core, core_clock, ["n1", "n2", "n3"], step=20, pid0=100)
+    b = backend(core)
+    b.refresh()
+    assert [v.scheduler_job_id for v in core.list_jobs()] == ["7"]
+    now = core_clock.now()
+    replaced = b.replace(ctx("replace", now=now, params={"node": "n2"}))
+    assert replaced.output["nodes"] == ["n1", "n4", "n3"]
+    assert slurm.reservation is None  # its last spare went to the job
+    assert core.get_node("n4").role == "active"
+    previous = {"replace": replaced.output}
+    step = b.restart(ctx("restart", now=now, params={"node": "n2"}, previous=previous))
+    assert not step.done and slurm.calls[-1] == ("scontrol", "requeuehold", "7")
+    step = b.restart(ctx("restart", now=now + 1, params={"node": "n2"}, previous=previous,
+                         progress=step.output))  # fmt: skip
+    assert slurm.calls[-3:] == [
+        ("scontrol", "update", "jobid=7", "nodelist=n1,n4,n3"),
+        ("scontrol", "release", "7"),
+        ("scontrol", "update", "jobid=7", "starttime=now"),
+    ]
+    assert slurm.jobs["7"].nodes == ["n1", "n4", "n3"]
+    step = b.restart(ctx("restart", now=now + 2, params={}, previous=previous,
+                         progress=step.output))  # fmt: skip
+    assert not step.done  # no step past the checkpoint yet
+    _ranks(core, core_clock, ["n1", "n4", "n3"], step=16, pid0=200)
+    step = b.restart(ctx("restart", now=now + 3, params={}, previous=previous,
+                         progress=step.output))  # fmt: skip
+    assert step.done and step.output["first_step"] == 16
+    assert {"requeue", "allocation", "launch", "restart"} <= set(step.output["phases_s"])
+
+
+def test_no_spare_in_the_reservation_waits_then_pages(core, slurm, core_clock):
+    slurm.reservation = None
+    slurm.submit("7", ["n1", "n2", "n3"])
+    _ranks(core, core_clock, ["n1", "n2", "n3"], step=20, pid0=100)
+    b = backend(core)
+    now = core_clock.now()
+    first = b.replace(ctx("replace", now=now, params={"node": "n2"}))
+    assert not first.done and "no usable spare" in first.message
+    with pytest.raises(PermanentError, match="no spare in reservation trainguard_spares"):
+        b.replace(ctx("replace", now=now + 1e4, params={"node": "n2"}, progress=first.output))
