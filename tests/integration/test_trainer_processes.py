@@ -297,7 +297,11 @@ def test_checkpoint_request_sent_to_one_rank_commits_on_all_at_one_step_and_resu
         tmp_path,
         args,
         nproc=3,
-        env={"TRAINGUARD_AGENT_SOCKET": str(tmp_path / "absent.sock"), "TRAINGUARD_CHAOS": ""},
+        env={
+            "TRAINGUARD_AGENT_SOCKET": str(tmp_path / "absent.sock"),
+            "TRAINGUARD_CHAOS": "",
+            "TRAINGUARD_JOB": "odd",  # the same job: another job's checkpoint is refused
+        },
     )
     assert resumed.wait() == 0, resumed.stderr()
     got = losses(resumed.lines())
