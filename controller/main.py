@@ -187,6 +187,9 @@ def _serve(
         except ServiceError as e:
             log.error("event=sighup_reload_failed detail=%s", str(e).replace("\n", " "))
             return
+        except Exception:  # a reload must never end silently: log it, the rules stay
+            log.exception("event=sighup_reload_failed detail=unexpected_error")
+            return
         log.info("event=sighup_reload rules=%d", count)
 
     def on_hup(signum: int, frame: FrameType | None) -> None:
