@@ -376,6 +376,9 @@ def _bound_reason(err: Any) -> str | None:
     ):
         # the strings "NaN"/"Infinity" are a float type error only where a bound is finite
         return f"must be a finite number, got {_short(err.get('input'))}"
+    if kind in ("number_type", "float_type") and type(value) is int:
+        # an int is a valid float unless it is beyond a float's range (10**400)
+        return f"out of range: beyond a float's range, got {_short(value)}"
     if kind == "string_too_long":
         return f"too long: at most {ctx.get('max_length')} characters"
     if kind == "string_pattern_mismatch":

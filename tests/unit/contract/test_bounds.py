@@ -157,6 +157,15 @@ def test_a_nan_timestamp_is_refused_not_silently_dropped() -> None:
     assert (e.field, e.reason) == ("sent_at", "must be a finite number, got nan")
 
 
+def test_an_integer_beyond_a_floats_range_in_a_float_field_is_out_of_range() -> None:
+    e = refused(report(ranks=[{**RANK, "loss": HUGE}]))
+    assert e.field == "ranks[0].loss"
+    assert e.reason.startswith("out of range: beyond a float's range")
+    # JSON's reading of such a number is infinity: refused where the field must be finite
+    e = refused(f'{{"node":"n","instance":"i","seq":1,"sent_at":1{"0" * 400}}}'.encode())
+    assert e.field == "sent_at" and "finite" in e.reason
+
+
 def test_a_nan_loss_is_still_data() -> None:
     r = from_wire(Report, report(ranks=[{**RANK, "loss": "NaN"}]))
     assert r.ranks[0].loss != r.ranks[0].loss

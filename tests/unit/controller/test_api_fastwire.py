@@ -143,7 +143,10 @@ def _walk(tp: Any, value: Any, path: str) -> Any:
             return NONFINITE[value]
         if type(value) not in (int, float):
             raise _Reject(path)
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # JSON's 1e400 or 10**400 reads as infinity
+            return math.inf if value > 0 else -math.inf
     if type(value) is not tp:  # bool, int, str: exactly
         raise _Reject(path)
     if tp is int and not INT64_MIN <= value <= INT64_MAX:
