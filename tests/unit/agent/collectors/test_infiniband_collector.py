@@ -121,9 +121,7 @@ def test_fifo_in_place_of_a_counter_never_blocks_and_is_unreadable(tmp_path):
     [
         pytest.param("counters/port_rcv_errors", "lots\n", id="junk-counter"),
         pytest.param("counters/port_rcv_errors", "-5\n", id="negative-counter"),
-        pytest.param(
-            "counters/port_rcv_errors", f"{2**63}\n", id="counter-beyond-the-wires-int64"
-        ),
+        pytest.param("counters/port_rcv_errors", f"{2**63}\n", id="counter-beyond-the-wires-int64"),
         pytest.param("counters/port_rcv_errors", "", id="empty-counter"),
         pytest.param("state", "ACTIVE\n", id="state-without-code"),
         pytest.param("phys_state", "\n", id="empty-phys-state"),
