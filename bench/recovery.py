@@ -2,6 +2,7 @@
 (controller, 3 active + 1 spare sim agents, examples/train.py under torchrun).
 
     .venv/bin/python bench/recovery.py [--runs 3] [--faults dbe,xid79,kill_rank,...]
+    .venv/bin/python bench/recovery.py --backend slurm [--faults dbe,node_death]   (root)
 
 Per fault class: median and max of detection (fault -> incident opened), MTTR (fault ->
 the restart step confirmed a step past the checkpoint) and lost steps (the controller's
@@ -9,12 +10,19 @@ figure: last step seen before the fault - restored checkpoint step). Each run us
 cluster, so runs do not share spares or drained nodes. `straggler` slows rank 1's compute
 to twice the others' from the fault step on (`TRAINGUARD_CHAOS=slow=1.0@stepK:rank1`) and
 runs the shipped rules, so its detection includes the rule's one-minute `for:`.
+
+`--backend slurm` runs the same job as examples/slurm/train.sbatch on a real local Slurm
+cluster (devkit/slurm.py: slurmd n1..n4, n4 the spare in the reservation; the controller's
+Slurm backend) and also reports where the restart spends its time: requeue (requeuehold ->
+Slurm no longer runs the job), allocation (release -> running) and launch (running -> a step
+past the checkpoint).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import statistics
 import sys
@@ -26,8 +34,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trainguard.devkit.devcluster import REPO_ROOT, ClusterConfig, DevCluster, restart_result
+from trainguard.devkit.slurm import SlurmSite, missing_reason
 
 FAULTS = ("dbe", "xid79", "kill_rank", "node_death", "straggler")
+SLURM_FAULTS = ("dbe", "node_death")
+_PHASES = ("requeue", "allocation", "launch")
 TRAIN = ["--steps", "400", "--checkpoint-every", "10", "--step-time-s", "0.2", "--seed", "0"]
 
 
@@ -96,22 +107,69 @@ def one_run(fault: str, *, fault_step: int, root: Path) -> dict[str, Any]:
         }
 
 
+def one_slurm_run(fault: str, *, fault_step: int, root: Path) -> dict[str, Any]:
+    jobs = {"checkpoint_timeout_s": 10}
+    with SlurmSite(root / f"slurm-{fault}-{time.monotonic_ns()}", jobs=jobs) as site:
+        site.start()
+        c = site.cluster
+        job_id, _ = site.submit("bench", TRAIN)
+        c.wait_job(
+            f"slurm-{job_id}",
+            lambda j: j["state"] == "running" and (j.get("last_step") or 0) >= fault_step,
+            timeout_s=120,
+            what="the Slurm job to train",
+        )
+        t_fault = time.time()
+        if fault == "dbe":
+            c.inject("n2", "dbe", gpu=1)
+        else:
+            site.slurm.kill_node("n2")
+            c.kill_agent("n2", signal.SIGKILL)
+        detail = c.wait(
+            lambda: c.restarted_since(t_fault),
+            timeout_s=150,
+            what=f"{fault}: recovery under Slurm",
+            interval_s=0.2,
+        )
+        inc = detail["incident"]
+        restarted_at, lost = restart_result(detail)
+        restart = next(a for a in detail["actions"] if a["kind"] == "restart")
+        phases = dict(re.findall(r"(\w+) ([\d.]+) s\b", restart["result"]))
+        incidents = [i for i in c.incidents() if i["opened_at"] >= t_fault - 1]
+        return {
+            "fault": fault,
+            "rule": inc["rule"],
+            "incidents": len(incidents),
+            "detect_s": inc["opened_at"] - t_fault,
+            "mttr_s": restarted_at - t_fault,
+            "lost_steps": lost,
+            **{f"{k}_s": float(phases[k]) for k in _PHASES if k in phases},
+        }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--faults", default=",".join(FAULTS))
+    p.add_argument("--backend", choices=("torchrun", "slurm"), default="torchrun")
+    p.add_argument(
+        "--faults", help=f"default: {','.join(FAULTS)} ({','.join(SLURM_FAULTS)} for slurm)"
+    )
     p.add_argument("--fault-step", type=int, default=15)
     p.add_argument("--json", help="also write every run's figures here")
     args = p.parse_args(argv)
-    faults = [f for f in args.faults.split(",") if f]
-    unknown = set(faults) - set(FAULTS)
+    known = SLURM_FAULTS if args.backend == "slurm" else FAULTS
+    faults = [f for f in (args.faults or ",".join(known)).split(",") if f]
+    unknown = set(faults) - set(known)
     if unknown:
-        p.error(f"unknown fault(s) {sorted(unknown)}; known: {', '.join(FAULTS)}")
+        p.error(f"unknown fault(s) {sorted(unknown)}; known: {', '.join(known)}")
+    if args.backend == "slurm" and (why := missing_reason()) is not None:
+        p.error(why)
+    run_one = one_slurm_run if args.backend == "slurm" else one_run
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="tgbench") as tmp:
         for fault in faults:
             for i in range(args.runs):
-                r = one_run(fault, fault_step=args.fault_step, root=Path(tmp))
+                r = run_one(fault, fault_step=args.fault_step, root=Path(tmp))
                 runs.append(r)
                 print(json.dumps({"run": i + 1, **r}), flush=True)
     print("\n| fault | rule | runs | detect median / max (s) | MTTR median / max (s) |"
@@ -129,6 +187,17 @@ def main(argv: list[str] | None = None) -> int:
             f" {statistics.median(mttr):.1f} / {max(mttr):.1f} | {lost_text} |"
             f" {max(r['incidents'] for r in rs)} |"
         )
+    if args.backend == "slurm":
+        print("\n| fault | requeue median / max (s) | allocation median / max (s) |"
+              " launch median / max (s) |")  # fmt: skip
+        print("|---|---|---|---|")
+        for fault in faults:
+            rs = [r for r in runs if r["fault"] == fault]
+            cells = []
+            for k in _PHASES:
+                vals = [r[f"{k}_s"] for r in rs if f"{k}_s" in r]
+                cells.append(f"{statistics.median(vals):.1f} / {max(vals):.1f}" if vals else "n/a")
+            print(f"| {fault} | " + " | ".join(cells) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps(runs, indent=2) + "\n")
     return 0
