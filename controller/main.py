@@ -143,9 +143,19 @@ def _serve(
 ) -> int:
     # uvicorn and fastapi (which the api module imports) are heavy: deferred until serving, so
     # a bad configuration is answered without loading them
-    import uvicorn  # noqa: PLC0415
+    try:
+        import uvicorn  # noqa: PLC0415
 
-    from trainguard.controller.api import create_app  # noqa: PLC0415
+        from trainguard.controller.api import create_app  # noqa: PLC0415
+    except ImportError as e:
+        print(
+            f"trainguard-controller: {e.name or e} is not installed: the controller host needs "
+            "pip install 'trainguard[controller]'",
+            file=sys.stderr,
+        )
+        sock.close()
+        controller.stop()
+        return EXIT_CONFIG
 
     app = create_app(
         controller,
