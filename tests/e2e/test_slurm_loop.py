@@ -176,6 +176,12 @@ def test_drains_made_by_others_show_with_their_reason_and_are_never_undone(world
     assert "n2" not in slurm.drain_reasons()
     slurm.scontrol("update", "nodename=n3", "state=resume")
     c.wait(lambda: c.node("n3")["state"] == "active", timeout_s=15, what="n3 active again")
+    # `agentctl drain n3` on a Slurm site drains it in Slurm, and undrain resumes it there
+    r = c.client.post("/v1/nodes/n3/drain", json={"reason": "bad cable"})
+    assert r.status_code == 200 and r.json()["state"] == "drained", r.text
+    assert slurm.drain_reasons()["n3"] == "trainguard: bad cable"
+    assert c.client.post("/v1/nodes/n3/undrain").status_code == 200
+    assert "n3" not in slurm.drain_reasons()
 
 
 def test_a_failing_slurm_command_fails_with_slurms_own_message(world: World) -> None:
