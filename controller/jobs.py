@@ -54,16 +54,20 @@ FINISHED_STATES = ("stopped", "completed", "failed")
 # A sample gap longer than this is not counted as productive even if steps advanced (the
 # controller was down or the job was not observed).
 _MAX_PRODUCTIVE_GAP_S = 10.0
+# JobSpec.shrink: "pack" keeps the world size (more processes per node), "world" runs fewer
+# ranks and grows back when a spare is free.
+SHRINK_MODES = ("pack", "world")
 
 
 @dataclass(frozen=True)
 class JobSpec:
     """A training job: what to run, where, and how it may be remediated.
 
-    World size = len(nodes) * nproc_per_node and it never changes: the trainer library
-    resumes only at the world size that wrote the checkpoint (CheckpointMismatch otherwise).
-    A shrink therefore keeps the world size by running more processes on fewer nodes, which
-    needs `max_nproc_per_node` headroom (e.g. GPUs per node); without it there is no shrink.
+    World size = len(nodes) * nproc_per_node. With too few spares, `shrink` says how the job
+    may run on fewer nodes (at least `min_nodes`): "pack" keeps the world size by running
+    more processes per node, which needs `max_nproc_per_node` headroom (e.g. GPUs per node);
+    "world" runs fewer ranks (the trainer resumes a checkpoint at another world size) and
+    grows back to the full size when a spare is free again.
     """
 
     name: str
@@ -84,6 +88,7 @@ class JobSpec:
     cwd: str | None = None
     python: str | None = None
     rdzv_conf: dict[str, str] = field(default_factory=dict)
+    shrink: str = "pack"  # SHRINK_MODES: how the job may run on fewer nodes
 
     def __post_init__(self) -> None:
         bad = bad_name_reason(self.name)
@@ -108,6 +113,13 @@ class JobSpec:
             )
         if self.min_nodes is not None and not 1 <= self.min_nodes <= len(self.nodes):
             raise Invalid("min_nodes", f"must be within 1..{len(self.nodes)}, got {self.min_nodes}")
+        if self.shrink not in SHRINK_MODES:
+            modes = ", ".join(SHRINK_MODES)
+            raise Invalid("shrink", f"must be one of {modes}, got {self.shrink!r}")
+        if self.shrink == "world" and self.floor >= len(self.nodes):
+            raise Invalid(
+                "shrink", "'world' needs min_nodes below the number of nodes (the fewest to run on)"
+            )
         if self.max_nproc_per_node is not None and self.max_nproc_per_node < self.nproc_per_node:
             raise Invalid("max_nproc_per_node", "must be >= nproc_per_node")
         if self.max_restarts < 0:
@@ -630,6 +642,7 @@ class JobManager:
             nproc_per_node=job.nproc_per_node,
             min_nodes=job.min_nodes,
             world_size=len(job.nodes) * job.nproc_per_node,
+            full_world_size=self.spec(job).world_size,
             state_reason=job.state_reason,
             started_at=job.started_at,
         )
@@ -639,6 +652,7 @@ __all__ = [
     "ACTIVE_STATES",
     "FINISHED_STATES",
     "RESUME_SKIP_ENV",
+    "SHRINK_MODES",
     "JobManager",
     "JobSpec",
     "NodeAccess",

@@ -89,6 +89,8 @@ class JobView:
     nproc_per_node: int = 0  # 0: not a submitted job (only seen in heartbeats)
     min_nodes: int = 0
     world_size: int = 0
+    # the world size the job spec asks for; more than world_size while the job runs shrunk
+    full_world_size: int = 0
     state_reason: str = ""
     started_at: float | None = None  # unix s, first time the job ran (ETTR's wall clock)
     # what runs the job: "" = trainguard itself (torchrun on the agents), "slurm"; and the

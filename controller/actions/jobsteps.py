@@ -156,8 +156,8 @@ def swap_or_shrink(
     jobs: JobManager, job: JobRecord, spec: JobSpec, *, bad: list[str], open_nodes: set[str]
 ) -> tuple[str, dict[str, Any]] | None:
     """Place the job on a node set without `bad`: swap them for hot spares, else shrink
-    (keeping the world size) when the spec allows; (message, output) or None when neither
-    fits."""
+    when the spec allows (`shrink: pack` keeps the world size, `shrink: world` runs fewer
+    ranks); (message, output) or None when neither fits."""
     spares = jobs.spares(spec.spare_selector, open_incident_nodes=open_nodes, exclude=job.nodes)
     healthy = [n for n in job.nodes if n not in bad]
     if len(spares) >= len(bad):
@@ -178,6 +178,8 @@ def swap_or_shrink(
         )
     world = len(job.nodes) * job.nproc_per_node
     candidates = healthy + spares
+    if spec.shrink == "world":
+        return _shrink_world(jobs, job, spec, bad=bad, candidates=candidates, spares=spares)
     count = shrink_plan(
         world_size=world,
         healthy=len(candidates),
@@ -196,6 +198,46 @@ def swap_or_shrink(
         f" shrinking job {job.name} to {count} node(s) x {nproc} process(es),"
         f" world size {world} kept ({', '.join(nodes)})",
         {"nodes": nodes, "mode": "shrink", "nproc_per_node": nproc},
+    )
+
+
+def _shrink_world(
+    jobs: JobManager,
+    job: JobRecord,
+    spec: JobSpec,
+    *,
+    bad: list[str],
+    candidates: list[str],
+    spares: list[str],
+) -> tuple[str, dict[str, Any]] | None:
+    """`shrink: world`: run on every usable node (at least min_nodes) at the spec's processes
+    per node, so with fewer ranks; the restart resumes the checkpoint at that world size."""
+    if len(candidates) < spec.floor:
+        return None
+    before = len(job.nodes) * job.nproc_per_node
+    after = len(candidates) * spec.nproc_per_node
+    dropped = [n for n in job.nodes if n not in candidates]
+    used = [s for s in spares if s in candidates]
+    jobs.place(
+        job.name,
+        nodes=candidates,
+        nproc_per_node=spec.nproc_per_node,
+        assign=used,
+        release=dropped,
+    )
+    log.info(
+        "event=job_shrunk job=%s ranks_from=%d ranks_to=%d nodes=%s",
+        job.name,
+        before,
+        after,
+        ",".join(candidates),
+    )
+    return (
+        f"{len(spares)} spare(s) for {len(bad)} unusable node(s) ({', '.join(bad)}): job"
+        f" {job.name} shrunk from {before} to {after} ranks on {', '.join(candidates)}"
+        f" (resumes the checkpoint at world size {after}; grows back to {spec.world_size}"
+        " when a spare is free)",
+        {"nodes": candidates, "mode": "shrink_world", "ranks_from": before, "ranks_to": after},
     )
 
 
@@ -263,7 +305,7 @@ class ReplaceHandler(JobStep):
 
     @staticmethod
     def _why_no_shrink(spec: JobSpec, job: JobRecord, *, world: int, available: int) -> str:
-        if spec.min_nodes is None or available < spec.floor:
+        if spec.min_nodes is None or available < spec.floor or spec.shrink == "world":
             return f"{available} usable node(s), min_nodes {spec.floor}"
         return (
             f"{world} ranks do not fit {available} node(s) at up to"

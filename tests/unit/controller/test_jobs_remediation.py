@@ -12,7 +12,8 @@ import pytest
 from tests.builders import gpu
 from tests.unit.controller.job_sim import Sim, running
 from trainguard.controller.errors import Conflict
-from trainguard.controller.jobs import shrink_plan
+from trainguard.controller.jobs import JobSpec, shrink_plan
+from trainguard.strict import ConfigError, build
 
 
 def test_submit_starts_one_attempt_on_every_node_with_one_rendezvous_host(sim):
@@ -84,6 +85,47 @@ def test_no_spare_shrinks_to_fewer_nodes_keeping_the_world_size(sim):
     assert sim.cmds("n2", "start_job")[-1]["nproc_per_node"] == 2
     timeline = " | ".join(t.message for t in sim.incident("gpu_dbe").timeline)
     assert "shrinking job job to 1 node(s) x 2 process(es), world size 2 kept" in timeline
+
+
+def test_no_spare_with_shrink_world_restarts_on_fewer_ranks(sim):
+    sim.c.set_role("n3", role="active", actor="t")
+    sim.submit(nodes=["n1", "n2"], nproc_per_node=2, min_nodes=1, shrink="world")
+    sim.until(running(sim, attempt=1), max_s=5, what="job running")
+    sim.agents["n1"].gpus = (gpu(0, dbe=1),)
+    sim.until(running(sim, attempt=2), max_s=30, what="restart on one node")
+    job = sim.c.get_job("job")
+    assert (job.nodes, job.nproc_per_node, job.world_size) == (("n2",), 2, 2)
+    assert job.full_world_size == 4
+    start = sim.cmds("n2", "start_job")[-1]
+    assert (start["nnodes"], start["nproc_per_node"], start["attempt"]) == (1, 2, 2)
+    timeline = " | ".join(t.message for t in sim.incident("gpu_dbe").timeline)
+    assert "shrunk from 4 to 2 ranks" in timeline
+
+
+def test_shrink_world_below_min_nodes_waits_for_a_spare(sim):
+    sim.c.set_role("n3", role="active", actor="t")
+    sim.submit(nodes=["n1", "n2", "n3"], min_nodes=2, shrink="world")
+    sim.until(running(sim, attempt=1), max_s=5, what="job running")
+    sim.agents["n1"].silent = True
+    sim.agents["n2"].gpus = (gpu(0, dbe=1),)
+    sim.until(lambda: sim.c.get_job("job").state == "waiting", max_s=30, what="waiting")
+    assert sim.c.get_job("job").full_world_size == 3
+
+
+@pytest.mark.parametrize(
+    ("fields", "key"),
+    [
+        ({"shrink": "fewer"}, "shrink"),
+        ({"shrink": "world"}, "shrink"),  # min_nodes defaults to every node: nothing to shrink
+        ({"shrink": "world", "min_nodes": 2}, "shrink"),
+    ],
+    ids=["unknown-mode", "world-without-min-nodes", "world-min-nodes-all"],
+)
+def test_job_spec_refuses_a_shrink_it_cannot_do(fields, key):
+    data = {"name": "j", "command": ["train.py"], "nodes": ["a", "b"], **fields}
+    with pytest.raises(ConfigError) as e:
+        build(JobSpec, data, source="test")
+    assert key in str(e.value)
 
 
 def test_no_spare_and_no_shrink_waits_then_pages(sim):
