@@ -85,6 +85,12 @@ class DrainRequest:
 
 
 @dataclass(frozen=True)
+class UndrainRequest:
+    # also undo a drain trainguard did not make (an admin's or a health check's, e.g. in Slurm)
+    force: bool = False
+
+
+@dataclass(frozen=True)
 class RoleRequest:
     role: NodeRole
 
@@ -474,10 +480,17 @@ def create_app(
         log.info("event=drain node=%s actor=%s", name, who.name)
         return _ok(view)
 
-    @route("POST", "/v1/nodes/{name}/undrain", "nodes", node_changed)
-    async def undrain(name: str, who: Principal = Depends(writer)) -> Response:
-        view = await run_in_threadpool(call, service.undrain, name, actor=who.name)
-        log.info("event=undrain node=%s actor=%s", name, who.name)
+    @route(
+        "POST",
+        "/v1/nodes/{name}/undrain",
+        "nodes",
+        node_changed,
+        openapi_extra=request_body(UndrainRequest, required=False),
+    )
+    async def undrain(request: Request, name: str, who: Principal = Depends(writer)) -> Response:
+        req = await body_of(request, UndrainRequest, if_empty=UndrainRequest())
+        view = await run_in_threadpool(call, service.undrain, name, actor=who.name, force=req.force)
+        log.info("event=undrain node=%s actor=%s force=%s", name, who.name, req.force)
         return _ok(view)
 
     @route(

@@ -462,11 +462,16 @@ def build_parser() -> argparse.ArgumentParser:
         sub,
         "undrain",
         "Put a drained node back into service.",
-        "agentctl undrain node-12",
+        "agentctl undrain node-12\n  agentctl undrain --force node-12   # another's drain",
         parents=api,
         aliases=["uncordon"],
     )
     undrain.add_argument("node")
+    undrain.add_argument(
+        "--force",
+        action="store_true",
+        help="also undo a drain trainguard did not make (an admin's or a health check's)",
+    )
 
     _command(sub, "spares", "List the hot spares.", "agentctl spares -o wide", parents=api)
 
@@ -723,7 +728,8 @@ def _run_api(args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
         data = api.request("POST", f"/v1/nodes/{_quote(args.node)}/drain", json=body)
         _print(out, args, "node", data)
     elif cmd == "undrain":
-        data = api.request("POST", f"/v1/nodes/{_quote(args.node)}/undrain")
+        body = {"force": True} if args.force else {}
+        data = api.request("POST", f"/v1/nodes/{_quote(args.node)}/undrain", json=body)
         _print(out, args, "node", data)
     elif cmd == "spares":
         _print(out, args, "spares", api.request("GET", "/v1/spares"))

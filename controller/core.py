@@ -360,8 +360,8 @@ class Controller:
     def drain(self, name: str, *, reason: str, actor: str) -> NodeView:
         return self.operations.drain(name, reason=reason, actor=actor)
 
-    def undrain(self, name: str, *, actor: str) -> NodeView:
-        return self.operations.undrain(name, actor=actor)
+    def undrain(self, name: str, *, actor: str, force: bool = False) -> NodeView:
+        return self.operations.undrain(name, actor=actor, force=force)
 
     def inject_fault(self, node: str, spec: FaultSpec, *, actor: str) -> str:
         return self.operations.inject_fault(node, spec, actor=actor)

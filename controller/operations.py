@@ -69,8 +69,9 @@ class OperatorService:
         self._operator_step("drain", name, actor=actor, detail={"reason": reason})
         return self._queries.get_node(name)
 
-    def undrain(self, name: str, *, actor: str) -> NodeView:
-        self._operator_step("undrain", name, actor=actor, detail={})
+    def undrain(self, name: str, *, actor: str, force: bool = False) -> NodeView:
+        detail: dict[str, Any] = {"force": True} if force else {}
+        self._operator_step("undrain", name, actor=actor, detail=detail)
         return self._queries.get_node(name)
 
     def inject_fault(self, node: str, spec: FaultSpec, *, actor: str) -> str:

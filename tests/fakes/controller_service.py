@@ -212,8 +212,8 @@ class FakeService:
         self._audit(actor, "drain", name, reason=reason)
         return view
 
-    def undrain(self, name: str, *, actor: str) -> NodeView:
-        self._record("undrain", name, actor=actor)
+    def undrain(self, name: str, *, actor: str, force: bool = False) -> NodeView:
+        self._record("undrain", name, actor=actor, force=force)
         view = replace(self._node(name), state="active", drain_reason=None)
         self.nodes[name] = view
         self._audit(actor, "undrain", name)

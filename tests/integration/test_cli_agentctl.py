@@ -143,6 +143,9 @@ def test_drain_undrain_role_and_spares(env: Path, svc: FakeService) -> None:
     assert svc.calls[-1].kwargs == {"reason": "xid 79", "actor": "ops-alice"}
     assert run("undrain", "node-1")[0] == 0
     assert svc.nodes["node-1"].state == "active"
+    assert svc.calls[-1].kwargs == {"actor": "ops-alice", "force": False}
+    assert run("undrain", "--force", "node-1")[0] == 0
+    assert svc.calls[-1].kwargs == {"actor": "ops-alice", "force": True}
     assert run("role", "node-1", "spare")[0] == 0
     _, out, _ = run("spares", "-o", "json")
     assert sorted(n["name"] for n in json.loads(out)) == ["node-1", "node-2"]
