@@ -186,6 +186,13 @@ INCIDENT_COLUMNS = (
 JOB_COLUMNS = (
     Column("NAME", lambda j, now: j["name"]),
     Column("STATE", lambda j, now: j["state"]),
+    # where the job runs: "torchrun" (launched by the agents) or "slurm <job id>"
+    Column(
+        "SCHEDULER",
+        lambda j, now: " ".join(
+            x for x in (j.get("scheduler") or "torchrun", j.get("scheduler_job_id") or "") if x
+        ),
+    ),
     Column("NODES", lambda j, now: str(len(j.get("nodes", [])))),
     Column("RANKS", lambda j, now: _cell(j.get("ranks"))),
     Column("ATTEMPT", lambda j, now: _cell(j.get("attempt"))),

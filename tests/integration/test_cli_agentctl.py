@@ -125,6 +125,7 @@ def test_get_jobs_and_describe_job(env: Path, svc: FakeService) -> None:
     assert out.splitlines()[1].split() == [
         "llama",
         "running",
+        "torchrun",
         "1",
         "8",
         "0",
@@ -135,6 +136,9 @@ def test_get_jobs_and_describe_job(env: Path, svc: FakeService) -> None:
     ]
     code, out, _ = run("describe", "job", "llama", "-o", "json")
     assert json.loads(out)["ettr"] == 0.97
+    svc.jobs["llama"] = replace(svc.jobs["llama"], scheduler="slurm", scheduler_job_id="4242")
+    code, out, _ = run("get", "jobs")
+    assert out.splitlines()[1].split()[2:4] == ["slurm", "4242"]
 
 
 def test_drain_undrain_role_and_spares(env: Path, svc: FakeService) -> None:
