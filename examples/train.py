@@ -25,6 +25,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -73,6 +74,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.0,
         help="random noise of this scale added to each sample when it is loaded (augmentation)",
     )
+    p.add_argument(
+        "--log-samples",
+        metavar="FILE",
+        help="append one JSON line per completed step and rank to FILE: attempt, rank, world,"
+        " step, epoch and the dataset indices of the rank's batch (data-position checks)",
+    )
     p.add_argument("--s3-bucket")
     p.add_argument("--s3-prefix", help="default: trainguard/<job>")
     p.add_argument("--s3-endpoint-url")
@@ -102,6 +109,20 @@ class Augmented(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         if self.noise:
             x = x + self.noise * torch.randn(x.shape)
         return x, y
+
+
+class Indexed(Dataset[tuple[torch.Tensor, ...]]):
+    """A dataset's samples with their index appended (for --log-samples)."""
+
+    def __init__(self, data: Dataset[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        x, y = self.data[index]
+        return x, y, torch.tensor(index)
 
 
 def average_gradients(model: nn.Module, world: int) -> None:
@@ -138,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    # Under torchrun (which sets WORLD_SIZE) always with a process group, even for one rank:
+    # a checkpoint then resumes at another world size (a job shrunk to one rank, or grown).
+    distributed = "WORLD_SIZE" in os.environ
     if distributed:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
@@ -166,8 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     # global one would make the global RNG depend on when iterators were created); workers
     # that ignore the stop signals meant for this rank and load each sample with the random
     # state of its position, so a resume with workers and augmentation is exact too.
+    dataset: Dataset[Any] = Augmented(data, noise=args.augment_noise)
+    if args.log_samples:
+        dataset = Indexed(dataset)
     loader = resumable_loader(
-        Augmented(data, noise=args.augment_noise),
+        dataset,
         sampler=sampler,
         seed=args.seed,
         num_workers=args.num_workers,
@@ -204,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         # This rank's own work (the straggler signal); the gradient all-reduce stays outside.
         with tg.compute():
             t0 = time.perf_counter()
-            x, y = next(batches)
+            epoch = sampler.epoch
+            x, y, *indices = next(batches)
             opt.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(x), y)
             loss.backward()
@@ -218,6 +245,18 @@ def main(argv: list[str] | None = None) -> int:
         opt.step()
         sched.step()
         action = tg.step(step, loss=loss, grad_norm=grad_norm, samples=args.batch_size)
+        if args.log_samples:
+            record = {
+                "attempt": int(os.environ.get("TRAINGUARD_ATTEMPT", "0")),
+                "rank": rank,
+                "world": world,
+                "step": step,
+                "epoch": epoch,
+                "indices": indices[0].tolist(),
+            }
+            # one short append per line: ranks of every node share the file
+            with open(args.log_samples, "a") as f:
+                f.write(json.dumps(record) + "\n")
         if rank == 0:
             line = {
                 "step": step,
