@@ -14,6 +14,7 @@ The only part of trainguard that imports torch; `import agent` never imports thi
 
 from trainguard.trainer.chaos import ChaosError, ChaosSpecError
 from trainguard.trainer.core import CheckpointMismatch, NanPolicy, Stateful, StepAction, Trainguard
+from trainguard.trainer.fence import LaunchLocked, StaleAttempt
 from trainguard.trainer.launch import LaunchMismatch
 from trainguard.trainer.loader import resumable_loader
 from trainguard.trainer.manifest import (
@@ -33,11 +34,13 @@ __all__ = [
     "CheckpointInvalid",
     "CheckpointMismatch",
     "ForeignCheckpoint",
+    "LaunchLocked",
     "LaunchMismatch",
     "Manifest",
     "NanPolicy",
     "ResumableSampler",
     "S3Config",
+    "StaleAttempt",
     "Stateful",
     "StepAction",
     "Trainguard",

@@ -4,7 +4,8 @@ A save is: snapshot in host memory (main thread, the only part the loop waits fo
 a background thread: write every file into `step_K.tmp-<nonce>/`, fsync, checksum, gather the
 checksums on rank 0, write the manifest, one atomic rename to `step_K/`, tell every rank the
 outcome, apply retention, upload to S3. At most one save is in flight; a new save first waits
-for the previous one. A failed save is reported and never becomes "latest".
+for the previous one. A failed save is reported and never becomes "latest". With an attempt
+epoch, rank 0 refuses the commit when the directory's epoch is newer (trainer/fence.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import hashlib
 import logging
 import os
 import re
+import secrets
 import shutil
 import threading
 from collections import deque
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 
 from trainguard.clock import SYSTEM_CLOCK, Clock
+from trainguard.trainer.fence import StaleAttempt, check_epoch, epoch_lock, read_epoch
 from trainguard.trainer.hooks import StepHook
 from trainguard.trainer.manifest import (
     HashingWriter,
@@ -50,6 +53,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("trainguard.trainer")
+_FAILED, _COMMITTED, _STALE = 0, 1, 2
 _DCP_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
@@ -58,6 +62,15 @@ _HASH_AHEAD_BLOCKS = 4
 _WRITEBACK_BYTES = 32 << 20
 _ALIGN_BYTES = 64
 _ZEROS = bytes(_ALIGN_BYTES)
+
+
+def _stale_reason(ckpt_dir: Path, epoch: int | None) -> str:
+    """A non-zero rank's reason for the refusal rank 0 decided (the same EPOCH file)."""
+    with contextlib.suppress(OSError, ValueError):
+        current = read_epoch(ckpt_dir)
+        if epoch is not None and current is not None:
+            return str(StaleAttempt(epoch=epoch, current=current))
+    return "checkpoint refused: a newer attempt of the job owns the directory (see rank 0)"
 
 
 def rank_file_name(rank: int) -> str:
@@ -226,6 +239,7 @@ class SaveResult:
     path: str
     bytes: int = 0
     reason: str = ""
+    stale: bool = False  # refused: a newer attempt of the job owns the directory
 
 
 class CheckpointWriter:
@@ -240,6 +254,7 @@ class CheckpointWriter:
         job: str,
         version: str,
         run_nonce: str,
+        epoch: int | None = None,
         s3: S3Store | None = None,
         hooks: tuple[StepHook, ...] = (),
         clock: Clock = SYSTEM_CLOCK,
@@ -250,6 +265,7 @@ class CheckpointWriter:
         self.job = job
         self.version = version
         self.run_nonce = run_nonce
+        self.epoch = epoch
         self.s3 = s3
         self.hooks = hooks
         self.clock = clock
@@ -257,6 +273,7 @@ class CheckpointWriter:
         self._results: list[SaveResult] = []
         self._lock = threading.Lock()
         self._counter = 0
+        self._stale: StaleAttempt | None = None
 
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -364,18 +381,24 @@ class CheckpointWriter:
             mine["files"] = self._write_local(step, rank_state, tensors, tmp)
         except Exception as e:
             mine = {"ok": False, "reason": f"rank {rank}: {type(e).__name__}: {e}", "files": {}}
-        committed = 0
+        committed = 0  # the outcome every rank learns: _FAILED, _COMMITTED or _STALE
         reason = ""
         try:
             everyone = self.coord.all_gather_json(mine) if self.coord.distributed else [mine]
             failures = [r["reason"] for r in everyone if not r["ok"]]
             if rank == 0:
-                if failures:
+                committed = self._decide(
+                    step,
+                    request_id=request_id,
+                    tmp=tmp,
+                    final=final,
+                    everyone=everyone,
+                    failures=failures,
+                )
+                if committed == _STALE and self.epoch is not None:
+                    reason = str(self._stale)
+                elif failures:
                     reason = failures[0]
-                    shutil.rmtree(tmp, ignore_errors=True)
-                else:
-                    self._commit(step, request_id, tmp, final, everyone)
-                    committed = 1
             elif failures:
                 reason = failures[0]
         except Exception as e:
@@ -386,9 +409,13 @@ class CheckpointWriter:
             try:
                 committed = self.coord.broadcast_int(committed, checkpoint_group=True)
             except Exception as e:
-                committed, reason = 0, f"rank {rank}: outcome broadcast: {e}"
-        if not committed and not reason:
+                committed, reason = _FAILED, f"rank {rank}: outcome broadcast: {e}"
+        stale = committed == _STALE
+        if stale and rank != 0:
+            reason = _stale_reason(self.ckpt_dir, self.epoch)
+        if committed != _COMMITTED and not reason:
             reason = "rank 0 could not commit (see its log)"
+        committed = int(committed == _COMMITTED)
         duration_s = self.clock.monotonic() - t0
         result = SaveResult(
             step=step,
@@ -398,6 +425,7 @@ class CheckpointWriter:
             path=str(final if committed else tmp),
             bytes=snapshot_bytes,
             reason=reason,
+            stale=stale,
         )
         if committed:
             log.info(
@@ -424,6 +452,55 @@ class CheckpointWriter:
             self._results.append(result)
         if committed and rank == 0:
             self._after_commit(step, final)
+
+    def _decide(
+        self,
+        step: int,
+        *,
+        request_id: str | None,
+        tmp: Path,
+        final: Path,
+        everyone: list[Any],
+        failures: list[str],
+    ) -> int:
+        """Rank 0: commit, or refuse (stale attempt) or give up (a rank failed); the outcome.
+
+        The epoch is checked under the epoch lock, which a newer launch's raise also takes; a
+        file system whose flock does not span hosts leaves a window between the check and the
+        rename, so the epoch is read again after the rename and a raced commit withdrawn."""
+        if self.epoch is None:
+            if failures:
+                shutil.rmtree(tmp, ignore_errors=True)
+                return _FAILED
+            self._commit(step, request_id, tmp, final, everyone)
+            return _COMMITTED
+        with epoch_lock(self.ckpt_dir):
+            try:
+                check_epoch(self.ckpt_dir, self.epoch)
+            except StaleAttempt as e:
+                self._stale = e
+                shutil.rmtree(tmp, ignore_errors=True)
+                return _STALE
+            if failures:
+                shutil.rmtree(tmp, ignore_errors=True)
+                return _FAILED
+            self._commit(step, request_id, tmp, final, everyone)
+        try:
+            check_epoch(self.ckpt_dir, self.epoch)
+        except StaleAttempt as e:
+            self._stale = e
+            aside = self.ckpt_dir / f"{final.name}.replaced-{secrets.token_hex(4)}"
+            os.rename(final, aside)
+            shutil.rmtree(aside, ignore_errors=True)
+            log.error(
+                "event=checkpoint_withdrawn job=%s step=%d epoch=%d directory_epoch=%d",
+                self.job,
+                step,
+                e.epoch,
+                e.current,
+            )
+            return _STALE
+        return _COMMITTED
 
     def _commit(
         self, step: int, request_id: str | None, tmp: Path, final: Path, everyone: list[Any]

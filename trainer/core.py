@@ -49,6 +49,13 @@ from trainguard.trainer.checkpoint import (
     read_tensor_file,
     tensor_file_name,
 )
+from trainguard.trainer.fence import (
+    LaunchLock,
+    LaunchLocked,
+    StaleAttempt,
+    epoch_from_env,
+    raise_epoch,
+)
 from trainguard.trainer.grace import GraceWatchdog
 from trainguard.trainer.hooks import StepHook
 from trainguard.trainer.launch import LaunchMismatch, check_launch
@@ -87,6 +94,7 @@ __all__ = [
     "CheckpointMismatch",
     "LaunchMismatch",
     "NanPolicy",
+    "StaleAttempt",
     "Stateful",
     "StepAction",
     "Trainguard",
@@ -134,7 +142,8 @@ class StepAction:
     """
 
     stop: bool = False
-    reason: str | None = None  # "stop", "checkpoint_stop", "sigterm", "nan", "nan_no_checkpoint"
+    # "stop", "checkpoint_stop", "sigterm", "nan", "nan_no_checkpoint", "stale_attempt"
+    reason: str | None = None
     rollback: bool = False
     next_step: int | None = None
     checkpoint_started: bool = False
@@ -175,6 +184,8 @@ class Trainguard:
         checkpoint_timeout_s: float = 600.0,
         dump_stacks_on_sigusr1: bool = True,
         job: str | None = None,
+        epoch: int | None = None,
+        launch_lock_timeout_s: float = 60.0,
         chaos: str | None = None,
         single_process: bool = False,
         clock: Clock = SYSTEM_CLOCK,
@@ -195,6 +206,12 @@ class Trainguard:
             raise ValueError("sigterm_grace_s and checkpoint_timeout_s must be positive")
         if grad_spike_factor is not None and grad_spike_factor <= 1.0:
             raise ValueError(f"grad_spike_factor must exceed 1.0, got {grad_spike_factor}")
+        if epoch is not None and epoch < 0:
+            raise ValueError(f"epoch must be >= 0 or None (TRAINGUARD_ATTEMPT), got {epoch}")
+        if launch_lock_timeout_s < 0:
+            raise ValueError(f"launch_lock_timeout_s must be >= 0, got {launch_lock_timeout_s}")
+        # The attempt epoch fences the checkpoint directory (trainer/fence.py); None: no fencing.
+        self.epoch = epoch if epoch is not None else epoch_from_env()
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -248,11 +265,33 @@ class Trainguard:
             ),
         )
 
+        self._launch_lock: LaunchLock | None = None
+        refusal = ""
         if self.rank == 0:
             self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-            clean_stale(self.ckpt_dir)
-        # Also a barrier: no rank starts writing before rank 0 cleaned stale directories.
-        run_nonce = self.coord.broadcast_str(secrets.token_hex(4))
+            refusal = self._fence_directory(launch_lock_timeout_s)
+            if not refusal:
+                clean_stale(self.ckpt_dir)
+        # Also a barrier: no rank starts writing before rank 0 raised the epoch and cleaned
+        # stale directories. A refusal travels in its place, so every rank raises it.
+        run_nonce = self.coord.broadcast_str(refusal or f"ok:{secrets.token_hex(4)}")
+        if not run_nonce.startswith("ok:"):
+            self.channel.close()
+            if self._launch_lock is not None:
+                self._launch_lock.release()
+            kind, _, detail = run_nonce.partition(":")
+            log.error(
+                "event=launch_refused job=%s rank=%d epoch=%s reason=%s",
+                self.job,
+                self.rank,
+                self.epoch,
+                detail.replace(" ", "_"),
+            )
+            if kind == "stale":
+                mine, _, current = detail.partition(":")
+                raise StaleAttempt(epoch=int(mine), current=int(current))
+            raise LaunchLocked(detail)
+        run_nonce = run_nonce.removeprefix("ok:")
         self._s3 = S3Store(s3, job=self.job) if s3 is not None else None
         self.writer = CheckpointWriter(
             ckpt_dir=self.ckpt_dir,
@@ -261,6 +300,7 @@ class Trainguard:
             job=self.job,
             version=__version__,
             run_nonce=run_nonce,
+            epoch=self.epoch,
             s3=self._s3,
             hooks=self._hooks,
             clock=clock,
@@ -293,6 +333,7 @@ class Trainguard:
         self._compute_pending: deque[tuple[list[tuple[Any, Any]], float]] = deque()
         self._compute_last_s: float | None = None
         self._sigterm_at: float | None = None
+        self._stale = False  # a commit was refused: a newer attempt owns the directory
         self._hard_exit_timer: GraceWatchdog | None = None
         self._closed = False
         self._prev_handler: Any = None
@@ -304,12 +345,13 @@ class Trainguard:
             _register_stack_dump()
         log.info(
             "event=trainer_start job=%s rank=%d world_size=%d ckpt_dir=%s control_socket=%s "
-            "chaos=%s",
+            "epoch=%s chaos=%s",
             self.job,
             self.rank,
             self.world_size,
             self.ckpt_dir,
             self.channel.control_socket or "-",
+            "-" if self.epoch is None else self.epoch,
             ",".join(r.kind for r in chaos_rules) or "-",
         )
         self._send(step=0, phase="init")
@@ -428,7 +470,10 @@ class Trainguard:
 
     def save(self, step: int, *, wait: bool = False) -> bool:
         """Checkpoint the state after `step` now (every rank must call it at the same step).
-        Returns False when it was not started (state not finite, or writer busy past timeout)."""
+        Returns False when it was not started (state not finite, writer busy past timeout, or
+        this attempt is stale)."""
+        if self._stale:
+            return False
         started = self._start_checkpoint(step, request_id=None)
         if started and wait:
             self.writer.wait(self.checkpoint_timeout_s)
@@ -450,6 +495,8 @@ class Trainguard:
             )
         self._collect_results()
         self._pool.close()
+        if self._launch_lock is not None:
+            self._launch_lock.release()
         self._events.append(("exit", {}))
         self._send(step=-1, phase="exit")
         self.channel.close()
@@ -465,6 +512,31 @@ class Trainguard:
 
     # --- per-step pieces ------------------------------------------------------------------
 
+    def _fence_directory(self, lock_timeout_s: float) -> str:
+        """Rank 0, at start: take the launch lock and raise the directory's epoch to ours.
+        Returns "" or the refusal every rank raises ("stale:<ours>:<theirs>", "locked:<why>")."""
+        if self.epoch is None:
+            return ""
+        lock = LaunchLock(self.ckpt_dir, epoch=self.epoch, clock=self.clock)
+        try:
+            lock.acquire(timeout_s=lock_timeout_s)
+        except LaunchLocked as e:
+            return f"locked:{e}"
+        self._launch_lock = lock
+        try:
+            previous = raise_epoch(self.ckpt_dir, self.epoch)
+        except StaleAttempt as e:
+            return f"stale:{e.epoch}:{e.current}"
+        if previous != self.epoch:
+            log.info(
+                "event=epoch_raised job=%s dir=%s epoch=%d previous=%s",
+                self.job,
+                self.ckpt_dir,
+                self.epoch,
+                "-" if previous is None else previous,
+            )
+        return ""
+
     def _view(self) -> LocalView:
         """This rank's view for the next agreement; the non-finite flag restarts with it."""
         view = LocalView(
@@ -473,6 +545,7 @@ class Trainguard:
             nonfinite=self._bad_since_sync,
             interval=self._propose_interval(),
             max_interval=self._max_interval(),
+            stale=self._stale,
         )
         self._bad_since_sync = False
         return view
@@ -548,6 +621,17 @@ class Trainguard:
         request_id = ag.request_id
         if ag.request_id is not None:
             self._forget_request(ag.request_id)
+        if ag.stale:
+            # A newer attempt owns the directory: nothing this one computes can be kept.
+            self._events.append(("stop", {"step": step, "reason": "stale_attempt"}))
+            log.error(
+                "event=stop job=%s rank=%d step=%d reason=stale_attempt epoch=%s",
+                self.job,
+                self.rank,
+                step,
+                self.epoch,
+            )
+            return StepAction(stop=True, reason="stale_attempt", request_id=request_id)
         if ag.nonfinite and self.nan_policy == "rollback":
             if ag.action is not None and ag.request_id is not None:
                 # Every rank learnt the request from the agreement: act on it at the next
@@ -658,6 +742,8 @@ class Trainguard:
             )
             return False
         self._collect_results()
+        if self._stale:
+            return False  # the previous save was refused: every rank learnt it from its outcome
         try:
             rank_state, tensors = self._capture(step)
             snap = self._pool.snapshot({"rank": rank_state, "tensors": tensors})
@@ -994,6 +1080,7 @@ class Trainguard:
                 )
             )
         else:
+            self._stale = self._stale or r.stale
             self._events.append(
                 (
                     "checkpoint_failed",

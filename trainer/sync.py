@@ -2,7 +2,8 @@
 
 An agreement is one small all_reduce(MAX) on a dedicated gloo group: [lowest rank holding a
 pending request (encoded), sigterm seen, non-finite seen, proposed interval (the largest
-wins), minus the longest interval this rank allows (the smallest wins)]. If any rank holds a
+wins), minus the longest interval this rank allows (the smallest wins), commit refused as a
+stale attempt]. If any rank holds a
 request, the lowest such rank broadcasts its (action, request_id) and everyone acts on it.
 `start()` posts the all_reduce without waiting and `finish()` collects it later (the caller
 collects at the same step on every rank), so the collective's latency overlaps the training
@@ -44,6 +45,7 @@ class LocalView:
     nonfinite: bool
     interval: int = 1  # steps until the next sync this rank proposes (the max wins)
     max_interval: int | None = None  # the most steps this rank allows (the min wins); None: any
+    stale: bool = False  # a commit of this rank was refused: a newer attempt owns the directory
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class Agreement:
     sigterm: bool = False
     nonfinite: bool = False
     interval: int = 1
+    stale: bool = False
 
 
 class Coordinator(Protocol):
@@ -108,6 +111,7 @@ class LocalCoordinator:
             sigterm=view.sigterm,
             nonfinite=view.nonfinite,
             interval=_interval(view.interval, view.max_interval),
+            stale=view.stale,
         )
 
     def agree(self, view: LocalView) -> Agreement:
@@ -155,7 +159,8 @@ class DistCoordinator:
         # MAX of the negated cap is minus the smallest cap: one all_reduce carries both.
         cap = -(view.max_interval if view.max_interval is not None else _NO_CAP)
         flags = torch.tensor(
-            [code, int(view.sigterm), int(view.nonfinite), view.interval, cap], dtype=torch.int64
+            [code, int(view.sigterm), int(view.nonfinite), view.interval, cap, int(view.stale)],
+            dtype=torch.int64,
         )
         work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.sync_group, async_op=True)
         self._posted = (view, flags, work)
@@ -167,7 +172,7 @@ class DistCoordinator:
         view, flags, work = self._posted
         self._posted = None
         work.wait()
-        top, sigterm, nonfinite, interval, neg_cap = (int(x) for x in flags.tolist())
+        top, sigterm, nonfinite, interval, neg_cap, stale = (int(x) for x in flags.tolist())
         action: str | None = None
         rid: str | None = None
         if top > 0:
@@ -187,6 +192,7 @@ class DistCoordinator:
             sigterm=bool(sigterm),
             nonfinite=bool(nonfinite),
             interval=_interval(interval, None if -neg_cap >= _NO_CAP else -neg_cap),
+            stale=bool(stale),
         )
 
     def agree(self, view: LocalView) -> Agreement:
