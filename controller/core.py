@@ -217,6 +217,7 @@ class Controller:
             store=self.store,
             metrics=self.metrics,
             wake=wake,
+            scheduler=self.backend.name,
         )
         self.maintenance = MaintenanceScheduler(
             store=self.store, config=config.maintenance, metrics=self.metrics, clock=clock

@@ -201,7 +201,9 @@ class _Live:
 
 _KEEP_EVENTS = 64
 # Steps whose work makes a job's processes exit (so an exit during them is no crash).
-_STOPPING_KINDS = frozenset({"checkpoint", "drain", "replace", "restart", "rollback", "stop"})
+_STOPPING_KINDS = frozenset(
+    {"checkpoint", "drain", "grow", "replace", "restart", "rollback", "stop"}
+)
 
 
 class JobManager:
@@ -286,7 +288,9 @@ class JobManager:
         )
         return rec
 
-    def begin_attempt(self, name: str, *, key: str) -> tuple[JobRecord, bool]:
+    def begin_attempt(
+        self, name: str, *, key: str, counts_restart: bool = True
+    ) -> tuple[JobRecord, bool]:
         job = self.get(name)
         spec_port = job.spec.get("rdzv_port") if job is not None else None
 
@@ -295,7 +299,9 @@ class JobManager:
                 return spec_port
             return self.config.rdzv_port_base + attempt % self.config.rdzv_port_span
 
-        rec, began = self.store.begin_attempt(name, key=key, rdzv_port=port, ts=self._now())
+        rec, began = self.store.begin_attempt(
+            name, key=key, rdzv_port=port, ts=self._now(), counts_restart=counts_restart
+        )
         self._remember(rec)
         if began:
             log.info(

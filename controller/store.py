@@ -890,11 +890,18 @@ class Store:
         return job
 
     def begin_attempt(
-        self, name: str, *, key: str, rdzv_port: Callable[[int], int], ts: float
+        self,
+        name: str,
+        *,
+        key: str,
+        rdzv_port: Callable[[int], int],
+        ts: float,
+        counts_restart: bool = True,
     ) -> tuple[JobRecord, bool]:
         """The attempt that step `key` starts: the current one if this key began it already
         (a re-run after a crash), else attempt+1 on the job's current nodes, in one
-        transaction. Returns (job, began_now)."""
+        transaction; a later attempt counts as a restart unless `counts_restart` is False (a
+        grow back to full size). Returns (job, began_now)."""
         with self.transaction() as c:
             row = c.execute(
                 "SELECT attempt, attempt_key, nodes FROM jobs WHERE name = ?", (name,)
@@ -909,7 +916,15 @@ class Store:
                     " rdzv_port = ?, restarts = restarts + CASE WHEN ? > 1 THEN 1 ELSE 0 END,"
                     " state = 'starting', state_reason = '', attempt_started_at = ?,"
                     " updated_at = ? WHERE name = ?",
-                    (attempt, key, rdzv_port(attempt), attempt, ts, ts, name),
+                    (
+                        attempt,
+                        key,
+                        rdzv_port(attempt),
+                        attempt if counts_restart else 0,
+                        ts,
+                        ts,
+                        name,
+                    ),
                 )
         job = self.get_job(name)
         assert job is not None
@@ -1228,6 +1243,19 @@ class Store:
     def action_by_key(self, idempotency_key: str) -> ActionView | None:
         rows = self._query("SELECT * FROM actions WHERE idempotency_key = ?", (idempotency_key,))
         return self._action(rows[0]) if rows else None
+
+    def last_shrink_incident(self, job: str) -> int | None:
+        """The incident whose replace or restart step last shrank `job`'s world size (output
+        mode "shrink_world"), or None."""
+        rows = self._query(
+            "SELECT incident_id FROM actions WHERE incident_id IS NOT NULL"
+            " AND kind IN ('replace', 'restart') AND json_extract(output, '$.job') = ?"
+            " AND (json_extract(output, '$.mode') = 'shrink_world'"
+            " OR json_extract(output, '$.replaced.mode') = 'shrink_world')"
+            " ORDER BY id DESC LIMIT 1",
+            (job,),
+        )
+        return int(rows[0][0]) if rows else None
 
     def last_drain(self, node: str) -> ActionView | None:
         """The newest drain row of `node` that was not skipped or failed (an incident's or an

@@ -1,5 +1,6 @@
 """The controller's clockwork: the tick (rules evaluated over the SignalState, decisions fed
-to the incident layer) and the threads that run it and the action steps it schedules.
+to the incident layer, shrunk jobs' grow steps planned) and the threads that run it and the
+action steps it schedules.
 
 Threads: `start()` runs a tick thread (evaluation every tick_interval_s) and an action
 worker thread (so a slow webhook never delays detection). Rule evaluation does not hold the
@@ -20,6 +21,13 @@ from trainguard.clock import Clock
 from trainguard.controller.actions.worker import ActionRunner
 from trainguard.controller.config import ControllerConfig
 from trainguard.controller.errors import BadRequest
+from trainguard.controller.growplan import (
+    GrowIncident,
+    GrowJob,
+    GrowNode,
+    GrowStep,
+    plan_grows,
+)
 from trainguard.controller.incidents import IncidentManager
 from trainguard.controller.jobs import JobManager
 from trainguard.controller.livestate import LiveState
@@ -29,7 +37,7 @@ from trainguard.controller.queries import QueryService
 from trainguard.controller.rules import engine
 from trainguard.controller.rules.engine import EngineMemory, MemoryEntry
 from trainguard.controller.rules.loader import RuleError, RuleSet, load_rules
-from trainguard.controller.store import Store
+from trainguard.controller.store import NewAction, Store
 from trainguard.strict import ConfigError
 
 __all__ = ["TickService", "load_rule_set"]
@@ -63,8 +71,10 @@ class TickService:
         store: Store,
         metrics: ControllerMetrics,
         wake: threading.Event,
+        scheduler: str = "torchrun",
     ) -> None:
         self._config = config
+        self._scheduler = scheduler  # the backend's name: only torchrun jobs grow back
         self._clock = clock
         self._rules = rules
         self._live = live
@@ -225,6 +235,7 @@ class TickService:
                 if self._seeded:
                     decisions = self._hold_seeded(decisions, now=now)
         self.apply_decisions(decisions, now=now)
+        self.plan_grows(now=now)
         if not self.running:
             self._runner.run_due(now=now)
         self.update_gauges(now)
@@ -238,6 +249,96 @@ class TickService:
             if incident is not None:
                 self._metrics.incidents_opened_total.labels(rule=incident.rule).inc()
         return opened
+
+    def plan_grows(self, *, now: float) -> list[str]:
+        """Write a `grow` step (no incident, key grow:<job>:<attempt>) for each shrunk job
+        controller.growplan.plan_grows picks; returns the keys written."""
+        jobs: list[GrowJob] = []
+        for rec in self._jobs.records():
+            if rec.state != "running":
+                continue
+            spec = self._jobs.spec(rec)
+            if spec.shrink != "world" or len(rec.nodes) * rec.nproc_per_node >= spec.world_size:
+                continue
+            began = self._store.action_by_key(rec.attempt_key) if rec.attempt_key else None
+            jobs.append(
+                GrowJob(
+                    name=rec.name,
+                    state=rec.state,
+                    attempt=rec.attempt,
+                    nodes=rec.nodes,
+                    nproc_per_node=rec.nproc_per_node,
+                    full_world_size=spec.world_size,
+                    shrink=spec.shrink,
+                    spare_selector=dict(spec.spare_selector),
+                    scheduler=self._scheduler,
+                    confirmed_at=began.updated_at
+                    if began is not None and began.state == "succeeded"
+                    else None,
+                )
+            )
+        if not jobs:
+            return []
+        nodes = [
+            GrowNode(
+                name=n.name,
+                role=n.role,
+                state=n.state,
+                reporting=self._jobs.reporting(n.name),
+                labels=dict(n.labels),
+                job=n.job,
+            )
+            for n in self._live.all_nodes()
+        ]
+        steps = [
+            GrowStep(kind=a.kind, job=_text(a.params.get("job")), node=_text(a.params.get("node")))
+            for a, _ in self._store.open_actions()
+        ]
+        incidents = [
+            GrowIncident(state=i.state, job=i.job, node=i.node)
+            for i in self._store.unresolved_incidents()
+        ]
+        written: list[str] = []
+        for grow in plan_grows(
+            jobs=jobs,
+            nodes=nodes,
+            spares=[n for n in nodes if n.role == "spare"],
+            open_steps=steps,
+            incidents=incidents,
+            now=now,
+        ):
+            if self._store.action_by_key(grow.key) is not None:
+                continue  # at most one grow per job and attempt, whatever became of it
+            self._store.add_actions(
+                None,
+                [
+                    NewAction(
+                        kind="grow",
+                        target=grow.job,
+                        idempotency_key=grow.key,
+                        params={
+                            "job": grow.job,
+                            "attempt": grow.attempt,
+                            "spares": list(grow.spares),
+                            "actor": "controller",
+                            "reason": "back to full size",
+                        },
+                    )
+                ],
+                ts=now,
+            )
+            written.append(grow.key)
+            log.info(
+                "event=grow_planned job=%s attempt=%d ranks_from=%d ranks_to=%d spares=%s",
+                grow.job,
+                grow.attempt,
+                grow.ranks_from,
+                grow.ranks_to,
+                ",".join(grow.spares),
+            )
+        if written:
+            self._wake.set()
+        return written
 
     def run_actions(self, *, now: float | None = None) -> int:
         """Run due action steps now (what the worker thread does); returns how many ran."""
@@ -309,3 +410,7 @@ class TickService:
         )
         log.info("event=rules_reloaded rules=%d actor=%s", len(rules.rules), actor)
         return len(rules.rules)
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None

@@ -1,5 +1,6 @@
 """The job steps of a remediation: checkpoint, replace, restart, rollback, stop and
-collect_stacks, all over controller.jobs.JobManager and the agents' commands.
+collect_stacks, all over controller.jobs.JobManager and the agents' commands; and grow, which
+brings a shrunk job back to its full size.
 
 Every step keeps its progress in its action output (so a controller restart resumes where it
 was) and every command id derives from the step's idempotency key or the job attempt, so a
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainguard.controller.actions.base import ActionContext, Outcome, PermanentError
@@ -331,6 +332,9 @@ class RestartHandler(JobStep):
     # Given: unusable nodes found at start are swapped for spares (or the job shrinks);
     # None: the restart fails on them (a replace step must run first).
     open_incident_nodes: Callable[[], set[str]] | None = None
+    # False (a grow back to full size): the new attempt is no restart, neither counted nor
+    # held to max_restarts
+    counts_restart: bool = True
 
     def run_job(self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]) -> Outcome:
         key = ctx.action.idempotency_key
@@ -379,7 +383,7 @@ class RestartHandler(JobStep):
     def _begin(self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]) -> Outcome:
         spec = self.jobs.spec(job)
         first = job.attempt == 0
-        if not first and job.restarts >= spec.max_restarts:
+        if not first and self.counts_restart and job.restarts >= spec.max_restarts:
             self.jobs.set_state(job.name, "failed", reason=f"max_restarts {spec.max_restarts}")
             raise PermanentError(
                 f"job {job.name} reached max_restarts ({spec.max_restarts}); not restarting"
@@ -412,7 +416,14 @@ class RestartHandler(JobStep):
                 )
             progress["skip_batches"] = self._skip(spec, ctx, job.name, ckpt)
         if not first:
-            reason = f"incident {ctx.incident.id}" if ctx.incident else "operator"
+            why = ctx.params.get("reason")  # an operator's restart has none; a grow's says so
+            reason = (
+                f"incident {ctx.incident.id}"
+                if ctx.incident
+                else why
+                if isinstance(why, str) and why
+                else "operator"
+            )
             self.jobs.set_state(job.name, "restarting", reason=f"{self.kind} ({reason})")
         stopping = [
             n
@@ -496,7 +507,9 @@ class RestartHandler(JobStep):
                 f"cannot start job {job.name} on {', '.join(unusable)} (drained or not"
                 " reporting); a replace step must give it healthy nodes"
             )
-        job, began = self.jobs.begin_attempt(job.name, key=ctx.action.idempotency_key)
+        job, began = self.jobs.begin_attempt(
+            job.name, key=ctx.action.idempotency_key, counts_restart=self.counts_restart
+        )
         nodes = list(job.attempt_nodes)
         assert job.rdzv_port is not None
         endpoint = _endpoint(self.jobs.address(nodes[0]), job.rdzv_port)
@@ -605,6 +618,152 @@ class RestartHandler(JobStep):
         self, ctx: ActionContext, progress: dict[str, Any], *, now: float
     ) -> dict[str, float]:
         return recovery_phases(ctx, progress, now=now)
+
+
+@dataclass
+class GrowHandler(JobStep):
+    """`grow` (the tick plans it, controller.growplan): bring a job that runs shrunk
+    (`shrink: world`) back to its full size on its current nodes plus the free spares the
+    plan named (params {"job", "attempt", "spares"}). A proactive checkpoint first (the
+    checkpoint step's logic, bounded by checkpoint_timeout_s); only if it commits, the job is
+    placed on its nodes plus the spares and restarted from it at full size (the restart
+    step's logic). Without a commit, or with a spare taken meanwhile, or the job no longer
+    running the planned attempt, the step ends `skipped` and the job runs on as it was. The
+    new attempt is no restart: neither counted nor held to max_restarts. Done: a
+    `grown back to N ranks` entry on the incident whose step shrank the job."""
+
+    open_incident_nodes: Callable[[], set[str]]
+    poll_interval_s: float = 0.5
+    kind: str = "grow"
+    remediation: bool = True
+    _checkpoint: CheckpointHandler = field(init=False)
+    _restart: RestartHandler = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._checkpoint = CheckpointHandler(self.jobs, poll_interval_s=self.poll_interval_s)
+        self._restart = RestartHandler(
+            self.jobs,
+            poll_interval_s=self.poll_interval_s,
+            kind="grow",
+            open_incident_nodes=self.open_incident_nodes,
+            counts_restart=False,
+        )
+
+    def run_job(self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]) -> Outcome:
+        key = ctx.action.idempotency_key
+        spec = self.jobs.spec(job)
+        spares = [str(s) for s in ctx.params.get("spares", [])]
+        base = {
+            "job": job.name,
+            "spares": spares,
+            "ranks_from": int(progress.get("ranks_from", len(job.nodes) * job.nproc_per_node)),
+            "ranks_to": spec.world_size,
+        }
+        ckpt = dict(progress.get("checkpoint", {}))
+        # the placement (or the attempt) is already done: a re-run after a controller restart
+        placed = job.attempt_key == key or (bool(spares) and set(spares) <= set(job.nodes))
+        if not placed:
+            why = self._not_now(ctx, job, spares)
+            if why is not None:
+                return Outcome(message=f"skipped: not grown ({why})", output=base, skipped=True)
+            if ckpt.get("phase") != "done":
+                step = self._checkpoint.run_job(ctx, job, ckpt)
+                ckpt = step.output
+                if not step.done:
+                    return Outcome(
+                        message=f"growing job {job.name} back to {spec.world_size} ranks:"
+                        f" {step.message}",
+                        output={**base, "checkpoint": ckpt},
+                        done=False,
+                        poll_after_s=step.poll_after_s,
+                    )
+                if not ckpt.get("proactive"):
+                    return Outcome(
+                        message=f"skipped: not grown, the checkpoint did not commit"
+                        f" ({step.message}); job {job.name} runs on at"
+                        f" {base['ranks_from']} ranks",
+                        output={**base, "checkpoint": ckpt},
+                        skipped=True,
+                    )
+            why = self._not_now(ctx, job, spares)
+            if why is not None:
+                return Outcome(message=f"skipped: not grown ({why})", output=base, skipped=True)
+            nodes = [*job.nodes, *(s for s in spares if s not in job.nodes)]
+            self.jobs.place(
+                job.name, nodes=nodes, nproc_per_node=spec.nproc_per_node, assign=spares, release=[]
+            )
+            refreshed = self.jobs.get(job.name)
+            assert refreshed is not None
+            job = refreshed
+        restart_progress = dict(progress.get("restart", {}))
+        previous = {"checkpoint": ckpt} if ckpt.get("proactive") else {}
+        step = self._restart.run_job(
+            replace(ctx, progress=restart_progress, previous=previous), job, restart_progress
+        )
+        output = {**base, "checkpoint": ckpt, "restart": step.output}
+        if not step.done:
+            return Outcome(
+                message=f"growing job {job.name} back to {spec.world_size} ranks: {step.message}",
+                output=output,
+                done=False,
+                poll_after_s=step.poll_after_s,
+            )
+        current = self.jobs.get(job.name) or job
+        ranks = len(current.nodes) * current.nproc_per_node
+        text = (
+            f"job {job.name} grown back to {ranks} ranks on {', '.join(current.nodes)}"
+            f" (from {base['ranks_from']}, checkpoint {ckpt.get('step')})"
+        )
+        self._note_grown(job.name, key=key, text=text, ranks=ranks, now=ctx.now)
+        log.info(
+            "event=job_grown job=%s ranks_from=%d ranks_to=%d attempt=%d nodes=%s key=%s",
+            job.name,
+            base["ranks_from"],
+            ranks,
+            current.attempt,
+            ",".join(current.nodes),
+            key,
+        )
+        return Outcome(message=f"{text}; {step.message}", output=output)
+
+    def _not_now(self, ctx: ActionContext, job: JobRecord, spares: list[str]) -> str | None:
+        """Why the planned grow cannot go on, or None."""
+        attempt = ctx.params.get("attempt")
+        if job.attempt != attempt:
+            return f"job {job.name} is at attempt {job.attempt}, the grow was for {attempt}"
+        if job.state != "running":
+            return f"job {job.name} is {job.state}"
+        if not spares:
+            return "no spare named"
+        busy = self.open_incident_nodes()
+        for node in spares:
+            rec = self.jobs.nodes.node_record(node)
+            if rec is not None and rec.job == job.name:
+                continue
+            if (
+                rec is None
+                or rec.role != "spare"
+                or rec.job
+                or not self.jobs.healthy(node, open_incident_nodes=busy)
+            ):
+                return f"spare {node} is no longer free"
+        return None
+
+    def _note_grown(self, job: str, *, key: str, text: str, ranks: int, now: float) -> None:
+        """`grown back to N ranks` on the incident that shrank the job (once per grow key)."""
+        store = self.jobs.store
+        incident_id = store.last_shrink_incident(job)
+        if incident_id is None or store.get_incident(incident_id) is None:
+            return
+        if any(e.data.get("key") == key for e in store.timeline(incident_id)):
+            return
+        store.add_timeline(
+            incident_id,
+            ts=now,
+            kind="job_grown",
+            message=text,
+            data={"key": key, "job": job, "ranks": ranks},
+        )
 
 
 def recovery_phases(
@@ -764,6 +923,7 @@ def job_handlers(
         RestartHandler(jobs, observe, kind="rollback", open_incident_nodes=open_incident_nodes),
         StopHandler(jobs),
         CollectStacksHandler(jobs),
+        GrowHandler(jobs, open_incident_nodes),
     ]
 
 
@@ -772,6 +932,7 @@ __all__ = [
     "JobStep",
     "bounded_text",
     "CollectStacksHandler",
+    "GrowHandler",
     "ReplaceHandler",
     "RestartHandler",
     "StopHandler",

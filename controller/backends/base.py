@@ -17,7 +17,15 @@ from trainguard.controller.actions.drain import DrainState
 from trainguard.controller.views import JobView
 
 # The job steps a backend performs (the action kinds of the same names).
-JOB_STEP_KINDS = ("checkpoint", "replace", "restart", "rollback", "stop", "collect_stacks")
+JOB_STEP_KINDS = (
+    "checkpoint",
+    "replace",
+    "restart",
+    "rollback",
+    "stop",
+    "collect_stacks",
+    "grow",
+)
 
 
 class SchedulerBackend(Protocol):
@@ -57,6 +65,10 @@ class SchedulerBackend(Protocol):
     def stop(self, ctx: ActionContext) -> Outcome: ...
 
     def collect_stacks(self, ctx: ActionContext) -> Outcome: ...
+
+    def grow(self, ctx: ActionContext) -> Outcome:
+        """Bring a job that runs shrunk back to its full size on the spares the step names
+        (controller.growplan plans it); a backend that cannot answers `skipped`."""
 
     def job_views(self, *, now: float) -> list[JobView]:
         """Jobs the scheduler runs that trainguard's job table does not hold (Slurm jobs)."""

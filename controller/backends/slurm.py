@@ -387,6 +387,13 @@ class SlurmBackend:
         record = self._record(job_id)
         return self._with_id(self._checkpoint.run_job(ctx, record, dict(ctx.progress)), job_id)
 
+    def grow(self, ctx: ActionContext) -> Outcome:
+        # the controller plans no grow for a Slurm job; a step that reaches here says why
+        return Outcome(
+            message="skipped: growing a shrunk job back is not supported by the Slurm backend",
+            skipped=True,
+        )
+
     def collect_stacks(self, ctx: ActionContext) -> Outcome:
         self._fresh()
         job_id = self._resolve(ctx)

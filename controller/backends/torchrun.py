@@ -13,6 +13,7 @@ from trainguard.controller.actions.drain import DrainState, LocalDrainBackend
 from trainguard.controller.actions.jobsteps import (
     CheckpointHandler,
     CollectStacksHandler,
+    GrowHandler,
     PhaseObserver,
     ReplaceHandler,
     RestartHandler,
@@ -44,6 +45,7 @@ class TorchrunBackend:
         )
         self._stop = StopHandler(jobs)
         self._stacks = CollectStacksHandler(jobs)
+        self._grow = GrowHandler(jobs, open_incident_nodes)
 
     def drain(
         self,
@@ -79,6 +81,9 @@ class TorchrunBackend:
 
     def collect_stacks(self, ctx: ActionContext) -> Outcome:
         return self._stacks.run(ctx)
+
+    def grow(self, ctx: ActionContext) -> Outcome:
+        return self._grow.run(ctx)
 
     def job_views(self, *, now: float) -> list[JobView]:
         return []  # every torchrun job is in the job table
