@@ -439,6 +439,17 @@ class CheckpointWriter:
                 snapshot_bytes,
                 final,
             )
+        elif stale:
+            log.error(
+                "event=checkpoint_failed job=%s rank=%d step=%d request_id=%s reason=stale_attempt "
+                'epoch=%s detail="%s"',
+                self.job,
+                rank,
+                step,
+                request_id or "-",
+                self.epoch,
+                reason,
+            )
         else:
             log.error(
                 "event=checkpoint_failed job=%s rank=%d step=%d request_id=%s reason=%s",
@@ -527,6 +538,8 @@ class CheckpointWriter:
             trainguard_version=self.version,
             request_id=request_id,
             job=self.job,
+            # provenance: which attempt wrote it (the fence itself is the EPOCH file)
+            extra={} if self.epoch is None else {"epoch": self.epoch},
         )
         write_manifest(tmp, manifest)
         commit_dir(tmp, final)

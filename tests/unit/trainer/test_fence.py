@@ -20,7 +20,7 @@ from trainguard.trainer.fence import (
     read_epoch,
     write_epoch,
 )
-from trainguard.trainer.manifest import list_committed
+from trainguard.trainer.manifest import list_committed, read_manifest
 
 
 def committed_steps(ckpt: Path) -> list[int]:
@@ -54,7 +54,7 @@ def test_commit_of_an_older_attempt_is_refused_and_the_stale_rank_stops(
     stops = agent.events("stop")
     assert [h.event_data["reason"] for h in stops] == ["stale_attempt"]
     assert 10 < stops[0].event_data["step"] == max(losses) < 30
-    assert "reason=checkpoint_refused:_attempt_1_is_older" in caplog.text
+    assert f'reason=stale_attempt epoch=1 detail="{reason}"' in caplog.text
     assert read_epoch(ckpt) == 2
 
 
@@ -84,6 +84,7 @@ def test_equal_and_newer_attempts_commit(tmp_path: Path, directory_epoch: int) -
     job.run(tg, tg.resume(first_step=1), 10)
     tg.close()
     assert committed_steps(ckpt) == [5, 10]
+    assert [read_manifest(p).extra for _, p in list_committed(ckpt)] == [{"epoch": 2}] * 2
 
 
 def test_without_an_epoch_there_is_no_fencing(
