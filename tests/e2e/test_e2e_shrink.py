@@ -1,7 +1,8 @@
 """A job that may shrink its world size (`shrink: world`) on a real local cluster: its node
-dies with no spare free, it continues from the checkpoint on fewer ranks and finishes, and the
-sample indices every rank consumed (examples/train.py --log-samples) cover each sample of an
-epoch exactly once across the change of world size."""
+dies with no spare free, it continues from the checkpoint on fewer ranks, grows back to its
+full size once the spare is free again and finishes, and the sample indices every rank
+consumed (examples/train.py --log-samples) cover each sample of an epoch exactly once across
+both changes of world size."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from trainguard.devkit.devcluster import REPO_ROOT, ClusterConfig, DevCluster
 pytestmark = pytest.mark.slow
 SAMPLES = 512
 BATCH = 16
-STEPS = 40
+STEPS = 64
 FAULT_STEP = 8
 
 
@@ -62,7 +63,7 @@ def consumed(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def test_node_death_with_no_spare_shrinks_the_world_and_every_sample_is_seen_once(
+def test_node_death_with_no_spare_shrinks_the_world_grows_back_and_every_sample_is_seen_once(
     cluster: DevCluster,
 ) -> None:
     c = cluster
@@ -92,35 +93,62 @@ def test_node_death_with_no_spare_shrinks_the_world_and_every_sample_is_seen_onc
     )
     since = now()
     c.kill_node("node-2")
+    shrunk = c.wait_job(
+        "shrink",
+        lambda j: j["state"] in ("running", "completed", "failed") and j["attempt"] == 2,
+        timeout_s=90,
+        what="the job running shrunk (attempt 2)",
+    )
+    assert shrunk["state"] == "running", shrunk
+    assert (shrunk["world_size"], shrunk["full_world_size"]) == (1, 2), shrunk
+    # the spare is free again: the controller grows the job back on its own
+    c.api("POST", "/v1/nodes/spare-1/undrain")
     view = c.wait_job(
         "shrink",
         lambda j: j["state"] in ("completed", "failed"),
-        timeout_s=150,
+        timeout_s=120,
         what="the job to finish",
     )
     assert view["state"] == "completed", view
-    assert view["last_step"] == STEPS and view["restarts"] == 1, view
-    assert (view["world_size"], view["full_world_size"]) == (1, 2), view
-    assert view["nodes"] == ["node-1"], view
+    assert view["last_step"] == STEPS and view["attempt"] == 3, view
+    assert view["restarts"] == 1, view  # the grow is no restart
+    assert (view["world_size"], view["full_world_size"]) == (2, 2), view
+    assert view["nodes"] == ["node-1", "spare-1"], view
 
     # the incident says what it did
     incidents = new_incidents(c, since)
     messages = [e["message"] for i in incidents for e in c.incident(i["id"])["timeline"]]
     assert any("shrunk from 2 to 1 ranks" in m for m in messages), messages
+    assert any("grown back to 2 ranks" in m for m in messages), messages
 
-    # data position: attempt 1 ran at world 2, attempt 2 at world 1 from its checkpoint
+    # data position: attempt 1 ran at world 2, attempt 2 at world 1 from its checkpoint,
+    # attempt 3 at world 2 again from the grow's checkpoint
     records = sample_records(samples_log)
     worlds = {r["attempt"]: r["world"] for r in records}
-    assert worlds == {1: 2, 2: 1}, worlds
+    assert worlds == {1: 2, 2: 1, 3: 2}, worlds
     used = consumed(records)
     steps = Counter(r["step"] for r in used)
     assert sorted(steps) == list(range(1, STEPS + 1))
     by_epoch: dict[int, Counter[int]] = {}
     for r in used:
         by_epoch.setdefault(r["epoch"], Counter()).update(r["indices"])
-    assert sorted(by_epoch) == [0, 1], sorted(by_epoch)
-    # epoch 0 complete, each sample once; epoch 1 partial, no sample twice
-    assert by_epoch[0] == Counter(range(SAMPLES)), sorted(
-        (i, n) for i, n in by_epoch[0].items() if n != 1
-    )[:10]
-    assert max(by_epoch[1].values()) == 1
+    epochs = sorted(by_epoch)
+    assert epochs == list(range(len(epochs))) and len(epochs) >= 2, epochs
+    # every epoch but the last complete, each sample once; the last partial, no sample twice.
+    # The one exception is the trainer's documented drop_last: an epoch resumed at another
+    # world size splits its unseen samples over the new ranks in whole batches, and drops a
+    # tail shorter than one batch of the new world (world 2 resuming at an odd number of
+    # world-1 steps: 16 samples). Worked out from the log, not assumed: 0 when it divides.
+    for epoch in epochs[:-1]:
+        rows = [r for r in used if r["epoch"] == epoch]
+        final = max(r["attempt"] for r in rows)
+        before = sum(len(r["indices"]) for r in rows if r["attempt"] != final)
+        dropped = (SAMPLES - before) % (worlds[final] * BATCH)
+        seen = by_epoch[epoch]
+        assert max(seen.values()) == 1, (epoch, [i for i, n in seen.items() if n != 1][:10])
+        assert set(seen) <= set(range(SAMPLES)) and SAMPLES - len(seen) == dropped, (
+            epoch,
+            len(seen),
+            dropped,
+        )
+    assert max(by_epoch[epochs[-1]].values()) == 1
