@@ -43,7 +43,22 @@ class Fleet:
             n: FakeJobAgent(n, ckpts=self.ckpts, role=role, labels={"address": "127.0.0.1"})
             for n, role in names.items()
         }
+        self.roles = names
         self.url = ""
+
+    def register(self) -> None:
+        """First reports, then the spares an operator names (a report's role hint never
+        makes a spare)."""
+        self.round()
+        for name, role in self.roles.items():
+            if role == "spare":
+                r = httpx.put(
+                    f"{self.url}/v1/nodes/{name}/role",
+                    json={"role": "spare"},
+                    headers=OP,
+                    timeout=5,
+                )
+                assert r.status_code == 200, r.text
 
     def round(self) -> None:
         for agent in self.agents.values():
@@ -105,7 +120,7 @@ def test_sick_node_is_replaced_through_the_real_controller(tmp_path, controllers
     controllers.append(start_controller(config(tmp_path), log_path=tmp_path / "c.log"))
     fleet = Fleet({"n1": "active", "n2": "active", "n3": "spare"})
     fleet.url = controllers[0].url
-    fleet.round()
+    fleet.register()
     submit(fleet)
     fleet.until(running(fleet, 1), timeout_s=20, what="attempt 1 running")
     fleet.agents["n1"].gpus = (gpu(0, dbe=1),)
@@ -131,7 +146,7 @@ def test_no_spare_shrinks_through_the_real_controller(tmp_path, controllers):
     controllers.append(start_controller(config(tmp_path), log_path=tmp_path / "c.log"))
     fleet = Fleet({"n1": "active", "n2": "active"})
     fleet.url = controllers[0].url
-    fleet.round()
+    fleet.register()
     submit(fleet, min_nodes=1, max_nproc_per_node=2)
     fleet.until(running(fleet, 1), timeout_s=20, what="attempt 1 running")
     fleet.agents["n1"].gpus = (gpu(0, dbe=1),)
@@ -150,7 +165,7 @@ def test_kill9_mid_restart_resumes_without_another_start_job(tmp_path, controlle
     controllers.append(start_controller(cfg, log_path=tmp_path / "c1.log"))
     fleet = Fleet({"n1": "active", "n2": "active", "n3": "spare"})
     fleet.url = controllers[0].url
-    fleet.round()
+    fleet.register()
     submit(fleet)
     fleet.until(running(fleet, 1), timeout_s=20, what="attempt 1 running")
     fleet.agents["n3"].hold = True  # attempt 2 starts but shows no progress yet
