@@ -24,6 +24,7 @@ import httpx
 from trainguard import __version__
 from trainguard.agent.config import load_config
 from trainguard.agent.daemon import Agent, StartupError
+from trainguard.bounds import bad_name_reason
 from trainguard.protocol import FaultKind
 from trainguard.strict import ConfigError
 from trainguard.unitfile import install_unit_main
@@ -156,6 +157,14 @@ def _run(argv: Sequence[str]) -> int:
         return 0
 
     node = config.node.resolved_name()
+    reason = bad_name_reason(node)
+    if reason is not None:  # a host name the controller would refuse in every report
+        print(
+            f"{PROG}: config error: node.name (default: the host name) {reason}; "
+            "set node.name or --node-name",
+            file=sys.stderr,
+        )
+        return 2
     _setup_logging(config.log.level, node)
     log = logging.getLogger("trainguard.agent")
 

@@ -76,3 +76,13 @@ def test_install_unit_subcommand_renders_the_agent_unit(
     argv = ["install-unit", "--prefix", str(tmp_path), "--unit-file", str(unit), "--dry-run"]
     assert main(argv) == 0
     assert f"ExecStart={script} --config /x" in capsys.readouterr().out
+
+
+def test_a_host_name_the_controller_would_refuse_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(socket, "gethostname", lambda: "bad host\nname")
+    assert main(["--gpu-backend", "sim", "--metrics-port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "node.name (default: the host name) must match" in err
+    assert "set node.name or --node-name" in err
