@@ -67,6 +67,10 @@ class Printer:
     def line(self, t: float, text: str) -> None:
         print(f"  +{t - self.t_fault:6.1f} s  {text}", flush=True)
 
+    def restart_text(self, msg: str) -> str | None:
+        """The restart progress worth a line (the torchrun backend: the launch on the nodes)."""
+        return msg.split(": ", 1)[-1].split(";", maxsplit=1)[0] if " started on " in msg else None
+
     def incident(self, detail: dict[str, Any]) -> None:
         inc = detail["incident"]
         for i, e in enumerate(detail["timeline"]):
@@ -74,8 +78,9 @@ class Printer:
                 continue
             self.seen.add((inc["id"], i))
             kind, msg = e["kind"], e["message"]
-            if kind == "action_progress" and " started on " in msg:
-                self.line(e["ts"], "restart: " + msg.split(": ", 1)[-1].split(";")[0])
+            restart = self.restart_text(msg) if kind == "action_progress" else None
+            if restart is not None:
+                self.line(e["ts"], "restart: " + restart)
             elif kind in _SHOWN and "notify" not in msg:
                 label = {"opened": f"detected (incident {inc['id']}, {inc['rule']})"}.get(kind)
                 self.line(e["ts"], label + ": " + msg if label else msg)

@@ -24,17 +24,18 @@ import signal
 import sys
 import time
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# the timeline printer and signal handling of the torchrun demo (examples/demo.py, beside this)
+from demo import Printer as DemoPrinter
+from demo import _interrupt
 
 from trainguard.devkit.devcluster import REPO_ROOT, ClusterError, compare_losses, read_step_lines
 from trainguard.devkit.slurm import SlurmSite, attempt_lines, install_packages, missing_reason
 
 TRAIN_ARGS = ["--steps", "60", "--checkpoint-every", "10", "--step-time-s", "0.2", "--seed", "0"]
-# Timeline entries worth a line in the terminal (the rest stay in the report).
-_SHOWN = ("opened", "correlated", "action_succeeded", "action_failed", "mitigated", "resolved")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,32 +49,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _interrupt(signum: int, _frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
+class Printer(DemoPrinter):
+    """The demo's timeline printer; a Slurm restart shows its requeue and release."""
 
-
-class Printer:
-    """Prints incident timeline entries once each, as seconds since the fault."""
-
-    def __init__(self, t_fault: float) -> None:
-        self.t_fault = t_fault
-        self.seen: set[tuple[int, int]] = set()
-
-    def line(self, t: float, text: str) -> None:
-        print(f"  +{t - self.t_fault:6.1f} s  {text}", flush=True)
-
-    def incident(self, detail: dict[str, Any]) -> None:
-        inc = detail["incident"]
-        for i, e in enumerate(detail["timeline"]):
-            if (inc["id"], i) in self.seen:
-                continue
-            self.seen.add((inc["id"], i))
-            kind, msg = e["kind"], e["message"]
-            if kind == "action_progress" and ("requeued" in msg or "released on" in msg):
-                self.line(e["ts"], "restart: " + msg.split(": ", 1)[-1])
-            elif kind in _SHOWN and "notify" not in msg:
-                label = {"opened": f"detected (incident {inc['id']}, {inc['rule']})"}.get(kind)
-                self.line(e["ts"], label + ": " + msg if label else msg)
+    def restart_text(self, msg: str) -> str | None:
+        return msg.split(": ", 1)[-1] if "requeued" in msg or "released on" in msg else None
 
 
 def _int(pattern: str, text: str) -> int | None:
