@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,8 +24,9 @@ import pytest
 import torch
 
 from tests.helpers import free_port, wait_for
+from tests.unit.trainer.trainer_helpers import FakeAgent
 from trainguard.agent.jobs import LAUNCH_ID_ENV, find_launch_processes
-from trainguard.protocol import Control, Heartbeat, decode_json, encode_json
+from trainguard.protocol import Control, Heartbeat, encode_json
 from trainguard.trainer.checkpoint import load_rank_file, read_tensor_file
 from trainguard.trainer.manifest import find_latest_good, list_committed, read_manifest
 from trainguard.trainer.state import fill_tensors
@@ -114,42 +114,6 @@ def losses(lines: list[dict[str, Any]]) -> dict[int, Any]:
     return {line["step"]: line["loss"] for line in lines}
 
 
-class FakeAgent:
-    """A real unix datagram socket receiving heartbeats, drained by a thread like the agent."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(path)
-        self.sock.settimeout(0.05)
-        self.received: list[Heartbeat] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                raw = self.sock.recv(65536)
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            hb = decode_json(Heartbeat, raw)  # a malformed heartbeat fails the test
-            with self._lock:
-                self.received.append(hb)
-
-    def heartbeats(self) -> list[Heartbeat]:
-        with self._lock:
-            return list(self.received)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.sock.close()
-
-
 @pytest.fixture
 def sock_dir() -> Iterator[Path]:
     d = Path(tempfile.mkdtemp(prefix="tgi-"))  # short: unix socket paths are <= 107 bytes
@@ -228,7 +192,7 @@ def test_three_ranks_resume_after_kill9_reproduces_losses_bitwise(
 def test_checkpoint_request_sent_to_one_rank_commits_on_all_at_one_step_and_resumes_bitwise(
     tmp_path: Path, sock_dir: Path, baseline_3ranks: dict[int, Any]
 ) -> None:
-    agent = FakeAgent(str(sock_dir / "hb.sock"))
+    agent = FakeAgent(sock_dir)
     # No periodic checkpoints in this run, and it hangs at step 38 so it cannot end before
     # the request is acted on: the only checkpoint is the requested one.
     env = {
@@ -343,7 +307,7 @@ def _finite_checkpoint(path: Path) -> bool:
 def test_nan_with_rollback_reports_never_commits_nonfinite_state_and_resumes(
     tmp_path: Path, sock_dir: Path
 ) -> None:
-    agent = FakeAgent(str(sock_dir / "hb.sock"))
+    agent = FakeAgent(sock_dir)
     env = {"TRAINGUARD_AGENT_SOCKET": agent.path, "TRAINGUARD_CHAOS": "nan@step17"}
     ck = tmp_path / "ck"
     args = [

@@ -113,6 +113,11 @@ class FakeAgent:
             with self._lock:
                 self.received.append(hb)
 
+    def heartbeats(self) -> list[Heartbeat]:
+        """Everything received so far."""
+        with self._lock:
+            return list(self.received)
+
     def drain(self) -> list[Heartbeat]:
         """Everything received, once the trainer's final "exit" heartbeat is in (AssertionError
         if it has not come within 10 s)."""
