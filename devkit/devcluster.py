@@ -116,7 +116,8 @@ def marked_pids(run_id: str, *, proc_root: str = "/proc") -> set[int]:
     return out
 
 
-def _proc_env(pid: int) -> dict[str, str]:
+def proc_env(pid: int) -> dict[str, str]:
+    """The environment of process `pid` ({} when it is gone or unreadable)."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             raw = f.read()
@@ -495,7 +496,7 @@ class DevCluster:
     def kill_node(self, name: str) -> list[int]:
         """Node death: SIGKILL the node's agent and every process of its jobs at once."""
         pids = [r.pid for r in self.rank_procs() if r.node == name]
-        pids += [p for p in self.leftover_pids() if _proc_env(p).get("TRAINGUARD_NODE") == name]
+        pids += [p for p in self.leftover_pids() if proc_env(p).get("TRAINGUARD_NODE") == name]
         agent = self.agents[name].proc.popen
         assert agent is not None
         for pid in {agent.pid, *pids}:
@@ -557,7 +558,7 @@ class DevCluster:
         """The live training workers of the cluster's jobs (torchrun's children with RANK)."""
         out = []
         for pid in self.leftover_pids():
-            env = _proc_env(pid)
+            env = proc_env(pid)
             if "RANK" not in env or "TRAINGUARD_NODE" not in env:
                 continue
             if job is not None and env.get("TRAINGUARD_JOB") != job:

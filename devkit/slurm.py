@@ -35,6 +35,7 @@ from trainguard.devkit.devcluster import (
     DevCluster,
     free_port_block,
     marked_pids,
+    proc_env,
     wait_until,
 )
 
@@ -363,7 +364,7 @@ class SlurmCluster:
         """Processes Slurm runs for jobs on `node` (their environment names it)."""
         out = []
         for pid in marked_pids(self.run_id):
-            env = _proc_env(pid)
+            env = proc_env(pid)
             if env.get("SLURMD_NODENAME") == node:
                 out.append(pid)
         return out
@@ -569,20 +570,6 @@ def _need(name: str) -> str:
     if path is None:
         raise ClusterError(f"{name} not found (Debian packages: {' '.join(DEB_PACKAGES)})")
     return path
-
-
-def _proc_env(pid: int) -> dict[str, str]:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return {}
-    out: dict[str, str] = {}
-    for item in raw.split(b"\0"):
-        key, sep, value = item.partition(b"=")
-        if sep:
-            out[key.decode(errors="replace")] = value.decode(errors="replace")
-    return out
 
 
 def _stat(pid: int) -> bytes:
