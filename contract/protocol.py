@@ -265,6 +265,10 @@ class ReportResponse:
     # unknown instance, a base_seq that is not the last report it applied): send a full
     # report next. Only sent (when true) to agents that send `full`.
     want_full: bool | None = None
+    # Fencing: job -> the job's current attempt (epoch), sent for each job of which the node
+    # reports an older attempt. The agent stops every local process of an older attempt of
+    # that job as soon as it reads this (issue of a crash: a node that missed its stop).
+    job_attempts: dict[str, int] | None = None
     v: int = PROTOCOL_VERSION
 
 
