@@ -28,7 +28,7 @@ import logging
 import os
 import sqlite3
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -1001,6 +1001,18 @@ class Store:
 
     def count_events(self, node: str) -> int:
         return int(self._query("SELECT COUNT(*) FROM events WHERE node = ?", (node,))[0][0])
+
+    def events_received_since(
+        self, since: float, *, kinds: Collection[str]
+    ) -> list[tuple[str, float, dict[str, Any]]]:
+        """(node, received_at, event as sent) of the events of `kinds` received at or after
+        `since`, in the order they were stored: what a restarted controller replays into its
+        signal history before its first tick."""
+        rows = self._query(
+            "SELECT node, received_at, kind, body FROM events WHERE received_at >= ? ORDER BY id",
+            (since,),
+        )
+        return [(str(r[0]), float(r[1]), json.loads(r[3])) for r in rows if r[2] in kinds]
 
     # --- commands ---------------------------------------------------------------------------
 
