@@ -292,9 +292,15 @@ class JobsConfig:
     # socket's directory (/run/trainguard): under the unit's PrivateTmp the agent cannot see
     # a rank's /tmp, so the control sockets must live beside the heartbeat socket.
     control_dir: str = ""
-    # Agent shutdown: SIGTERM every job, SIGKILL after this many seconds. Long enough for an
-    # emergency checkpoint of a small job; the unit's TimeoutStopSec (20) bounds it anyway.
+    # SIGTERM -> SIGKILL grace when the agent itself stops a job's older attempt: a start_job
+    # of a newer attempt while it runs, or the controller naming a newer attempt
+    # (job_attempts). Long enough for an emergency checkpoint of a small job. (The agent's own
+    # stop leaves jobs running: the next agent instance re-adopts them.)
     stop_grace_s: float = 10.0
+    # Launch each job as a transient systemd unit (systemd-run), outside the agent's cgroup:
+    # "auto" = where systemd is PID 1 (/run/systemd/system exists), "always", "never" (a
+    # session and process group of its own; containers, CI).
+    transient_units: str = "auto"
     # Output lines kept per job for reports and job_exit events.
     output_tail_lines: int = 40
     # collect_stacks: seconds to wait for all ranks' dumps together (each rank in turn).
@@ -351,6 +357,11 @@ class JobsConfig:
             )
         if not 0 <= self.stop_grace_s <= 3600:
             raise Invalid("stop_grace_s", f"must be in [0, 3600], got {self.stop_grace_s}")
+        if self.transient_units not in ("auto", "always", "never"):
+            raise Invalid(
+                "transient_units",
+                f"must be one of auto, always, never, got {self.transient_units!r}",
+            )
         if not 0 <= self.output_tail_lines <= OUTPUT_TAIL_LINES_MAX:
             raise Invalid(
                 "output_tail_lines",

@@ -267,6 +267,9 @@ class Agent:
             fault_target=_AgentFaults(self) if self._backends.sim is not None else None,
         )
         self.jobs = self._open_jobs(self.heartbeat)
+        # before the first report: a job an earlier instance launched is reported running
+        # from this instance's first report on, with the same pid and attempt
+        self.jobs.adopt()
         for kind, handler in job_handlers(self.jobs).items():
             self.executor.register(kind, handler)
         heartbeat = self.heartbeat
@@ -320,7 +323,7 @@ class Agent:
             )
             self._reporter_thread = threading.Thread(
                 target=self.reporter.run,
-                args=(self._stop, self._enqueue_commands),
+                args=(self._stop, self._enqueue_commands, self._on_job_attempts),
                 name="reporter",
                 daemon=True,
             )
@@ -413,6 +416,8 @@ class Agent:
             "control_dir": control_dir,
             "clock": self._clock,
             "output_tail_lines": jc.output_tail_lines,
+            "replace_grace_s": jc.stop_grace_s,
+            "systemd": {"auto": None, "always": True, "never": False}[jc.transient_units],
         }
         try:
             return JobRunner(work_dir=jc.work_dir, **kwargs)
@@ -530,8 +535,8 @@ class Agent:
         self._stop.set()
 
     def close(self) -> None:
-        """Stop everything in order: reporting loop, watchers, jobs (graceful, bounded), one
-        last bounded report carrying the jobs' exits, then the sockets and backends."""
+        """Stop everything in order: reporting loop, watchers, one last bounded report, then
+        the sockets and backends. Jobs are left running for the next agent instance."""
         self._notifier.stopping()
         self._stop.set()
         if self._reporter_thread is not None:
@@ -543,7 +548,9 @@ class Agent:
             self._slow.put(None)
             self._slow_thread.join(timeout=self.config.jobs.stacks_timeout_s + 1.0)
         if self.jobs is not None:
-            self.jobs.close(grace_s=self.config.jobs.stop_grace_s)
+            # jobs outlive the agent: the next instance re-adopts them (an upgrade or a
+            # watchdog restart must never cost a training job); stop_job stops them
+            self.jobs.detach()
             self._spool_job_events()
         if self.heartbeat is not None:
             self._spool_trainer_events()  # the ranks' exit / checkpoint events of the stop
@@ -856,6 +863,15 @@ class Agent:
                     cmd.id,
                     cmd.kind,
                 )
+
+    def _on_job_attempts(self, attempts: Mapping[str, int]) -> None:
+        """From the reporter: the controller names each job's current attempt (fencing);
+        every local launch of an older attempt is stopped at once (JobRunner is
+        thread-safe and stop is non-blocking)."""
+        if self.jobs is None:
+            return
+        for job, attempt in sorted(attempts.items()):
+            self.jobs.stop_stale(job, current_attempt=attempt)
 
     def execute(self, cmd: Command) -> None:
         """Run one command now, or hand a slow one to the worker; its result is spooled."""

@@ -161,6 +161,8 @@ class ReportOutcome:
     status: int | None = None
     commands: tuple[Command, ...] = ()  # new ones only (already-seen ids removed)
     acked: int = 0  # events dropped from the spool
+    # fencing: job -> its current attempt, for jobs of which this node runs an older one
+    job_attempts: dict[str, int] | None = None
 
 
 BuildReport = Callable[[int, tuple[Event, ...]], Report]
@@ -371,6 +373,7 @@ class Reporter:
             status=200,
             commands=tuple(fresh),
             acked=acked,
+            job_attempts=dict(answer.job_attempts) if answer.job_attempts else None,
         )
 
     def _failed(self, result: ReportResult, status: int | None, reason: str) -> ReportOutcome:
@@ -429,9 +432,13 @@ class Reporter:
         return outcome
 
     def run(
-        self, stop: threading.Event, on_commands: Callable[[tuple[Command, ...]], None]
+        self,
+        stop: threading.Event,
+        on_commands: Callable[[tuple[Command, ...]], None],
+        on_job_attempts: Callable[[dict[str, int]], None] | None = None,
     ) -> None:
-        """Report until `stop` is set; new commands go to `on_commands` (must not block)."""
+        """Report until `stop` is set; new commands go to `on_commands`, the controller's
+        `job_attempts` to `on_job_attempts` (neither may block)."""
         next_mono = self._clock.monotonic()
         while not stop.wait(max(0.0, next_mono - self._clock.monotonic())):
             started = self._clock.monotonic()
@@ -440,6 +447,11 @@ class Reporter:
             except Exception:  # a bug here must not end reporting for good
                 log.exception("event=reporter_error")
                 outcome = ReportOutcome(result="error", retry_in_s=self._backoff_max_s)
+            if outcome.job_attempts and on_job_attempts is not None:
+                try:
+                    on_job_attempts(outcome.job_attempts)
+                except Exception:  # stopping a stale attempt must not end reporting
+                    log.exception("event=job_attempts_error")
             if outcome.commands:
                 on_commands(outcome.commands)
             if outcome.result == "ok":

@@ -165,6 +165,20 @@ def test_stop_escalates_to_sigkill_after_grace_and_leaves_no_process(tmp_path: P
     assert runner.stop("stubborn") is False
 
 
+def children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat[stat.rfind(b")") + 2 :].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
 def test_workers_orphaned_by_a_killed_launcher_are_ended(tmp_path: Path) -> None:
     runner = make_runner(tmp_path, "node-a")
     job = spec("orphan", [str(FIXTURES / "sleeper.py"), "--on-sigterm", "exit"])
@@ -172,14 +186,34 @@ def test_workers_orphaned_by_a_killed_launcher_are_ended(tmp_path: Path) -> None
         runner.start(job)
         worker = ready_pid(runner, "orphan")
         (proc,) = runner.processes()
-        # as the kernel's OOM killer would: the launcher dies, its worker is re-parented
-        os.kill(proc.pid or 0, signal.SIGKILL)
+        (torchrun,) = children(proc.pid or 0)  # the launch wrapper's one child
+        # as the kernel's OOM killer would: the launcher dies, its worker is orphaned (and
+        # re-parented to the wrapper, which ends it and records torchrun's exit)
+        os.kill(torchrun, signal.SIGKILL)
         event = wait_exit(runner, "orphan")
         wait_for(lambda: not alive(worker), timeout_s=10, what="orphaned worker gone")
     finally:
         runner.close(grace_s=1)
     assert event.exit_code == -signal.SIGKILL
     assert event.data["stopped"] is False
+    assert event.data["leftovers_killed"] == 1
+
+
+def test_a_killed_launch_wrapper_ends_its_launch_and_reports_it_killed(tmp_path: Path) -> None:
+    runner = make_runner(tmp_path, "node-a")
+    job = spec("nowrap", [str(FIXTURES / "sleeper.py"), "--on-sigterm", "exit"])
+    try:
+        runner.start(job)
+        worker = ready_pid(runner, "nowrap")
+        (proc,) = runner.processes()
+        (torchrun,) = children(proc.pid or 0)
+        os.kill(proc.pid or 0, signal.SIGKILL)
+        event = wait_exit(runner, "nowrap")
+        for pid in (torchrun, worker):
+            wait_for(lambda pid=pid: not alive(pid), timeout_s=10, what=f"{pid} gone")
+    finally:
+        runner.close(grace_s=1)
+    assert event.exit_code == -signal.SIGKILL, event.message
 
 
 def test_stop_lets_a_job_that_honours_sigterm_exit_within_grace(tmp_path: Path) -> None:

@@ -106,6 +106,13 @@ def started(cfg: AgentConfig, clock: Clock = SYSTEM_CLOCK) -> Agent:
     return agent
 
 
+def shutdown(agent: Agent) -> None:
+    """Close the agent; the agent leaves its jobs running, a test ends them."""
+    if agent.jobs is not None:
+        agent.jobs.close(grace_s=1)
+    agent.close()
+
+
 def test_start_job_runs_reports_and_exits_with_a_job_exit_event(
     sockdir: Path, launcher: str
 ) -> None:
@@ -128,33 +135,45 @@ def test_start_job_runs_reports_and_exits_with_a_job_exit_event(
         again = results(agent)["c2"]
         assert again.data["ok"] is True and again.data["already_running"] is True
         assert [j.pid for j in agent.build_report(2, ()).jobs] == [job.pid]
-        # another attempt while one runs is refused
+        # a newer attempt while one runs: the running one is stopped first, then it starts
         agent.execute(start_job(launcher, cmd_id="c3", attempt=1))
-        assert results(agent)["c3"].data["ok"] is False
+        replacing = results(agent)["c3"]
+        assert replacing.data["ok"] is True and replacing.data["replaces_attempt"] == 0
 
-        agent.execute(Command(id="c4", kind="stop_job", args={"job": "llm", "grace_s": 5}))
-        assert results(agent)["c4"].data["signalled"] is True
-
-        def exit_event() -> list[Event]:
+        def exit_events() -> list[Event]:
             agent.tick()
             return [e for e in agent.spool.pending(1000) if e.kind == "job_exit"]
 
-        (ev,) = wait_for(exit_event, timeout_s=15, what="the job_exit event")
+        (ev,) = wait_for(exit_events, timeout_s=15, what="the job_exit event of attempt 0")
         assert ev.job == "llm" and ev.code == 0
         assert ev.data["stopped"] is True and ev.data["attempt"] == 0
+        assert ev.data["stop_reason"] == "replaced_by_1"
         assert "launcher up" in ev.data["output_tail"]
-        assert agent.build_report(3, ()).jobs[0].state == "exited"
+        (job1,) = agent.build_report(3, ()).jobs
+        assert (job1.attempt, job1.state) == (1, "running") and job1.pid != job.pid
+        # an older attempt than the one running is refused
+        agent.execute(start_job(launcher, cmd_id="c4", attempt=0))
+        assert results(agent)["c4"].data["ok"] is False
+
+        agent.execute(Command(id="c5", kind="stop_job", args={"job": "llm", "grace_s": 5}))
+        assert results(agent)["c5"].data["signalled"] is True
+        wait_for(
+            lambda: len(exit_events()) == 2, timeout_s=15, what="the job_exit of attempt 1"
+        )
+        assert agent.build_report(4, ()).jobs[0].state == "exited"
         assert agent.snapshot is not None
-        assert agent.snapshot.events_total["job_exit"] == 1
+        assert agent.snapshot.events_total["job_exit"] == 2
+        assert list((sockdir / "jobs" / "launches").iterdir()) == []  # records removed
     finally:
-        agent.close()
+        shutdown(agent)
 
 
-def test_stop_of_the_agent_stops_jobs_and_the_last_report_carries_their_exit(
+def test_stop_of_the_agent_leaves_the_job_running_and_the_next_agent_adopts_it(
     sockdir: Path, launcher: str, fake_controller: FakeController
 ) -> None:
     cfg = config(sockdir, url=fake_controller.url, token_text=fake_controller.agent_token)
     agent = started(cfg)
+    second: Agent | None = None
     try:
         wait_for(lambda: fake_controller.reports, timeout_s=15, what="the first report")
         agent.execute(start_job(launcher))
@@ -163,13 +182,37 @@ def test_stop_of_the_agent_stops_jobs_and_the_last_report_carries_their_exit(
             timeout_s=15,
             what="the launcher to run",
         )
+        (job,) = agent.build_report(1, ()).jobs
+        agent.close()  # leaves the job running
+        assert fake_controller.events_of("job_exit") == []
+        assert fake_controller.reports[-1].jobs[0].state == "running"
+
+        second = started(cfg)
+        wait_for(
+            lambda: fake_controller.reports[-1].instance == second.instance,  # type: ignore[union-attr]
+            timeout_s=15,
+            what="the second agent's first report",
+        )
+        first_report = next(r for r in fake_controller.reports if r.instance == second.instance)
+        (adopted,) = first_report.jobs
+        assert (adopted.job, adopted.attempt, adopted.pid, adopted.state) == (
+            "llm", 0, job.pid, "running",
+        )  # fmt: skip
+        assert "launcher up" in adopted.output_tail
+        second.execute(Command(id="c2", kind="stop_job", args={"job": "llm", "grace_s": 5}))
+
+        def exit_events() -> list[Event]:
+            assert second is not None
+            second.tick()
+            return [e for e in second.spool.pending(1000) if e.kind == "job_exit"]
+
+        (ev,) = wait_for(exit_events, timeout_s=15, what="the adopted job's exit")
+        # the adopted job is not the new agent's child: its code comes from the wrapper
+        assert ev.code == 0 and ev.data["stopped"] is True and ev.data["adopted"] is True
     finally:
-        agent.close()
-    # the reporting loop sleeps 30 s between reports: only the last one can carry these
-    (ev,) = fake_controller.events_of("job_exit")
-    assert ev.job == "llm" and ev.data["stopped"] is True and ev.code == 0
-    assert [r.data["command_id"] for r in fake_controller.events_of("command_result")] == ["c1"]
-    assert fake_controller.reports[-1].jobs[0].state == "exited"
+        shutdown(agent)
+        if second is not None:
+            shutdown(second)
 
 
 def test_last_report_to_a_controller_that_never_answers_gives_up(
