@@ -64,6 +64,8 @@ class FakeService:
         self.deliveries = 0  # events received, resends included
         self.rules_count = rules_count
         self.reload_error: str | None = None
+        # fencing: node -> {job: current attempt}, sent as ReportResponse.job_attempts
+        self.job_attempts: dict[str, dict[str, int]] = {}
         self._ids = itertools.count(1)
         # held while a report is ingested (on the server's thread): hold it to read
         # reports/events/pending consistently from a test
@@ -188,7 +190,14 @@ class FakeService:
                 self.pending[report.node] = left
             else:
                 self.pending.pop(report.node, None)
-            return ReportResponse(ack_event_id=ack, commands=tuple(left), server_time=now)
+            return ReportResponse(
+                ack_event_id=ack,
+                commands=tuple(left),
+                server_time=now,
+                job_attempts=dict(self.job_attempts[report.node])
+                if self.job_attempts.get(report.node)
+                else None,
+            )
 
     def list_nodes(self) -> list[NodeView]:
         self._record("list_nodes")

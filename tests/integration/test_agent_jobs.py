@@ -209,8 +209,11 @@ def test_a_killed_launch_wrapper_ends_its_launch_and_reports_it_killed(tmp_path:
         (torchrun,) = children(proc.pid or 0)
         os.kill(proc.pid or 0, signal.SIGKILL)
         event = wait_exit(runner, "nowrap")
-        for pid in (torchrun, worker):
-            wait_for(lambda pid=pid: not alive(pid), timeout_s=10, what=f"{pid} gone")
+        wait_for(
+            lambda: not any(alive(pid) for pid in (torchrun, worker)),
+            timeout_s=10,
+            what="every process gone",
+        )
     finally:
         runner.close(grace_s=1)
     assert event.exit_code == -signal.SIGKILL, event.message

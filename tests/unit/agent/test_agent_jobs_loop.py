@@ -157,9 +157,7 @@ def test_start_job_runs_reports_and_exits_with_a_job_exit_event(
 
         agent.execute(Command(id="c5", kind="stop_job", args={"job": "llm", "grace_s": 5}))
         assert results(agent)["c5"].data["signalled"] is True
-        wait_for(
-            lambda: len(exit_events()) == 2, timeout_s=15, what="the job_exit of attempt 1"
-        )
+        wait_for(lambda: len(exit_events()) == 2, timeout_s=15, what="the job_exit of attempt 1")
         assert agent.build_report(4, ()).jobs[0].state == "exited"
         assert agent.snapshot is not None
         assert agent.snapshot.events_total["job_exit"] == 2
@@ -188,12 +186,13 @@ def test_stop_of_the_agent_leaves_the_job_running_and_the_next_agent_adopts_it(
         assert fake_controller.reports[-1].jobs[0].state == "running"
 
         second = started(cfg)
+        instance = second.instance
         wait_for(
-            lambda: fake_controller.reports[-1].instance == second.instance,  # type: ignore[union-attr]
+            lambda: fake_controller.reports[-1].instance == instance,
             timeout_s=15,
             what="the second agent's first report",
         )
-        first_report = next(r for r in fake_controller.reports if r.instance == second.instance)
+        first_report = next(r for r in fake_controller.reports if r.instance == instance)
         (adopted,) = first_report.jobs
         assert (adopted.job, adopted.attempt, adopted.pid, adopted.state) == (
             "llm", 0, job.pid, "running",

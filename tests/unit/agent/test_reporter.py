@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -203,3 +204,26 @@ def test_report_encoder_matches_the_protocol_encoder_exactly() -> None:
         events=spool.pending(10), health={"loop_age_s": 0.1},
     )  # fmt: skip
     assert encode_report(report) == encode_json(report)
+
+
+def test_job_attempts_in_the_answer_reach_the_callback_before_its_commands(
+    fake_controller: FakeController,
+) -> None:
+    fake_controller.service.job_attempts["node-1"] = {"llm": 4}
+    fake_controller.queue_command("node-1", Command(id="c1", kind="checkpoint", args={}))
+    rep = make_reporter(fake_controller.url, EventSpool(max_events=10))
+    seen: list[tuple[str, object]] = []
+    stop = threading.Event()
+
+    def on_commands(commands: tuple[Command, ...]) -> None:
+        seen.append(("commands", [c.id for c in commands]))
+        stop.set()
+
+    def on_job_attempts(attempts: dict[str, int]) -> None:
+        seen.append(("attempts", attempts))
+
+    rep.run(stop, on_commands, on_job_attempts)
+    assert seen == [("attempts", {"llm": 4}), ("commands", ["c1"])]
+    fake_controller.service.job_attempts.clear()
+    assert rep.report_once().job_attempts is None
+    rep.close()
