@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from trainguard.clock import Clock
@@ -37,12 +38,26 @@ from trainguard.controller.queries import QueryService
 from trainguard.controller.rules import engine
 from trainguard.controller.rules.engine import EngineMemory, MemoryEntry
 from trainguard.controller.rules.loader import RuleError, RuleSet, load_rules
+from trainguard.controller.signals import SIGNAL_EVENT_KINDS
 from trainguard.controller.store import NewAction, Store
+from trainguard.protocol import Event, ProtocolError, decoder
 from trainguard.strict import ConfigError
 
 __all__ = ["TickService", "load_rule_set"]
 
 log = logging.getLogger("trainguard.controller")
+
+_EVENT = decoder(Event)  # the stored body of an event is its wire form
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A restored incident's engine memory, held open until `until` (unix s) has passed and
+    every node in `nodes` has reported since the controller started."""
+
+    entry: MemoryEntry
+    nodes: frozenset[str]
+    until: float
 
 
 def load_rule_set(config: ControllerConfig) -> RuleSet:
@@ -87,7 +102,8 @@ class TickService:
         self._wake = wake
         self._tick_lock = threading.Lock()  # one evaluation at a time
         self._started_at = clock.now()
-        self._seeded: dict[tuple[str, str], Any] = {}
+        self._seeded: dict[tuple[str, str], _Held] = {}
+        self._replay_events()
         self._memory = self._seed_memory()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -98,15 +114,51 @@ class TickService:
     def rule_count(self) -> int:
         return len(self._rules.rules)
 
-    # --- engine memory across restarts ----------------------------------------------------
+    # --- rebuilt after a restart ----------------------------------------------------------
+
+    def _replay_events(self) -> int:
+        """Replay the acknowledged events received within `history_s` into the SignalState at
+        the times they were received, so the event-driven series (xid_fatal_total,
+        gpu_lost_total, nan_total, preemption_total...) are what they were before the
+        restart, and an event acknowledged just before a crash is evaluated by the first
+        ticks like any other. history_s is what the SignalState would have held: a rule
+        window longer than it is not answered live either."""
+        since = self._started_at - self._config.history_s
+        rows = self._store.events_received_since(since, kinds=SIGNAL_EVENT_KINDS)
+        live = self._live
+        replayed = skipped = 0
+        with live.lock:
+            for node, received_at, body in rows:
+                if node not in live.nodes:
+                    skipped += 1  # removed from the inventory since
+                    continue
+                try:
+                    event = _EVENT.decode(body)
+                except ProtocolError as e:
+                    skipped += 1
+                    log.warning("event=event_replay_skipped node=%s reason=%s", node, e)
+                    continue
+                live.signals.replay_event(node, event, at=received_at)
+                replayed += 1
+        if rows:
+            log.info(
+                "event=events_replayed count=%d skipped=%d history_s=%g",
+                replayed,
+                skipped,
+                self._config.history_s,
+            )
+        return replayed
 
     def _seed_memory(self) -> EngineMemory:
-        """Open incidents become 'firing' engine memory, so one whose condition cleared while
-        the controller was down is resolved on the first tick instead of staying open."""
-        entries: dict[tuple[str, str], Any] = {}
+        """Open incidents become 'firing' engine memory (with when their condition began), so
+        one whose condition cleared while the controller was down is resolved by a tick
+        instead of staying open, and one that still holds keeps its `since`. Each is held
+        open (see `_hold_seeded`) until what its condition reads has been rebuilt."""
+        entries: dict[tuple[str, str], MemoryEntry] = {}
         for inc in self._store.unresolved_incidents():
             target = Target(**self._store.incident_target(inc.id))
-            entries[(inc.rule, inc.target)] = MemoryEntry(
+            key = (inc.rule, inc.target)
+            entries[key] = MemoryEntry(
                 target=target,
                 since=inc.opened_at,
                 state="firing",
@@ -117,28 +169,49 @@ class TickService:
                 labels={},
                 cooldown_s=0.0,
             )
-        self._seeded = dict(entries)
+            rule = self._rules.get(inc.rule)
+            window_s = rule.condition.longest_window_s() + rule.for_s if rule is not None else 0.0
+            nodes = self._nodes_of(target)
+            if not nodes:  # nothing to wait for: at least stale_after_s, as for a silent node
+                window_s = max(window_s, self._config.stale_after_s)
+            self._seeded[key] = _Held(
+                entry=entries[key], nodes=nodes, until=self._started_at + window_s
+            )
         return EngineMemory(entries) if entries else EngineMemory()
 
+    def _nodes_of(self, target: Target) -> frozenset[str]:
+        """The nodes whose reports a restored incident's condition reads."""
+        if target.node is not None:
+            return frozenset({target.node})
+        if target.scope == "job" and target.job is not None:
+            job = self._store.get_job(target.job)
+            if job is not None:
+                return frozenset(job.attempt_nodes or job.nodes)
+        return frozenset()
+
     def _hold_seeded(self, decisions: list[Decision], *, now: float) -> list[Decision]:
-        """After a restart the signals are empty: a seeded incident must not resolve before
-        its node has reported again (nor, without a node, within stale_after_s of start)."""
+        """After a restart a windowed condition has lost the history it read (a counter that
+        rose before the crash shows no increase in the first report after it), so a restored
+        incident must not resolve until every node its condition reads has reported again
+        AND a full rule window (its longest range plus its `for`) has passed since this
+        controller started: only then is "cleared" a verdict over the evidence. Caller holds
+        the live state's lock."""
         kept: list[Decision] = []
-        held: dict[tuple[str, str], Any] = {}
-        in_grace = now - self._started_at < self._config.stale_after_s
+        held: dict[tuple[str, str], MemoryEntry] = {}
+        reported = self._live.reported
         for d in decisions:
             key = (d.rule, d.target.key)
-            entry = self._seeded.get(key)
-            if entry is None:
+            hold = self._seeded.get(key)
+            if hold is None:
                 kept.append(d)
                 continue
-            node = d.target.node
-            unseen = node not in self._live.reported if node is not None else in_grace
-            if d.state == "resolved" and unseen:
-                held[key] = entry
+            if now >= hold.until and hold.nodes <= reported:
+                del self._seeded[key]  # rebuilt: from now on the engine's verdict stands
+                kept.append(d)
                 continue
-            if not unseen or d.state != "resolved":
-                del self._seeded[key]
+            if d.state == "resolved":
+                held[key] = hold.entry
+                continue
             kept.append(d)
         if held:
             self._memory = EngineMemory({**self._memory.entries, **held})

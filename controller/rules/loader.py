@@ -106,6 +106,13 @@ class Condition:
         """True if the result can change with time alone through age()."""
         return any(isinstance(n, Call) and n.func == "age" for n in walk(self.ast))
 
+    def longest_window_s(self) -> float:
+        """The longest range a windowed function reads (`increase(x[10m])`: 600), else 0."""
+        return max(
+            (n.window_s for n in walk(self.ast) if isinstance(n, Call) and n.window_s is not None),
+            default=0.0,
+        )
+
     def history_needs(self) -> frozenset[str]:
         """Signals read through windowed functions or age(): they need history."""
         out = set()

@@ -21,7 +21,7 @@ from trainguard.controller.signals.getters import (
     target_of,
 )
 from trainguard.controller.signals.series import Series
-from trainguard.controller.signals.state import SignalState, XidCatalog
+from trainguard.controller.signals.state import SIGNAL_EVENT_KINDS, SignalState, XidCatalog
 
 __all__ = [
     "DEFAULT_TRACKED",
@@ -29,6 +29,7 @@ __all__ = [
     "IB_HW_COUNTERS",
     "SCOPES",
     "SIGNALS",
+    "SIGNAL_EVENT_KINDS",
     "EvalContext",
     "Getter",
     "Series",

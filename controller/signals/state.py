@@ -35,11 +35,15 @@ from trainguard.model import (
 from trainguard.protocol import Event, RankState, Report
 from trainguard.xid_catalog import XidCatalog as _Catalog
 
-__all__ = ["SignalState", "XidCatalog"]
+__all__ = ["SIGNAL_EVENT_KINDS", "SignalState", "XidCatalog"]
 
 
 _INTERN_MAX = 200_000  # distinct GPU/link value tuples remembered for the quiet-target memo
 _EVENT_ATTRS = frozenset({"xid_total", "xid_fatal_total", "xid_last_code", "gpu_lost_total"})
+# Event kinds that change signals (`SignalState._ingest_event`): what a restart replays.
+SIGNAL_EVENT_KINDS = frozenset(
+    {"xid", "gpu_lost", "fallen_off_bus", "preemption_notice", "nan_loss"}
+)
 
 
 class XidCatalog(Protocol):
@@ -143,6 +147,17 @@ class SignalState:
                 self._record(node.series, name, node.first_seen or now, v, now)
         for job in jobs_touched:
             self._sample_job(job, now)
+
+    def replay_event(self, node: str, event: Event, *, at: float) -> None:
+        """Count an acknowledged event again at `at`, the time it was received: how a
+        restarted controller rebuilds its event-driven series (xid_total, xid_fatal_total,
+        gpu_lost_total, preemption_total, nan_total) before its first tick. Replay events in
+        the order they were received. The node's freshness is left alone, so rules over its
+        GPUs and ranks still wait for its next report."""
+        rec = self._nodes.get(node)
+        if rec is None:
+            rec = self._nodes[node] = _NodeRec(node, None)
+        self._ingest_event(rec, event, at, set())
 
     def _record(
         self, series: dict[str, Series], name: str, since: float, value: Any, now: float
