@@ -295,6 +295,21 @@ class JobsConfig:
     spare_wait_s: float = 300.0
     # collect_stacks waits this long for the agents' stack dumps before going on, s.
     stacks_timeout_s: float = 10.0
+    # After the controller (re)starts, a node it has not heard from yet is neither reporting
+    # nor silent but unknown, and the steps that act on it (checkpoint, drain, replace,
+    # restart, stop, grow) wait for its next report for at most this long, s; then it counts
+    # as silent. 40 s: an agent that lost the controller retries with a back-off capped at
+    # 30 s (agent reporter.backoff_max_s) and a 5 s request timeout, so a live node reports
+    # within it even after a long outage. A node that was already silent when the controller
+    # stopped is silent at once. Must be >= node_silent_after_s.
+    resume_grace_s: float = 40.0
+    # Fencing: attempt N+1 of a job starts only when every node of attempt N confirmed its
+    # stop or has been silent (no report) for longer than this, s. 15 s = three
+    # node_silent_after_s windows (15 missed 1 s reports): a link flap or switch reboot comes
+    # back within it; a node silent longer is dead or cut off, its ranks cannot commit (the
+    # trainer's EPOCH fence) and its agent stops the stale attempt when it reports again
+    # (ReportResponse.job_attempts). Must exceed node_silent_after_s.
+    attempt_lease_s: float = 15.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.rdzv_port_base <= 65535 - self.rdzv_port_span:
@@ -307,6 +322,8 @@ class JobsConfig:
             "stop_timeout_s",
             "progress_timeout_s",
             "stacks_timeout_s",
+            "resume_grace_s",
+            "attempt_lease_s",
         ):
             _positive(name, getattr(self, name))
         if self.spare_wait_s < 0:
@@ -425,6 +442,18 @@ class ControllerConfig:
         _positive("tick_interval_s", self.tick_interval_s)
         _positive("node_silent_after_s", self.node_silent_after_s)
         _positive("history_s", self.history_s)
+        if self.jobs.resume_grace_s < self.node_silent_after_s:
+            raise Invalid(
+                "jobs.resume_grace_s",
+                f"must be >= node_silent_after_s ({self.node_silent_after_s}): a node is not"
+                " silent before that",
+            )
+        if self.jobs.attempt_lease_s <= self.node_silent_after_s:
+            raise Invalid(
+                "jobs.attempt_lease_s",
+                f"must exceed node_silent_after_s ({self.node_silent_after_s}): the lease runs"
+                " past the point a node is first seen silent",
+            )
         if self.stale_after_s <= self.tick_interval_s:
             raise Invalid("stale_after_s", f"must exceed tick_interval_s ({self.tick_interval_s})")
         if not self.rules:
