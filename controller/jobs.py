@@ -12,6 +12,14 @@ a restart that never progressed).
 ETTR = productive_s / (end or now - started_at): productive time accrues between two samples
 while the job is running and its highest step advanced past every step it had reached
 before (re-done steps after a restore are not productive).
+
+Node presence, as the steps see it (`presence`): reporting, silent, or unknown: after the
+controller (re)starts, a node it has not heard from yet is unknown for up to
+jobs.resume_grace_s (its stored report age says nothing about whether it is alive now), and
+the steps wait for it instead of guessing. Fencing (`attempt_fence`): one live attempt per
+job, so attempt N+1 starts only when every node of attempt N confirmed its stop or has been
+silent past jobs.attempt_lease_s; a node that reports an older attempt than the job's is told
+so in the report's response (`stale_attempts`).
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import re
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from trainguard.bounds import MAX_RANKS_PER_REPORT, bad_name_reason
 from trainguard.controller.config import JobsConfig
@@ -57,6 +65,11 @@ _MAX_PRODUCTIVE_GAP_S = 10.0
 # JobSpec.shrink: "pack" keeps the world size (more processes per node), "world" runs fewer
 # ranks and grows back when a spare is free.
 SHRINK_MODES = ("pack", "world")
+# How a step sees a node: "unknown" only after a controller (re)start, until the node reports
+# or jobs.resume_grace_s passes.
+Presence = Literal["reporting", "silent", "unknown"]
+# JobProcess states in which processes of an attempt may still run
+_LIVE_PROCESS_STATES = frozenset({"starting", "running", "stopping"})
 
 
 @dataclass(frozen=True)
@@ -197,6 +210,49 @@ class _Live:
     # gone: a job outside the job table (Slurm) has no stored values to fall back on
     top_step: int | None = None
     top_ckpt: int | None = None
+    # node -> the attempts its latest report shows live processes of (a node may report
+    # more than one attempt of a job: `procs` keeps one)
+    live_attempts: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Fence:
+    """Where the stop of attempt `attempt` stands on the nodes that ran it (`attempt_fence`).
+
+    stopped: reported since the stop, no process of the attempt (or an older one) alive.
+    lapsed: silent past jobs.attempt_lease_s (dead or cut off: safe, see docs/jobs.md).
+    running: still report a live process of the attempt (or an older one).
+    unconfirmed: reporting, but no report since the stop yet; unknown: not heard from since
+    the controller started (within jobs.resume_grace_s); leased: silent, within the lease.
+    overdue: the running nodes that have been reporting for stop_grace_s + stop_timeout_s
+    since the stop (or since they came back), so they had the stop and did not obey it.
+    """
+
+    attempt: int
+    stopped: tuple[str, ...] = ()
+    lapsed: tuple[str, ...] = ()
+    running: tuple[str, ...] = ()
+    unconfirmed: tuple[str, ...] = ()
+    unknown: tuple[str, ...] = ()
+    leased: tuple[str, ...] = ()
+    overdue: tuple[str, ...] = ()
+
+    @property
+    def clear(self) -> bool:
+        """Attempt attempt+1 may start: every node stopped or lapsed."""
+        return not (self.running or self.unconfirmed or self.unknown or self.leased)
+
+    def waiting_text(self) -> str:
+        parts = []
+        if self.running:
+            parts.append(f"attempt {self.attempt} to stop on {', '.join(self.running)}")
+        if self.unconfirmed:
+            parts.append(f"a report since the stop from {', '.join(self.unconfirmed)}")
+        if self.unknown:
+            parts.append(f"{', '.join(self.unknown)} to report again after the controller restart")
+        if self.leased:
+            parts.append(f"the lease of silent {', '.join(self.leased)} to run out (or a report)")
+        return "; ".join(parts)
 
 
 _KEEP_EVENTS = 64
@@ -229,6 +285,13 @@ class JobManager:
         self._live: dict[str, _Live] = {}
         self._jobs: dict[str, JobRecord] = {j.name: j for j in store.job_records()}
         self._node_job_ranks: dict[str, set[str]] = {}  # node -> jobs it reported ranks for
+        # presence: this process's start, and when the controller last heard any node before
+        # it (the newest stored report): a node silent already then is silent now
+        self.started_at = clock_now()
+        stored = [n.last_report_at for n in nodes.all_nodes() if n.last_report_at]
+        self._horizon: float | None = max(stored) if stored else None
+        # node -> (last report to this process, when it began reporting after a gap)
+        self._heard: dict[str, tuple[float, float]] = {}
         for j in self._jobs.values():
             self._on_state(j.name, j.nodes, j.state)
 
@@ -351,9 +414,41 @@ class JobManager:
 
     # --- nodes --------------------------------------------------------------------------------
 
-    def reporting(self, node: str) -> bool:
+    def presence(self, node: str) -> Presence:
+        """reporting (a report within node_silent_after_s), silent, or unknown: not heard
+        from since this controller started, within jobs.resume_grace_s of the start, and not
+        already silent when the controller last heard any node before it."""
         age = self.nodes.report_age_s(node)
-        return age is not None and age <= self.node_silent_after_s
+        with self._lock:
+            heard = node in self._heard
+        if heard:
+            return "reporting" if age is not None and age <= self.node_silent_after_s else "silent"
+        now = self._now()
+        if age is None or now - self.started_at >= self.config.resume_grace_s:
+            return "silent"
+        if self._horizon is not None and self._horizon - (now - age) > self.node_silent_after_s:
+            return "silent"
+        return "unknown"
+
+    def reporting(self, node: str) -> bool:
+        return self.presence(node) == "reporting"
+
+    def silent(self, node: str) -> bool:
+        return self.presence(node) == "silent"
+
+    def unknown(self, nodes: Iterable[str], *, spares: bool = False) -> list[str]:
+        """The nodes among `nodes` (with `spares`, also the free hot spares) that are unknown
+        (`presence`): a step that acts on them waits. Free after the resume grace."""
+        if self._now() - self.started_at >= self.config.resume_grace_s:
+            return []
+        names = list(dict.fromkeys(nodes))
+        if spares:
+            names += [
+                r.name
+                for r in self.nodes.all_nodes()
+                if r.role == "spare" and not r.job and r.name not in names
+            ]
+        return [n for n in names if self.presence(n) == "unknown"]
 
     def address(self, node: str) -> str:
         rec = self.nodes.node_record(node)
@@ -407,8 +502,13 @@ class JobManager:
 
     # --- the live view (report path: cheap, in memory) ----------------------------------------
 
-    def note_report(self, node: str, report: Report) -> None:
+    def note_report(self, node: str, report: Report, *, now: float) -> None:
         with self._lock:
+            heard = self._heard.get(node)
+            if heard is None or now - heard[0] > self.node_silent_after_s:
+                self._heard[node] = (now, now)  # (back) after a gap: the stop clock restarts
+            else:
+                self._heard[node] = (now, heard[1])
             had = self._node_job_ranks.get(node, set())
             now_jobs: dict[str, list[RankState]] = {}
             for r in report.ranks:
@@ -429,11 +529,35 @@ class JobManager:
                         live.top_ckpt = r.ckpt_step
             self._node_job_ranks[node] = set(now_jobs)
             procs = {p.job: p for p in report.jobs}
+            attempts: dict[str, tuple[int, ...]] = {}
+            for p in report.jobs:
+                if p.state in _LIVE_PROCESS_STATES:
+                    attempts[p.job] = (*attempts.get(p.job, ()), p.attempt)
             for job, live in self._live.items():
                 if job not in procs:
                     live.procs.pop(node, None)
+                if job not in attempts:
+                    live.live_attempts.pop(node, None)
             for job, p in procs.items():
                 self._live.setdefault(job, _Live()).procs[node] = p
+            for job, live_attempts in attempts.items():
+                self._live[job].live_attempts[node] = live_attempts
+
+    def stale_attempts(self, processes: Sequence[JobProcess]) -> dict[str, int] | None:
+        """job -> its current attempt, for each job of which `processes` (one report's) show
+        a live process of an older attempt; None when there is none. The report path calls
+        this: in memory, O(processes)."""
+        stale: dict[str, int] | None = None
+        with self._lock:
+            for p in processes:
+                if p.state not in _LIVE_PROCESS_STATES:
+                    continue
+                rec = self._jobs.get(p.job)
+                if rec is not None and p.attempt < rec.attempt:
+                    if stale is None:
+                        stale = {}
+                    stale[p.job] = rec.attempt
+        return stale
 
     def note_events(self, node: str, events: Sequence[Event], *, now: float) -> None:
         for e in events:
@@ -544,6 +668,59 @@ class JobManager:
         with self._lock:
             live = self._live.get(job)
             return live.procs.get(node) if live else None
+
+    def runs_attempt(self, job: str, node: str, *, attempt: int) -> bool:
+        """The node's latest report shows a live process of `attempt` of the job, or of an
+        older one (or ranks of the job with no process record: assumed live)."""
+        with self._lock:
+            live = self._live.get(job)
+            if live is None:
+                return False
+            if any(a <= attempt for a in live.live_attempts.get(node, ())):
+                return True
+            return node not in live.procs and bool(live.ranks.get(node))
+
+    def attempt_fence(
+        self, job: str, *, attempt: int, ran: Iterable[str], others: Iterable[str], since: float
+    ) -> Fence:
+        """Where the stop (sent at `since`) of `attempt` stands: on the nodes that `ran` it
+        (stopped, or silent past jobs.attempt_lease_s) and on `others` (the nodes the next
+        attempt may use: stopped once they reported since the stop, or silent)."""
+        now = self._now()
+        limit_s = self.config.stop_grace_s + self.config.stop_timeout_s
+        lease_s = self.config.attempt_lease_s
+        ran_set = set(ran)
+        out: dict[str, list[str]] = {
+            k: [] for k in ("stopped", "lapsed", "running", "unconfirmed", "unknown", "leased")
+        }
+        overdue: list[str] = []
+        for node in dict.fromkeys((*ran_set, *others)):
+            state = self.presence(node)
+            if state == "unknown":
+                out["unknown"].append(node)
+                continue
+            age = self.nodes.report_age_s(node)
+            if state == "silent":
+                if node in ran_set and age is not None and age <= lease_s:
+                    out["leased"].append(node)
+                else:
+                    out["lapsed"].append(node)
+                continue
+            if self.runs_attempt(job, node, attempt=attempt):
+                out["running"].append(node)
+                with self._lock:
+                    back_since = self._heard.get(node, (now, now))[1]
+                if now - max(since, back_since) >= limit_s:
+                    overdue.append(node)
+            elif age is not None and now - age < since:
+                out["unconfirmed"].append(node)
+            else:
+                out["stopped"].append(node)
+        return Fence(
+            attempt=attempt,
+            **{k: tuple(sorted(v)) for k, v in out.items()},
+            overdue=tuple(sorted(overdue)),
+        )
 
     def runs_on(self, job: str, node: str) -> bool:
         """The node still reports processes (or ranks) of the job."""
@@ -659,8 +836,10 @@ __all__ = [
     "FINISHED_STATES",
     "RESUME_SKIP_ENV",
     "SHRINK_MODES",
+    "Fence",
     "JobManager",
     "JobSpec",
     "NodeAccess",
+    "Presence",
     "shrink_plan",
 ]

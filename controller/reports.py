@@ -14,7 +14,10 @@ what it lists, and the response asks for a full report (`want_full`).
 
 A node's role is the controller's inventory: a new node starts active whatever its report's
 `role_hint` says (the hint stays in the signal state only); only an operator makes a node a
-spare. A report from a new node when `max_nodes` are registered is refused
+spare. A node that reports a live process of an older attempt of a job than the job's current
+one is told the current attempt (`job_attempts`), and its agent stops the stale processes:
+the report path's half of the fencing (controller.jobs, docs/jobs.md). A report from a new
+node when `max_nodes` are registered is refused
 (LimitReached, nothing stored). A report refused because its credential speaks for another node
 (`refuse_report`) stores nothing but an audit entry (at most one a minute per credential and
 node, so a misconfigured agent does not flood the audit log).
@@ -162,7 +165,8 @@ class ReportService:
             if not delta:
                 self._hw_counts[name] = (len(report.gpus), len(report.ib_ports))
             self._note_jobs(name, report)
-            self._jobs.note_report(name, report)
+            self._jobs.note_report(name, report, now=now)
+            stale = self._jobs.stale_attempts(report.jobs) if report.jobs else None
             hwm = self._high_water_mark(name, report.instance)
             new_events = []
             if report.events:
@@ -179,7 +183,11 @@ class ReportService:
             commands = self._commands_for(name, now)
         self._metrics.reports_total.inc()
         return ReportResponse(
-            ack_event_id=hwm, commands=commands, server_time=now, want_full=want_full
+            ack_event_id=hwm,
+            commands=commands,
+            server_time=now,
+            want_full=want_full,
+            job_attempts=stale,
         )
 
     def _check_delta_base(self, node: str, report: Report) -> bool | None:
