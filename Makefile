@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 SRC := agent controller contract trainer devkit rules tests bench examples
 # strict editable install: a link per file, so a new module needs a reinstall
 PKG_FILES := $(shell find agent controller contract trainer devkit rules -name "*.py" -o -name "*.yaml" -o -name py.typed 2>/dev/null)
-DEB_PACKAGES := prometheus prometheus-alertmanager systemd slurmctld slurmd slurm-client munge
+DEB_PACKAGES := prometheus prometheus-alertmanager systemd slurmctld slurmd slurm-client munge postgresql-15
 
 .PHONY: test demo demo-slurm venv deps lint typecheck unit integration e2e bench clean
 

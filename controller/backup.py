@@ -1,4 +1,5 @@
-"""Online backup and offline restore of the controller's SQLite store.
+"""Online backup and offline restore of the controller's SQLite store (a PostgreSQL store is
+backed up with PostgreSQL's own tools, pg_dump / pg_basebackup: refused here, naming them).
 
 `backup` copies a consistent snapshot with SQLite's backup API while the controller keeps
 running (readers and the writer are not blocked for more than a page batch at a time).
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from trainguard.controller.config import load_config
+from trainguard.controller.dialect import redact_url
 from trainguard.controller.store import (
     SCHEMA_VERSION,
     StoreError,
@@ -130,10 +132,19 @@ def main(argv: Sequence[str]) -> int:
     r.add_argument("backup")
     args = p.parse_args(argv)
     try:
-        store_path = Path(args.db) if args.db else Path(load_config(args.config).store.path)
+        store = None if args.db else load_config(args.config).store
     except ConfigError as e:
         print(f"{PROG}: bad configuration: {e}", file=sys.stderr)
         return 2
+    if store is not None and store.url is not None:
+        print(
+            f"{PROG}: {args.command}: the store is PostgreSQL ({redact_url(store.url)}); "
+            "back it up and restore it with PostgreSQL's tools (pg_dump / pg_restore, or "
+            "pg_basebackup): docs/controller.md, Store",
+            file=sys.stderr,
+        )
+        return 2
+    store_path = Path(args.db) if args.db else Path(store.path if store else "")
     try:
         if args.command == "backup":
             backup(store_path=store_path, dest=Path(args.dest))

@@ -14,8 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from trainguard.controller.backends.config import BackendConfig, SlurmBackendConfig
+from trainguard.controller.dialect import POSTGRES_SCHEMES, url_password_problem
 from trainguard.rules import shipped_dir
 from trainguard.strict import ConfigError, Invalid, apply_overrides, build, load_file
 
@@ -89,14 +91,66 @@ class Secret:
         return env_value
 
 
+DEFAULT_STORE_PATH = "/var/lib/trainguard/controller.db"
+
+
 @dataclass(frozen=True)
 class StoreConfig:
+    """Where the controller keeps its state: one SQLite file (the default, nothing to run) or
+    a PostgreSQL database (`url`) for sites that run one (docs/controller.md, "Store")."""
+
     # One SQLite file (WAL). /var/lib is where a systemd StateDirectory= lives.
-    path: str = "/var/lib/trainguard/controller.db"
+    path: str = DEFAULT_STORE_PATH
+    # PostgreSQL instead of SQLite: a libpq URL without a password,
+    # postgresql://USER@HOST:PORT/DATABASE (a socket directory: postgresql:///DB?host=/run/x).
+    url: str | None = None
+    # The PostgreSQL password: a file holding it (first line), never the URL or this file.
+    # May start with ${CREDENTIALS_DIRECTORY} (systemd LoadCredential=). Unset: libpq's own
+    # PGPASSWORD / PGPASSFILE (~/.pgpass) from the environment, or none (peer, cert auth).
+    password_file: str | None = None
+    # Seconds to wait for PostgreSQL to answer a connection attempt (libpq connect_timeout).
+    # 10: a server on the site's network answers in far less; past it, start fails (exit 2).
+    connect_timeout_s: int = 10
 
     def __post_init__(self) -> None:
         if not self.path:
             raise Invalid("path", "must not be empty")
+        if self.url is not None:
+            parts = urlsplit(self.url)
+            if parts.scheme not in POSTGRES_SCHEMES:
+                raise Invalid(
+                    "url", f"must be a postgresql:// URL, got scheme {parts.scheme or '(none)'!r}"
+                )
+            problem = url_password_problem(self.url)
+            if problem is not None:  # the URL is not repeated: it holds the password
+                raise Invalid(
+                    "url",
+                    f"{problem}: a password never goes into the config file; put it in the "
+                    "file store.password_file names, or in PGPASSWORD / ~/.pgpass",
+                )
+            if self.path != DEFAULT_STORE_PATH:
+                raise Invalid("url", "set store.url (PostgreSQL) or store.path (SQLite), not both")
+        if self.password_file is not None:
+            if self.url is None:
+                raise Invalid("password_file", "only with store.url (PostgreSQL)")
+            object.__setattr__(
+                self, "password_file", expand_credentials(self.password_file, key="password_file")
+            )
+        if not 1 <= self.connect_timeout_s <= 300:
+            raise Invalid(
+                "connect_timeout_s", f"must be within 1..300, got {self.connect_timeout_s}"
+            )
+
+    @property
+    def location(self) -> str:
+        """What `Store` opens: the PostgreSQL URL if set, else the SQLite file."""
+        return self.url if self.url is not None else self.path
+
+    def read_password(self) -> str | None:
+        """The password from `password_file` (first line, stripped); None without one."""
+        if self.password_file is None:
+            return None
+        return Secret(file=self.password_file).read()
 
 
 @dataclass(frozen=True)
@@ -477,6 +531,7 @@ def load_config(path: str | None, *, overrides: dict[str, Any] | None = None) ->
 
 __all__ = [
     "DEFAULT_CONFIG_PATH",
+    "DEFAULT_STORE_PATH",
     "SEVERITY_RANK",
     "ActionsConfig",
     "ApiConfig",

@@ -92,10 +92,16 @@ class Controller:
         self.metrics = ControllerMetrics()
         backends = backends or ActionBackends()
         try:
-            self.store = Store(config.store.path, now=clock.now)
+            self.store = Store(
+                config.store.location,
+                now=clock.now,
+                password=config.store.read_password(),
+                connect_timeout_s=config.store.connect_timeout_s,
+            )
         except StoreError as e:
-            # a store the controller cannot use is a deployment problem: exit as bad config
-            raise ConfigError("", "store.path", str(e)) from None
+            # a store the controller cannot use (or reach) is a deployment problem: exit 2
+            key = "store.path" if config.store.url is None else "store.url"
+            raise ConfigError("", key, str(e)) from None
         rules = load_rule_set(config)
         self.metrics.known_rules(rules.names())
         self.signals = SignalState(
@@ -144,7 +150,6 @@ class Controller:
                 ops=live,
                 stale_after_s=config.stale_after_s,
                 stale_exempt_rules=tuple(config.safety.stale_exempt_rules),
-                presence=self.jobs.presence,
             )
         )
         self.registry.register(UndrainHandler(backend=drain_backend))

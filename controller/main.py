@@ -22,6 +22,7 @@ from typing import Any
 
 from trainguard import __version__
 from trainguard.controller.auth import load_tokens
+from trainguard.controller.backup import main as backup_main
 from trainguard.controller.config import load_config
 from trainguard.controller.core import Controller
 from trainguard.controller.errors import ServiceError
@@ -84,10 +85,21 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _store_tool(argv: Sequence[str]) -> bool:
+    """`[--config FILE] [--db FILE] backup|restore ...`: the store's backup and restore
+    (controller/backup.py, docs/controller.md "Backup and restore")."""
+    i = 0
+    while i < len(argv) and argv[i].startswith(("--config", "--db")):
+        i += 1 if "=" in argv[i] else 2
+    return i < len(argv) and argv[i] in ("backup", "restore")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "install-unit":
         return install_unit_main(argv[1:], prog="trainguard-controller")
+    if _store_tool(argv):
+        return backup_main(argv)
     args = _parse_args(argv)
     setup_logging(args.log_level or "info")
     overrides: dict[str, Any] = {

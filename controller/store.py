@@ -1,8 +1,10 @@
-"""The controller's durable state: one SQLite file (WAL) with a versioned, migrated schema.
+"""The controller's durable state: one SQLite file (WAL) by default, or a PostgreSQL
+database (`store.url`), with one versioned, migrated schema.
 
 Owns nodes, jobs, incidents (+ timeline), actions, agent commands, events, silences, the
 safety state and the audit log. Rows never leave this module: callers get small frozen
-records or the read models in `trainguard.controller.views`.
+records or the read models in `trainguard.controller.views`. The SQL is written once, in
+SQLite's spelling; controller/dialect.py connects to PostgreSQL and rewrites it there.
 
 Why these pragmas: WAL lets readers (the API) run while the tick writes. synchronous=NORMAL
 in WAL mode makes every commit durable against a process crash (kill -9: the WAL is in the
@@ -11,13 +13,20 @@ few commits, and it never corrupts the file. FULL would fsync every commit, whic
 and action paths do not need. Foreign keys are on so a timeline never outlives its incident.
 
 Thread safety: one connection guarded by a re-entrant lock; `transaction()` holds it for a
-whole BEGIN IMMEDIATE ... COMMIT so multi-statement changes are atomic.
+whole BEGIN IMMEDIATE ... COMMIT so multi-statement changes are atomic. On PostgreSQL a
+transaction is READ COMMITTED: a transaction that reads a row and then writes it depending on
+what it read (`submit_job`, `begin_attempt`) locks the row (SELECT ... FOR UPDATE), which
+SQLite's BEGIN IMMEDIATE (the one write lock) gave for free; inserts keyed by an idempotency
+key (actions, commands, events) are INSERT ... ON CONFLICT DO NOTHING on both, so a step is
+recorded once whoever writes it. Migrations take an advisory lock, so two controllers starting
+at once migrate one after the other.
 
 Staying small: the `expire_*` methods delete one bounded batch of old rows each (one
 transaction, so the API and the tick wait for one batch at most), `incremental_vacuum` gives
 free pages back to the filesystem (the file is `auto_vacuum=INCREMENTAL`; an older file is
 switched once at open, see `_switch_to_incremental_vacuum`) and `checkpoint_wal` empties the
--wal file. controller/maintenance.py decides when and how much.
+-wal file. controller/maintenance.py decides when and how much. On PostgreSQL the two are
+no-ops: autovacuum reclaims space and the server manages its WAL; retention is the same.
 """
 
 from __future__ import annotations
@@ -34,6 +43,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from trainguard.controller.dialect import (
+    POSTGRES,
+    SQLITE,
+    Connection,
+    Row,
+    StoreConnectError,
+    connect_postgres,
+    is_postgres_url,
+)
 from trainguard.controller.views import (
     ActionView,
     AuditEntry,
@@ -95,14 +113,14 @@ def verify_connection(conn: sqlite3.Connection, path: str) -> None:
 # --- schema ---------------------------------------------------------------------------------
 
 
-def _run_script(c: sqlite3.Connection, script: str) -> None:
+def _run_script(c: Connection, script: str) -> None:
     # executescript() would COMMIT the migration's transaction halfway; run statements singly.
     for statement in script.split(";\n"):
         if statement.strip():
             c.execute(statement)
 
 
-def _migration_1(c: sqlite3.Connection) -> None:
+def _migration_1(c: Connection) -> None:
     _run_script(
         c,
         """
@@ -228,7 +246,7 @@ def _migration_1(c: sqlite3.Connection) -> None:
     )
 
 
-def _migration_2(c: sqlite3.Connection) -> None:
+def _migration_2(c: Connection) -> None:
     """The job table of the closed loop: placement, attempts, checkpoint and ETTR accounting."""
     _run_script(
         c,
@@ -252,12 +270,12 @@ def _migration_2(c: sqlite3.Connection) -> None:
     )
 
 
-def _migration_3(c: sqlite3.Connection) -> None:
+def _migration_3(c: Connection) -> None:
     """What a command's result carried beyond its message (collect_stacks: the stack text)."""
     _run_script(c, "ALTER TABLE commands ADD COLUMN data TEXT NOT NULL DEFAULT '{}'")
 
 
-def _migration_4(c: sqlite3.Connection) -> None:
+def _migration_4(c: Connection) -> None:
     """Indexes the retention deletes walk oldest-first (events by arrival, finished commands,
     the audit log by time). The switch of an older file to auto_vacuum=INCREMENTAL goes with
     this version but runs after the transaction (VACUUM cannot run inside one): see
@@ -273,7 +291,8 @@ def _migration_4(c: sqlite3.Connection) -> None:
 
 
 # Migration N (index N-1) takes a database at version N-1 to version N. Append only.
-MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
+# The scripts are SQLite's spelling; on PostgreSQL dialect.py maps the types.
+MIGRATIONS: tuple[Callable[[Connection], None], ...] = (
     _migration_1,
     _migration_2,
     _migration_3,
@@ -282,6 +301,7 @@ MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
 SCHEMA_VERSION = len(MIGRATIONS)
 
 TERMINAL_ACTION_STATES = ("succeeded", "failed", "skipped")
+_MIGRATION_LOCK = 0x7467_5354  # PostgreSQL advisory lock key held while migrating ("tgST")
 AUTO_VACUUM_INCREMENTAL = 2  # PRAGMA auto_vacuum's value for INCREMENTAL
 
 # What a resolved incident must not be deleted with: a step not in a final state, the step
@@ -419,7 +439,7 @@ def _field_names(cls: type) -> tuple[str, ...]:
     return names
 
 
-def _from_row(cls: type[_R], row: sqlite3.Row, **decoded: Any) -> _R:
+def _from_row(cls: type[_R], row: Row, **decoded: Any) -> _R:
     """The dataclass `cls` from the row's columns of the same names; `decoded` gives the
     fields not stored as they are read (JSON text, another column's name, computed)."""
     stored = {name: row[name] for name in _field_names(cls) if name not in decoded}
@@ -432,7 +452,7 @@ _TIMELINE_INSERT = (
 
 
 def _note(
-    c: sqlite3.Connection,
+    c: Connection,
     incident_id: int,
     *,
     ts: float,
@@ -468,12 +488,24 @@ _JOB_COLUMNS = frozenset(
 
 
 class Store:
-    """The SQLite store. Open with `Store(path, now=...)`; migrates older files forward."""
+    """The store. Open with `Store(path, now=...)` (SQLite) or `Store("postgresql://...",
+    now=..., password=...)`; migrates an older schema forward."""
 
-    def __init__(self, path: str | Path, *, now: Callable[[], float]) -> None:
-        self.path = str(path)
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        now: Callable[[], float],
+        password: str | None = None,
+        connect_timeout_s: int = 10,
+    ) -> None:
         self._now = now
         self._lock = threading.RLock()
+        if is_postgres_url(str(path)):
+            self._open_postgres(str(path), password=password, timeout_s=connect_timeout_s)
+            return
+        self.dialect = SQLITE
+        self.path = str(path)
         existed = self.path != ":memory:" and Path(self.path).exists()
         if existed:
             check_existing_file(self.path)
@@ -510,6 +542,25 @@ class Store:
                 f"{self.path}: not a usable trainguard store: {e}; {RESTORE_HINT}"
             ) from None
 
+    def _open_postgres(self, url: str, *, password: str | None, timeout_s: int) -> None:
+        self.dialect = POSTGRES
+        try:
+            pg = connect_postgres(url, password=password, connect_timeout_s=timeout_s)
+        except StoreConnectError as e:
+            raise StoreError(str(e)) from None
+        self.path = pg.safe_url  # what messages and logs name: never the password
+        self._pg = pg
+        self._conn = pg  # type: ignore[assignment]
+        try:
+            self._migrate()
+        except StoreError:
+            pg.close()
+            raise
+        except Exception as e:  # psycopg's errors: the extra may be the only place they exist
+            pg.close()
+            detail = " ".join(str(e).split())
+            raise StoreError(f"{self.path}: not a usable trainguard store: {detail}") from None
+
     # --- plumbing ---------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -517,8 +568,13 @@ class Store:
             self._conn.close()
 
     @contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
-        """BEGIN IMMEDIATE ... COMMIT (ROLLBACK on error), holding the store lock."""
+    def transaction(self) -> Iterator[Connection]:
+        """BEGIN IMMEDIATE ... COMMIT (ROLLBACK on error), holding the store lock; on
+        PostgreSQL BEGIN (READ COMMITTED) ... COMMIT."""
+        if self.dialect.postgres:
+            with self._lock, self._pg.transaction() as pg:
+                yield pg
+            return
         with self._lock:
             self._conn.execute("BEGIN IMMEDIATE")
             try:
@@ -528,7 +584,7 @@ class Store:
                 raise
             self._conn.execute("COMMIT")
 
-    def _query(self, sql: str, args: Sequence[Any] = ()) -> list[sqlite3.Row]:
+    def _query(self, sql: str, args: Sequence[Any] = ()) -> list[Row]:
         with self._lock:
             return self._conn.execute(sql, args).fetchall()
 
@@ -563,6 +619,9 @@ class Store:
 
     def _migrate(self) -> None:
         with self.transaction() as c:
+            if self.dialect.postgres:
+                # two controllers starting at once: the second waits, then finds it done
+                c.execute("SELECT pg_advisory_xact_lock(?)", (_MIGRATION_LOCK,))
             c.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
             row = c.execute("SELECT version FROM schema_version").fetchone()
             version = 0 if row is None else int(row[0])
@@ -583,7 +642,7 @@ class Store:
         never shrinks. The rewrite needs free disk about the file's size and takes seconds per
         GB; if it fails (a full disk, the very case retention is for) the controller starts
         anyway and tries again at the next start."""
-        if self.auto_vacuum_mode() == AUTO_VACUUM_INCREMENTAL:
+        if self.dialect.postgres or self.auto_vacuum_mode() == AUTO_VACUUM_INCREMENTAL:
             return
         with self._lock:
             try:
@@ -667,17 +726,18 @@ class Store:
             if not ids:
                 return {"incidents": 0, "incident_timeline": 0, "actions": 0}
             chosen = (_json(ids),)
+            id_list = self.dialect.id_list()
             timeline = c.execute(
-                "DELETE FROM incident_timeline WHERE incident_id IN"
-                " (SELECT value FROM json_each(?))",
+                f"DELETE FROM incident_timeline WHERE incident_id IN {id_list}",  # noqa: S608
                 chosen,
             ).rowcount
             actions = c.execute(
-                "DELETE FROM actions WHERE incident_id IN (SELECT value FROM json_each(?))",
+                f"DELETE FROM actions WHERE incident_id IN {id_list}",  # noqa: S608
                 chosen,
             ).rowcount
             incidents = c.execute(
-                "DELETE FROM incidents WHERE id IN (SELECT value FROM json_each(?))", chosen
+                f"DELETE FROM incidents WHERE id IN {id_list}",  # noqa: S608
+                chosen,
             ).rowcount
         return {"incidents": incidents, "incident_timeline": timeline, "actions": actions}
 
@@ -713,7 +773,10 @@ class Store:
             return cur.rowcount
 
     def page_counts(self) -> tuple[int, int]:
-        """(pages in the file, of which free): what incremental_vacuum can give back."""
+        """(pages in the file, of which free): what incremental_vacuum can give back.
+        PostgreSQL: (0, 0), its space is autovacuum's."""
+        if self.dialect.postgres:
+            return 0, 0
         with self._lock:
             pages = int(self._conn.execute("PRAGMA page_count").fetchone()[0])
             free = int(self._conn.execute("PRAGMA freelist_count").fetchone()[0])
@@ -721,8 +784,9 @@ class Store:
 
     def incremental_vacuum(self, *, pages: int) -> int:
         """Give up to `pages` free pages back to the filesystem; returns how many went.
-        In WAL mode the file itself shrinks at the next checkpoint."""
-        if pages < 1:
+        In WAL mode the file itself shrinks at the next checkpoint. PostgreSQL: 0 (autovacuum
+        reclaims dead rows; the store never runs VACUUM FULL, which locks the tables)."""
+        if pages < 1 or self.dialect.postgres:
             return 0
         with self._lock:
             if self._conn.in_transaction:
@@ -740,12 +804,21 @@ class Store:
         writing meanwhile, so only another process (a backup) can make it busy."""
         if mode not in ("PASSIVE", "FULL", "RESTART", "TRUNCATE"):
             raise ValueError(f"unknown checkpoint mode {mode!r}")
+        if self.dialect.postgres:  # the server checkpoints its own WAL
+            return False, 0, 0
         with self._lock:
             row = self._conn.execute(f"PRAGMA wal_checkpoint({mode})").fetchone()
         return bool(row[0]), int(row[1]), int(row[2])
 
     def file_sizes(self) -> tuple[int, int]:
-        """(bytes of the database file, bytes of its -wal file); 0 for what does not exist."""
+        """(bytes of the database file, bytes of its -wal file); 0 for what does not exist.
+        PostgreSQL: (pg_database_size, 0); (0, 0) while the server cannot be asked."""
+        if self.dialect.postgres:
+            try:
+                rows = self._query("SELECT pg_database_size(current_database())")
+            except Exception:  # a metrics scrape must not fail with the database away
+                return 0, 0
+            return int(rows[0][0]), 0
         if self.path == ":memory:":
             return 0, 0
         sizes = []
@@ -759,7 +832,7 @@ class Store:
     # --- nodes ------------------------------------------------------------------------------
 
     @staticmethod
-    def _node(row: sqlite3.Row) -> NodeRecord:
+    def _node(row: Row) -> NodeRecord:
         return _from_row(NodeRecord, row, labels=json.loads(row["labels"]))
 
     def list_nodes(self) -> list[NodeRecord]:
@@ -773,8 +846,8 @@ class Store:
         now = self._now()
         with self.transaction() as c:
             c.execute(
-                "INSERT OR IGNORE INTO nodes (name, role, state, labels, created_at, updated_at)"
-                " VALUES (?, ?, 'active', ?, ?, ?)",
+                "INSERT INTO nodes (name, role, state, labels, created_at, updated_at)"
+                " VALUES (?, ?, 'active', ?, ?, ?) ON CONFLICT DO NOTHING",
                 (name, role, _json(labels), now, now),
             )
         node = self.get_node(name)
@@ -829,7 +902,7 @@ class Store:
         ]
 
     @staticmethod
-    def _job(row: sqlite3.Row) -> JobRecord:
+    def _job(row: Row) -> JobRecord:
         return _from_row(
             JobRecord,
             row,
@@ -860,7 +933,10 @@ class Store:
         (a finished job resubmitted; its attempt counter carries on so rendezvous ids and
         command ids never repeat). None when a job of that name exists in another state."""
         with self.transaction() as c:
-            row = c.execute("SELECT state FROM jobs WHERE name = ?", (name,)).fetchone()
+            row = c.execute(
+                f"SELECT state FROM jobs WHERE name = ?{self.dialect.for_update}",  # noqa: S608
+                (name,),
+            ).fetchone()
             if row is not None and row[0] not in replace_states:
                 return None
             values = (_json(spec), _json(list(nodes)), nproc_per_node, min_nodes, ts)
@@ -904,7 +980,9 @@ class Store:
         grow back to full size). Returns (job, began_now)."""
         with self.transaction() as c:
             row = c.execute(
-                "SELECT attempt, attempt_key, nodes FROM jobs WHERE name = ?", (name,)
+                "SELECT attempt, attempt_key, nodes FROM jobs WHERE name = ?"  # noqa: S608
+                + self.dialect.for_update,
+                (name,),
             ).fetchone()
             if row is None:
                 raise KeyError(name)
@@ -983,8 +1061,8 @@ class Store:
         now = self._now()
         with self.transaction() as c:
             c.executemany(
-                "INSERT OR IGNORE INTO events (node, instance, event_id, kind, ts, body,"
-                " received_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO events (node, instance, event_id, kind, ts, body,"
+                " received_at) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
                 [
                     (node, instance, eid, kind, ts, _json(body), now)
                     for eid, kind, ts, body in events
@@ -1017,7 +1095,7 @@ class Store:
     # --- commands ---------------------------------------------------------------------------
 
     @staticmethod
-    def _command(row: sqlite3.Row) -> CommandRecord:
+    def _command(row: Row) -> CommandRecord:
         return _from_row(
             CommandRecord,
             row,
@@ -1030,8 +1108,8 @@ class Store:
         """Queue a command; False if this id already exists (idempotent by id)."""
         with self.transaction() as c:
             cur = c.execute(
-                "INSERT OR IGNORE INTO commands (id, node, kind, args, created_at)"
-                " VALUES (?, ?, ?, ?, ?)",
+                "INSERT INTO commands (id, node, kind, args, created_at)"
+                " VALUES (?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
                 (command_id, node, kind, _json(args), self._now()),
             )
             return cur.rowcount == 1
@@ -1069,7 +1147,7 @@ class Store:
     # --- incidents --------------------------------------------------------------------------
 
     @staticmethod
-    def _incident(row: sqlite3.Row) -> IncidentView:
+    def _incident(row: Row) -> IncidentView:
         # the view's `target` is the key; the table's `target` column is the JSON target
         return _from_row(IncidentView, row, target=row["target_key"])
 
@@ -1091,7 +1169,7 @@ class Store:
             cur = c.execute(
                 "INSERT INTO incidents (rule, target_key, target, target_text, severity, state,"
                 " summary, node, job, opened_at, updated_at) VALUES"
-                " (?, ?, ?, ?, ?, 'open', ?, ?, ?, ?, ?)",
+                " (?, ?, ?, ?, ?, 'open', ?, ?, ?, ?, ?)" + self.dialect.returning_id,
                 (
                     rule,
                     target_key,
@@ -1105,7 +1183,7 @@ class Store:
                     ts,
                 ),
             )
-            incident_id = int(cur.lastrowid or 0)
+            incident_id = self.dialect.inserted_id(cur)
             c.executemany(
                 _TIMELINE_INSERT, [(incident_id, ts, k, m, _json(d)) for k, m, d in timeline]
             )
@@ -1204,7 +1282,7 @@ class Store:
     # --- actions ----------------------------------------------------------------------------
 
     @staticmethod
-    def _action(row: sqlite3.Row) -> ActionView:
+    def _action(row: Row) -> ActionView:
         return _from_row(ActionView, row, params=json.loads(row["params"]))
 
     def add_actions(
@@ -1221,9 +1299,9 @@ class Store:
         with self.transaction() as c:
             for a in actions:
                 c.execute(
-                    "INSERT OR IGNORE INTO actions (incident_id, seq, kind, target, params, state,"
+                    "INSERT INTO actions (incident_id, seq, kind, target, params, state,"
                     " idempotency_key, next_attempt_at, result, created_at, updated_at)"
-                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
                     (
                         incident_id,
                         a.seq,
@@ -1259,11 +1337,12 @@ class Store:
     def last_shrink_incident(self, job: str) -> int | None:
         """The incident whose replace or restart step last shrank `job`'s world size (output
         mode "shrink_world"), or None."""
+        field = self.dialect.json_text
         rows = self._query(
-            "SELECT incident_id FROM actions WHERE incident_id IS NOT NULL"
-            " AND kind IN ('replace', 'restart') AND json_extract(output, '$.job') = ?"
-            " AND (json_extract(output, '$.mode') = 'shrink_world'"
-            " OR json_extract(output, '$.replaced.mode') = 'shrink_world')"
+            "SELECT incident_id FROM actions WHERE incident_id IS NOT NULL"  # noqa: S608
+            f" AND kind IN ('replace', 'restart') AND {field('output', 'job')} = ?"
+            f" AND ({field('output', 'mode')} = 'shrink_world'"
+            f" OR {field('output', 'replaced', 'mode')} = 'shrink_world')"
             " ORDER BY id DESC LIMIT 1",
             (job,),
         )
@@ -1345,7 +1424,7 @@ class Store:
     # --- silences ---------------------------------------------------------------------------
 
     @staticmethod
-    def _silence(row: sqlite3.Row, now: float) -> SilenceView:
+    def _silence(row: Row, now: float) -> SilenceView:
         active = row["deleted_at"] is None and row["expires_at"] > now
         return _from_row(SilenceView, row, active=active)
 
@@ -1361,11 +1440,11 @@ class Store:
     ) -> SilenceView:
         with self.transaction() as c:
             cur = c.execute(
-                "INSERT INTO silences (rule, node, created_by, created_at, expires_at, comment)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
+                "INSERT INTO silences (rule, node, created_by, created_at, expires_at, comment)"  # noqa: S608
+                f" VALUES (?, ?, ?, ?, ?, ?){self.dialect.returning_id}",
                 (rule, node, created_by, created_at, expires_at, comment),
             )
-            silence_id = int(cur.lastrowid or 0)
+            silence_id = self.dialect.inserted_id(cur)
         rows = self._query("SELECT * FROM silences WHERE id = ?", (silence_id,))
         return self._silence(rows[0], created_at)
 
@@ -1406,10 +1485,11 @@ class Store:
     ) -> int:
         with self.transaction() as c:
             cur = c.execute(
-                "INSERT INTO audit_log (ts, actor, action, target, detail) VALUES (?, ?, ?, ?, ?)",
+                "INSERT INTO audit_log (ts, actor, action, target, detail)"  # noqa: S608
+                f" VALUES (?, ?, ?, ?, ?){self.dialect.returning_id}",
                 (ts, actor, action, target, _json(detail)),
             )
-            return int(cur.lastrowid or 0)
+            return self.dialect.inserted_id(cur)
 
     def audit_log(self, *, limit: int = 100) -> list[AuditEntry]:
         rows = self._query("SELECT * FROM audit_log ORDER BY id DESC LIMIT ?", (limit,))

@@ -61,12 +61,14 @@ def write_config(
     stale_after_s: float | None = None,
     extra_yaml: str = "",
     agent_tokens: Mapping[str, str] | None = None,
+    store: Mapping[str, object] | None = None,
 ) -> Path:
     """rules.yaml, tokens.yaml (OP_TOKEN for an operator, AGENT_TOKEN shared by the agents of
     every node, allowed by api.allow_shared_agent_tokens) and controller.yaml in `directory`,
     the store in c.db there, the API on a free loopback port; `extra_yaml` (whole top-level
     sections) is appended as it is. `agent_tokens` ({node: token}): one token bound to each
-    node instead of the shared one. Returns controller.yaml."""
+    node instead of the shared one. `store`: the store section instead of {path: c.db} (a
+    PostgreSQL url and password_file). Returns controller.yaml."""
     (directory / "rules.yaml").write_text(rules)
     agents = (
         f'  - {{name: agents, role: agent, sha256: "{hash_token(AGENT_TOKEN)}"}}\n'
@@ -84,8 +86,9 @@ def write_config(
         api += ", allow_shared_agent_tokens: true"
     if max_body_bytes is not None:
         api += f", max_body_bytes: {max_body_bytes}"
+    store = store if store is not None else {"path": str(directory / "c.db")}
     text = (
-        f"store: {{path: {directory / 'c.db'}}}\n"
+        f"store: {{{', '.join(f'{k}: {v!r}' for k, v in store.items())}}}\n"
         f"rules: [{directory / 'rules.yaml'}]\n"
         f"api: {{{api}}}\n"
     )

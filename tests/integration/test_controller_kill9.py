@@ -1,5 +1,6 @@
 """Crash safety with the real process: `kill -9` of trainguard-controller while a
-notification is in flight, restart, and every action completes exactly once."""
+notification is in flight, restart, and every action completes exactly once (the webhook case
+on both store backends)."""
 
 from __future__ import annotations
 
@@ -18,15 +19,20 @@ from tests.integration.controller_proc import (
     start_controller,
     write_config,
 )
+from tests.integration.postgres_proc import BOTH_STORES
 
 
-def config(tmp_path: Path, notify_yaml: str) -> Path:
+def config(tmp_path: Path, notify_yaml: str, store_location: str | None = None) -> Path:
+    store = None
+    if store_location is not None:
+        store = {"url" if "://" in store_location else "path": store_location}
     return write_config(
         tmp_path,
         rules=dbe_rules(["notify", "drain"]),
         tick_interval_s=0.2,
         stale_after_s=30,
         extra_yaml=f"notify:\n{notify_yaml}",
+        store=store,
     )
 
 
@@ -43,13 +49,17 @@ def all_done(url: str, expected: int) -> bool:
 
 
 @pytest.mark.slow
-def test_kill9_mid_webhook_delivery_resends_same_key_and_drains_once(tmp_path, controllers):
+@BOTH_STORES
+def test_kill9_mid_webhook_delivery_resends_same_key_and_drains_once(
+    tmp_path, controllers, store_location
+):
     hold = threading.Event()
     with Receiver() as rx:
         rx.hold = hold
         cfg = config(
             tmp_path,
             f"  webhooks:\n    - {{name: hook, url: '{rx.url}/hook', timeout_s: 60}}\n",
+            store_location,
         )
         first = start_controller(cfg, log_path=tmp_path / "first.log")
         controllers.append(first)

@@ -1,6 +1,7 @@
 """Shared fixtures for the controller-core unit tests: a Controller on a FakeClock over a
-real SQLite file, with recording notifiers and a small rules file; `sim`, a simulated cluster
-running jobs on it."""
+real SQLite file (or a PostgreSQL database, for tests parametrised over `store_backend`),
+with recording notifiers and a small rules file; `sim`, a simulated cluster running jobs on
+it."""
 
 from __future__ import annotations
 
@@ -47,13 +48,16 @@ def core_clock() -> FakeClock:
 
 
 @pytest.fixture
-def core_config(tmp_path: Path) -> Callable[..., ControllerConfig]:
+def core_config(tmp_path: Path, store_location: str) -> Callable[..., ControllerConfig]:
+    """The config maker; the store is SQLite unless the test is parametrised over
+    `store_backend` (tests/conftest.py, BOTH_STORES)."""
     rules = tmp_path / "rules.yaml"
     rules.write_text(CORE_RULES)
+    store = {"url" if "://" in store_location else "path": store_location}
 
     def make(**overrides: Any) -> ControllerConfig:
         data: dict[str, Any] = {
-            "store": {"path": str(tmp_path / "controller.db")},
+            "store": store,
             "rules": [str(rules)],
             "actions": {"backoff_initial_s": 2.0, "backoff_max_s": 16.0, "max_attempts": 3},
         }

@@ -7,6 +7,7 @@ import pytest
 
 from tests.builders import Reporter
 from tests.helpers import wait_for
+from tests.integration.postgres_proc import BOTH_STORES
 from trainguard.controller.actions.notify import RecordingNotifier
 from trainguard.controller.errors import BadRequest, NotFound
 from trainguard.controller.model import Decision, Target
@@ -47,6 +48,7 @@ def test_freshness_is_flushed_to_the_store_on_tick_not_per_report(make_core, cor
     assert c.store.get_node("n1").last_report_at == core_clock.now()
 
 
+@BOTH_STORES
 def test_resent_events_are_stored_once_and_acked(make_core, core_clock):
     c = make_core()
     r = Reporter("n1")
@@ -252,6 +254,7 @@ def test_exhausted_drain_budget_pages_instead_of_draining(make_core, core_clock,
     assert len(pages) == 1 and pages[0].incident_id == second.id
 
 
+@BOTH_STORES
 def test_breaker_trips_when_many_nodes_hit_one_rule_and_pages_once(
     make_core, core_clock, core_notifier
 ):
@@ -352,6 +355,7 @@ def test_incident_survives_restart_and_is_not_reopened(make_core, core_clock):
     assert len(c2.list_incidents()) == 1
 
 
+@BOTH_STORES
 def test_operator_drain_is_idempotent_and_audited(make_core, core_clock):
     c = make_core()
     c.ingest_report(Reporter("n1").report(now=core_clock.now()), actor="a")

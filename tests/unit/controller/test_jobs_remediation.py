@@ -10,6 +10,7 @@ import math
 import pytest
 
 from tests.builders import gpu
+from tests.integration.postgres_proc import BOTH_STORES
 from tests.unit.controller.job_sim import Sim, running
 from trainguard.controller.errors import Conflict
 from trainguard.controller.jobs import JobSpec, shrink_plan
@@ -30,6 +31,7 @@ def test_submit_starts_one_attempt_on_every_node_with_one_rendezvous_host(sim):
     assert (job.nodes, job.world_size, job.restarts) == (("n1", "n2"), 4, 0)
 
 
+@BOTH_STORES
 def test_sick_node_is_checkpointed_drained_replaced_and_restarted(sim):
     sim.submit(nodes=["n1", "n2"])
     sim.until(running(sim, attempt=1), max_s=5, what="job running")
@@ -87,6 +89,7 @@ def test_no_spare_shrinks_to_fewer_nodes_keeping_the_world_size(sim):
     assert "shrinking job job to 1 node(s) x 2 process(es), world size 2 kept" in timeline
 
 
+@BOTH_STORES
 def test_no_spare_with_shrink_world_restarts_on_fewer_ranks(sim):
     sim.c.set_role("n3", role="active", actor="t")
     sim.submit(nodes=["n1", "n2"], nproc_per_node=2, min_nodes=1, shrink="world")
@@ -256,6 +259,7 @@ def test_drain_that_would_leave_a_job_below_min_nodes_pages_instead(sim):
     assert sim.c.get_job("job").state == "running"
 
 
+@BOTH_STORES
 def test_controller_restart_mid_restart_never_starts_another_attempt(sim):
     sim.submit(nodes=["n1", "n2"])
     sim.until(running(sim, attempt=1), max_s=5, what="job running")

@@ -1,16 +1,18 @@
 """Store retention and space reclaim: what each table keeps and what goes, bounded batches,
 the WAL checkpoint, incremental vacuum and the switch of an older file (fake clock, no
-scheduler)."""
+scheduler). Retention runs on both store backends (BOTH_STORES); the WAL checkpoint, the
+vacuum and the file switch are SQLite's and run on it alone (PostgreSQL: a no-op, tested once
+below)."""
 
 from __future__ import annotations
 
 import sqlite3
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 import trainguard.controller.store as store_mod
+from tests.integration.postgres_proc import BOTH_STORES
 from trainguard.clock import FakeClock
 from trainguard.controller.config import RetentionConfig
 from trainguard.controller.maintenance import run_checkpoint, run_retention, run_vacuum
@@ -25,8 +27,8 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-def store(tmp_path: Path, clock: FakeClock) -> Store:
-    s = Store(tmp_path / "c.db", now=clock.now)
+def store(store_location: str, clock: FakeClock) -> Store:
+    s = Store(store_location, now=clock.now)
     yield s
     s.close()
 
@@ -66,6 +68,7 @@ def _count(store: Store, table: str) -> int:
 # --- events -------------------------------------------------------------------------------
 
 
+@BOTH_STORES
 def test_events_older_than_the_limit_go_and_newer_ones_stay(store, clock):
     store.add_node("n1", role="active", labels={})
     for eid in range(1, 4):
@@ -78,6 +81,7 @@ def test_events_older_than_the_limit_go_and_newer_ones_stay(store, clock):
     assert _event_ids(store, "n1") == [4]
 
 
+@BOTH_STORES
 def test_an_open_incidents_node_keeps_its_evidence(store, clock):
     for node in ("sick", "healthy"):
         store.add_node(node, role="active", labels={})
@@ -94,6 +98,7 @@ def test_an_open_incidents_node_keeps_its_evidence(store, clock):
     assert _event_ids(store, "healthy") == [3]
 
 
+@BOTH_STORES
 def test_a_resolved_incident_no_longer_holds_its_nodes_events(store, clock):
     store.add_node("n1", role="active", labels={})
     _event(store, "n1", 1)
@@ -105,6 +110,7 @@ def test_a_resolved_incident_no_longer_holds_its_nodes_events(store, clock):
     assert _event_ids(store, "n1") == [2]
 
 
+@BOTH_STORES
 def test_the_newest_event_of_a_nodes_current_agent_instance_stays(store, clock):
     """It is the high-water mark a restarted controller acknowledges from."""
     store.add_node("n1", role="active", labels={})
@@ -133,6 +139,7 @@ def test_the_newest_event_of_a_nodes_current_agent_instance_stays(store, clock):
 # --- commands -----------------------------------------------------------------------------
 
 
+@BOTH_STORES
 def test_finished_commands_go_after_the_limit_and_waiting_ones_never(store, clock):
     store.add_command("done-old", node="n1", kind="stop_job", args={})
     store.add_command("waiting-old", node="n1", kind="stop_job", args={})
@@ -155,6 +162,7 @@ def _resolve(store: Store, incident: int, ts: float) -> None:
     store.set_incident_state(incident, "resolved", ts=ts, kind="resolved", message="done")
 
 
+@BOTH_STORES
 def test_resolved_incidents_go_with_their_timelines_and_actions(store, clock):
     old = _incident(store, node="n1", ts=clock.now())
     store.add_actions(
@@ -174,6 +182,7 @@ def test_resolved_incidents_go_with_their_timelines_and_actions(store, clock):
     assert store.get_incident(recent) is not None
 
 
+@BOTH_STORES
 def test_open_incidents_are_never_deleted(store, clock):
     incidents = {}
     for state in ("open", "acting", "mitigated", "suppressed"):
@@ -188,6 +197,7 @@ def test_open_incidents_are_never_deleted(store, clock):
     assert all(store.get_incident(i) is not None for i in incidents.values())
 
 
+@BOTH_STORES
 @pytest.mark.parametrize("state", ["pending", "running"])
 def test_a_resolved_incident_with_an_unfinished_step_is_kept_whole(store, clock, state):
     incident = _incident(store, node="n1", ts=clock.now())
@@ -204,6 +214,7 @@ def test_a_resolved_incident_with_an_unfinished_step_is_kept_whole(store, clock,
     assert store.get_action(action) is not None
 
 
+@BOTH_STORES
 def test_the_incident_that_began_a_jobs_current_attempt_is_kept(store, clock):
     incident = _incident(store, node="n1", ts=clock.now())
     store.add_actions(
@@ -229,6 +240,7 @@ def test_the_incident_that_began_a_jobs_current_attempt_is_kept(store, clock):
     assert store.action_by_key("restart-key") is not None
 
 
+@BOTH_STORES
 def test_operator_steps_go_when_final_and_old_never_when_unfinished(store, clock):
     ids = store.add_actions(
         None,
@@ -250,6 +262,7 @@ def test_operator_steps_go_when_final_and_old_never_when_unfinished(store, clock
 # --- audit ----------------------------------------------------------------------------------
 
 
+@BOTH_STORES
 def test_the_audit_log_keeps_180_days_by_default(store, clock):
     start = clock.now()
     store.audit(ts=start, actor="ops", action="drain", target="n1", detail={})
@@ -260,6 +273,7 @@ def test_the_audit_log_keeps_180_days_by_default(store, clock):
     assert [e.action for e in store.audit_log()] == ["undrain"]
 
 
+@BOTH_STORES
 def test_zero_days_keeps_a_table_forever(store, clock):
     store.audit(ts=clock.now(), actor="ops", action="drain", target="n1", detail={})
     store.add_node("n1", role="active", labels={})
@@ -274,6 +288,7 @@ def test_zero_days_keeps_a_table_forever(store, clock):
 # --- bounded batches ------------------------------------------------------------------------
 
 
+@BOTH_STORES
 def test_rows_are_deleted_in_transactions_of_at_most_batch_rows(store, clock, monkeypatch):
     store.insert_events("n1", "i", [(i, "xid", 0.0, {}) for i in range(1, 1051)])
     for i in range(12):  # 12 incidents of 4 rows each (incident, 3 timeline entries)
@@ -303,6 +318,7 @@ def test_rows_are_deleted_in_transactions_of_at_most_batch_rows(store, clock, mo
     assert sizes.count(10) == 105 and sizes.count(8) == 6
 
 
+@BOTH_STORES
 def test_a_cancelled_run_stops_between_batches(store, clock):
     store.insert_events("n1", "i", [(i, "xid", 0.0, {}) for i in range(1, 101)])
     clock.advance(365 * DAY_S)
@@ -315,6 +331,19 @@ def test_a_cancelled_run_stops_between_batches(store, clock):
 
 
 # --- WAL checkpoint, incremental vacuum ------------------------------------------------------
+
+
+@pytest.mark.parametrize("store_backend", ["postgres"])
+def test_on_postgres_vacuum_and_checkpoint_are_no_ops(store, clock):
+    store.insert_events("n1", "i", [(i, "xid", 0.0, {}) for i in range(1, 101)])
+    clock.advance(365 * DAY_S)
+    run_retention(store, now=clock.now(), policy=_policy(batch_rows=1000))
+    assert store.count_events("n1") == 0
+    assert run_vacuum(store, max_pages=1000) == 0
+    result = run_checkpoint(store)
+    assert (result.busy, result.wal_frames, result.wal_bytes_after) == (False, 0, 0)
+    db_bytes, wal_bytes = store.file_sizes()
+    assert db_bytes > 0 and wal_bytes == 0
 
 
 def _fill(store: Store, n: int) -> None:

@@ -1,4 +1,7 @@
-"""Store: schema versioning and migrations, WAL, uniqueness guarantees, silences, audit."""
+"""Store: schema versioning and migrations, WAL, uniqueness guarantees, silences, audit.
+
+The tests taking `store_location` run on SQLite and on PostgreSQL (BOTH_STORES); the others
+are about SQLite's file itself (WAL mode, a damaged or foreign file) and run on it alone."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import sqlite3
 import pytest
 
 import trainguard.controller.store as store_mod
+from tests.integration.postgres_proc import BOTH_STORES
 from trainguard.controller.store import (
     SCHEMA_VERSION,
     CommandResultRow,
@@ -20,6 +24,23 @@ def _now() -> float:
     return 1000.0
 
 
+def _columns(s: Store, table: str) -> list[str]:
+    if s.dialect.postgres:
+        rows = s._query(
+            "SELECT column_name FROM information_schema.columns WHERE table_name = ?", (table,)
+        )
+        return [r[0] for r in rows]
+    return [r[1] for r in s._query(f"PRAGMA table_info({table})")]
+
+
+def _integrity_errors(s: Store) -> tuple[type[Exception], ...]:
+    if s.dialect.postgres:
+        import psycopg  # noqa: PLC0415 (only the PostgreSQL runs have the extra to import)
+
+        return (psycopg.IntegrityError,)
+    return (sqlite3.IntegrityError,)
+
+
 def test_new_store_is_at_current_schema_in_wal_mode(tmp_path):
     s = Store(tmp_path / "c.db", now=_now)
     assert s.schema_version() == SCHEMA_VERSION
@@ -27,22 +48,25 @@ def test_new_store_is_at_current_schema_in_wal_mode(tmp_path):
     assert mode == "wal"
 
 
-def test_reopening_keeps_data(tmp_path):
-    s = Store(tmp_path / "c.db", now=_now)
+@BOTH_STORES
+def test_reopening_keeps_data(store_location):
+    s = Store(store_location, now=_now)
+    assert s.schema_version() == SCHEMA_VERSION
     s.add_node("n1", role="spare", labels={"rack": "r1"})
     s.close()
-    again = Store(tmp_path / "c.db", now=_now)
+    again = Store(store_location, now=_now)
     node = again.get_node("n1")
     assert (node.role, node.labels) == ("spare", {"rack": "r1"})
 
 
-def test_older_file_is_migrated_forward_in_order(tmp_path, monkeypatch):
-    path = tmp_path / "c.db"
+@BOTH_STORES
+def test_older_file_is_migrated_forward_in_order(store_location, monkeypatch):
+    path = store_location
     Store(path, now=_now).close()  # the current version
     base = store_mod.SCHEMA_VERSION
     applied = []
 
-    def migration_next(c: sqlite3.Connection) -> None:
+    def migration_next(c: store_mod.Connection) -> None:
         applied.append(base + 1)
         c.execute("ALTER TABLE jobs ADD COLUMN next_test INTEGER NOT NULL DEFAULT 1")
 
@@ -56,11 +80,12 @@ def test_older_file_is_migrated_forward_in_order(tmp_path, monkeypatch):
     assert Store(path, now=_now).schema_version() == base + 1
 
 
-def test_failed_migration_leaves_the_file_at_its_old_version(tmp_path, monkeypatch):
-    path = tmp_path / "c.db"
+@BOTH_STORES
+def test_failed_migration_leaves_the_file_at_its_old_version(store_location, monkeypatch):
+    path = store_location
     Store(path, now=_now).close()
 
-    def broken(c: sqlite3.Connection) -> None:
+    def broken(c: store_mod.Connection) -> None:
         c.execute("ALTER TABLE jobs ADD COLUMN x INTEGER")
         c.execute("THIS IS NOT SQL")
 
@@ -72,17 +97,16 @@ def test_failed_migration_leaves_the_file_at_its_old_version(tmp_path, monkeypat
     monkeypatch.undo()
     s = Store(path, now=_now)
     assert s.schema_version() == base
-    cols = [r[1] for r in s._query("PRAGMA table_info(jobs)")]
-    assert "x" not in cols
+    assert "x" not in _columns(s, "jobs")
 
 
-def test_newer_schema_than_known_is_a_clear_error(tmp_path):
-    path = tmp_path / "c.db"
-    Store(path, now=_now).close()
-    conn = sqlite3.connect(path)
-    conn.execute("UPDATE schema_version SET version = 99")
-    conn.commit()
-    conn.close()
+@BOTH_STORES
+def test_newer_schema_than_known_is_a_clear_error(store_location):
+    path = store_location
+    s = Store(path, now=_now)
+    with s.transaction() as c:
+        c.execute("UPDATE schema_version SET version = 99")
+    s.close()
     with pytest.raises(StoreError, match="schema version 99 is newer"):
         Store(path, now=_now)
 
@@ -134,8 +158,9 @@ def test_a_foreign_sqlite_database_is_refused(tmp_path):
         Store(path, now=_now)
 
 
-def test_only_one_unresolved_incident_per_rule_and_target(tmp_path):
-    s = Store(tmp_path / "c.db", now=_now)
+@BOTH_STORES
+def test_only_one_unresolved_incident_per_rule_and_target(store_location):
+    s = Store(store_location, now=_now)
     kw = dict(
         rule="r",
         target_key="node:n1",
@@ -149,14 +174,15 @@ def test_only_one_unresolved_incident_per_rule_and_target(tmp_path):
         timeline=[],
     )
     first = s.create_incident(**kw)
-    with pytest.raises(sqlite3.IntegrityError):
+    with pytest.raises(_integrity_errors(s)):
         s.create_incident(**kw)
     s.set_incident_state(first, "resolved", ts=2.0, kind="resolved", message="ok")
     assert s.create_incident(**kw) != first
 
 
-def test_action_idempotency_key_is_unique(tmp_path):
-    s = Store(tmp_path / "c.db", now=_now)
+@BOTH_STORES
+def test_action_idempotency_key_is_unique(store_location):
+    s = Store(store_location, now=_now)
     a = NewAction(kind="drain", target="n1", idempotency_key="k1")
     (first,) = s.add_actions(None, [a], ts=1.0)
     (second,) = s.add_actions(None, [a], ts=2.0)
@@ -164,16 +190,18 @@ def test_action_idempotency_key_is_unique(tmp_path):
     assert len(s.open_actions()) == 1
 
 
-def test_duplicate_events_are_ignored_by_the_unique_constraint(tmp_path):
-    s = Store(tmp_path / "c.db", now=_now)
+@BOTH_STORES
+def test_duplicate_events_are_ignored_by_the_unique_constraint(store_location):
+    s = Store(store_location, now=_now)
     rows = [(1, "xid", 1.0, {"id": 1}), (2, "xid", 2.0, {"id": 2})]
     s.insert_events("n1", "i", rows)
     s.insert_events("n1", "i", rows)
     assert s.count_events("n1") == 2 and s.max_event_id("n1", "i") == 2
 
 
-def test_silences_expire_and_delete(tmp_path):
-    s = Store(tmp_path / "c.db", now=_now)
+@BOTH_STORES
+def test_silences_expire_and_delete(store_location):
+    s = Store(store_location, now=_now)
     silence = s.add_silence(
         rule="r", node=None, created_by="op", created_at=0.0, expires_at=10.0, comment="c"
     )
@@ -184,15 +212,17 @@ def test_silences_expire_and_delete(tmp_path):
     assert s.list_silences(now=5.0, include_expired=False) == []
 
 
-def test_audit_log_is_newest_first(tmp_path):
-    s = Store(tmp_path / "c.db", now=_now)
+@BOTH_STORES
+def test_audit_log_is_newest_first(store_location):
+    s = Store(store_location, now=_now)
     s.audit(ts=1.0, actor="alice", action="drain", target="n1", detail={"reason": "x"})
     s.audit(ts=2.0, actor="bob", action="undrain", target="n1", detail={})
     assert [e.actor for e in s.audit_log(limit=10)] == ["bob", "alice"]
 
 
-def test_command_result_data_is_kept_with_the_command(tmp_path):
-    s = Store(tmp_path / "c.db", now=_now)
+@BOTH_STORES
+def test_command_result_data_is_kept_with_the_command(store_location):
+    s = Store(store_location, now=_now)
     s.add_command("stacks-1-n1", node="n1", kind="collect_stacks", args={"job": "j"})
     result = CommandResultRow(
         command_id="stacks-1-n1",
@@ -205,8 +235,9 @@ def test_command_result_data_is_kept_with_the_command(tmp_path):
     assert (cmd.ok, cmd.result, cmd.data) == (True, result.message, result.data)
 
 
-def test_version_2_file_gains_command_data_and_keeps_its_commands(tmp_path, monkeypatch):
-    path = tmp_path / "c.db"
+@BOTH_STORES
+def test_version_2_file_gains_command_data_and_keeps_its_commands(store_location, monkeypatch):
+    path = store_location
     monkeypatch.setattr(store_mod, "MIGRATIONS", store_mod.MIGRATIONS[:2])
     monkeypatch.setattr(store_mod, "SCHEMA_VERSION", 2)
     old = Store(path, now=_now)

@@ -1,5 +1,6 @@
 """Action worker: ordering, retries with backoff (FakeClock), permanent failure and
-escalation, output feeding later steps, and recovery of rows left running by a crash."""
+escalation, output feeding later steps, and recovery of rows left running by a crash; each on
+both store backends (the exactly-once guarantees are the store's as much as the worker's)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tests.builders import Reporter
+from tests.integration.postgres_proc import BOTH_STORES
 from trainguard.controller.actions.base import (
     ActionContext,
     Outcome,
@@ -15,6 +17,8 @@ from trainguard.controller.actions.base import (
 )
 from trainguard.controller.actions.notify import RecordingNotifier
 from trainguard.controller.model import Decision, Target
+
+pytestmark = BOTH_STORES
 
 
 def _decision(actions: tuple[str, ...], node: str = "n1") -> Decision:
