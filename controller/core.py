@@ -150,6 +150,7 @@ class Controller:
                 ops=live,
                 stale_after_s=config.stale_after_s,
                 stale_exempt_rules=tuple(config.safety.stale_exempt_rules),
+                presence=self.jobs.presence,
             )
         )
         self.registry.register(UndrainHandler(backend=drain_backend))

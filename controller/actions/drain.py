@@ -4,13 +4,17 @@ command to the node's agent), a recording fake, and the `drain` / `undrain` step
 
 Local drain: node -> draining; if the node runs a job, queue `stop_job` for its agent and
 poll until the agent reports the command's result; then -> drained (at once when no job
-runs). Draining a drained node is a no-op success, so every step is safe to repeat.
+runs, or when the node is silent: the command stays queued for its return). Draining a
+drained node is a no-op success, so every step is safe to repeat. After a controller
+restart, a node not heard from yet is neither (`presence` "unknown"): the drain step waits
+for its next report, bounded by jobs.resume_grace_s, instead of reading its stored age.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -21,6 +25,8 @@ from trainguard.controller.store import CommandRecord
 log = logging.getLogger("trainguard.controller.drain")
 
 DrainState = Literal["draining", "drained"]
+# node -> "reporting" | "silent" | "unknown" (controller.jobs.JobManager.presence)
+PresenceOf = Callable[[str], str]
 
 
 class NodeOps(Protocol):
@@ -72,13 +78,20 @@ class LocalDrainBackend:
     name = "local"
 
     def __init__(
-        self, ops: NodeOps, *, stop_grace_s: float = 30.0, silent_after_s: float | None = None
+        self,
+        ops: NodeOps,
+        *,
+        stop_grace_s: float = 30.0,
+        silent_after_s: float | None = None,
+        presence: PresenceOf | None = None,
     ) -> None:
         self._ops = ops
         self._grace_s = stop_grace_s
         # A node silent for longer than this cannot answer stop_job: it is drained at once
         # (the command stays queued for when its agent returns). None: always wait.
         self._silent_after_s = silent_after_s
+        # Given: says whether a node is silent instead (an unknown node is not: waited for)
+        self._presence = presence
 
     def drain(
         self,
@@ -95,6 +108,9 @@ class LocalDrainBackend:
         if state == "drained":
             return "drained", {}
         self._ops.set_node_state(node, "draining", reason=reason)
+        if self._presence is not None and self._presence(node) == "unknown":
+            # not heard from since the controller started: which job it runs is not known yet
+            return "draining", {"reason": reason}
         job = self._ops.node_job(node)
         if job is None:
             self._ops.set_node_state(node, "drained", reason=reason)
@@ -112,6 +128,8 @@ class LocalDrainBackend:
     def _silent(self, node: str) -> bool:
         if self._silent_after_s is None:
             return False
+        if self._presence is not None:
+            return self._presence(node) == "silent"
         age = self._ops.report_age_s(node)
         return age is None or age > self._silent_after_s
 
@@ -121,8 +139,8 @@ class LocalDrainBackend:
         if self._silent(node):
             self._ops.set_node_state(node, "drained", reason=progress.get("reason"))
             return "drained"
-        command_id = str(progress.get("command_id", ""))
-        record = self._ops.command_status(command_id) if command_id else None
+        command_id = str(progress.get("command_id") or f"drain-{key}")
+        record = self._ops.command_status(command_id)
         if record is None:
             # Lost (e.g. store restored): queue it again; the agent dedupes by id.
             state, _ = self.drain(node, reason=str(progress.get("reason", "")), key=key)
@@ -184,6 +202,9 @@ class DrainHandler:
     poll_interval_s: float = 1.0
     kind: str = "drain"
     remediation: bool = True
+    # Given: a node unknown after a controller restart is waited for (its stored report
+    # age would make the stale check, and the drain, guess)
+    presence: PresenceOf | None = None
 
     def idempotent(self, params: dict[str, Any]) -> bool:
         return True
@@ -192,6 +213,13 @@ class DrainHandler:
         node = str(ctx.params.get("node", ""))
         if not node:
             raise PermanentError("drain needs a node")
+        if self.presence is not None and self.presence(node) == "unknown":
+            return Outcome(
+                message=f"waiting for {node} to report again after the controller restart",
+                output=dict(ctx.progress),
+                done=False,
+                poll_after_s=self.poll_interval_s,
+            )
         reason = str(ctx.params.get("reason", "")) or "drained by trainguard"
         if ctx.progress.get("phase") == "draining":
             state = self.backend.poll(node, key=ctx.action.idempotency_key, progress=ctx.progress)
@@ -256,6 +284,7 @@ __all__ = [
     "DrainBackend",
     "DrainHandler",
     "DrainState",
+    "PresenceOf",
     "LocalDrainBackend",
     "NodeOps",
     "RecordingDrainBackend",

@@ -6,12 +6,18 @@ Every step keeps its progress in its action output (so a controller restart resu
 was) and every command id derives from the step's idempotency key or the job attempt, so a
 repeated run queues nothing twice; a restart that already began attempt N finds it again in
 the job table (`begin_attempt` by key) and never begins N+1.
+
+After a controller restart the steps wait (`_await_unknown`, bounded by jobs.resume_grace_s)
+for the nodes they act on to report again rather than read their stored report age. A
+restart starts attempt N+1 only when every node of attempt N confirmed its stop or has been
+silent past jobs.attempt_lease_s (JobManager.attempt_fence); a node that still runs attempt N
+after the stop's grace and timeout fails the step (a person must look), never a start beside.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -23,6 +29,8 @@ log = logging.getLogger("trainguard.controller.jobsteps")
 
 # Restart phases measured into trainguard_controller_remediation_phase_seconds.
 PhaseObserver = Callable[[dict[str, float], "int | None"], None]
+# A step waiting for an unknown node looks again this often, s: agents report every second.
+_UNKNOWN_POLL_S = 1.0
 
 
 def _no_job(ctx: ActionContext) -> Outcome:
@@ -38,6 +46,28 @@ def _job_of(jobs: JobManager, ctx: ActionContext) -> JobRecord | None:
         if isinstance(name, str) and name:
             return jobs.get(name)
     return jobs.resolve(ctx.params)
+
+
+def _await_unknown(
+    jobs: JobManager,
+    nodes: Iterable[str],
+    *,
+    spares: bool = False,
+    progress: dict[str, Any],
+    poll_after_s: float,
+) -> Outcome | None:
+    """A not-done Outcome (progress unchanged) while any of `nodes` (with `spares`, the free
+    hot spares too) is unknown after a controller restart; None when the step may go on."""
+    waiting = jobs.unknown(nodes, spares=spares)
+    if not waiting:
+        return None
+    return Outcome(
+        message=f"waiting for {', '.join(waiting)} to report again after the controller"
+        f" restart (at most {jobs.config.resume_grace_s:g} s from its start, then silent)",
+        output=progress,
+        done=False,
+        poll_after_s=min(poll_after_s, _UNKNOWN_POLL_S),
+    )
 
 
 def _endpoint(host: str, port: int) -> str:
@@ -78,6 +108,14 @@ class CheckpointHandler(JobStep):
     def run_job(self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]) -> Outcome:
         sick = ctx.params.get("node") if isinstance(ctx.params.get("node"), str) else None
         if progress.get("phase") != "waiting":
+            wait = _await_unknown(
+                self.jobs,
+                [*([sick] if sick else []), *job.attempt_nodes],
+                progress=progress,
+                poll_after_s=self.poll_interval_s,
+            )
+            if wait is not None:
+                return wait
             step, ckpt = self.jobs.latest_steps(job.name)
             progress = {
                 "phase": "waiting",
@@ -126,7 +164,8 @@ class CheckpointHandler(JobStep):
                 )
         if self.jobs.checkpoint_failed(job.name, request_id):
             return self._fallback(progress, ctx, why="the trainer reported the checkpoint failed")
-        if sick is not None and not self.jobs.reporting(sick):
+        if sick is not None and self.jobs.silent(sick):
+            # unknown (a controller restart since the request): wait for it, within the timeout
             return self._fallback(progress, ctx, why=f"{sick} stopped reporting")
         timeout_s = self.jobs.config.checkpoint_timeout_s
         if ctx.now - float(progress["started_at"]) > timeout_s:
@@ -255,6 +294,11 @@ class ReplaceHandler(JobStep):
     remediation: bool = True
 
     def run_job(self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]) -> Outcome:
+        wait = _await_unknown(
+            self.jobs, job.nodes, spares=True, progress=progress, poll_after_s=self.poll_interval_s
+        )
+        if wait is not None:
+            return wait
         spec = self.jobs.spec(job)
         started_at = float(ctx.progress.get("started_at", ctx.now))
         sick = ctx.params.get("node")
@@ -342,43 +386,71 @@ class RestartHandler(JobStep):
         if job.attempt_key == key and phase == "stop":
             phase = "start"  # this step began its attempt before a controller restart
         if phase == "stop" and "stop_sent_at" not in progress:
-            return self._begin(ctx, job, progress)
+            wait = _await_unknown(
+                self.jobs,
+                (*job.attempt_nodes, *job.nodes),
+                progress=progress,
+                poll_after_s=self.poll_interval_s,
+            )
+            return wait or self._begin(ctx, job, progress)
         if phase == "stop":
-            waiting = [
-                n
-                for n in progress.get("stopping", [])
-                if self.jobs.reporting(n) and self.jobs.runs_on(job.name, n)
-            ]
-            # A node that died just before the restart still looks alive until its reports
-            # are node_silent_after_s old: wait (at most that long) until every node of the
-            # job has reported since the stop, or is silent and will be replaced.
-            sent_at = float(progress["stop_sent_at"])
-            unconfirmed = [
-                n
-                for n in job.nodes
-                if n not in waiting
-                and self.jobs.reporting(n)
-                and (age := self.jobs.nodes.report_age_s(n)) is not None
-                and ctx.now - age < sent_at
-            ]
-            limit_s = self.jobs.config.stop_grace_s + self.jobs.config.stop_timeout_s
-            if (waiting or unconfirmed) and ctx.now - sent_at < limit_s:
-                what = (
-                    f"attempt {job.attempt} to stop on {', '.join(waiting)}"
-                    if waiting
-                    else f"a report from {', '.join(unconfirmed)} since the stop"
-                )
-                return Outcome(
-                    message=f"waiting for {what}",
-                    output=progress,
-                    done=False,
-                    poll_after_s=self.poll_interval_s,
-                )
-            if waiting:
-                progress["stop_timed_out"] = waiting
+            fenced = self._fence(ctx, job, progress)
+            if fenced is not None:
+                return fenced
         if phase in ("stop", "start"):
             return self._start(ctx, job, progress)
         return self._confirm(ctx, job, progress)
+
+    def _fence(
+        self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]
+    ) -> Outcome | None:
+        """One live attempt per job: None once every node of the attempt being stopped
+        confirmed its stop or has been silent past the lease (then attempt+1 may start); a
+        not-done Outcome while that is pending; PermanentError when a node still runs it
+        after stop_grace_s + stop_timeout_s of reporting since the stop. The job's other
+        nodes (where the next attempt may run) must have reported since the stop or be
+        silent: a node that died just before the restart is then replaced, not started on."""
+        attempt = int(progress.get("stop_attempt", job.attempt))
+        ran = [*progress.get("stopping", []), *progress.get("stop_nodes", [])]
+        fence = self.jobs.attempt_fence(
+            job.name,
+            attempt=attempt,
+            ran=ran,
+            others=job.nodes,
+            since=float(progress["stop_sent_at"]),
+        )
+        if fence.clear:
+            if fence.lapsed:
+                progress["stop_lapsed"] = [n for n in fence.lapsed if n in ran]
+            return None
+        if fence.overdue:
+            limit_s = self.jobs.config.stop_grace_s + self.jobs.config.stop_timeout_s
+            where = ", ".join(fence.overdue)
+            log.warning(
+                "event=attempt_not_stopped job=%s attempt=%d nodes=%s limit_s=%g key=%s",
+                job.name,
+                attempt,
+                ",".join(fence.overdue),
+                limit_s,
+                ctx.action.idempotency_key,
+            )
+            self.jobs.set_state(
+                job.name,
+                "failed",
+                reason=f"attempt {attempt} did not stop on {where}; not starting another",
+            )
+            raise PermanentError(
+                f"attempt {attempt} of job {job.name} still runs on {where}"
+                f" {limit_s:g} s after stop_job (stop_grace_s + stop_timeout_s); not starting"
+                f" attempt {attempt + 1} beside it. Stop it on {where} (or power the node off),"
+                " then restart the job"
+            )
+        return Outcome(
+            message=f"waiting for {fence.waiting_text()}",
+            output=progress,
+            done=False,
+            poll_after_s=self.poll_interval_s,
+        )
 
     def _begin(self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]) -> Outcome:
         spec = self.jobs.spec(job)
@@ -425,14 +497,15 @@ class RestartHandler(JobStep):
                 else "operator"
             )
             self.jobs.set_state(job.name, "restarting", reason=f"{self.kind} ({reason})")
+        # every node that may run the attempt gets stop_job: a node not reporting now reads
+        # it with the response to its next report
         stopping = [
             n
             for n in dict.fromkeys((*job.attempt_nodes, *job.nodes))
             if self.jobs.runs_on(job.name, n)
+            or (n in job.attempt_nodes and not self.jobs.reporting(n))
         ]
         for node in stopping:
-            if not self.jobs.reporting(node):
-                continue
             self.jobs.nodes.queue_command(
                 node,
                 "stop_job",
@@ -440,6 +513,8 @@ class RestartHandler(JobStep):
                 command_id=f"stop-{ctx.action.idempotency_key}-{node}",
             )
         progress["stopping"] = stopping
+        progress["stop_nodes"] = list(job.attempt_nodes)
+        progress["stop_attempt"] = job.attempt
         if not stopping:
             return self._start(ctx, job, progress)
         return Outcome(
@@ -476,6 +551,15 @@ class RestartHandler(JobStep):
         return max(0, max(steps) - ckpt)
 
     def _start(self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]) -> Outcome:
+        wait = _await_unknown(
+            self.jobs,
+            job.nodes,
+            spares=self.open_incident_nodes is not None,
+            progress=progress,
+            poll_after_s=self.poll_interval_s,
+        )
+        if wait is not None:
+            return wait
         spec = self.jobs.spec(job)
         unusable = self._unusable(job)
         if (
@@ -539,8 +623,13 @@ class RestartHandler(JobStep):
             )
         progress.update(phase="confirm", attempt=job.attempt, nodes=nodes, started_at=ctx.now)
         progress.setdefault("stop_sent_at", ctx.now)
-        late = progress.get("stop_timed_out")
-        note = f" ({', '.join(late)} did not report stopping in time)" if late else ""
+        lapsed = progress.get("stop_lapsed")
+        note = (
+            f" ({', '.join(lapsed)} silent past the {self.jobs.config.attempt_lease_s:g} s"
+            " lease: fenced, stops the old attempt when it reports again)"
+            if lapsed
+            else ""
+        )
         verb = "started" if began else "already started"
         if progress.get("replaced_message"):
             note += f" ({progress['replaced_message']})"
@@ -662,6 +751,11 @@ class GrowHandler(JobStep):
         ckpt = dict(progress.get("checkpoint", {}))
         # the placement (or the attempt) is already done: a re-run after a controller restart
         placed = job.attempt_key == key or (bool(spares) and set(spares) <= set(job.nodes))
+        wait = _await_unknown(
+            self.jobs, (*job.nodes, *spares), progress=progress, poll_after_s=self.poll_interval_s
+        )
+        if wait is not None:
+            return wait
         if not placed:
             why = self._not_now(ctx, job, spares)
             if why is not None:
@@ -796,7 +890,9 @@ def recovery_phases(
 
 @dataclass
 class StopHandler(JobStep):
-    """`stop`: stop the job on every node (grace), wait until none reports it (bounded)."""
+    """`stop`: stop the job on every node (grace), wait until none reports it (bounded). A
+    node not reporting gets the stop with the response to its next report; one unknown after
+    a controller restart is waited for (bounded by the same limit)."""
 
     poll_interval_s: float = 0.5
     kind: str = "stop"
@@ -808,7 +904,8 @@ class StopHandler(JobStep):
             nodes = [
                 n
                 for n in dict.fromkeys((*job.attempt_nodes, *job.nodes))
-                if self.jobs.runs_on(job.name, n) and self.jobs.reporting(n)
+                if self.jobs.runs_on(job.name, n)
+                or (n in job.attempt_nodes and not self.jobs.reporting(n))
             ]
             for node in nodes:
                 self.jobs.nodes.queue_command(
@@ -821,7 +918,8 @@ class StopHandler(JobStep):
         waiting = [
             n
             for n in progress["nodes"]
-            if self.jobs.reporting(n) and self.jobs.runs_on(job.name, n)
+            if (self.jobs.reporting(n) and self.jobs.runs_on(job.name, n))
+            or self.jobs.presence(n) == "unknown"
         ]
         limit_s = self.jobs.config.stop_grace_s + self.jobs.config.stop_timeout_s
         if waiting and ctx.now - float(progress["sent_at"]) < limit_s:

@@ -49,6 +49,7 @@ def build_backend(
             live,
             stop_grace_s=config.actions.drain_stop_grace_s,
             silent_after_s=config.node_silent_after_s,
+            presence=jobs.presence,
         ),
         jobs=jobs,
         open_incident_nodes=open_incident_nodes,
