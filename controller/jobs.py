@@ -220,7 +220,8 @@ class Fence:
     """Where the stop of attempt `attempt` stands on the nodes that ran it (`attempt_fence`).
 
     stopped: reported since the stop, no process of the attempt (or an older one) alive.
-    lapsed: silent past jobs.attempt_lease_s (dead or cut off: safe, see docs/jobs.md).
+    lapsed: silent past jobs.attempt_lease_s (dead or cut off: safe, see docs/jobs.md), or
+    silent and not a node that ran the attempt (it is replaced, not waited for).
     running: still report a live process of the attempt (or an older one).
     unconfirmed: reporting, but no report since the stop yet; unknown: not heard from since
     the controller started (within jobs.resume_grace_s); leased: silent, within the lease.
