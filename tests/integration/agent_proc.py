@@ -29,10 +29,17 @@ def agent_command() -> list[str]:
 class AgentProcess:
     """A running agent (sim backend by default) with its stderr in a file."""
 
-    def __init__(self, workdir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        *extra: str,
+        env: dict[str, str] | None = None,
+        log_name: str = "agent.log",
+    ) -> None:
+        """`log_name`: a restarted agent on the same workdir keeps the earlier one's log."""
         self.workdir = workdir
         self.socket_path = workdir / "hb.sock"
-        self.log_path = workdir / "agent.log"
+        self.log_path = workdir / log_name
         self._log = self.log_path.open("wb")
         args = [
             *agent_command(),

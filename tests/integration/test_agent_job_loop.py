@@ -1,8 +1,8 @@
 """The agent side of the loop, end to end: a real agent process, the fake controller
 handing out commands, and a real `examples/train.py` under torchrun (2 gloo ranks)
 started by `start_job`. checkpoint reaches the ranks and commits, collect_stacks returns
-both ranks' Python stacks, and a SIGTERM to the agent stops the job gracefully with the
-job's exit reaching the controller in the agent's last report."""
+both ranks' Python stacks, a SIGTERM to the agent leaves the job running, and stop_job to
+the next agent instance stops it gracefully with the job's exit reaching the controller."""
 
 from __future__ import annotations
 
@@ -52,12 +52,13 @@ def test_start_checkpoint_stacks_and_graceful_stop_of_a_real_training_job(
     config.write_text(
         f"jobs:\n  allow_jobs_as_root: true\n  allowed_paths: [{REPO / 'examples'}]\n"
     )
-    agent = AgentProcess(
-        short_tmp, "--config", str(config),
+    args = [
+        "--config", str(config),
         "--controller", fake_controller.url, "--token-file", str(token),
         "--report-interval-s", "0.2", "--collect-interval-s", "0.2",
         "--advertise-address", "127.0.0.1",
-    )  # fmt: skip
+    ]  # fmt: skip
+    agent = AgentProcess(short_tmp, *args)
     stopped = False
     try:
         started = send(
@@ -146,9 +147,23 @@ def test_start_checkpoint_stacks_and_graceful_stop_of_a_real_training_job(
             what="the ranks to keep training after the dump",
         )
 
+        # the agent's own stop leaves the job running (docs/agent.md, "Jobs outlive the
+        # agent"); the next instance adopts it and stops it on stop_job
+        assert agent.terminate(timeout_s=60) == 0
+        assert fake_controller.events_of("job_exit") == []
+        agent = AgentProcess(short_tmp, *args, log_name="agent-2.log")
+        stop = send(
+            fake_controller,
+            Command(id="stop-1", kind="stop_job", args={"job": "demo", "grace_s": 30}),
+        )
+        assert stop.data["signalled"] is True
+        (exit_ev,) = wait_for(
+            lambda: fake_controller.events_of("job_exit") or None,
+            timeout_s=60,
+            what="the job's exit",
+        )
         assert agent.terminate(timeout_s=60) == 0
         stopped = True
-        (exit_ev,) = fake_controller.events_of("job_exit")
         assert exit_ev.job == "demo" and exit_ev.data["stopped"] is True
         assert exit_ev.data["killed"] is False, exit_ev.message
         trainer_exits = {
