@@ -178,6 +178,7 @@ class AgentNode:
     socket_dir: Path
     proc: _Proc
     metrics_port: int = 0
+    log_offset: int = 0  # where the running agent's lines start in its (appended) log
 
     @property
     def jobs_dir(self) -> Path:
@@ -463,6 +464,8 @@ class DevCluster:
         if node.proc.alive():
             raise ClusterError(f"the agent of {name} is already running")
         node.metrics_port = 0
+        # a restarted agent appends to its log: read its metrics port after the old lines
+        node.log_offset = len(node.proc.log())
         self._spawn(node.proc, append=True)
         if wait:
             self._wait_metrics_port(node, timeout_s=timeout_s)
@@ -480,7 +483,7 @@ class DevCluster:
         def port() -> int | None:
             if not node.proc.alive():
                 raise ClusterError(f"the agent of {node.name} exited:\n{node.proc.log()[-3000:]}")
-            found = re.findall(r"metrics_port=(\d+)", node.proc.log())
+            found = re.findall(r"metrics_port=(\d+)", node.proc.log()[node.log_offset :])
             return int(found[-1]) if found else None
 
         node.metrics_port = self.wait(port, timeout_s=timeout_s, what=f"{node.name}'s metrics")
