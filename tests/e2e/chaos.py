@@ -1,11 +1,14 @@
 """Shared helpers for the whole-loop chaos tests: the job, the reference run, and the checks
 every scenario ends with (trained to the end, losses equal the reference, one incident with
-one restart, a complete timeline in order)."""
+one restart, a complete timeline in order, one live attempt at a time on the agents)."""
 
 from __future__ import annotations
 
+import re
 import sys
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from trainguard.devkit.devcluster import (
@@ -16,14 +19,26 @@ from trainguard.devkit.devcluster import (
 )
 
 STEPS = 40
-TRAIN_ARGS = ["--steps", str(STEPS), "--checkpoint-every", "5", "--step-time-s", "0.2"]
-TRAIN_ARGS += ["--seed", "0"]
 
 
-def job_spec(cluster: DevCluster, name: str, nodes: list[str], **extra: Any) -> dict[str, Any]:
+def train_args(*, step_time_s: float = 0.2) -> list[str]:
+    """examples/train.py's arguments. The step time only pads each step (it stands in for
+    device time), so runs with different step times log the same losses."""
+    return [
+        "--steps", str(STEPS), "--checkpoint-every", "5", "--step-time-s", str(step_time_s),
+        "--seed", "0",
+    ]  # fmt: skip
+
+
+TRAIN_ARGS = train_args()
+
+
+def job_spec(
+    cluster: DevCluster, name: str, nodes: list[str], *, step_time_s: float = 0.2, **extra: Any
+) -> dict[str, Any]:
     return {
         "name": name,
-        "command": ["examples/train.py", *TRAIN_ARGS],
+        "command": ["examples/train.py", *train_args(step_time_s=step_time_s)],
         "nodes": nodes,
         "nproc_per_node": 1,
         "ckpt_dir": str(cluster.run_dir / "ckpt" / name),
@@ -33,14 +48,14 @@ def job_spec(cluster: DevCluster, name: str, nodes: list[str], **extra: Any) -> 
     }
 
 
-def start_reference(cluster: DevCluster, *, world: int = 3) -> Any:
+def start_reference(cluster: DevCluster, *, world: int = 3, step_time_s: float = 0.2) -> Any:
     """The same job uninterrupted at the same world size (torchrun --standalone)."""
     return cluster.spawn(
         "reference",
         [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc-per-node", str(world), str(REPO_ROOT / "examples" / "train.py"),
-            *TRAIN_ARGS, "--ckpt-dir", str(cluster.run_dir / "ref-ckpt"),
+            *train_args(step_time_s=step_time_s), "--ckpt-dir", str(cluster.run_dir / "ref-ckpt"),
         ],
         cwd=REPO_ROOT,
     )  # fmt: skip
@@ -134,6 +149,89 @@ def check_recovery(
             seen.append(e["kind"])
     assert seen == wanted, [(e["kind"], e["message"][:80]) for e in timeline]
     return detail
+
+
+# the agent's log lines for a launch of a job's node share (agent/jobs.py), stamped by its
+# log format `ts=%Y-%m-%d %H:%M:%S,mmm` (local time, milliseconds)
+_LAUNCH_LINE = re.compile(
+    r"^ts=(?P<date>\S+) (?P<time>\d\d:\d\d:\d\d),(?P<ms>\d{3}) .*?"
+    r"event=job_(?P<what>started|exited) node=(?P<node>\S+) job=(?P<job>\S+) "
+    r"attempt=(?P<attempt>\d+) pid=(?P<pid>\d+)"
+)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One attempt of a job on one node, as that node's agent recorded it: when it logged the
+    spawn (just after it) and the reaped exit (after the launch and its leftovers ended)."""
+
+    node: str
+    attempt: int
+    pid: int
+    started_at: float  # unix s
+    exited_at: float | None  # unix s; None: no exit recorded (yet)
+
+
+def _stamp(m: re.Match[str]) -> float:
+    wall = time.strptime(f"{m['date']} {m['time']}", "%Y-%m-%d %H:%M:%S")
+    return time.mktime(wall) + int(m["ms"]) / 1000
+
+
+def launches(cluster: DevCluster, job: str) -> list[Launch]:
+    """Every launch of `job` on every node, read from the agents' logs (a restarted agent
+    appends to the same log, so a launch it re-adopted is found with its exit)."""
+    out: list[Launch] = []
+    for name, node in cluster.agents.items():
+        started: dict[tuple[int, int], float] = {}
+        exited: dict[tuple[int, int], float] = {}
+        for line in node.proc.log().splitlines():
+            m = _LAUNCH_LINE.match(line)
+            if m is None or m["job"] != job or m["node"] != name:
+                continue
+            key = (int(m["attempt"]), int(m["pid"]))
+            if m["what"] == "started":
+                assert key not in started, f"{name}: attempt/pid {key} of {job} started twice"
+                started[key] = _stamp(m)
+            else:
+                exited.setdefault(key, _stamp(m))
+        for (attempt, pid), at in started.items():
+            out.append(Launch(name, attempt, pid, at, exited.get((attempt, pid))))
+    return sorted(out, key=lambda x: (x.attempt, x.started_at))
+
+
+def check_one_live_attempt(
+    cluster: DevCluster,
+    job: str,
+    *,
+    ended: Mapping[str, float] | None = None,
+    timeout_s: float = 30,
+) -> list[Launch]:
+    """The agents' own records prove the job never had two attempts alive at once: no launch
+    of attempt N (on any node) exited after the first launch of a later attempt started, and
+    no node launched one attempt twice. `ended` names nodes whose processes the test killed
+    together with their agent (node -> unix time of the kill): their launches end then.
+    Waits (bounded) until every launch's exit is recorded; returns the launches."""
+    ended = dict(ended or {})
+
+    def complete() -> list[Launch] | None:
+        found = launches(cluster, job)
+        done = all(x.exited_at is not None or x.node in ended for x in found)
+        return found if found and done else None
+
+    found = cluster.wait(complete, timeout_s=timeout_s, what=f"every launch of {job} to exit")
+    per_node = [(x.node, x.attempt) for x in found]
+    assert len(per_node) == len(set(per_node)), f"an attempt launched twice on a node: {found}"
+    attempts = sorted({x.attempt for x in found})
+    for earlier in attempts:
+        ends = [x.exited_at if x.exited_at is not None else ended[x.node] for x in found
+                if x.attempt == earlier]  # fmt: skip
+        for later in (a for a in attempts if a > earlier):
+            first = min(x.started_at for x in found if x.attempt == later)
+            assert max(ends) <= first, (
+                f"{job}: attempt {earlier} still ran at {max(ends):.3f} after attempt {later} "
+                f"started at {first:.3f}: {found}"
+            )
+    return found
 
 
 def now() -> float:
