@@ -298,8 +298,8 @@ class JobsConfig:
     # stop leaves jobs running: the next agent instance re-adopts them.)
     stop_grace_s: float = 10.0
     # Launch each job as a transient systemd unit (systemd-run), outside the agent's cgroup:
-    # "auto" = where systemd is PID 1 (/run/systemd/system exists), "always", "never" (a
-    # session and process group of its own; containers, CI).
+    # "auto" = where systemd is PID 1 (/run/systemd/system exists) and the agent is root,
+    # "always", "never" (a session and process group of its own; containers, CI).
     transient_units: str = "auto"
     # Output lines kept per job for reports and job_exit events.
     output_tail_lines: int = 40

@@ -622,7 +622,8 @@ class JobRunner:
         replace_grace_s: float = 10.0,
         wrapper_python: str = sys.executable,
     ) -> None:
-        """`systemd`: launch in transient units (None: where systemd is PID 1).
+        """`systemd`: launch in transient units (None: where systemd is PID 1 and the agent
+        is root).
         `replace_grace_s`: SIGTERM-to-SIGKILL grace when a newer attempt replaces one."""
         if output_tail_lines < 0:
             raise ValueError(f"output_tail_lines must be >= 0, got {output_tail_lines}")
@@ -636,7 +637,9 @@ class JobRunner:
         self._control_dir = control_dir
         self._clock = clock
         self._tail_lines = output_tail_lines
-        self._systemd = systemd_is_pid1() if systemd is None else systemd
+        # systemd-run asks the system manager for a unit: root only (a non-root agent would
+        # get "access denied" or a polkit prompt on every start)
+        self._systemd = (systemd_is_pid1() and os.geteuid() == 0) if systemd is None else systemd
         self._replace_grace_s = replace_grace_s
         self._wrapper_python = wrapper_python
         self._lock = threading.RLock()

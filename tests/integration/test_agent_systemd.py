@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from tests.integration.systemd_units import (
     install_unit,
     systemd_analyze,
 )
+from trainguard.agent.jobs import job_unit_properties
 
 
 def test_installed_unit_runs_this_installation_and_verifies_clean(tmp_path: Path) -> None:
@@ -35,6 +37,8 @@ def test_installed_unit_runs_this_installation_and_verifies_clean(tmp_path: Path
         "CapabilityBoundingSet=CAP_SYSLOG",
         # a configuration error exits 2 (tests/unit/agent/test_agent_main.py): no restart loop
         "RestartPreventExitStatus=2",
+        # a restart kills the agent's own cgroup; jobs run in transient units of their own
+        "KillMode=control-group",
     ):  # fmt: skip
         assert required in text.splitlines(), required
     program = exec_start_program(unit)
@@ -51,6 +55,7 @@ def test_documented_jobs_drop_in_verifies_clean(tmp_path: Path) -> None:
     docs = (REPO / "docs" / "agent.md").read_text()
     section = docs.split("### Jobs the agent launches", 1)[1]
     drop_in = section.split("```ini\n", 1)[1].split("```", 1)[0]
+    # for jobs.transient_units: never (the jobs then run in the agent's unit)
     for required in ("LimitMEMLOCK=infinity", "DeviceAllow=char-infiniband_verbs rw"):
         assert required in drop_in.splitlines(), required
     unit = install_unit(Path(command[0]), dest=tmp_path)
@@ -93,3 +98,20 @@ def test_agent_notifies_ready_watchdog_and_stopping(short_tmp: Path) -> None:
     finally:
         agent.kill()
         notify.close()
+
+
+def test_the_job_units_properties_verify_clean_and_carry_what_nccl_needs(tmp_path: Path) -> None:
+    """The properties the agent gives each job's transient unit (systemd-run -p), written
+    as a unit file: systemd accepts every one of them."""
+    analyze = systemd_analyze()
+    log = tmp_path / "llm-3.log"
+    props = job_unit_properties(log_path=str(log), stop_timeout_s=10.0)
+    for required in ("KillMode=control-group", "LimitMEMLOCK=infinity"):
+        assert required in props, required
+    unit = tmp_path / "trainguard-job-llm-3-0123abcd.service"
+    unit.write_text(
+        "[Unit]\nDescription=trainguard job llm attempt 3\n\n[Service]\nType=exec\n"
+        f"ExecStart={sys.executable} -I -m trainguard.agent.jobwrap --status /x -- /bin/true\n"
+        + "".join(f"{p}\n" for p in props)
+    )
+    assert_verifies_clean(analyze, unit)
