@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from tests.e2e.chaos import (
+    check_one_live_attempt,
     check_recovery,
     job_spec,
     new_incidents,
@@ -115,6 +116,7 @@ def test_kill9_of_a_rank_restarts_the_job_on_the_same_nodes(world: World) -> Non
         steps=["replace", "restart"],
     )
     assert c.job("rank-kill")["nodes"] == world.nodes
+    check_one_live_attempt(c, "rank-kill")
     world.after("rank-kill")
 
 
@@ -124,6 +126,7 @@ def test_node_death_moves_the_job_to_a_spare(world: World) -> None:
     run_until_step(c, job_spec(c, "node-death", world.nodes), FAULT_STEP)
     since = now()
     c.kill_node(dead)
+    killed_at = now()
     detail = check_recovery(
         c,
         "node-death",
@@ -139,6 +142,7 @@ def test_node_death_moves_the_job_to_a_spare(world: World) -> None:
     assert c.wait(lambda: c.node(dead)["state"] == "drained", timeout_s=30, what=f"{dead} drained")
     kinds = [e["kind"] for e in c.incident(detail["incident"]["id"])["timeline"]]
     assert "correlated" in kinds or detail["incident"]["rule"] == "node_silent"
+    check_one_live_attempt(c, "node-death", ended={dead: killed_at})
     world.after("node-death")
 
 
@@ -159,6 +163,7 @@ def test_xid_79_drains_the_node_and_swaps_in_a_spare(world: World) -> None:
     )
     nodes = c.job("xid79")["nodes"]
     assert sick not in nodes and c.node(sick)["state"] == "drained"
+    check_one_live_attempt(c, "xid79")
     world.after("xid79")
 
 
@@ -190,6 +195,7 @@ def test_kill9_of_the_controller_mid_remediation_resumes_it_once(world: World) -
     )
     assert c.job("ctl-kill")["attempt"] == 2
     assert sick not in c.job("ctl-kill")["nodes"]
+    check_one_live_attempt(c, "ctl-kill")
     world.after("ctl-kill")
 
 
@@ -227,6 +233,7 @@ def test_nan_at_step_k_rolls_back_to_the_last_good_checkpoint_without_a_drain(
     # the rollback resumed from the newest checkpoint before the NaN, not from a later one
     second = [x["step"] for a, x in c.step_lines("nan") if a == 2]
     assert second[0] == (FAULT_STEP - 1) // 5 * 5 + 1, second[:3]
+    check_one_live_attempt(c, "nan")
     world.after("nan")
 
 
@@ -261,6 +268,7 @@ def test_a_corrupt_latest_checkpoint_makes_the_restart_resume_from_the_previous_
     assert second[0] == FAULT_STEP // 5 * 5 - 5 + 1, second[:3]
     logs = [p.read_text(errors="replace") for _, a, p in c.job_logs("ckpt-corrupt") if a == 2]
     assert any("event=checkpoint_skipped" in text and newest.name in text for text in logs)
+    check_one_live_attempt(c, "ckpt-corrupt")
     world.after("ckpt-corrupt")
 
 
@@ -291,6 +299,7 @@ def test_a_stopped_rank_stalls_the_job_and_gets_stacks_collected_and_a_restart(
     assert c.job("stall")["nodes"] == world.nodes
     kinds = [a["kind"] for a in detail["actions"]]
     assert "drain" not in kinds, kinds
+    check_one_live_attempt(c, "stall")
     world.after("stall")
 
 
@@ -321,4 +330,5 @@ def test_a_slow_rank_is_told_by_its_compute_time_and_its_node_replaced(world: Wo
     nodes = c.job("straggler")["nodes"]
     assert slow.node not in nodes and len(nodes) == 3
     assert c.node(slow.node)["state"] == "drained"
+    check_one_live_attempt(c, "straggler")
     world.after("straggler")
