@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -14,8 +15,17 @@ import httpx
 import pytest
 
 from tests.helpers import short_tmpdir, wait_for
+from trainguard.agent.launchrec import load_records
 
-__all__ = ["AgentProcess", "agent_command", "cleanup", "sample_value", "short_tmpdir"]
+__all__ = [
+    "AgentProcess",
+    "agent_command",
+    "cleanup",
+    "kill_launches",
+    "launch_pids",
+    "sample_value",
+    "short_tmpdir",
+]
 
 
 def agent_command() -> list[str]:
@@ -111,3 +121,32 @@ def sample_value(body: str, name: str, **labels: str) -> float | None:
 
 def cleanup(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+def launch_pids(launch_id: str) -> set[int]:
+    """Live processes whose environment carries TRAINGUARD_LAUNCH_ID=<launch_id>."""
+    needle = f"TRAINGUARD_LAUNCH_ID={launch_id}".encode()
+    out = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    continue
+        except OSError:
+            continue
+        out.add(int(entry))
+    return out
+
+
+def kill_launches(jobs_dir: Path) -> None:
+    """SIGKILL every process of the launches recorded under `jobs_dir` (an agent leaves its
+    jobs running when it stops: a test ends them itself)."""
+    for record in load_records(jobs_dir / "launches"):
+        for pid in launch_pids(record.launch_id):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

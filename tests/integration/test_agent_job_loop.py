@@ -12,7 +12,7 @@ import pytest
 
 from tests.fakes.controller_service import FakeController
 from tests.helpers import free_port, wait_for
-from tests.integration.agent_proc import AgentProcess
+from tests.integration.agent_proc import AgentProcess, kill_launches
 from trainguard.protocol import Command, Event, RankState
 
 pytestmark = pytest.mark.slow
@@ -174,3 +174,4 @@ def test_start_checkpoint_stacks_and_graceful_stop_of_a_real_training_job(
         if not stopped:
             print(agent.log()[-6000:])
             agent.kill()
+        kill_launches(short_tmp / "jobs")  # the agent leaves its jobs running

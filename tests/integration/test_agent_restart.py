@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ import pytest
 
 from tests.fakes.controller_service import FakeController
 from tests.helpers import free_port, wait_for
-from tests.integration.agent_proc import AgentProcess
+from tests.integration.agent_proc import AgentProcess, kill_launches, launch_pids
 from trainguard.agent.launchrec import load_records
 from trainguard.devkit.devcluster import compare_losses, read_step_lines
 from trainguard.protocol import Command, Event, JobProcess, Report
@@ -73,22 +72,6 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
     except FileNotFoundError:
         return False
-
-
-def launch_pids(marker: str) -> set[int]:
-    """Live processes whose environment carries TRAINGUARD_LAUNCH_ID=<marker>."""
-    needle = f"TRAINGUARD_LAUNCH_ID={marker}".encode()
-    out = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle in f.read().split(b"\0") and alive(int(entry)):
-                    out.add(int(entry))
-        except OSError:
-            continue
-    return out
 
 
 class Node:
@@ -238,15 +221,7 @@ def test_the_job_trains_to_its_last_step_through_agent_restarts_by_sigterm_and_k
         assert len(fake_controller.events_of("job_exit")) == 1
     finally:
         node.agent.terminate()
-        for pid in launch_pids_all(short_tmp):
-            os.kill(pid, signal.SIGKILL)
-
-
-def launch_pids_all(workdir: Path) -> set[int]:
-    out: set[int] = set()
-    for rec in load_records(workdir / "jobs" / "launches"):
-        out |= launch_pids(rec.launch_id)
-    return out
+        kill_launches(short_tmp / "jobs")
 
 
 @pytest.mark.xfail(
@@ -285,8 +260,7 @@ def test_job_attempts_make_the_agent_stop_every_process_of_a_stale_attempt(
     finally:
         fake_controller.service.job_attempts.clear()
         node.agent.terminate()
-        for pid in launch_pids_all(short_tmp):
-            os.kill(pid, signal.SIGKILL)
+        kill_launches(short_tmp / "jobs")
 
 
 def test_stop_job_after_re_adoption_stops_every_worker(
@@ -320,5 +294,4 @@ def test_stop_job_after_re_adoption_stops_every_worker(
         assert launch_pids(rec.launch_id) == set()
     finally:
         node.agent.terminate()
-        for pid in launch_pids_all(short_tmp):
-            os.kill(pid, signal.SIGKILL)
+        kill_launches(short_tmp / "jobs")
