@@ -853,7 +853,7 @@ def encode_report_response(resp: ReportResponse) -> bytes:
     """The response as `to_wire` + compact JSON write it; the usual answer (no commands, a
     finite server time) is formatted directly, which is most of the encoding's cost saved
     on a path taken 2,048 times a second."""
-    if resp.commands or not math.isfinite(resp.server_time):
+    if resp.commands or resp.job_attempts or not math.isfinite(resp.server_time):
         return _json_bytes(to_wire(resp))
     want = b',"want_full":true' if resp.want_full else b""
     if resp.want_full is False:

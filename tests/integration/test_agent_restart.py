@@ -224,11 +224,6 @@ def test_the_job_trains_to_its_last_step_through_agent_restarts_by_sigterm_and_k
         kill_launches(short_tmp / "jobs")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="controller/api.py encode_report_response's fast path (a response without commands)"
-    " drops ReportResponse.job_attempts; passes once it is encoded there",
-)
 def test_job_attempts_make_the_agent_stop_every_process_of_a_stale_attempt(
     short_tmp: Path, fake_controller: FakeController
 ) -> None:

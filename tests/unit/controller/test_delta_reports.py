@@ -274,6 +274,10 @@ def test_reports_arriving_during_evaluation_are_applied_whole_after_it(
             ),
             id="with-command",
         ),
+        pytest.param(
+            ReportResponse(ack_event_id=2, server_time=2.0, job_attempts={"llm": 4}),
+            id="job-attempts",
+        ),
     ],
 )
 def test_report_response_fast_encoding_matches_the_wire_encoder(resp):
