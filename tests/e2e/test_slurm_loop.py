@@ -9,7 +9,9 @@ examples/slurm/train.sbatch trains on 3 nodes with the trainer library, and:
 - a node dies under Slurm (its slurmd, its ranks and its agent killed) -> the job moves to a
   spare the same way;
 - drains made by others show with their reason and are never undone by trainguard; a Slurm
-  command that fails fails the step with Slurm's own message.
+  command that fails fails the step with Slurm's own message;
+- the controller killed -9 while the restart (requeue) step of a DBE remediation runs, and
+  started again: the job is requeued once, onto the spare, and its losses are bitwise equal.
 
 Needs root (slurmd); skipped otherwise. As root the Debian packages must be installed
 (`make deps` does it): their absence is a failure, not a skip.
@@ -193,11 +195,12 @@ def test_a_failing_slurm_command_fails_with_slurms_own_message(world: World) -> 
         commands.requeue_hold("999999")
 
 
-def test_a_node_that_dies_under_slurm_moves_the_job_to_a_spare(world: World) -> None:
+def _a_spare(world: World) -> str:
+    """The spare held in the reservation; when an earlier test used it, an admin puts a
+    healthy idle node into the reservation."""
     c, slurm = world.cluster, world.slurm
     spares = slurm.reservation_nodes()
     if not spares:
-        # the DBE test used the spare: an admin puts a healthy idle node into the reservation
         idle = [n for n, v in slurm.nodes().items() if v["state"] == ["IDLE"]]
         slurm.scontrol(
             "create", "reservation", "reservationname=trainguard_spares", f"nodes={idle[0]}",
@@ -206,6 +209,50 @@ def test_a_node_that_dies_under_slurm_moves_the_job_to_a_spare(world: World) -> 
         spares = [idle[0]]
     spare = spares[0]
     c.wait(lambda: c.node(spare)["role"] == "spare", timeout_s=15, what=f"{spare} a spare")
+    return spare
+
+
+def test_kill9_of_the_controller_mid_requeue_resumes_the_restart_once(world: World) -> None:
+    c, slurm = world.cluster, world.slurm
+    spare = _a_spare(world)
+    job_id, out = world.submit("ctl-kill")
+    world.run_until_step(job_id, FAULT_STEP)
+    nodes = slurm.job_nodes(job_id)
+    assert len(nodes) == 3 and spare not in nodes, nodes
+    sick = nodes[1]  # not the batch host
+    since = now()
+    c.inject(sick, "dbe", gpu=0)
+
+    def restart_running() -> bool:
+        return any(
+            a["kind"] == "restart" and a["state"] == "running"
+            for inc in new_incidents(c, since)
+            for a in c.incident(inc["id"])["actions"]
+        )
+
+    c.wait(restart_running, timeout_s=60, what="the restart (requeue) step to run")
+    c.kill_controller(signal.SIGKILL)
+    c.start_controller()
+    detail = _incident_steps(world, since)
+    finished = world.finished(job_id)
+    assert finished["job_state"] == "COMPLETED", finished
+    # requeued once, onto the spare: the resumed step found its requeue and did not repeat it
+    assert finished["restart_cnt"] == 1
+    assert slurm.job_nodes(job_id) == sorted([*(n for n in nodes if n != sick), spare])
+    _check_losses(world, out, restarts=1)
+    incidents = new_incidents(c, since)
+    assert [i["id"] for i in incidents] == [detail["incident"]["id"]], incidents
+    kinds = sorted(a["kind"] for a in detail["actions"] if a["kind"] != "notify")
+    assert kinds == ["checkpoint", "drain", "replace", "restart"], detail["actions"]
+    assert _OUR_REASON.match(slurm.drain_reasons()[sick]), slurm.drain_reasons()
+    # the node goes back to work for the next test (a drain trainguard made, undone by it)
+    assert c.client.post(f"/v1/nodes/{sick}/undrain").status_code == 200
+    assert sick not in slurm.drain_reasons()
+
+
+def test_a_node_that_dies_under_slurm_moves_the_job_to_a_spare(world: World) -> None:
+    c, slurm = world.cluster, world.slurm
+    spare = _a_spare(world)
     job_id, out = world.submit("death")
     world.run_until_step(job_id, FAULT_STEP)
     nodes = slurm.job_nodes(job_id)
