@@ -21,6 +21,7 @@ from trainguard.bounds import (
     MAX_RANKS_PER_REPORT,
     bad_name_reason,
 )
+from trainguard.leader import url_list_problem, url_problem
 from trainguard.strict import ConfigError, Invalid, apply_overrides, build, load_file
 
 DEFAULT_CONFIG_PATH = "/etc/trainguard/agent.yaml"
@@ -230,9 +231,15 @@ class MetricsConfig:
 
 @dataclass(frozen=True)
 class ControllerConfig:
-    # Controller base URL; empty = export-only mode (no reports, no commands).
+    # Controller base URL; empty (and no `urls`) = export-only mode (no reports, no commands).
     url: str = ""
-    # File holding the bearer token (mode 0600); required when `url` is set.
+    # Several controllers (an HA leader and its standbys), instead of `url`: base URLs tried in
+    # this order. Reports go to the current one; a standby's 503 naming the leader moves the
+    # agent there at once, but only to a URL of this list (a standby cannot steer a node to a
+    # host its operator did not name); an unreachable one moves it to the next (docs/agent.md).
+    urls: list[str] = field(default_factory=list)
+    # File holding the bearer token (mode 0600); required when `url` or `urls` is set. The
+    # same token (or client certificate) is presented to every controller.
     token_file: str = ""
     # Seconds between reports. 1 s keeps command delivery and fault detection within the
     # 2 s detection target while 2,000 nodes stay well inside the controller's budget.
@@ -257,15 +264,31 @@ class ControllerConfig:
     tls_key_file: str = ""
 
     def __post_init__(self) -> None:
-        if self.url and not self.url.startswith(("http://", "https://")):
-            raise Invalid("url", f"must start with http:// or https://, got {self.url!r}")
+        if self.url and self.urls:
+            raise Invalid("urls", "set controller.url or controller.urls, not both")
+        if self.url:
+            bad = url_problem(self.url)
+            if bad is not None:
+                raise Invalid("url", bad)
+        if self.urls:
+            problem = url_list_problem(self.urls)
+            if problem is not None:
+                index, reason = problem
+                raise Invalid("urls" if index is None else f"urls[{index}]", reason)
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise Invalid("tls_key_file", "tls_cert_file and tls_key_file go together")
-        if self.tls_cert_file and not self.url.startswith("https://"):
-            raise Invalid("tls_cert_file", "a client certificate needs an https:// controller.url")
-        if self.url and not self.token_file and not self.tls_cert_file:
+        if self.tls_cert_file:
+            plain = [u for u in self.resolved_urls() if not u.startswith("https://")]
+            if plain or not self.resolved_urls():
+                raise Invalid(
+                    "tls_cert_file",
+                    "a client certificate needs https:// controller URLs"
+                    + (f", got {plain[0]!r}" if plain else ""),
+                )
+        if self.resolved_urls() and not self.token_file and not self.tls_cert_file:
             raise Invalid(
-                "token_file", "is required when controller.url is set (or a tls_cert_file)"
+                "token_file",
+                "is required when controller.url or controller.urls is set (or a tls_cert_file)",
             )
         _check_positive("report_interval_s", self.report_interval_s)
         _check_positive("timeout_s", self.timeout_s)
@@ -281,6 +304,10 @@ class ControllerConfig:
             )
         if self.spool_max_events < 1:
             raise Invalid("spool_max_events", "must be >= 1")
+
+    def resolved_urls(self) -> tuple[str, ...]:
+        """The controllers to report to, in order: `url` alone, or `urls`; () = export-only."""
+        return (self.url,) if self.url else tuple(self.urls)
 
 
 @dataclass(frozen=True)

@@ -302,14 +302,14 @@ class Agent:
                 ) from None
             self.http.start()
         c = self.config.controller
-        if c.url:
+        if c.resolved_urls():
             try:
                 token = read_token(c.token_file) if c.token_file else None
                 tls = _tls_context(c)
             except (ValueError, OSError, ssl.SSLError) as e:
                 raise StartupError(str(e)) from None
             self.reporter = Reporter(
-                url=c.url,
+                urls=c.resolved_urls(),
                 token=token,
                 spool=self.spool,
                 build_report=self.build_report,
@@ -338,7 +338,7 @@ class Agent:
             len(self._snapshot.ib_ports) if self._snapshot else 0,
             self.http.port if self.http else "none",
             self.heartbeat.path,
-            c.url or "none",
+            ",".join(c.resolved_urls()) or "none",
             self.jobs.work_dir,
             self.config.preemption.provider,
         )
@@ -630,6 +630,9 @@ class Agent:
             collect_duration_s=dict(self._collect_duration_s),
             collect_errors_total=dict(self._collect_errors_total),
             reports_total=dict(rep.results_total) if rep else {},
+            controller_urls=rep.urls if rep else (),
+            controller_current=rep.current_url if rep else None,
+            controller_switches_total=dict(rep.switches_total) if rep else {},
             heartbeats_received_total=hb["received_total"],
             heartbeats_dropped_total=hb["dropped_total"],
             control_sent_total=hb["control_sent_total"],
@@ -847,7 +850,7 @@ class Agent:
         """Count the event; spool it only when a controller will ever read the spool."""
         with self._count_lock:
             self._events_total[kind] = self._events_total.get(kind, 0) + 1
-        if not self.config.controller.url:
+        if not self.config.controller.resolved_urls():
             return None
         return self.spool.add(kind=kind, ts=ts, **kwargs)
 

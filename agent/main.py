@@ -25,6 +25,7 @@ from trainguard import __version__
 from trainguard.agent.config import load_config
 from trainguard.agent.daemon import Agent, StartupError
 from trainguard.bounds import bad_name_reason
+from trainguard.leader import split_urls
 from trainguard.protocol import FaultKind
 from trainguard.strict import ConfigError
 from trainguard.unitfile import install_unit_main
@@ -79,7 +80,11 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--preemption-url", help="metadata service base URL (tests, proxies)")
     p.add_argument("--metrics-address")
     p.add_argument("--metrics-port", type=int, help="/metrics port (0 = pick a free one)")
-    p.add_argument("--controller", help="controller base URL (omit for export-only)")
+    p.add_argument(
+        "--controller",
+        help="controller base URL, or several comma-separated (HA: the agent follows the "
+        "leader among them); omit for export-only",
+    )
     p.add_argument("--token-file", help="file holding the controller bearer token")
     p.add_argument("--report-interval-s", type=float)
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
@@ -147,6 +152,11 @@ def _inject(argv: Sequence[str]) -> int:
 def _run(argv: Sequence[str]) -> int:
     args = _run_parser().parse_args(argv)
     overrides = {key: getattr(args, flag) for flag, key in _FLAG_TO_KEY.items()}
+    if args.controller is not None:
+        # the flag replaces the file's controller.url or controller.urls, whichever it holds
+        urls = split_urls(args.controller) if "," in args.controller else []
+        overrides["controller.url"] = "" if urls else args.controller
+        overrides["controller.urls"] = urls
     try:
         config, source = load_config(args.config, overrides=overrides)
     except ConfigError as e:

@@ -46,6 +46,11 @@ class AgentSnapshot:
     collect_duration_s: Mapping[str, float] = field(default_factory=dict)
     collect_errors_total: Mapping[str, int] = field(default_factory=dict)
     reports_total: Mapping[str, int] = field(default_factory=dict)
+    # the configured controllers (a bounded list), the one reports go to now (None: export
+    # only), and moves between them by reason
+    controller_urls: tuple[str, ...] = ()
+    controller_current: str | None = None
+    controller_switches_total: Mapping[str, int] = field(default_factory=dict)
     heartbeats_received_total: int = 0
     heartbeats_dropped_total: Mapping[str, int] = field(default_factory=dict)
     control_sent_total: int = 0
@@ -432,6 +437,23 @@ def _agent_families(snap: AgentSnapshot, node: str) -> Iterator[Metric]:
         node,
         "result",
         snap.reports_total,
+    )
+    current = _gauge(
+        "trainguard_agent_controller_current",
+        "1 for the controller reports go to now, 0 for the other configured ones.",
+        ["node", "url"],
+    )
+    for url in snap.controller_urls:  # the configured list: bounded (MAX_CONTROLLER_URLS)
+        current.add_metric([node, url], _b(url == snap.controller_current))
+    yield current
+    yield _labelled_counter(
+        "trainguard_agent_controller_switches_total",
+        "Moves to another controller, by reason (leader_redirect: a standby named the "
+        "leader; unreachable; unavailable: a 503 naming no leader to follow; "
+        "leader_not_listed: it named one outside controller.urls).",
+        node,
+        "reason",
+        snap.controller_switches_total,
     )
     received = _counter(
         "trainguard_agent_heartbeats_received_total", "Heartbeats accepted.", ["node"]

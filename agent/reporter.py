@@ -10,6 +10,13 @@ full report the controller acknowledged, a report lists only the GPUs, NVLinks a
 that changed since the last acknowledged one (`base_seq`), with a full snapshot every
 `full_report_every` reports, whenever something disappeared, and whenever the controller
 asks (`want_full`). Ranks, jobs, events and health always travel whole.
+
+Several controllers (an HA leader and standbys): the reporter sends to its current one. A
+standby's 503 naming the leader (`trainguard.leader`) moves it there at once and the same
+report is resent, full; a connection error or timeout moves it to the next URL. Each URL is
+tried at most once per report, so two standbys naming each other cost two requests, then the
+usual back-off. A leader outside the configured list is never followed (logged instead).
+Only a 200 acknowledges events, so a report a standby refused loses nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import ssl
 import stat
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, cast, get_args
@@ -31,6 +38,7 @@ from typing import Any, Literal, cast, get_args
 import httpx
 
 from trainguard.clock import Clock
+from trainguard.leader import LEADER_HEADER, follow, leader_named
 from trainguard.model import GpuSample, IbPortSample
 from trainguard.protocol import (
     Command,
@@ -48,6 +56,9 @@ ReportResult = Literal["ok", "error", "rejected"]
 REPORT_RESULTS: tuple[ReportResult, ...] = ("ok", "error", "rejected")
 SEEN_COMMANDS_MAX = 4096  # command ids remembered for dedupe (the controller resends a few)
 FULL_REPORT_EVERY = 30  # a full snapshot at least this often (reports), deltas in between
+# Why the reporter moved to another controller (a label of the agent's switch counter).
+SwitchReason = Literal["leader_redirect", "unreachable", "unavailable", "leader_not_listed"]
+SWITCH_REASONS: tuple[SwitchReason, ...] = get_args(SwitchReason)
 
 
 class TokenError(ValueError):
@@ -264,12 +275,13 @@ class DeltaEncoder:
 
 
 class Reporter:
-    """POSTs one Report per `interval_s` to `<url>/v1/reports`; see `report_once` and `run`."""
+    """POSTs one Report per `interval_s` to `<controller>/v1/reports`, following the leader
+    among `urls` (tried in order, the first is current at start); see `report_once`, `run`."""
 
     def __init__(
         self,
         *,
-        url: str,
+        urls: Sequence[str],
         token: str | None,
         spool: EventSpool,
         build_report: BuildReport,
@@ -283,7 +295,10 @@ class Reporter:
         transport: httpx.BaseTransport | None = None,
         full_report_every: int = FULL_REPORT_EVERY,
     ) -> None:
-        self.endpoint = url.rstrip("/") + "/v1/reports"
+        if not urls:
+            raise ValueError("urls must name at least one controller")
+        self.urls: tuple[str, ...] = tuple(u.rstrip("/") for u in urls)
+        self._current = 0
         self._spool = spool
         self._build = build_report
         self._clock = clock
@@ -294,6 +309,7 @@ class Reporter:
         headers = {"Content-Type": "application/json"}
         if token is not None:  # else the client certificate names the node (mutual TLS)
             headers["Authorization"] = f"Bearer {token}"
+        # one client for every controller: the same token or client certificate for each
         self._client = httpx.Client(
             headers=headers,
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0)),
@@ -305,29 +321,75 @@ class Reporter:
         self.deltas = DeltaEncoder(full_every=full_report_every, enabled=full_report_every > 1)
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._down_logged = False
+        self._unlisted_leader: str | None = None  # last leader outside `urls` that was logged
+        self._stop: threading.Event | None = None  # set by run(): no new try once stopping
         self.results_total: dict[str, int] = dict.fromkeys(REPORT_RESULTS, 0)
+        self.switches_total: dict[str, int] = dict.fromkeys(SWITCH_REASONS, 0)
         self.last_ok_mono: float | None = None
+
+    @property
+    def current_url(self) -> str:
+        """The controller the next report goes to first."""
+        return self.urls[self._current]
+
+    @property
+    def endpoint(self) -> str:
+        return self.current_url + "/v1/reports"
 
     def close(self) -> None:
         self._client.close()
 
-    def report_once(self, *, timeout_s: float | None = None) -> ReportOutcome:
-        """Build and send one report now; handles ack, dedupe and back-off bookkeeping.
+    def report_once(
+        self, *, timeout_s: float | None = None, deadline_mono: float | None = None
+    ) -> ReportOutcome:
+        """Build and send one report now; handles ack, dedupe, back-off bookkeeping and the
+        move to another controller (at most one request per URL).
 
-        `timeout_s` bounds this one request (default: the client's `timeout_s`).
+        `timeout_s` bounds each request (default: the client's `timeout_s`); with
+        `deadline_mono` (clock.monotonic()) no further controller is tried past it.
         """
         self._seq += 1
         events = self._spool.pending(self._max_events)
-        report = self.deltas.prepare(self._build(self._seq, events))
-        body = encode_report(report)
-        try:
-            if timeout_s is None:
-                resp = self._client.post(self.endpoint, content=body)
-            else:
-                resp = self._client.post(self.endpoint, content=body, timeout=timeout_s)
-        except httpx.HTTPError as e:
-            self.deltas.acknowledged(False)
-            return self._failed("error", None, f"{type(e).__name__}: {e}")
+        full = self._build(self._seq, events)
+        body = encode_report(self.deltas.prepare(full))
+        tried: set[int] = set()
+        while True:
+            tried.add(self._current)
+            try:
+                resp = self._post(body, timeout_s=timeout_s, deadline_mono=deadline_mono)
+            except httpx.HTTPError as e:
+                self.deltas.acknowledged(False)
+                reason = f"{type(e).__name__}: {e}"
+                nxt = self._next_untried(tried, deadline_mono)
+                if nxt is None:
+                    return self._failed("error", None, reason)
+                self._switch(nxt, reason="unreachable", detail=reason)
+                body = self._resend_full(full)
+                continue
+            if resp.status_code == 503:
+                self.deltas.acknowledged(False)
+                nxt, why = self._after_refusal(resp, tried, deadline_mono)
+                if nxt is None:
+                    return self._failed(
+                        "error", 503, _short_reason(resp), floor_s=_retry_after_s(resp)
+                    )
+                self._switch(nxt, reason=why, detail=_short_reason(resp))
+                body = self._resend_full(full)
+                continue
+            return self._answered(resp)
+
+    def _post(
+        self, body: bytes, *, timeout_s: float | None, deadline_mono: float | None
+    ) -> httpx.Response:
+        if deadline_mono is not None:
+            left_s = max(0.1, deadline_mono - self._clock.monotonic())
+            timeout_s = left_s if timeout_s is None else min(timeout_s, left_s)
+        if timeout_s is None:
+            return self._client.post(self.endpoint, content=body)
+        return self._client.post(self.endpoint, content=body, timeout=timeout_s)
+
+    def _answered(self, resp: httpx.Response) -> ReportOutcome:
+        """The outcome of a controller's answer other than a 503."""
         if resp.status_code == 200:
             try:
                 answer = decode_response(resp.content)
@@ -349,15 +411,83 @@ class Reporter:
             return self._failed("rejected", resp.status_code, reason)
         return self._failed("error", resp.status_code, reason)
 
+    def _after_refusal(
+        self, resp: httpx.Response, tried: set[int], deadline_mono: float | None
+    ) -> tuple[int | None, SwitchReason]:
+        """Where to resend after a 503: the leader it names if that is one of `urls` not
+        tried yet for this report, else the next untried URL (None: every URL was tried)."""
+        header = resp.headers.get(LEADER_HEADER)
+        target = follow(header, self.urls)
+        if target is not None:
+            index = self.urls.index(target)
+            if index not in tried and self._may_try(deadline_mono):
+                return index, "leader_redirect"
+            # the leader it names was tried for this report (two standbys naming each other,
+            # or a leader that stepped down meanwhile): the rest of the list, then back-off
+            return self._next_untried(tried, deadline_mono), "unavailable"
+        leader = leader_named(header)
+        if leader is None:
+            return self._next_untried(tried, deadline_mono), "unavailable"
+        if leader != self._unlisted_leader:  # once per name: back-off repeats it otherwise
+            self._unlisted_leader = leader
+            log.warning(
+                "event=leader_not_followed url=%s leader=%r reason=not_in_controller_urls "
+                "controller_urls=%s",
+                self.current_url,
+                leader[:200],
+                ",".join(self.urls),
+            )
+        return self._next_untried(tried, deadline_mono), "leader_not_listed"
+
+    def _may_try(self, deadline_mono: float | None) -> bool:
+        if deadline_mono is not None:
+            return self._clock.monotonic() < deadline_mono
+        return self._stop is None or not self._stop.is_set()
+
+    def _next_untried(self, tried: set[int], deadline_mono: float | None) -> int | None:
+        """The next URL after the current one (wrapping) not tried for this report."""
+        if not self._may_try(deadline_mono):
+            return None
+        n = len(self.urls)
+        for step in range(1, n):
+            index = (self._current + step) % n
+            if index not in tried:
+                return index
+        return None
+
+    def _switch(self, index: int, *, reason: SwitchReason, detail: str) -> None:
+        before = self.current_url
+        self._current = index
+        self.switches_total[reason] += 1
+        # while every controller fails, the rounds of the back-off would log each move
+        level = logging.DEBUG if self._down_logged else logging.INFO
+        log.log(
+            level,
+            "event=controller_switched from=%s to=%s reason=%s detail=%r",
+            before,
+            self.current_url,
+            reason,
+            detail[:200],
+        )
+
+    def _resend_full(self, full: Report) -> bytes:
+        """The report again, for another controller: full, since the delta base is what the
+        previous controller acknowledged, which the next may not hold."""
+        self.deltas.reset()
+        return encode_report(self.deltas.prepare(full))
+
     def _succeeded(self, answer: ReportResponse) -> ReportOutcome:
         self.results_total["ok"] += 1
         self.last_ok_mono = self._clock.monotonic()
         if self._down_logged:
             log.info(
-                "event=controller_reachable url=%s after_failures=%d", self.endpoint, self._failures
+                "event=controller_reachable url=%s after_failures=%d",
+                self.current_url,
+                self._failures,
             )
         self._down_logged = False
         self._failures = 0
+        self._unlisted_leader = None
         acked = self._spool.ack(answer.ack_event_id)
         fresh = []
         for cmd in answer.commands:
@@ -376,12 +506,17 @@ class Reporter:
             job_attempts=dict(answer.job_attempts) if answer.job_attempts else None,
         )
 
-    def _failed(self, result: ReportResult, status: int | None, reason: str) -> ReportOutcome:
+    def _failed(
+        self, result: ReportResult, status: int | None, reason: str, *, floor_s: float = 0.0
+    ) -> ReportOutcome:
+        """Count a failed report; `floor_s`: the least delay the controller asked for
+        (Retry-After), kept within the back-off cap."""
         self.results_total[result] += 1
         self._failures += 1
         delay = backoff_delay_s(
             self._failures, base_s=self._interval_s, cap_s=self._backoff_max_s, rng=self._rng
         )
+        delay = max(delay, min(floor_s, self._backoff_max_s))
         if result == "rejected":
             # permanent for this report: say so every time, the back-off keeps it rare
             log.error(
@@ -394,11 +529,12 @@ class Reporter:
             )
         elif not self._down_logged:
             log.warning(
-                "event=controller_unreachable url=%s status=%s reason=%r spool=%d",
+                "event=controller_unreachable url=%s status=%s reason=%r spool=%d controllers=%d",
                 self.endpoint,
                 status,
                 reason,
                 len(self._spool),
+                len(self.urls),
             )
             self._down_logged = True
         else:
@@ -408,11 +544,14 @@ class Reporter:
         return ReportOutcome(result=result, retry_in_s=delay, status=status)
 
     def final_report(self, *, timeout_s: float) -> ReportOutcome:
-        """One last report on shutdown, bounded by `timeout_s`, so the events of the stop
-        itself (job exits, trainer exits, command results) reach the controller. Commands
-        in its response are not run (the agent is going away) and are logged as such."""
+        """One last report on shutdown, bounded by `timeout_s` (all controllers tried
+        together), so the events of the stop itself (job exits, trainer exits, command
+        results) reach the controller. Commands in its response are not run (the agent is
+        going away) and are logged as such."""
         try:
-            outcome = self.report_once(timeout_s=timeout_s)
+            outcome = self.report_once(
+                timeout_s=timeout_s, deadline_mono=self._clock.monotonic() + timeout_s
+            )
         except Exception:  # shutting down: report the bug, never hang or raise here
             log.exception("event=final_report_error")
             return ReportOutcome(result="error", retry_in_s=0.0)
@@ -423,11 +562,12 @@ class Reporter:
                 cmd.kind,
             )
         log.info(
-            "event=final_report result=%s status=%s acked=%d unsent_events=%d",
+            "event=final_report result=%s status=%s acked=%d unsent_events=%d controller=%s",
             outcome.result,
             outcome.status,
             outcome.acked,
             len(self._spool),
+            self.current_url,
         )
         return outcome
 
@@ -439,6 +579,7 @@ class Reporter:
     ) -> None:
         """Report until `stop` is set; new commands go to `on_commands`, the controller's
         `job_attempts` to `on_job_attempts` (neither may block)."""
+        self._stop = stop
         next_mono = self._clock.monotonic()
         while not stop.wait(max(0.0, next_mono - self._clock.monotonic())):
             started = self._clock.monotonic()
@@ -459,6 +600,14 @@ class Reporter:
                 next_mono = max(next_mono + self._interval_s, started)
             else:
                 next_mono = self._clock.monotonic() + outcome.retry_in_s
+
+
+def _retry_after_s(resp: httpx.Response) -> float:
+    """A Retry-After of whole seconds (the form the controller sends), else 0."""
+    value = resp.headers.get("Retry-After", "").strip()
+    if not value.isdigit():
+        return 0.0
+    return float(min(int(value), 3600))
 
 
 _COMMAND_KINDS = frozenset(get_args(CommandKind))

@@ -34,6 +34,7 @@ from trainguard.controller.views import (
     SilenceView,
     TimelineEntry,
 )
+from trainguard.leader import LEADER_HEADER
 from trainguard.protocol import Command, Event, FaultSpec, Report, ReportResponse
 
 AGENT_TOKEN = "fake-agent-s3cret"
@@ -372,7 +373,9 @@ class FakeController:
     shared token (actor "agents") that speaks for every node, as a controller configured with
     `api.allow_shared_agent_tokens: true` accepts one. Set `forced_status`
     to answer every request with that status (an error body, nothing ingested) until it is
-    None again. `stop()` then `start()` is a controller outage; the port stays the same."""
+    None again. Set `standby_of` to a leader's URL ("" = no leader known) to answer as a
+    standby does: every write 503 with X-Trainguard-Leader and Retry-After, reads served.
+    `stop()` then `start()` is a controller outage; the port stays the same."""
 
     def __init__(
         self,
@@ -385,6 +388,7 @@ class FakeController:
         self.service = service if service is not None else FakeService(clock=SYSTEM_CLOCK)
         self.agent_token = agent_token
         self.forced_status: int | None = None
+        self.standby_of: str | None = None
         self.requests: list[SeenRequest] = []
         self.port = 0
         if people is None:
@@ -457,6 +461,10 @@ class FakeController:
             )
 
         forced = self.forced_status
+        leader = self.standby_of
+        if forced is None and leader is not None and scope["method"] not in ("GET", "HEAD"):
+            await self._refuse_as_standby(receive, send, leader, note)
+            return
         if forced is None:
 
             async def send_and_note(message: Any) -> None:
@@ -477,6 +485,27 @@ class FakeController:
                 "headers": [
                     (b"content-type", b"application/json"),
                     (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    async def _refuse_as_standby(self, receive: Any, send: Any, leader: str, note: Any) -> None:
+        while (await receive()).get("more_body", False):
+            pass  # read the request body through before answering
+        body = json.dumps(
+            {"error": "not the leader", "detail": {"leader": leader or None}}
+        ).encode()
+        note(503)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 503,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (LEADER_HEADER.lower().encode(), leader.encode()),
+                    (b"retry-after", b"1"),
                 ],
             }
         )

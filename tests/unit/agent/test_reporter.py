@@ -39,7 +39,7 @@ def make_reporter(url: str, spool: EventSpool, **kw: Any) -> Reporter:
 
     kw.setdefault("timeout_s", 2.0)
     return Reporter(
-        url=url, token=TOKEN, spool=spool, build_report=build, clock=FakeClock(),
+        urls=[url], token=TOKEN, spool=spool, build_report=build, clock=FakeClock(),
         rng=random.Random(1), **kw,
     )  # fmt: skip
 

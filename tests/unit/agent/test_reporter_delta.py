@@ -210,7 +210,7 @@ def ctl() -> Iterator[_Controller]:
 
 def _reporter(url: str) -> Reporter:
     return Reporter(
-        url=url,
+        urls=[url],
         token=TOKEN,
         spool=EventSpool(max_events=10),
         build_report=lambda seq, events: full_report(seq),
