@@ -2,9 +2,12 @@
 
 URL, token and CA file come from flags (`--url`, `--token-file`, `--ca-file`), then the
 environment (`TRAINGUARD_URL`, `TRAINGUARD_TOKEN`, `TRAINGUARD_CA_FILE`), then
-`~/.config/trainguard/agentctl.yaml` (`url`, `token_file`, `ca_file`; strict). `rules
+`~/.config/trainguard/agentctl.yaml` (`url` or `urls`, `token_file`, `ca_file`; strict). `rules
 check|export`, `token hash|issue` and `completion` work offline; rules default to the
 shipped ones. Reads print as `-o table|wide|json|yaml`.
+Several controllers (an HA leader and standbys): the URL may be a comma-separated list; a
+request goes to the first that answers, and a standby's 503 naming the leader is retried
+once at the leader when it is one of the listed URLs (trainguard.leader).
 Exit codes: 0 ok, 1 error or request failed, 2 usage, 3 not found, 4 unauthorized or
 forbidden, 5 cannot connect.
 """
@@ -40,8 +43,9 @@ from trainguard.controller.tokenissue import (
     tokens_line,
     write_new,
 )
+from trainguard.leader import LEADER_HEADER, follow, leader_named, split_urls, url_list_problem
 from trainguard.rules import shipped_dir
-from trainguard.strict import ConfigError, build, load_yaml
+from trainguard.strict import ConfigError, Invalid, build, load_yaml
 from trainguard.xid_catalog import XidCatalog
 
 __all__ = ["EXIT", "AgentctlConfig", "format_age", "main", "parse_duration"]
@@ -56,11 +60,34 @@ CLIENT_HEADER = "X-Trainguard-Client"
 
 @dataclass(frozen=True)
 class AgentctlConfig:
+    # the controller's base URL, or several comma-separated
     url: str | None = None
+    # several controllers as a list, instead of `url`
+    urls: list[str] | None = None
     token_file: str | None = None
     # PEM CA bundle that signed the controller's certificate (a self-signed or private CA);
     # relative to this file
     ca_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.url is not None and self.urls is not None:
+            raise Invalid("urls", "set url or urls, not both")
+        if self.urls is not None:
+            _check_urls(self.urls, key="urls")
+
+    def resolved_urls(self) -> tuple[str, ...] | None:
+        """The configured controllers, or None when the file names none."""
+        if self.urls is not None:
+            return tuple(self.urls)
+        return tuple(split_urls(self.url)) if self.url is not None else None
+
+
+def _check_urls(urls: Sequence[str], *, key: str) -> None:
+    """Raise Invalid naming `key` (and the entry's index) for a bad controller URL list."""
+    problem = url_list_problem(urls)
+    if problem is not None:
+        index, reason = problem
+        raise Invalid(key if index is None else f"{key}[{index}]", reason)
 
 
 class CliError(Exception):
@@ -276,10 +303,18 @@ def _describe(out: IO[str], obj: dict[str, Any], now: float, indent: str = "") -
 
 
 class Api:
+    """The controller's REST API at one or several URLs (HA): a request goes to the first
+    URL that answers; a 503 naming a leader of the list is retried once there."""
+
     def __init__(
-        self, url: str, token: str | None, *, timeout_s: float, ca_file: str | None = None
+        self,
+        urls: Sequence[str],
+        token: str | None,
+        *,
+        timeout_s: float,
+        ca_file: str | None = None,
     ) -> None:
-        self.url = url.rstrip("/")
+        self.urls = tuple(u.rstrip("/") for u in urls)
         # the client header lets the API say "via agentctl" in a reason it fills in
         headers = {CLIENT_HEADER: "agentctl", "User-Agent": f"agentctl/{__version__}"}
         if token:
@@ -293,30 +328,81 @@ class Api:
                     f"error: cannot use CA file {ca_file}: {getattr(e, 'strerror', None) or e}",
                     EXIT["usage"],
                 ) from None
-        self._client = httpx.Client(
-            base_url=self.url, headers=headers, timeout=timeout_s, verify=verify
-        )
+        # one client for every controller: the same token and CA for each
+        self._client = httpx.Client(headers=headers, timeout=timeout_s, verify=verify)
 
     def request(self, method: str, path: str, **kw: Any) -> Any:
-        try:
-            r = self._client.request(method, path, **kw)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-            raise CliError(f"cannot connect to {self.url}: {e}", EXIT["connect"]) from None
-        except httpx.HTTPError as e:
-            raise CliError(f"request to {self.url} failed: {e}", EXIT["error"]) from None
-        if r.status_code >= 400:
+        todo = list(self.urls)
+        missed: list[str] = []  # "URL: why", for each controller that did not take it
+        answered = False  # some controller answered (so it is not a connection problem)
+        redirected = False
+        while todo:
+            url = todo.pop(0)
             try:
-                body = r.json()
-                message = str(body.get("error") or r.reason_phrase)
-                if body.get("detail"):
-                    message += f" ({json.dumps(body['detail'], separators=(',', ':'))})"
-            except (ValueError, AttributeError):
-                message = r.text.strip() or r.reason_phrase
-            code = {404: "not_found", 401: "auth", 403: "auth"}.get(r.status_code, "error")
-            raise CliError(f"error: {r.status_code} {message}", EXIT[code])
-        if r.status_code == 204 or not r.content:
-            return None
-        return r.json()
+                r = self._client.request(method, url + path, **kw)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                # not sent: safe to try the next controller, even for a write
+                missed.append(f"{url}: {e}")
+                continue
+            except httpx.HTTPError as e:
+                raise CliError(f"request to {url} failed: {e}", EXIT["error"]) from None
+            if r.status_code != 503 or (len(self.urls) == 1 and LEADER_HEADER not in r.headers):
+                return _answer(r)
+            # a standby (or a controller without a leader) refused it before doing anything
+            answered = True
+            header = r.headers.get(LEADER_HEADER)
+            leader = leader_named(header)
+            target = follow(header, self.urls)
+            if leader is not None and target is None:
+                raise CliError(
+                    f"error: 503 {url} does not lead; the leader is {leader}, which is not "
+                    f"one of the controller URLs ({', '.join(self.urls)}): add it to --url, "
+                    "TRAINGUARD_URL or the config file's url",
+                    EXIT["error"],
+                )
+            if target is not None and target.rstrip("/") != url and not redirected:
+                redirected = True  # once: never a loop between standbys
+                todo = [target.rstrip("/")]
+                missed.append(f"{url}: 503, the leader is {target}")
+                continue
+            if target is not None:
+                raise CliError(
+                    f"error: 503 {url} does not lead; it names {target} as the leader "
+                    f"({'; '.join(missed) or 'asked already'}); retry shortly",
+                    EXIT["error"],
+                )
+            missed.append(f"{url}: 503 {_error_text(r)}")
+        if not answered:
+            if len(self.urls) == 1:
+                raise CliError(f"cannot connect to {missed[0]}", EXIT["connect"])
+            raise CliError(
+                f"cannot connect to any controller: {'; '.join(missed)}", EXIT["connect"]
+            )
+        raise CliError(
+            f"error: 503 no controller leads now ({'; '.join(missed)}); retry shortly",
+            EXIT["error"],
+        )
+
+
+def _error_text(r: httpx.Response) -> str:
+    """An error answer's message: the body's `error` and `detail`, else its text."""
+    try:
+        body = r.json()
+        message = str(body.get("error") or r.reason_phrase)
+        if body.get("detail"):
+            message += f" ({json.dumps(body['detail'], separators=(',', ':'))})"
+    except (ValueError, AttributeError):
+        message = r.text.strip() or r.reason_phrase
+    return message
+
+
+def _answer(r: httpx.Response) -> Any:
+    if r.status_code >= 400:
+        code = {404: "not_found", 401: "auth", 403: "auth"}.get(r.status_code, "error")
+        raise CliError(f"error: {r.status_code} {_error_text(r)}", EXIT[code])
+    if r.status_code == 204 or not r.content:
+        return None
+    return r.json()
 
 
 # --- argument parsing --------------------------------------------------------------------------
@@ -383,7 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
     """agentctl's whole command tree (also the source of its shell completion)."""
     common = argparse.ArgumentParser(add_help=False)
     # SUPPRESS: the same options are accepted before or after the command
-    common.add_argument("--url", default=argparse.SUPPRESS, help="controller URL")
+    common.add_argument(
+        "--url", default=argparse.SUPPRESS, help="controller URL, or several comma-separated"
+    )
     common.add_argument(
         "--token-file", default=argparse.SUPPRESS, help="file holding the bearer token"
     )
@@ -410,14 +498,19 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"agentctl {__version__}")
-    p.add_argument("--url", default=None, help="controller URL (env TRAINGUARD_URL)")
+    p.add_argument(
+        "--url",
+        default=None,
+        help="controller URL, or several comma-separated: reads from the first that answers, "
+        "writes to the leader (env TRAINGUARD_URL)",
+    )
     p.add_argument("--token-file", default=None, help="bearer token file (env TRAINGUARD_TOKEN)")
     p.add_argument(
         "--ca-file",
         default=None,
         help="PEM CA file that signed the controller's certificate (env TRAINGUARD_CA_FILE)",
     )
-    p.add_argument("--config", default=None, help="config file (url, token_file, ca_file)")
+    p.add_argument("--config", default=None, help="config file (url or urls, token_file, ca_file)")
     p.add_argument("--timeout", type=float, default=10.0, help="request timeout, seconds")
     p.add_argument(
         "-o", "--output", choices=FORMATS, default="table", help="table, wide, json or yaml"
@@ -632,7 +725,7 @@ def _config_path(arg: str | None) -> tuple[Path, bool]:
 
 @dataclass(frozen=True)
 class Settings:
-    url: str
+    urls: tuple[str, ...]
     token: str | None
     ca_file: str | None
 
@@ -645,13 +738,27 @@ def _settings(args: argparse.Namespace, err: IO[str]) -> Settings:
             cfg = build(AgentctlConfig, load_yaml(path), source=str(path))
         except ConfigError as e:
             raise CliError(f"error: {e}", EXIT["usage"]) from None
-    url = args.url or os.environ.get("TRAINGUARD_URL") or cfg.url or DEFAULT_URL
+    urls = _urls(args, cfg)
     ca_file = args.ca_file or os.environ.get("TRAINGUARD_CA_FILE") or None
     if ca_file is None and cfg.ca_file is not None:
         ca_file = cfg.ca_file
         if not Path(ca_file).is_absolute():
             ca_file = str(path.parent / ca_file)
-    return Settings(url=url, token=_token(args, cfg, path, err), ca_file=ca_file)
+    return Settings(urls=urls, token=_token(args, cfg, path, err), ca_file=ca_file)
+
+
+def _urls(args: argparse.Namespace, cfg: AgentctlConfig) -> tuple[str, ...]:
+    """The controller URLs: --url, else TRAINGUARD_URL (each comma-separated), else the
+    config file, else the default; a bad entry is a usage error naming where it came from."""
+    for source, text in (("--url", args.url), ("TRAINGUARD_URL", os.environ.get("TRAINGUARD_URL"))):
+        if text:
+            urls = split_urls(text)
+            try:
+                _check_urls(urls, key=source)
+            except Invalid as e:
+                raise CliError(f"error: {e.key}: {e.reason}", EXIT["usage"]) from None
+            return tuple(urls)
+    return cfg.resolved_urls() or (DEFAULT_URL,)
 
 
 def _token(args: argparse.Namespace, cfg: AgentctlConfig, path: Path, err: IO[str]) -> str | None:
@@ -723,7 +830,7 @@ def _quote(name: str) -> str:
 
 def _run_api(args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
     settings = _settings(args, err)
-    api = Api(settings.url, settings.token, timeout_s=args.timeout, ca_file=settings.ca_file)
+    api = Api(settings.urls, settings.token, timeout_s=args.timeout, ca_file=settings.ca_file)
     cmd = args.command
     if cmd == "get":
         _get(api, args, out)
