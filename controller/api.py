@@ -25,7 +25,7 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Protocol, TypeVar
 
 from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
@@ -39,7 +39,7 @@ from starlette.types import Receive, Scope, Send
 
 from trainguard.bounds import INT64_MAX
 from trainguard.controller.auth import Permission, Principal, TokenStore
-from trainguard.controller.errors import ServiceError
+from trainguard.controller.errors import NotLeader, ServiceError
 from trainguard.controller.jobs import JobSpec
 from trainguard.controller.service import ControllerService
 from trainguard.controller.tlsauth import PEER_NODE_KEY
@@ -59,6 +59,8 @@ from trainguard.protocol import FaultSpec, ProtocolError, Report, ReportResponse
 
 __all__ = [
     "CLIENT_HEADER",
+    "LEADER_HEADER",
+    "Leadership",
     "DrainRequest",
     "RoleRequest",
     "SilenceRequest",
@@ -74,8 +76,24 @@ log = logging.getLogger("trainguard.controller.api")
 CLIENT_HEADER = "X-Trainguard-Client"
 _CLIENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,31}")
 
+# On a 503 from a controller that does not lead (HA): the leader's URL, empty while none is
+# known. Agents and agentctl switch to it (docs/controller.md, "High availability").
+LEADER_HEADER = "X-Trainguard-Leader"
+_READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
 T = TypeVar("T")
 H = TypeVar("H", bound=Callable[..., Any])
+
+
+class Leadership(Protocol):
+    """Whether this controller leads (HA, controller/ha.py): a standby answers every write
+    503 with the leader's URL."""
+
+    def is_leader(self) -> bool: ...
+
+    def leader_url(self) -> str: ...
+
+    def retry_after_s(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -150,6 +168,19 @@ def _error_response(
     return Response(body, status_code=status, media_type="application/json", headers=headers)
 
 
+def not_leader_error(leadership: Leadership, reason: str = "") -> ApiError:
+    """The 503 of a write to a controller that does not lead: body and headers name the
+    leader (X-Trainguard-Leader; empty while none is known) and when to retry."""
+    leader = leadership.leader_url()
+    where = f"send writes to the leader, {leader}" if leader else "no leader is known yet"
+    return ApiError(
+        503,
+        f"this controller does not lead: {where}",
+        {"leader": leader or None, "reason": reason or "standby"},
+        {LEADER_HEADER: leader, "Retry-After": str(leadership.retry_after_s())},
+    )
+
+
 _UNAUTHORIZED = {"WWW-Authenticate": "Bearer"}
 
 # --- OpenAPI helpers ---------------------------------------------------------------------------
@@ -211,6 +242,7 @@ def create_app(
     metrics_registry: Any = None,
     report_latency: Any = None,
     ingest_in_threadpool: bool = False,
+    leadership: Leadership | None = None,
 ) -> FastAPI:
     """Build the API over `service`.
 
@@ -218,6 +250,8 @@ def create_app(
     process-wide registry). report_latency: a Histogram observed (seconds) around decoding and
     ingesting each report. ingest_in_threadpool: run `ingest_report` on one dedicated thread
     instead of inline on the event loop (see BENCHMARKS.md for the measured difference).
+    leadership: HA (controller/ha.py): while this controller does not lead, every request
+    but GET/HEAD/OPTIONS is answered 503 naming the leader, before anything else is read.
     """
     app = _Api(
         title="trainguard controller",
@@ -312,6 +346,11 @@ def create_app(
             return 200, body, None
         except ApiError as e:
             return e.status, _json_bytes({"error": e.error, "detail": e.detail}), e.headers
+        except NotLeader as e:
+            if leadership is None:
+                raise
+            err = not_leader_error(leadership, str(e))
+            return err.status, _json_bytes({"error": err.error, "detail": err.detail}), err.headers
         except ServiceError as e:
             status = e.status if 400 <= e.status < 500 else 500
             return status, _json_bytes({"error": str(e) or type(e).__name__, "detail": None}), None
@@ -370,6 +409,9 @@ def create_app(
 
     @app.exception_handler(ServiceError)
     async def _service_error(_: Request, exc: ServiceError) -> Response:
+        if isinstance(exc, NotLeader) and leadership is not None:
+            err = not_leader_error(leadership, str(exc))
+            return _error_response(err.status, err.error, err.detail, err.headers)
         status = exc.status if 400 <= exc.status < 500 else 500
         return _error_response(status, str(exc) or type(exc).__name__)
 
@@ -716,6 +758,7 @@ def create_app(
     app.openapi = openapi  # type: ignore[method-assign]
     app.report_handler = handle_report
     app.report_ingest = ingest_body
+    app.leadership = leadership
     return app
 
 
@@ -803,8 +846,18 @@ class _Api(FastAPI):
     # (raw body, actor, node) -> (status, body, extra headers): reports handed over by ingest
     # workers
     report_ingest: Any = None
+    leadership: Leadership | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        leadership = self.leadership
+        if (
+            leadership is not None
+            and scope["type"] == "http"
+            and scope["method"] not in _READ_METHODS
+            and not leadership.is_leader()
+        ):
+            await _send_error(send, not_leader_error(leadership))
+            return
         handle = self.report_handler
         if (
             handle is None

@@ -460,6 +460,51 @@ class MaintenanceConfig:
 
 
 @dataclass(frozen=True)
+class HaConfig:
+    """Two or more controllers on one PostgreSQL store, one leading (docs/controller.md,
+    "High availability"). Off: one controller, nothing below applies."""
+
+    # true: contend for the leader lease in the store; the leader acts, the others serve
+    # reads and answer writes 503 naming the leader. Needs store.url (PostgreSQL).
+    enabled: bool = False
+    # This controller's API as agents and agentctl reach it (https://ctl-1.example:8800):
+    # what a standby names in X-Trainguard-Leader when this one leads. Required when enabled.
+    advertise_url: str = ""
+    # How long a lease lasts without a renewal, seconds (on the database's clock). 10: a
+    # leader that stops (kill -9, a lost machine) is replaced within about lease_s plus one
+    # renew interval; shorter makes a slow database or a GC pause a failover.
+    lease_s: float = 10.0
+    # Seconds between renewals (and a standby's tries). Default lease_s / 3: two renewals can
+    # fail before the lease runs out. Must be at most lease_s / 2.
+    renew_interval_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 2.0 <= self.lease_s <= 300.0:
+            raise Invalid("lease_s", f"must be within 2..300, got {self.lease_s}")
+        if self.renew_interval_s is None:
+            object.__setattr__(self, "renew_interval_s", self.lease_s / 3)
+        elif not 0.1 <= self.renew_interval_s <= self.lease_s / 2:
+            raise Invalid(
+                "renew_interval_s",
+                f"must be within 0.1..lease_s/2 ({self.lease_s / 2:g}), "
+                f"got {self.renew_interval_s}",
+            )
+        if self.enabled:
+            parts = urlsplit(self.advertise_url)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise Invalid(
+                    "advertise_url",
+                    "must be this controller's http(s)://HOST:PORT as agents reach it, got "
+                    f"{self.advertise_url!r}",
+                )
+
+    @property
+    def renew_every_s(self) -> float:
+        """renew_interval_s with its default filled in."""
+        return float(self.renew_interval_s or self.lease_s / 3)
+
+
+@dataclass(frozen=True)
 class LogConfig:
     level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -491,9 +536,22 @@ class ControllerConfig:
     # Where jobs run: torchrun launched by the agents (default) or Slurm (docs/slurm.md).
     backend: BackendConfig = field(default_factory=BackendConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    # Leader election between controllers on one PostgreSQL store; off by default.
+    ha: HaConfig = field(default_factory=HaConfig)
 
     def __post_init__(self) -> None:
         _positive("tick_interval_s", self.tick_interval_s)
+        if self.ha.enabled and self.store.url is None:
+            raise Invalid(
+                "ha.enabled",
+                "needs store.url (PostgreSQL): the controllers share the store and its lease",
+            )
+        if self.ha.enabled and self.api.ingest_workers > 0:
+            raise Invalid(
+                "ha.enabled",
+                "not with api.ingest_workers > 0 yet: a standby's workers would not refuse "
+                "reports; run the controller process alone (ingest_workers: 0)",
+            )
         _positive("node_silent_after_s", self.node_silent_after_s)
         _positive("history_s", self.history_s)
         if self.jobs.resume_grace_s < self.node_silent_after_s:
@@ -532,6 +590,7 @@ def load_config(path: str | None, *, overrides: dict[str, Any] | None = None) ->
 __all__ = [
     "DEFAULT_CONFIG_PATH",
     "DEFAULT_STORE_PATH",
+    "HaConfig",
     "SEVERITY_RANK",
     "ActionsConfig",
     "ApiConfig",

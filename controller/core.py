@@ -32,6 +32,7 @@ from trainguard.controller.backends.base import step_handlers
 from trainguard.controller.backends.build import build_backend
 from trainguard.controller.backends.slurmcli import SlurmRunner
 from trainguard.controller.config import ControllerConfig
+from trainguard.controller.errors import NotLeader
 from trainguard.controller.incidents import IncidentManager
 from trainguard.controller.jobs import JobManager, JobSpec
 from trainguard.controller.livestate import LiveState
@@ -43,7 +44,7 @@ from trainguard.controller.queries import QueryService
 from trainguard.controller.reports import ReportService
 from trainguard.controller.safety import Safety
 from trainguard.controller.signals import SignalState
-from trainguard.controller.store import CommandRecord, NodeRecord, Store, StoreError
+from trainguard.controller.store import CommandRecord, NodeRecord, Store, StoreError, WriteFence
 from trainguard.controller.tick import TickService, load_rule_set
 from trainguard.controller.views import (
     ActionView,
@@ -86,10 +87,17 @@ class Controller:
         *,
         clock: Clock = SYSTEM_CLOCK,
         backends: ActionBackends | None = None,
+        metrics: ControllerMetrics | None = None,
+        fence: WriteFence | None = None,
+        standby: bool = False,
     ) -> None:
+        """`metrics`, `fence` and `standby` are for HA (controller/ha.py), which builds one
+        Controller per lease epoch over one set of metrics: `fence` is checked by every write
+        transaction; a `standby` one only serves reads (it leaves rows a previous process
+        left `running` to the leader, which recovers them)."""
         self.config = config
         self.clock = clock
-        self.metrics = ControllerMetrics()
+        self.metrics = metrics if metrics is not None else ControllerMetrics()
         backends = backends or ActionBackends()
         try:
             self.store = Store(
@@ -102,6 +110,7 @@ class Controller:
             # a store the controller cannot use (or reach) is a deployment problem: exit 2
             key = "store.path" if config.store.url is None else "store.url"
             raise ConfigError("", key, str(e)) from None
+        self.store.fence = fence
         rules = load_rule_set(config)
         self.metrics.known_rules(rules.names())
         self.signals = SignalState(
@@ -229,7 +238,8 @@ class Controller:
         self.maintenance = MaintenanceScheduler(
             store=self.store, config=config.maintenance, metrics=self.metrics, clock=clock
         )
-        self.runner.recover(now=clock.now())
+        if not standby:
+            self.runner.recover(now=clock.now())
         self.ticker.update_gauges(clock.now())
 
     def _notification_failed(self, channel: str) -> None:
@@ -254,12 +264,20 @@ class Controller:
 
     def stop(self) -> None:
         """Stop the threads, flush freshness, close the store."""
+        self.stop_acting()
+        try:
+            self.live.flush()
+        except NotLeader:  # HA: a controller that no longer leads writes nothing
+            log.info("event=freshness_not_flushed reason=not_leader")
+        self.store.close()
+        log.info("event=controller_stopped")
+
+    def stop_acting(self) -> None:
+        """Stop the tick, the action worker, the maintenance jobs and the backend; the store
+        stays open for reads (HA: what a leader that lost its lease keeps)."""
         self.maintenance.stop()
         self.ticker.stop()
         self.backend.close()
-        self.live.flush()
-        self.store.close()
-        log.info("event=controller_stopped")
 
     @property
     def running(self) -> bool:

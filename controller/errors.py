@@ -27,3 +27,10 @@ class LimitReached(ServiceError):
     """A configured limit (e.g. api.max_nodes) refuses the request; the message names it."""
 
     status = 403
+
+
+class NotLeader(ServiceError):
+    """This controller does not hold the leader lease (HA, controller/ha.py): it writes nothing
+    and acts on nothing; the API answers 503 naming the leader (X-Trainguard-Leader)."""
+
+    status = 503

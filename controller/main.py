@@ -26,6 +26,7 @@ from trainguard.controller.backup import main as backup_main
 from trainguard.controller.config import load_config
 from trainguard.controller.core import Controller
 from trainguard.controller.errors import ServiceError
+from trainguard.controller.ha import HaController
 from trainguard.controller.ingest.frontend import IngestFrontend
 from trainguard.controller.runtime import new_event_loop, setup_logging
 from trainguard.controller.tlsauth import uvicorn_tls_options
@@ -133,7 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
 
     try:
-        controller = Controller(config)
+        # HA (ha.enabled): one of several controllers on one PostgreSQL store, leading while
+        # it holds the lease, a standby serving reads otherwise (controller/ha.py)
+        controller: Any = HaController(config) if config.ha.enabled else Controller(config)
     except ConfigError as e:
         print(f"trainguard-controller: bad configuration: {e}", file=sys.stderr)
         return EXIT_CONFIG
@@ -176,6 +179,7 @@ def _serve(
         metrics_registry=controller.metrics.registry,
         report_latency=controller.metrics.report_ingest_seconds,
         ingest_in_threadpool=threadpool,
+        leadership=controller if isinstance(controller, HaController) else None,
     )
     uv_config = uvicorn.Config(
         app,

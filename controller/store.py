@@ -19,7 +19,8 @@ what it read (`submit_job`, `begin_attempt`) locks the row (SELECT ... FOR UPDAT
 SQLite's BEGIN IMMEDIATE (the one write lock) gave for free; inserts keyed by an idempotency
 key (actions, commands, events) are INSERT ... ON CONFLICT DO NOTHING on both, so a step is
 recorded once whoever writes it. Migrations take an advisory lock, so two controllers starting
-at once migrate one after the other.
+at once migrate one after the other. With HA a `fence` (controller/lease.py: the leader
+lease's epoch) is checked first in every write transaction; a refused one writes nothing.
 
 Staying small: the `expire_*` methods delete one bounded batch of old rows each (one
 transaction, so the API and the tick wait for one batch at most), `incremental_vacuum` gives
@@ -41,7 +42,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from trainguard.controller.dialect import (
     POSTGRES,
@@ -290,6 +291,26 @@ def _migration_4(c: Connection) -> None:
     )
 
 
+def _migration_5(c: Connection) -> None:
+    """The leader lease of controllers sharing one store (controller/lease.py): one row, always
+    there, free (expires_at 0) until a controller with `ha.enabled` takes it."""
+    _run_script(
+        c,
+        """
+        CREATE TABLE controller_lease (
+            id INTEGER PRIMARY KEY CHECK (id = 1),
+            holder TEXT NOT NULL DEFAULT '',
+            advertise_url TEXT NOT NULL DEFAULT '',
+            epoch INTEGER NOT NULL DEFAULT 0,
+            expires_at REAL NOT NULL DEFAULT 0,
+            acquired_at REAL NOT NULL DEFAULT 0,
+            renewed_at REAL NOT NULL DEFAULT 0
+        );
+        INSERT INTO controller_lease (id) VALUES (1)
+        """,
+    )
+
+
 # Migration N (index N-1) takes a database at version N-1 to version N. Append only.
 # The scripts are SQLite's spelling; on PostgreSQL dialect.py maps the types.
 MIGRATIONS: tuple[Callable[[Connection], None], ...] = (
@@ -297,6 +318,7 @@ MIGRATIONS: tuple[Callable[[Connection], None], ...] = (
     _migration_2,
     _migration_3,
     _migration_4,
+    _migration_5,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -487,6 +509,14 @@ _JOB_COLUMNS = frozenset(
 )
 
 
+class WriteFence(Protocol):
+    """What decides whether this process may write (HA: the leader lease, controller/lease.py).
+    `check` runs first in every write transaction, on its connection, and raises
+    (errors.NotLeader) to refuse it: the transaction then writes nothing."""
+
+    def check(self, c: Connection) -> None: ...
+
+
 class Store:
     """The store. Open with `Store(path, now=...)` (SQLite) or `Store("postgresql://...",
     now=..., password=...)`; migrates an older schema forward."""
@@ -501,6 +531,8 @@ class Store:
     ) -> None:
         self._now = now
         self._lock = threading.RLock()
+        # None (one controller): every write goes through. HA sets it before the first write.
+        self.fence: WriteFence | None = None
         if is_postgres_url(str(path)):
             self._open_postgres(str(path), password=password, timeout_s=connect_timeout_s)
             return
@@ -570,19 +602,34 @@ class Store:
     @contextmanager
     def transaction(self) -> Iterator[Connection]:
         """BEGIN IMMEDIATE ... COMMIT (ROLLBACK on error), holding the store lock; on
-        PostgreSQL BEGIN (READ COMMITTED) ... COMMIT."""
+        PostgreSQL BEGIN (READ COMMITTED) ... COMMIT. With a `fence`, its check runs first,
+        in the transaction: a refused one writes nothing."""
+        fence = self.fence
         if self.dialect.postgres:
             with self._lock, self._pg.transaction() as pg:
+                if fence is not None:
+                    fence.check(pg)
                 yield pg
             return
         with self._lock:
             self._conn.execute("BEGIN IMMEDIATE")
             try:
+                if fence is not None:
+                    fence.check(self._conn)
                 yield self._conn
             except BaseException:
                 self._conn.execute("ROLLBACK")
                 raise
             self._conn.execute("COMMIT")
+
+    def check_fence(self) -> None:
+        """Raise what the fence raises unless this process may write now (HA: it holds the
+        lease, checked in the store); a no-op without a fence. The action worker calls it
+        before each step's side effects outside the store."""
+        if self.fence is None:
+            return
+        with self.transaction():
+            pass
 
     def _query(self, sql: str, args: Sequence[Any] = ()) -> list[Row]:
         with self._lock:
@@ -1507,4 +1554,5 @@ __all__ = [
     "NodeRecord",
     "Store",
     "StoreError",
+    "WriteFence",
 ]

@@ -262,6 +262,10 @@ class ActionRunner:
             progress=progress,
             recovering=recovering,
         )
+        # HA: the step's side effects (an agent command, a webhook, scontrol) follow a store
+        # round trip that proves this controller still holds the lease; a deposed leader
+        # raises NotLeader here and does nothing
+        self._store.check_fence()
         try:
             outcome = handler.run(ctx)
         except TransientError as e:
