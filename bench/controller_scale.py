@@ -1,9 +1,10 @@
 """Controller scale bench: N simulated agents (8 GPUs x 18 NVLinks, 8 IB ports) report at 1 Hz.
 
-Starts the real `trainguard-controller` process (SQLite store, default rules) on loopback and
-drives it from a few load-generator processes, each holding one keep-alive HTTP/1.1
-connection per simulated node (a minimal raw-socket client, so the generator spends as little
-of the shared CPUs as it can). The generator shares the machine's cores with the controller.
+Starts the real `trainguard-controller` process (SQLite store, or the PostgreSQL database
+that `--store-url` names; default rules) on loopback and drives it from a few load-generator
+processes, each holding one keep-alive HTTP/1.1 connection per simulated node (a minimal
+raw-socket client, so the generator spends as little of the shared CPUs as it can). The
+generator shares the machine's cores with the controller.
 
 Prints: client-side report latency p50/p99, achieved report rate, controller CPU (from
 /proc), server-side ingest and rule tick durations (scraped from the controller's /metrics),
@@ -18,6 +19,7 @@ answers `want_full`); `--full-only` sends full reports in the original shape, as
 without delta support do.
 
     .venv/bin/python bench/controller_scale.py --nodes 2048 --seconds 60
+    .venv/bin/python bench/controller_scale.py --nodes 1024 --store-url postgresql://...
 """
 
 from __future__ import annotations
@@ -442,6 +444,11 @@ def main() -> int:
         action="store_true",
         help="full reports in the original shape (agents without delta reports)",
     )
+    ap.add_argument(
+        "--store-url",
+        default=None,
+        help="store.url (a PostgreSQL database) instead of an SQLite file in the temp dir",
+    )
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--keep", action="store_true", help="keep the controller's store and log")
     ap.add_argument(
@@ -469,9 +476,13 @@ def main() -> int:
     (tmp / "tokens.yaml").write_text(
         "tokens:\n" + agents + f'  - {{name: bench, role: operator, sha256: "{op_hash}"}}\n'
     )
+    store = (
+        f"store: {{url: '{args.store_url}'}}\n"
+        if args.store_url
+        else f"store: {{path: {tmp / 'controller.db'}}}\n"
+    )
     (tmp / "controller.yaml").write_text(
-        f"store: {{path: {tmp / 'controller.db'}}}\n"
-        f"rules: [{ROOT / 'rules'}]\n"
+        store + f"rules: [{ROOT / 'rules'}]\n"
         f"api: {{host: 127.0.0.1, port: 0, tokens_file: {tmp / 'tokens.yaml'}}}\n"
         "safety: {dry_run: true}\n"
         "log: {level: warning}\n"
@@ -591,6 +602,7 @@ def _run(
     count1 = float(re.search(r"^trainguard_controller_reports_total (\S+)", m1, re.M).group(1))  # type: ignore[union-attr]
     out = {
         "nodes": args.nodes,
+        "store": "postgresql" if args.store_url else "sqlite",
         "seconds": args.seconds,
         "procs": args.procs,
         "ingest_in_threadpool": args.ingest_in_threadpool,
