@@ -341,8 +341,9 @@ def test_a_dbe_acknowledged_right_before_a_kill9_is_remediated_once_after_the_re
     nodes = crash.free_nodes()
     sick = nodes[0]
     drained_before = crash.drained()
-    # slower steps: two controller restarts pass before the remediation can stop the job
-    run_until_step(c, job_spec(c, job, nodes, step_time_s=1.5 * STEP_TIME_S), 3)
+    # slower steps: two controller restarts pass before the remediation can stop the job, and
+    # on a loaded machine the job must still be training when the restarted controller acts
+    run_until_step(c, job_spec(c, job, nodes, step_time_s=3 * STEP_TIME_S), 3)
     # A controller that evaluates its rules once at start, then not for a minute: the report
     # carrying the DBE is stored and acknowledged, and no tick evaluates it before the kill.
     cfg = crash.config()
