@@ -358,12 +358,14 @@ class JobsConfig:
     # stopped is silent at once. Must be >= node_silent_after_s.
     resume_grace_s: float = 40.0
     # Fencing: attempt N+1 of a job starts only when every node of attempt N confirmed its
-    # stop or has been silent (no report) for longer than this, s. 15 s = three
-    # node_silent_after_s windows (15 missed 1 s reports): a link flap or switch reboot comes
-    # back within it; a node silent longer is dead or cut off, its ranks cannot commit (the
-    # trainer's EPOCH fence) and its agent stops the stale attempt when it reports again
-    # (ReportResponse.job_attempts). Must exceed node_silent_after_s.
-    attempt_lease_s: float = 15.0
+    # stop or has been silent (no report) for longer than this, s. 6 s = just past
+    # node_silent_after_s (5 s): by then the node_silent rule has declared the node lost and it
+    # is being replaced, so waiting longer only delays the restart (a dead node's MTTR pays
+    # every second of it). Safety does not rest on the lease's length: a node silent longer is
+    # dead or cut off, its ranks cannot commit (the trainer's EPOCH fence) and its agent stops
+    # the stale attempt when it reports again (ReportResponse.job_attempts). Must exceed
+    # node_silent_after_s.
+    attempt_lease_s: float = 6.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.rdzv_port_base <= 65535 - self.rdzv_port_span:

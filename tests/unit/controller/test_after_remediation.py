@@ -45,7 +45,7 @@ def _crash_restart_without_n1(sim: Sim) -> Any:
     sim.second(5)
     sim.agents["n1"].silent = True
     sim.agents["n2"].crash("job")
-    # n1 is silent: attempt 2 waits for its attempt_lease_s (15 s) to run out
+    # n1 is silent: attempt 2 waits for its attempt_lease_s (6 s) to run out
     sim.until(running(sim, attempt=2), max_s=25, what="restart without n1")
     sim.until(
         lambda: sim.incident("job_process_failed").incident.state in ("mitigated", "resolved"),

@@ -136,7 +136,10 @@ def test_unknown_node_counts_as_silent_after_the_resume_grace(sim):
     assert steps["drain"][0] == "skipped" and "not draining on stale data" in steps["drain"][1]
     _until(sim, running(sim, attempt=2), max_s=10, what="attempt 2 trains")
     timeline = " | ".join(t.message for t in sim.incident("gpu_dbe").timeline)
-    assert "attempt 2 started on n3, n2" in timeline and "silent past the 15 s lease" in timeline
+    assert (
+        "attempt 2 started on n3, n2" in timeline
+        and f"silent past the {LEASE_S:g} s lease" in timeline
+    )
     assert sim.c.get_job("job").nodes == ("n3", "n2")
 
 
