@@ -2,6 +2,7 @@
 what a failover mid-remediation adds to a DBE's MTTR (not run in CI).
 
     .venv/bin/python bench/failover.py [--runs 5] [--lease-s 3] [--baselines 3]
+        [--boundaries notify,checkpoint,drain,replace,restart] [--no-stop]
 
 A local PostgreSQL server (tests/integration/postgres_proc.py: Debian's postgresql-15), two
 controllers on it (ha.enabled, each its own advertise_url) and sim agents given both URLs
@@ -96,11 +97,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=5, help="failover-time runs")
     p.add_argument("--baselines", type=int, default=3, help="remediations without a failover")
     p.add_argument("--lease-s", type=float, default=3.0)
+    p.add_argument(
+        "--boundaries",
+        default=",".join(BOUNDARIES),
+        help="comma-separated step boundaries to kill the leader at, in order (repeats allowed)",
+    )
+    p.add_argument("--no-stop", action="store_true", help="skip the SIGSTOP run")
     p.add_argument("--skip-mttr", action="store_true")
     args = p.parse_args(argv)
-    kills = [] if args.skip_mttr else [("kill", b) for b in BOUNDARIES]
+    boundaries = [b for b in args.boundaries.split(",") if b]
+    unknown = sorted(set(boundaries) - set(BOUNDARIES))
+    if unknown:
+        p.error(f"unknown boundaries {unknown}; known: {BOUNDARIES}")
+    kills = [] if args.skip_mttr else [("kill", b) for b in boundaries]
     plan = [("none", "restart")] * (0 if args.skip_mttr else args.baselines)
-    plan += [*kills, *([] if args.skip_mttr else [("stop", "replace")])]
+    plan += [*kills, *([] if args.skip_mttr or args.no_stop else [("stop", "replace")])]
     print(f"load average at start: {os.getloadavg()}", flush=True)
     pg = start_postgres()
     hook = Hook()
