@@ -54,14 +54,21 @@ def workers(run_id: str) -> bool:
 
 
 def test_ctrl_c_mid_demo_leaves_no_process_behind(tmp_path: Path) -> None:
-    demo = subprocess.Popen(
-        [sys.executable, str(DEMO)],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    # A test run started in the background by a non-interactive shell (`make test &`) inherits
+    # SIGINT ignored, and an ignored signal stays ignored across exec: the demo would never see
+    # the Ctrl-C. A handled one is reset to the default by exec, so handle it while spawning.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        demo = subprocess.Popen(
+            [sys.executable, str(DEMO)],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         marker = tmp_path / "demo-run" / ".devcluster"
         wait_until(marker.exists, timeout_s=60, what="the demo's cluster to start")
