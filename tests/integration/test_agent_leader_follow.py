@@ -55,7 +55,12 @@ def test_the_agent_reports_to_the_leader_a_standby_names_and_follows_a_failover(
             f"event=controller_switched from={standby.url} to={leader.url} "
             "reason=leader_redirect" in log
         )
-        assert (current(agent, leader.url), current(agent, standby.url)) == (1.0, 0.0)
+        # the metrics are a snapshot the agent refreshes on its loop: wait for the next one
+        wait_for(
+            lambda: (current(agent, leader.url), current(agent, standby.url)) == (1.0, 0.0),
+            timeout_s=30,
+            what="the metric to name the leader",
+        )
         refused = standby.statuses(503)
         assert agent.inject("xid", "--gpu", "0", "--code", "31").returncode == 0
         wait_for(lambda: leader.events_of("xid"), timeout_s=30, what="the XID at the leader")
@@ -112,6 +117,10 @@ def test_a_leader_outside_the_list_is_not_followed(
         )
         assert outsider.requests == []
         assert f"leader='{outsider.url}' reason=not_in_controller_urls" in agent.log()
-        assert current(agent, standby.url) == 1.0
+        wait_for(
+            lambda: current(agent, standby.url) == 1.0,
+            timeout_s=30,
+            what="the metric to name the standby it stayed with",
+        )
     finally:
         assert agent.terminate() == 0
