@@ -83,7 +83,11 @@ class HaCluster(DevCluster):
         super()._write_controller_config()
         base = json.loads((self.run_dir / "controller.yaml").read_text())
         for name in NAMES:
-            self.ports[name] = free_port()
+            # two back-to-back free_port() calls may return the same just-freed port
+            port = free_port()
+            while port in self.ports.values():
+                port = free_port()
+            self.ports[name] = port
             cfg = {
                 **base,
                 **self.extra,
@@ -118,13 +122,37 @@ class HaCluster(DevCluster):
             self.log_offsets[n] = len(proc.log())
             self._spawn(proc, append=True)
         for n in names:
-            self.wait(
-                functools.partial(self._healthy, n),
-                timeout_s=timeout_s,
-                what=f"controller {n}'s /healthz",
-            )
+            for tries_left in (2, 1, 0):
+                try:
+                    self.wait(
+                        functools.partial(self._healthy, n),
+                        timeout_s=timeout_s,
+                        what=f"controller {n}'s /healthz",
+                    )
+                    break
+                except ClusterError:
+                    # a free port taken by another process between choosing and listening (a
+                    # busy machine): choose another and start again; anything else fails
+                    lost = "Address already in use" in self.procs[n].log()[self.log_offsets[n] :]
+                    if not lost or tries_left == 0 or self.procs[n].alive():
+                        raise
+                    self._move(n)
+                    self.log_offsets[n] = len(self.procs[n].log())
+                    self._spawn(self.procs[n], append=True)
         if name is None:
             self.wait(self.leader, timeout_s=timeout_s, what="a leader")
+
+    def _move(self, name: str) -> None:
+        """Give controller `name` another free port (its config's api.port and advertise_url)."""
+        port = free_port()
+        while port in self.ports.values():
+            port = free_port()
+        self.ports[name] = port
+        path = self.run_dir / f"controller-{name}.yaml"
+        cfg = json.loads(path.read_text())
+        cfg["api"]["port"] = port
+        cfg["ha"]["advertise_url"] = self.controller_url(name)
+        path.write_text(json.dumps(cfg, indent=2) + "\n")
 
     def _healthy(self, name: str) -> bool:
         proc = self.procs[name]
