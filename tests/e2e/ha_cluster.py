@@ -32,6 +32,7 @@ from tests.e2e.test_e2e_crash import (
     DBE_STEPS,
     Crash,
     check_one_remediation,
+    dbe_to_boundary,
     incident_actions,
 )
 from trainguard.devkit.devcluster import ClusterConfig, ClusterError, DevCluster, free_port
@@ -340,26 +341,7 @@ def remediate_through_failover(
     drained_before = world.drained()
     run_until_step(c, job_spec(c, job, nodes, step_time_s=step_time_s), fault_step)
     since = now()
-    if boundary == "notify":
-        world.hook.hold(sick)
-    c.inject(sick, "dbe", gpu=1)
-    if boundary == "notify":
-        c.wait(world.hook.held.is_set, timeout_s=60, what="the trigger notification")
-    elif boundary == "restart":
-        c.wait(
-            lambda: (
-                incident_actions(c, since).get("restart") == "running"
-                and c.job(job)["attempt"] == 2
-            ),
-            timeout_s=60,
-            what="the restart step to launch attempt 2",
-        )
-    else:
-        c.wait(
-            lambda: incident_actions(c, since).get(boundary) in ("running", "succeeded"),
-            timeout_s=60,
-            what=f"the {boundary} step to run",
-        )
+    dbe_to_boundary(c, hook=world.hook, job=job, sick=sick, since=since, boundary=boundary)
     result = Failover(boundary=boundary, how=how, injected_at=since)
     if how != "none":
         old = c.leader()

@@ -251,6 +251,35 @@ def incident_actions(c: DevCluster, since: float) -> dict[str, str]:
     return out
 
 
+def dbe_to_boundary(
+    c: DevCluster, *, hook: Hook, job: str, sick: str, since: float, boundary: str
+) -> None:
+    """Inject a DBE on `sick` (GPU 1) and return once its remediation reached `boundary`."""
+    if boundary == "notify":
+        hook.hold(sick)
+    c.inject(sick, "dbe", gpu=1)
+    if boundary == "notify":
+        # the trigger reached the receiver, unanswered: the notify step is mid-delivery
+        c.wait(hook.held.is_set, timeout_s=60, what="the trigger notification")
+    elif boundary == "restart":
+        # further into the step than the replace boundary (where it has just begun): attempt 2
+        # launched, the step waiting for it to train past the checkpoint
+        c.wait(
+            lambda: (
+                incident_actions(c, since).get("restart") == "running"
+                and c.job(job)["attempt"] == 2
+            ),
+            timeout_s=60,
+            what="the restart step to launch attempt 2",
+        )
+    else:
+        c.wait(
+            lambda: incident_actions(c, since).get(boundary) in ("running", "succeeded"),
+            timeout_s=60,
+            what=f"the {boundary} step to run",
+        )
+
+
 def check_one_remediation(
     crash: Crash,
     job: str,
@@ -292,29 +321,7 @@ def test_kill9_of_the_controller_at_a_remediation_step_boundary_remediates_once(
     drained_before = crash.drained()
     run_until_step(c, job_spec(c, job, nodes, step_time_s=STEP_TIME_S), FAULT_STEP)
     since = now()
-    if boundary == "notify":
-        crash.hook.hold(sick)
-    c.inject(sick, "dbe", gpu=1)
-    if boundary == "notify":
-        # the trigger reached the receiver, unanswered: the notify step is mid-delivery
-        c.wait(crash.hook.held.is_set, timeout_s=60, what="the trigger notification")
-    elif boundary == "restart":
-        # further into the step than the replace boundary (where it has just begun): attempt 2
-        # launched, the step waiting for it to train past the checkpoint
-        c.wait(
-            lambda: (
-                incident_actions(c, since).get("restart") == "running"
-                and c.job(job)["attempt"] == 2
-            ),
-            timeout_s=60,
-            what="the restart step to launch attempt 2",
-        )
-    else:
-        c.wait(
-            lambda: incident_actions(c, since).get(boundary) in ("running", "succeeded"),
-            timeout_s=60,
-            what=f"the {boundary} step to run",
-        )
+    dbe_to_boundary(c, hook=crash.hook, job=job, sick=sick, since=since, boundary=boundary)
     seen = incident_actions(c, since)
     c.kill_controller(signal.SIGKILL)
     print(f"kill -9 at the {boundary} boundary; the steps just before: {seen}")
