@@ -251,7 +251,9 @@ def create_app(
     ingesting each report. ingest_in_threadpool: run `ingest_report` on one dedicated thread
     instead of inline on the event loop (see BENCHMARKS.md for the measured difference).
     leadership: HA (controller/ha.py): while this controller does not lead, every request
-    but GET/HEAD/OPTIONS is answered 503 naming the leader, before anything else is read.
+    but GET/HEAD/OPTIONS is answered 503 naming the leader, before anything else is read
+    (a report handed over by an ingest worker, whose credential the worker checked: before
+    it is decoded).
     """
     app = _Api(
         title="trainguard controller",
@@ -308,6 +310,11 @@ def create_app(
         `actor`, speaking for `node` (None: a shared agent token), and whose size is within
         the limit: the part of POST /v1/reports after the HTTP layer, shared with the ingest
         worker processes (`trainguard.controller.ingest`)."""
+        if leadership is not None and not leadership.is_leader():
+            # a report handed over by an ingest worker has not passed `_Api.__call__`: a
+            # standby refuses it here, before decoding it, as that refuses one before reading it
+            err = not_leader_error(leadership)
+            return err.status, _json_bytes({"error": err.error, "detail": err.detail}), err.headers
         try:
             started = time.perf_counter()
             try:

@@ -548,12 +548,6 @@ class ControllerConfig:
                 "ha.enabled",
                 "needs store.url (PostgreSQL): the controllers share the store and its lease",
             )
-        if self.ha.enabled and self.api.ingest_workers > 0:
-            raise Invalid(
-                "ha.enabled",
-                "not with api.ingest_workers > 0 yet: a standby's workers would not refuse "
-                "reports; run the controller process alone (ingest_workers: 0)",
-            )
         _positive("node_silent_after_s", self.node_silent_after_s)
         _positive("history_s", self.history_s)
         if self.jobs.resume_grace_s < self.node_silent_after_s:

@@ -8,7 +8,8 @@ then hands the raw body (bytes) and the node that credential speaks for to the c
 own unix socket pair; the core decodes the body, refuses a report for another node and
 ingests it exactly as it does its own requests, and sends back the response bytes. Every
 other request (API, agentctl, /metrics, /healthz) is forwarded whole, and the core runs it
-through its ASGI app in-process, so there is one API implementation.
+through its ASGI app in-process, so there is one API implementation. Workers know nothing
+of HA leadership: a standby's core answers both 503 naming the leader (`api.create_app`).
 
 Channel: one SOCK_STREAM socket pair per worker, frames of `!IBI` (payload length, kind,
 request id) followed by the payload; request ids pair answers with requests, so forwarded

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from tests.fakes.controller_service import FakeService
 from trainguard.clock import FakeClock
 from trainguard.controller.api import create_app
 from trainguard.controller.auth import TokenStore
@@ -31,7 +32,7 @@ from trainguard.controller.ingest.frames import (
     encode_report,
     read_frame,
 )
-from trainguard.controller.ingest.frontend import call_asgi
+from trainguard.controller.ingest.frontend import IngestFrontend, _FrameQueue, _Slot, call_asgi
 from trainguard.controller.ingest.worker import CoreChannel as _CoreChannel
 from trainguard.protocol import Report, encode_json
 
@@ -49,6 +50,18 @@ def test_ingest_workers_default_and_flag_override(tmp_path: Any) -> None:
     cfg.write_text("{}\n")
     assert load_config(str(cfg)).api.ingest_workers == 0
     assert load_config(str(cfg), overrides={"api.ingest_workers": 3}).api.ingest_workers == 3
+
+
+def test_ingest_workers_go_with_ha_in_the_file_and_by_flag(tmp_path: Any) -> None:
+    cfg = tmp_path / "controller.yaml"
+    cfg.write_text(
+        "store: {url: 'postgresql://tg@db/tg'}\n"
+        "ha: {enabled: true, advertise_url: 'http://ctl-1:8800'}\n"
+        "api: {ingest_workers: 2}\n"
+    )
+    config = load_config(str(cfg))
+    assert config.ha.enabled and config.api.ingest_workers == 2
+    assert load_config(str(cfg), overrides={"api.ingest_workers": 4}).api.ingest_workers == 4
 
 
 def test_frames_round_trip() -> None:
@@ -229,3 +242,82 @@ def test_report_handed_over_for_another_node_is_refused_and_audited(app: Any) ->
     assert [(a["actor"], a["action"], a["target"]) for a in audit] == [
         ("agent-node-1", "report_refused", "node-2")
     ]
+
+
+class _Leadership:
+    """HA leadership as the app asks it: a standby naming `leader` until `leading` is set."""
+
+    def __init__(self, *, leader: str) -> None:
+        self.leader = leader
+        self.leading = False
+
+    def is_leader(self) -> bool:
+        return self.leading
+
+    def leader_url(self) -> str:
+        return "http://ctl-2:8800" if self.leading else self.leader
+
+    def retry_after_s(self) -> int:
+        return 2
+
+
+def test_a_standby_answers_what_its_workers_hand_over_503_naming_the_leader() -> None:
+    """Across the real channel, as a worker sees the answers: on a standby a report (for the
+    credential's own node or another) and a forwarded write are 503 with the leader's URL
+    and Retry-After, and none reaches the service; a forwarded read is served; once this
+    controller leads, the same report is ingested."""
+    svc = FakeService(clock=FakeClock(1_000.0))
+    svc.add_node("node-1")
+    leadership = _Leadership(leader="http://ctl-1:8800")
+    tokens = TokenStore.from_plaintext({"op": ("ops", "operator"), "ag": ("agents", "agent")})
+    app = create_app(
+        svc,  # type: ignore[arg-type]
+        tokens=tokens,
+        max_body_bytes=4096,
+        leadership=leadership,
+    )
+    frontend = IngestFrontend(app, workers=1, tokens=tokens, max_body_bytes=4096)
+    report = encode_json(Report(node="node-1", instance="i", seq=1, sent_at=1_000.0))
+    drain = _meta("POST", "/v1/nodes/node-1/drain", token="op")
+
+    async def run() -> tuple[list[Any], list[str], Any]:
+        core_end, worker_end = socket.socketpair()
+        loop = asyncio.get_running_loop()
+        _, queue = await loop.create_unix_connection(
+            lambda: _FrameQueue(max_frame_bytes=1 << 20), sock=core_end
+        )
+        serving = asyncio.create_task(frontend._serve_channel(_Slot(index=0), queue))
+        reader, writer = await asyncio.open_unix_connection(sock=worker_end)
+        channel = _CoreChannel(reader, writer)
+        reading = asyncio.create_task(channel.read_loop(max_frame_bytes=ANSWER_MAX_BYTES))
+        refused = [
+            await channel.request(KIND_REPORT, encode_report("agent-node-1", "node-1", report)),
+            await channel.request(KIND_REPORT, encode_report("agent-node-2", "node-2", report)),
+            await channel.request(KIND_HTTP, encode_http(drain, b"{}")),
+        ]
+        read = await channel.request(
+            KIND_HTTP, encode_http(_meta("GET", "/v1/nodes", token="op"), b"")
+        )
+        called_as_standby = svc.methods_called()
+        leadership.leading = True
+        ingested = await channel.request(
+            KIND_REPORT, encode_report("agent-node-1", "node-1", report)
+        )
+        writer.close()
+        await asyncio.wait_for(serving, timeout=10)  # EOF on the channel ends the serving
+        await asyncio.wait_for(reading, timeout=10)
+        return [*refused, read], called_as_standby, ingested
+
+    answers, called_as_standby, ingested = asyncio.run(run())
+    *refused, (read_status, _, _) = answers
+    for status, headers, body in refused:
+        assert status == 503, body
+        named = dict(headers)
+        assert named[b"x-trainguard-leader"] == b"http://ctl-1:8800"
+        assert named[b"retry-after"] == b"2"
+        assert named[b"content-type"] == b"application/json"
+        assert json.loads(body)["detail"]["leader"] == "http://ctl-1:8800"
+    assert read_status == 200
+    assert called_as_standby == ["list_nodes"]  # no write reached the service
+    assert ingested[0] == 200 and json.loads(ingested[2])["commands"] == []
+    assert svc.methods_called()[-1] == "ingest_report"
