@@ -39,6 +39,7 @@ from starlette.types import Receive, Scope, Send
 
 from trainguard.bounds import INT64_MAX
 from trainguard.controller.auth import Permission, Principal, TokenStore
+from trainguard.controller.dialect import StoreUnavailable
 from trainguard.controller.errors import NotLeader, ServiceError
 from trainguard.controller.jobs import JobSpec
 from trainguard.controller.service import ControllerService
@@ -178,6 +179,22 @@ def not_leader_error(leadership: Leadership, reason: str = "") -> ApiError:
         f"this controller does not lead: {where}",
         {"leader": leader or None, "reason": reason or "standby"},
         {LEADER_HEADER: leader, "Retry-After": str(leadership.retry_after_s())},
+    )
+
+
+# Retry-After on the 503 of a request that needed the store while it is unreachable
+STORE_RETRY_AFTER_S = 2
+
+
+def store_unavailable_error() -> ApiError:
+    """The 503 of a request that needed the store while it cannot be reached (PostgreSQL
+    stopped or cut off). The store's URL is the controller's business: the log names it."""
+    return ApiError(
+        503,
+        "this controller cannot reach its store: it writes and acts on nothing until the "
+        "store is back; retry",
+        {"reason": "store_unavailable"},
+        {"Retry-After": str(STORE_RETRY_AFTER_S)},
     )
 
 
@@ -361,6 +378,10 @@ def create_app(
         except ServiceError as e:
             status = e.status if 400 <= e.status < 500 else 500
             return status, _json_bytes({"error": str(e) or type(e).__name__, "detail": None}), None
+        except StoreUnavailable:
+            # nothing of the report was stored: the agent keeps its events and sends again
+            err = store_unavailable_error()
+            return err.status, _json_bytes({"error": err.error, "detail": err.detail}), err.headers
 
     async def body_of(request: Request, cls: type[T], *, if_empty: T | None = None) -> T:
         """The body decoded as `cls`; `if_empty` (when given) stands for an empty body."""
@@ -421,6 +442,11 @@ def create_app(
             return _error_response(err.status, err.error, err.detail, err.headers)
         status = exc.status if 400 <= exc.status < 500 else 500
         return _error_response(status, str(exc) or type(exc).__name__)
+
+    @app.exception_handler(StoreUnavailable)
+    async def _store_unavailable(_: Request, exc: StoreUnavailable) -> Response:
+        err = store_unavailable_error()
+        return _error_response(err.status, err.error, err.detail, err.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> Response:

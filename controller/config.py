@@ -111,6 +111,10 @@ class StoreConfig:
     # Seconds to wait for PostgreSQL to answer a connection attempt (libpq connect_timeout).
     # 10: a server on the site's network answers in far less; past it, start fails (exit 2).
     connect_timeout_s: int = 10
+    # PostgreSQL only: seconds the store may stay unreachable before this controller pages
+    # every notify channel (and resolves the page when it is back). 10: a server restart for
+    # a minor upgrade takes less; a lost database server pages within seconds of its loss.
+    page_after_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -140,6 +144,8 @@ class StoreConfig:
             raise Invalid(
                 "connect_timeout_s", f"must be within 1..300, got {self.connect_timeout_s}"
             )
+        if not 0 <= self.page_after_s <= 3600:
+            raise Invalid("page_after_s", f"must be within 0..3600, got {self.page_after_s}")
 
     @property
     def location(self) -> str:

@@ -32,6 +32,7 @@ from trainguard.controller.backends.base import step_handlers
 from trainguard.controller.backends.build import build_backend
 from trainguard.controller.backends.slurmcli import SlurmRunner
 from trainguard.controller.config import ControllerConfig
+from trainguard.controller.dialect import StoreUnavailable
 from trainguard.controller.errors import NotLeader
 from trainguard.controller.incidents import IncidentManager
 from trainguard.controller.jobs import JobManager, JobSpec
@@ -269,6 +270,8 @@ class Controller:
             self.live.flush()
         except NotLeader:  # HA: a controller that no longer leads writes nothing
             log.info("event=freshness_not_flushed reason=not_leader")
+        except StoreUnavailable:  # nothing to flush to; the next leader's agents report anew
+            log.warning("event=freshness_not_flushed reason=store_unavailable")
         self.store.close()
         log.info("event=controller_stopped")
 

@@ -227,10 +227,17 @@ class StoreConnectError(RuntimeError):
     password elided and the reason."""
 
 
+class StoreUnavailable(RuntimeError):
+    """The store was reachable and is not now (PostgreSQL stopped, restarting, cut off): the
+    statement did not run, or its transaction was not committed. Retry once it is back; the
+    API answers 503. The message names the URL with its password elided and the reason."""
+
+
 class PgConnection:
     """One psycopg connection used the way the store uses sqlite3's: `execute` with SQLite's
     spelling, autocommit outside `transaction()`. A broken connection (PostgreSQL restarted)
-    is replaced at the next statement outside a transaction."""
+    is replaced at the next statement outside a transaction; a statement on a connection that
+    breaks, or that finds none can be made, raises StoreUnavailable."""
 
     def __init__(self, url: str, *, password: str | None, connect_timeout_s: int) -> None:
         self.url = url
@@ -271,13 +278,38 @@ class PgConnection:
 
     def _live(self) -> Any:
         if not self._in_transaction and (self._conn.closed or self._conn.broken):
-            self._conn = self._connect()
+            try:
+                self._conn = self._connect()
+            except StoreConnectError as e:
+                raise StoreUnavailable(str(e)) from None
         return self._conn
+
+    def _lost(self, e: Exception) -> StoreUnavailable | None:
+        """StoreUnavailable when `e` came with the connection breaking (or was raised on one
+        already gone); None for an error of the statement itself (a constraint, a type)."""
+        if isinstance(e, StoreUnavailable):
+            return e
+        if not (self._conn.closed or self._conn.broken):
+            return None
+        detail = " ".join(str(e).split())[:300] or type(e).__name__
+        return StoreUnavailable(f"{self.safe_url}: connection lost: {detail}")
+
+    @property
+    def available(self) -> bool:
+        """The connection is open (not known to be broken); the next statement may still find
+        it gone."""
+        return not (self._conn.closed or self._conn.broken)
 
     def execute(self, sql: str, parameters: Any = (), /) -> PgCursor:
         with self._lock:
-            cur = self._live().execute(postgres_sql(sql), parameters)
-            rows = cur.fetchall() if cur.description is not None else []
+            try:
+                cur = self._live().execute(postgres_sql(sql), parameters)
+                rows = cur.fetchall() if cur.description is not None else []
+            except Exception as e:
+                lost = self._lost(e)
+                if lost is None:
+                    raise
+                raise lost from None
             return PgCursor(rows, cur.rowcount)
 
     def executemany(self, sql: str, parameters: Any, /) -> PgCursor:
@@ -285,19 +317,33 @@ class PgConnection:
         with self._lock:
             if not rows:
                 return PgCursor([], 0)
-            with self._live().cursor() as cur:
-                cur.executemany(postgres_sql(sql), rows)
-                return PgCursor([], cur.rowcount)
+            try:
+                with self._live().cursor() as cur:
+                    cur.executemany(postgres_sql(sql), rows)
+                    return PgCursor([], cur.rowcount)
+            except Exception as e:
+                lost = self._lost(e)
+                if lost is None:
+                    raise
+                raise lost from None
 
     @contextmanager
     def transaction(self) -> Iterator[PgConnection]:
-        """BEGIN (READ COMMITTED) ... COMMIT, ROLLBACK on error."""
+        """BEGIN (READ COMMITTED) ... COMMIT, ROLLBACK on error. A connection lost on the way
+        (BEGIN, a statement, COMMIT) raises StoreUnavailable: nothing of it was committed
+        (a COMMIT lost in flight may have been; what the store writes is idempotent or
+        checked again on the next try)."""
         with self._lock:
             conn = self._live()
             self._in_transaction = True
             try:
                 with conn.transaction():
                     yield self
+            except Exception as e:
+                lost = self._lost(e)
+                if lost is None:
+                    raise
+                raise lost from None
             finally:
                 self._in_transaction = False
 
@@ -321,6 +367,7 @@ __all__ = [
     "PgRow",
     "Row",
     "StoreConnectError",
+    "StoreUnavailable",
     "connect_postgres",
     "is_postgres_url",
     "postgres_sql",

@@ -133,6 +133,7 @@ class HaController:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._beat: float | None = None  # monotonic end of the last lease round
+        self._read_failing = False  # the last lease read failed (the store is unreachable)
 
     # --- state ------------------------------------------------------------------------------
 
@@ -288,9 +289,14 @@ class HaController:
         try:
             state = self.lease.read()
         except Exception as e:
-            log.warning("event=lease_read_failed error=%s", _err(e))
+            # said once per outage (storewatch.py pages for it), then quietly each round
+            (log.debug if self._read_failing else log.warning)(
+                "event=lease_read_failed error=%s", _err(e)
+            )
+            self._read_failing = True
             return
-        if state.held:
+        self._read_failing = False
+        if state.held and state.holder != self.holder:
             if state.advertise_url != self._leader_url:
                 log.info("event=leader_seen leader=%s epoch=%d", state.advertise_url, state.epoch)
             self._leader_url = state.advertise_url

@@ -106,11 +106,15 @@ class Lease:
         )
 
     def acquire(self) -> int | None:
-        """Take the lease if it is free or expired: its new epoch, or None (another holds it)."""
+        """Take the lease if it is free or expired, or still this holder's own (a controller
+        that stepped down, its store back before the lease ran out, takes it again without
+        waiting): its new epoch, or None (another holds it). Always a new epoch: what the
+        old one began is fenced off."""
         rows = self._run(
             "UPDATE controller_lease SET holder = :holder, advertise_url = :url,"
             " epoch = epoch + 1, expires_at = NOW + :lease_s, acquired_at = NOW,"
-            " renewed_at = NOW WHERE id = 1 AND expires_at <= NOW RETURNING epoch",
+            " renewed_at = NOW WHERE id = 1 AND (expires_at <= NOW OR holder = :holder)"
+            " RETURNING epoch",
             holder=self.holder,
             url=self.advertise_url,
             lease_s=self.lease_s,

@@ -19,16 +19,20 @@ import threading
 from collections.abc import Sequence
 from types import FrameType
 from typing import Any
+from urllib.parse import urlsplit
 
 from trainguard import __version__
+from trainguard.controller.actions.notify import build_notifiers
 from trainguard.controller.auth import load_tokens
 from trainguard.controller.backup import main as backup_main
 from trainguard.controller.config import load_config
 from trainguard.controller.core import Controller
+from trainguard.controller.dialect import redact_url
 from trainguard.controller.errors import ServiceError
 from trainguard.controller.ha import HaController
 from trainguard.controller.ingest.frontend import IngestFrontend
 from trainguard.controller.runtime import new_event_loop, setup_logging
+from trainguard.controller.storewatch import StoreWatch, postgres_probe
 from trainguard.controller.tlsauth import uvicorn_tls_options
 from trainguard.controller.watchdog import watchdog_running
 from trainguard.strict import ConfigError
@@ -40,6 +44,8 @@ log = logging.getLogger("trainguard.controller.main")
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_CONFIG = 2
+# seconds a store probe (SELECT 1) may take before the store counts as unreachable
+PROBE_TIMEOUT_S = 3.0
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -135,8 +141,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         # HA (ha.enabled): one of several controllers on one PostgreSQL store, leading while
-        # it holds the lease, a standby serving reads otherwise (controller/ha.py)
-        controller: Any = HaController(config) if config.ha.enabled else Controller(config)
+        # it holds the lease, a standby serving reads otherwise (controller/ha.py). On
+        # PostgreSQL a lone controller holds the lease too: losing the store steps it down
+        # and its return starts it again from the store, as a restart would
+        leased = config.ha.enabled or config.store.url is not None
+        controller: Any = HaController(config) if leased else Controller(config)
+        watch = _store_watch(config, controller) if config.store.url is not None else None
     except ConfigError as e:
         print(f"trainguard-controller: bad configuration: {e}", file=sys.stderr)
         return EXIT_CONFIG
@@ -150,11 +160,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         controller.stop()
         return EXIT_FAILURE
-    return _serve(controller, config, tokens, sock, threadpool=args.ingest_in_threadpool)
+    return _serve(
+        controller, config, tokens, sock, threadpool=args.ingest_in_threadpool, watch=watch
+    )
+
+
+def _store_watch(config: Any, controller: Any) -> StoreWatch:
+    """The PostgreSQL store's probe and page (controller/storewatch.py)."""
+    url = config.store.url
+    instance = urlsplit(config.ha.advertise_url).netloc or f"{socket.gethostname()}"
+    return StoreWatch(
+        probe=postgres_probe(url, password=config.store.read_password(), timeout_s=PROBE_TIMEOUT_S),
+        notifiers=build_notifiers(config.notify),
+        instance=instance,
+        store=redact_url(url),
+        page_after_s=config.store.page_after_s,
+        registry=controller.metrics.registry,
+    )
 
 
 def _serve(
-    controller: Any, config: Any, tokens: Any, sock: socket.socket, *, threadpool: bool
+    controller: Any,
+    config: Any,
+    tokens: Any,
+    sock: socket.socket,
+    *,
+    threadpool: bool,
+    watch: StoreWatch | None = None,
 ) -> int:
     # uvicorn and fastapi (which the api module imports) are heavy: deferred until serving, so
     # a bad configuration is answered without loading them
@@ -246,6 +278,8 @@ def _serve(
             await task
 
     controller.start()
+    if watch is not None:
+        watch.start()
     code = EXIT_OK
     loop = new_event_loop()
     asyncio.set_event_loop(loop)
@@ -257,6 +291,8 @@ def _serve(
     finally:
         loop.close()
         notifier.stopping()
+        if watch is not None:
+            watch.stop()
         controller.stop()
         sock.close()
         notifier.close()

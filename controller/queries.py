@@ -1,11 +1,21 @@
 """The read side of the controller's API: nodes, spares, incidents, jobs, silences and the
-audit log as views, from the live state, the job manager and the store. Changes nothing."""
+audit log as views, from the live state, the job manager and the store. Changes nothing.
+
+While the store cannot be reached (PostgreSQL stopped or cut off) reads go on from memory:
+nodes and jobs are in memory anyway; what comes from the store (incidents, silences, the
+audit log, the nodes' open-incident counts) is answered with the last answer read for the
+same question, and only a question never answered before fails (503)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import TypeVar
 
 from trainguard.clock import Clock
+from trainguard.controller.dialect import StoreUnavailable
 from trainguard.controller.errors import BadRequest, NotFound
 from trainguard.controller.jobs import JobManager
 from trainguard.controller.livestate import JobSeen, LiveState
@@ -19,7 +29,43 @@ from trainguard.controller.views import (
     SilenceView,
 )
 
-__all__ = ["QueryService"]
+__all__ = ["LastAnswers", "QueryService"]
+
+log = logging.getLogger("trainguard.controller.queries")
+
+T = TypeVar("T")
+
+
+class LastAnswers:
+    """The last answer the store gave to each recent question, kept to answer it again while
+    the store cannot be reached. Bounded: the `max_entries` most recently asked questions."""
+
+    def __init__(self, *, max_entries: int = 256) -> None:
+        self._max_entries = max_entries
+        self._answers: OrderedDict[Hashable, object] = OrderedDict()
+        self._lock = threading.Lock()
+        self.served_total = 0  # answers served from memory
+
+    def ask(self, key: Hashable, read: Callable[[], T]) -> T:
+        """`read()`, remembered under `key`; when it raises StoreUnavailable, the answer
+        remembered under `key` (or the error when there is none)."""
+        try:
+            answer = read()
+        except StoreUnavailable:
+            with self._lock:
+                if key not in self._answers:
+                    raise
+                self._answers.move_to_end(key)
+                self.served_total += 1
+                kept = self._answers[key]
+            log.debug("event=read_from_memory question=%s", key)
+            return kept  # type: ignore[return-value]
+        with self._lock:
+            self._answers[key] = answer
+            self._answers.move_to_end(key)
+            while len(self._answers) > self._max_entries:
+                self._answers.popitem(last=False)
+        return answer
 
 
 class QueryService:
@@ -43,6 +89,7 @@ class QueryService:
         self._store = store
         self._clock = clock
         self._node_silent_after_s = node_silent_after_s
+        self.last_answers = LastAnswers()
 
     # --- nodes ------------------------------------------------------------------------------
 
@@ -69,9 +116,12 @@ class QueryService:
             else rec.agent_version,
         )
 
+    def _open_counts(self) -> dict[str, int]:
+        return self.last_answers.ask(("open_incident_counts",), self._store.open_incident_counts)
+
     def list_nodes(self) -> list[NodeView]:
         now = self._clock.now()
-        counts = self._store.open_incident_counts()
+        counts = self._open_counts()
         with self._live.lock:
             return [
                 self._node_view(r, now=now, open_counts=counts)
@@ -80,7 +130,7 @@ class QueryService:
 
     def get_node(self, name: str) -> NodeView:
         now = self._clock.now()
-        counts = self._store.open_incident_counts()
+        counts = self._open_counts()
         with self._live.lock:
             rec = self._live.nodes.get(name)
             if rec is None:
@@ -97,17 +147,26 @@ class QueryService:
     ) -> list[IncidentView]:
         if limit < 1:
             raise BadRequest(f"limit must be >= 1, got {limit}")
-        return self._store.list_incidents(state=state, node=node, limit=limit)
+        return self.last_answers.ask(
+            ("incidents", state, node, limit),
+            lambda: self._store.list_incidents(state=state, node=node, limit=limit),
+        )
 
     def get_incident(self, incident_id: int) -> IncidentDetail:
-        incident = self._store.get_incident(incident_id)
-        if incident is None:
+        def read() -> IncidentDetail | None:
+            incident = self._store.get_incident(incident_id)
+            if incident is None:
+                return None
+            return IncidentDetail(
+                incident=incident,
+                timeline=tuple(self._store.timeline(incident_id)),
+                actions=tuple(self._store.actions_for_incident(incident_id)),
+            )
+
+        detail = self.last_answers.ask(("incident", incident_id), read)
+        if detail is None:
             raise NotFound(f"incident {incident_id} not found")
-        return IncidentDetail(
-            incident=incident,
-            timeline=tuple(self._store.timeline(incident_id)),
-            actions=tuple(self._store.actions_for_incident(incident_id)),
-        )
+        return detail
 
     # --- jobs -------------------------------------------------------------------------------
 
@@ -150,7 +209,12 @@ class QueryService:
     # --- silences and audit -----------------------------------------------------------------
 
     def list_silences(self, *, include_expired: bool = False) -> list[SilenceView]:
-        return self._store.list_silences(now=self._clock.now(), include_expired=include_expired)
+        return self.last_answers.ask(
+            ("silences", include_expired),
+            lambda: self._store.list_silences(
+                now=self._clock.now(), include_expired=include_expired
+            ),
+        )
 
     def audit_log(self, *, limit: int = 100) -> list[AuditEntry]:
-        return self._store.audit_log(limit=limit)
+        return self.last_answers.ask(("audit", limit), lambda: self._store.audit_log(limit=limit))

@@ -21,7 +21,8 @@ from typing import Any
 from trainguard.clock import Clock
 from trainguard.controller.actions.worker import ActionRunner
 from trainguard.controller.config import ControllerConfig
-from trainguard.controller.errors import BadRequest
+from trainguard.controller.dialect import StoreUnavailable
+from trainguard.controller.errors import BadRequest, NotLeader
 from trainguard.controller.growplan import (
     GrowIncident,
     GrowJob,
@@ -257,6 +258,10 @@ class TickService:
             started = time.monotonic()
             try:
                 self.tick()
+            except (StoreUnavailable, NotLeader) as e:
+                # a store outage (or a lost lease) skips the round: nothing is decided
+                # without the store; storewatch.py and ha.py say so once, not every tick
+                log.debug("event=tick_skipped reason=%s", type(e).__name__)
             except Exception:
                 log.exception("event=tick_error")
             self._tick_beat = time.monotonic()
@@ -268,6 +273,15 @@ class TickService:
             try:
                 self._runner.run_due(now=self._clock.now())
                 due = self._runner.next_due_at()
+            except StoreUnavailable:
+                log.debug("event=action_worker_skipped reason=store_unavailable")
+                due = None
+            except NotLeader as e:  # a deposed leader's step: its write refused by the store
+                log.warning(
+                    "event=action_write_refused reason=NotLeader detail=%s",
+                    str(e).replace(" ", "_"),
+                )
+                due = None
             except Exception:
                 log.exception("event=action_worker_error")
                 due = None

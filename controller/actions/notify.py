@@ -58,16 +58,20 @@ class Notification:
     page: bool = False  # an escalation: a person must look now
     reason: str = ""  # why this escalation (budget exhausted, breaker, action failed)
     url: str = ""
+    # the alert key when not an incident's (incident_id 0: the controller's own page, e.g.
+    # its store unreachable, controller/storewatch.py)
+    dedup: str = ""
 
     @property
     def dedup_key(self) -> str:
         """Stable per incident: every trigger/resolve of one incident maps to one alert."""
-        return f"trainguard-incident-{self.incident_id}"
+        return self.dedup or f"trainguard-incident-{self.incident_id}"
 
     def headline(self) -> str:
         prefix = "RESOLVED" if self.event == "resolve" else self.severity.upper()
         page = " PAGE" if self.page and self.event == "trigger" else ""
-        return f"[{prefix}{page}] {self.rule}: {self.target_text} (incident {self.incident_id})"
+        about = f" (incident {self.incident_id})" if self.incident_id else ""
+        return f"[{prefix}{page}] {self.rule}: {self.target_text}{about}"
 
 
 class Notifier(Protocol):
@@ -133,7 +137,9 @@ class SlackNotifier:
         if n.reason:
             text += f"\n*Escalated:* {n.reason}"
         opened = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(n.opened_at))
-        context = f"incident {n.incident_id} opened {opened}"
+        context = (
+            f"incident {n.incident_id} opened {opened}" if n.incident_id else f"since {opened}"
+        )
         if n.url:
             context += f" | <{n.url}|details>"
         blocks: list[dict[str, Any]] = [
@@ -252,7 +258,7 @@ class WebhookNotifier:
     @staticmethod
     def payload(n: Notification) -> dict[str, Any]:
         incident = asdict(n)
-        for key in ("event", "sent_at", "idempotency_key", "page", "reason"):
+        for key in ("event", "sent_at", "idempotency_key", "page", "reason", "dedup"):
             incident.pop(key)
         incident["id"] = incident.pop("incident_id")
         return {

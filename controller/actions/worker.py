@@ -29,6 +29,8 @@ from trainguard.controller.actions.base import (
     TransientError,
 )
 from trainguard.controller.config import ActionsConfig
+from trainguard.controller.dialect import StoreUnavailable
+from trainguard.controller.errors import NotLeader
 from trainguard.controller.safety import backoff_s
 from trainguard.controller.store import TERMINAL_ACTION_STATES, Store
 from trainguard.controller.views import ActionView
@@ -274,6 +276,16 @@ class ActionRunner:
         except PermanentError as e:
             self._fail(current, reason=str(e), now=now)
             return
+        except (StoreUnavailable, NotLeader) as e:
+            # the store or the lease went while the step ran: the step is not the one that
+            # failed; it stays running and is taken up again by whoever leads next
+            log.warning(
+                "event=action_interrupted action=%d kind=%s reason=%s",
+                action.id,
+                action.kind,
+                type(e).__name__,
+            )
+            raise
         except Exception as e:
             log.exception("event=action_error action=%d kind=%s", action.id, action.kind)
             self._fail(current, reason=f"internal error: {type(e).__name__}: {e}", now=now)

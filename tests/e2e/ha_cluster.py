@@ -92,7 +92,7 @@ class HaCluster(DevCluster):
             cfg = {
                 **base,
                 **self.extra,
-                "store": {"url": self.store_url},
+                "store": {**self.extra.get("store", {}), "url": self.store_url},
                 "api": {**base["api"], "port": self.ports[name]},
                 "ha": {
                     "enabled": True,

@@ -89,6 +89,25 @@ class PgServer:
     def drop_database(self, name: str) -> None:
         self.sql([f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"])
 
+    def kill(self) -> None:
+        """The server gone at once (immediate shutdown, SIGQUIT: every backend ends without
+        a checkpoint, as in a crash): every connection breaks, new ones are refused; the
+        data stays for `restart` (which recovers it from the WAL)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGQUIT)
+            self.proc.wait(timeout=30)
+
+    def restart(self) -> None:
+        """Start the killed server again on the same port, data and socket directory."""
+        if self.proc.poll() is None:
+            raise RuntimeError("postgres is still running")
+        for _ in range(5):  # an old backend still holding shared memory: try again
+            self.proc = _spawn(require_postgres(), self.root, self.port)
+            if _wait_ready(self) == "ready":
+                return
+        text = (self.root / "postgres.log").read_text(errors="replace")
+        raise RuntimeError(f"postgres did not start again:\n{text[-3000:]}")
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)  # fast shutdown: open connections are cut
@@ -98,6 +117,47 @@ class PgServer:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _spawn(bin_dir: Path, root: Path, port: int) -> subprocess.Popen[bytes]:
+    """`postgres` on the cluster under `root`, listening on `port` (TCP and unix socket)."""
+    with (root / "postgres.log").open("ab") as out:
+        return subprocess.Popen(
+            [
+                str(bin_dir / "postgres"),
+                "-D",
+                str(root / "data"),
+                "-p",
+                str(port),
+                "-k",
+                str(root / "sock"),
+                "-c",
+                "listen_addresses=127.0.0.1",
+                # a test server: durability is not what is tested, speed is what is paid
+                "-c",
+                "fsync=off",
+                "-c",
+                "synchronous_commit=off",
+                "-c",
+                "full_page_writes=off",
+                "-c",
+                "max_connections=200",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            **_as_server_user(),
+        )
+
+
+def _wait_ready(server: PgServer) -> str:
+    socket_file = server.socket_dir / f".s.PGSQL.{server.port}"
+
+    def state() -> str:
+        if server.proc.poll() is not None:
+            return "exited"
+        return "ready" if socket_file.exists() and _accepts(server) else ""
+
+    return str(wait_for(state, timeout_s=60, what="postgres to accept connections"))
 
 
 def start_postgres() -> PgServer:
@@ -139,45 +199,8 @@ def start_postgres() -> PgServer:
     log = root / "postgres.log"
     for _ in range(3):  # a free port can be taken between choosing and binding it
         port = free_port()
-        with log.open("wb") as out:
-            proc = subprocess.Popen(
-                [
-                    str(bin_dir / "postgres"),
-                    "-D",
-                    str(data),
-                    "-p",
-                    str(port),
-                    "-k",
-                    str(sock),
-                    "-c",
-                    "listen_addresses=127.0.0.1",
-                    # a test server: durability is not what is tested, speed is what is paid
-                    "-c",
-                    "fsync=off",
-                    "-c",
-                    "synchronous_commit=off",
-                    "-c",
-                    "full_page_writes=off",
-                    "-c",
-                    "max_connections=200",
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                **as_user,
-            )
-        server = PgServer(root=root, port=port, proc=proc)
-        socket_file = sock / f".s.PGSQL.{port}"
-
-        def state(
-            proc: subprocess.Popen[bytes] = proc,
-            socket_file: Path = socket_file,
-            server: PgServer = server,
-        ) -> str:
-            if proc.poll() is not None:
-                return "exited"
-            return "ready" if socket_file.exists() and _accepts(server) else ""
-
-        if wait_for(state, timeout_s=60, what="postgres to accept connections") == "ready":
+        server = PgServer(root=root, port=port, proc=_spawn(bin_dir, root, port))
+        if _wait_ready(server) == "ready":
             return server
         if "already in use" not in log.read_text(errors="replace"):
             break

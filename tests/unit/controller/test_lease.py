@@ -112,7 +112,11 @@ def test_a_free_lease_is_taken_with_epoch_1_and_refused_to_others_while_held(sit
     assert state.held and state.holder == "a" and state.advertise_url == "http://a:8800"
     assert state.epoch == 1
     assert b.acquire() is None
-    assert a.acquire() is None  # held is held, even by its holder: renew is the way on
+    # its holder takes it again (after stepping down) only under a new epoch: the old one's
+    # writes and renewals are refused from then on
+    assert a.acquire() == 2
+    assert not a.renew(1)
+    assert b.acquire() is None
 
 
 def test_only_the_holder_renews_and_only_under_its_epoch(site: Site) -> None:
