@@ -350,7 +350,7 @@ def test_a_dbe_acknowledged_right_before_a_kill9_is_remediated_once_after_the_re
     drained_before = crash.drained()
     # slower steps: two controller restarts pass before the remediation can stop the job, and
     # on a loaded machine the job must still be training when the restarted controller acts
-    run_until_step(c, job_spec(c, job, nodes, step_time_s=3 * STEP_TIME_S), 3)
+    run_until_step(c, job_spec(c, job, nodes, step_time_s=4 * STEP_TIME_S), 3)
     # A controller that evaluates its rules once at start, then not for a minute: the report
     # carrying the DBE is stored and acknowledged, and no tick evaluates it before the kill.
     cfg = crash.config()
@@ -389,6 +389,14 @@ def test_a_dbe_acknowledged_right_before_a_kill9_is_remediated_once_after_the_re
     assert "event=incident_opened" not in slow.log()
     crash.write_config(cfg)
     c.start_controller()
+    # the replayed DBE opens its incident while the job still trains (a timeout here shows
+    # the controller's log: the replay, the first reports, the rules' verdicts)
+    c.wait(
+        lambda: new_incidents(c, since),
+        timeout_s=60,
+        what="the acknowledged DBE's incident after the restart",
+    )
+    assert c.job(job)["state"] in LIVE_JOB_STATES, c.job(job)
     detail = check_recovery(
         c,
         job,
