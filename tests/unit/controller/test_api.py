@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import Any
@@ -12,8 +13,9 @@ from prometheus_client import CollectorRegistry, Histogram
 
 from tests.fakes.controller_service import FakeService
 from trainguard.clock import FakeClock
-from trainguard.controller.api import create_app
+from trainguard.controller.api import STORE_RETRY_AFTER_S, create_app
 from trainguard.controller.auth import TokenStore
+from trainguard.controller.dialect import StoreUnavailable
 from trainguard.controller.views import JobView
 from trainguard.protocol import Event, RankState, Report, encode_json
 
@@ -388,3 +390,61 @@ def test_report_authorization_header_parsing(client: TestClient, header: str, st
         "/v1/reports", content=encode_json(_report()), headers={"Authorization": header}
     )
     assert r.status_code == status, r.text
+
+
+LOST = "postgresql://trainguard:***@db:5432/tg: connection lost: server closed the connection"
+
+
+def _store_lost(*args: Any, **kwargs: Any) -> Any:
+    raise StoreUnavailable(LOST)
+
+
+def _assert_store_unavailable(status: int, body: bytes, headers: Any) -> None:
+    assert status == 503
+    assert headers["Retry-After"] == str(STORE_RETRY_AFTER_S)
+    error = json.loads(body)
+    assert "cannot reach its store" in error["error"]
+    assert error["detail"] == {"reason": "store_unavailable"}
+    assert "db:5432" not in body.decode()  # the URL is for the log, not for the caller
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "attr", "body"),
+    [
+        pytest.param("GET", "/v1/incidents", "list_incidents", None, id="get-incidents"),
+        pytest.param("GET", "/v1/audit", "audit_log", None, id="get-audit"),
+        pytest.param("POST", "/v1/nodes/node-1/drain", "drain", {"reason": "x"}, id="post-drain"),
+        pytest.param(
+            "POST",
+            "/v1/silences",
+            "create_silence",
+            {"rule": "gpu_hot", "duration_s": 60, "comment": "c"},
+            id="post-silence",
+        ),
+    ],
+)
+def test_a_request_needing_the_unreachable_store_is_503_with_retry_after(
+    client: TestClient, svc: FakeService, method: str, path: str, attr: str, body: Any
+) -> None:
+    setattr(svc, attr, _store_lost)
+    r = client.request(method, path, json=body, headers=OP)
+    _assert_store_unavailable(r.status_code, r.content, r.headers)
+
+
+def test_a_report_whose_ingest_finds_no_store_is_503_with_retry_after(
+    client: TestClient, svc: FakeService
+) -> None:
+    svc.ingest_report = _store_lost  # type: ignore[method-assign]
+    r = client.post("/v1/reports", content=encode_json(_report()), headers=AGENT)
+    _assert_store_unavailable(r.status_code, r.content, r.headers)
+
+
+def test_a_report_handed_over_by_an_ingest_worker_finds_no_store_is_503(svc: FakeService) -> None:
+    svc.ingest_report = _store_lost  # type: ignore[method-assign]
+    app: Any = create_app(
+        svc,
+        tokens=TokenStore.from_plaintext(TOKENS),
+        max_body_bytes=64 * 1024,
+    )
+    status, body, headers = asyncio.run(app.report_ingest(encode_json(_report()), "agents", None))
+    _assert_store_unavailable(status, body, headers)

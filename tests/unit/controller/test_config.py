@@ -137,3 +137,21 @@ def test_credential_paths_fail_clearly(tmp_path, monkeypatch, text, key, reason)
         load_config(path)
     assert (info.value.source, info.value.key) == (path, key)
     assert reason in info.value.reason
+
+
+@pytest.mark.parametrize(
+    "value", ["-1", ".nan", "3600.5", ".inf"], ids=["negative", "nan", "past-an-hour", "inf"]
+)
+def test_store_page_after_s_outside_0_to_3600_is_refused_naming_the_key(tmp_path, value):
+    path = _write(tmp_path, f"store: {{page_after_s: {value}}}")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.key == "store.page_after_s"
+    assert "0..3600" in info.value.reason
+
+
+@pytest.mark.parametrize(("value", "expected"), [("0", 0.0), ("3600", 3600.0), ("2.5", 2.5)])
+def test_store_page_after_s_within_bounds_is_taken(tmp_path, value, expected):
+    assert load_config(_write(tmp_path, "{}")).store.page_after_s == 10.0
+    config = load_config(_write(tmp_path, f"store: {{page_after_s: {value}}}"))
+    assert config.store.page_after_s == expected

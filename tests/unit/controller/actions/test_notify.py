@@ -164,3 +164,32 @@ def test_channels_follow_min_severity_and_pages_reach_all():
     notifiers = [N("slack", "warning"), N("pagerduty", "critical"), N("ops", "info")]
     assert channels_for(notifiers, severity="warning", page=False) == ["slack", "ops"]
     assert channels_for(notifiers, severity="info", page=True) == ["slack", "pagerduty", "ops"]
+
+
+def test_a_notification_with_its_own_dedup_key_keeps_it_on_trigger_and_resolve():
+    store_page = dict(incident_id=0, dedup="trainguard-store-ctl-a:8800")
+    pd = PagerDutyNotifier(routing_key="k", url="http://127.0.0.1:1/")
+    trigger = pd.payload(_n(**store_page))
+    resolve = pd.payload(_n(event="resolve", state="resolved", **store_page))
+    assert trigger["dedup_key"] == resolve["dedup_key"] == "trainguard-store-ctl-a:8800"
+    assert _n().dedup_key == "trainguard-incident-42"  # an incident's: from its id
+
+
+def test_the_headline_names_the_incident_only_when_there_is_one():
+    assert _n().headline() == "[CRITICAL] gpu_dbe: node-7 gpu 3 (incident 42)"
+    page = _n(incident_id=0, rule="controller_store_unreachable", target_text="controller a")
+    assert page.headline() == "[CRITICAL] controller_store_unreachable: controller a"
+    assert _n(incident_id=0, page=True).headline() == "[CRITICAL PAGE] gpu_dbe: node-7 gpu 3"
+    assert _n(incident_id=0, event="resolve").headline() == "[RESOLVED] gpu_dbe: node-7 gpu 3"
+    context = SlackNotifier.payload(_n(incident_id=0))["blocks"][2]["elements"][0]["text"]
+    assert context == "since 2023-11-14 22:13:20 UTC"
+    context = SlackNotifier.payload(_n())["blocks"][2]["elements"][0]["text"]
+    assert context == "incident 42 opened 2023-11-14 22:13:20 UTC"
+
+
+def test_the_webhook_payload_leaves_the_dedup_key_out():
+    body = WebhookNotifier.payload(_n(incident_id=0, dedup="trainguard-store-a"))
+    assert "dedup" not in body["incident"]
+    assert "trainguard-store-a" not in repr(body)
+    assert body["incident"]["id"] == 0
+    assert set(body["incident"]) == set(WebhookNotifier.payload(_n())["incident"])

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
+
 from tests.builders import Reporter
 from tests.integration.postgres_proc import BOTH_STORES
 from trainguard.controller.actions.base import (
@@ -16,6 +18,8 @@ from trainguard.controller.actions.base import (
     TransientError,
 )
 from trainguard.controller.actions.notify import RecordingNotifier
+from trainguard.controller.dialect import StoreUnavailable
+from trainguard.controller.errors import NotLeader
 from trainguard.controller.model import Decision, Target
 
 pytestmark = BOTH_STORES
@@ -182,3 +186,29 @@ def test_succeeded_rows_are_never_run_again_after_restart(make_core, core_clock,
     c2 = make_core()
     c2.run_actions(now=core_clock.now() + 100)
     assert len(core_notifier.sent) == 1
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        pytest.param(StoreUnavailable("postgresql://db/x: connection lost: EOF"), id="store"),
+        pytest.param(NotLeader("the lease is no longer this controller's"), id="not-leader"),
+    ],
+)
+def test_a_step_that_loses_the_store_or_the_lease_is_not_failed_and_runs_again(
+    make_core, core_clock, core_notifier, error
+):
+    step = StepHandler("checkpoint", script=[error])
+    later = StepHandler("restart")
+    c = _core_with(make_core, core_clock, step, later)
+    c.apply_decisions([_decision(("checkpoint", "restart"))], now=core_clock.now())
+    with pytest.raises(type(error)):
+        c.run_actions(now=core_clock.now())
+    (action, restart) = c.get_incident(1).actions
+    assert (action.state, action.attempts) == ("running", 1)  # neither failed nor retried
+    assert restart.state == "pending" and later.seen == []
+    assert core_notifier.sent == []  # no escalation page
+    c.run_actions(now=core_clock.now() + 1.0)  # the store back: taken up again
+    states = [(a.kind, a.state, a.attempts) for a in c.get_incident(1).actions]
+    assert states == [("checkpoint", "succeeded", 1), ("restart", "succeeded", 1)]
+    assert len(step.seen) == 2 and step.seen[1].recovering
