@@ -227,6 +227,28 @@ class StoreConnectError(RuntimeError):
     password elided and the reason."""
 
 
+# A server that vanishes without closing its connections (a powered-off host, a cut network)
+# answers nothing: without these a statement waits for the kernel's retransmissions to give
+# up (about 15 minutes). Unacknowledged data for longer than this, or an idle connection
+# whose keepalive probes go unanswered this long, breaks the connection (StoreUnavailable).
+DEFAULT_TCP_TIMEOUT_S = 10.0
+
+
+def tcp_liveness(url: str, *, timeout_s: float) -> dict[str, int]:
+    """libpq keepalive and tcp_user_timeout settings that notice a silent server within
+    about `timeout_s`; those the URL sets itself are left to it."""
+    given = {k for k, _ in parse_qsl(urlsplit(url).query, keep_blank_values=True)}
+    idle_s = max(1, int(timeout_s / 2))
+    out = {
+        "keepalives": 1,
+        "keepalives_idle": idle_s,
+        "keepalives_interval": max(1, int(timeout_s / 6)),
+        "keepalives_count": 3,
+        "tcp_user_timeout": max(1000, int(timeout_s * 1000)),
+    }
+    return {k: v for k, v in out.items() if k not in given}
+
+
 class StoreUnavailable(RuntimeError):
     """The store was reachable and is not now (PostgreSQL stopped, restarting, cut off): the
     statement did not run, or its transaction was not committed. Retry once it is back; the
@@ -239,11 +261,19 @@ class PgConnection:
     is replaced at the next statement outside a transaction; a statement on a connection that
     breaks, or that finds none can be made, raises StoreUnavailable."""
 
-    def __init__(self, url: str, *, password: str | None, connect_timeout_s: int) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        password: str | None,
+        connect_timeout_s: int,
+        tcp_timeout_s: float = DEFAULT_TCP_TIMEOUT_S,
+    ) -> None:
         self.url = url
         self.safe_url = redact_url(url)
         self._password = password
         self._connect_timeout_s = connect_timeout_s
+        self._tcp = tcp_liveness(url, timeout_s=tcp_timeout_s)
         self._in_transaction = False
         self._lock = threading.RLock()
         self._conn = self._connect()
@@ -256,7 +286,7 @@ class PgConnection:
             raise StoreConnectError(
                 f"store.url is a PostgreSQL URL but psycopg is not installed: {POSTGRES_EXTRA_HINT}"
             ) from None
-        kwargs: dict[str, Any] = {"connect_timeout": self._connect_timeout_s}
+        kwargs: dict[str, Any] = {"connect_timeout": self._connect_timeout_s, **self._tcp}
         if self._password is not None:
             kwargs["password"] = self._password
         try:
@@ -352,11 +382,20 @@ class PgConnection:
             self._conn.close()
 
 
-def connect_postgres(url: str, *, password: str | None, connect_timeout_s: int) -> PgConnection:
-    return PgConnection(url, password=password, connect_timeout_s=connect_timeout_s)
+def connect_postgres(
+    url: str,
+    *,
+    password: str | None,
+    connect_timeout_s: int,
+    tcp_timeout_s: float = DEFAULT_TCP_TIMEOUT_S,
+) -> PgConnection:
+    return PgConnection(
+        url, password=password, connect_timeout_s=connect_timeout_s, tcp_timeout_s=tcp_timeout_s
+    )
 
 
 __all__ = [
+    "DEFAULT_TCP_TIMEOUT_S",
     "POSTGRES",
     "POSTGRES_EXTRA_HINT",
     "SQLITE",
@@ -369,6 +408,7 @@ __all__ = [
     "StoreConnectError",
     "StoreUnavailable",
     "connect_postgres",
+    "tcp_liveness",
     "is_postgres_url",
     "postgres_sql",
     "redact_url",

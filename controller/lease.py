@@ -203,10 +203,13 @@ class LeaseFence:
 
 def lease_connection(url: str, *, password: str | None, timeout_s: float) -> Any:
     """A PostgreSQL connection of its own for the lease, whose statements give up after
-    `timeout_s` (a renewal must not hang past the lease on a lost server)."""
+    `timeout_s` (a renewal must not hang past the lease on a lost server): the server's
+    statement_timeout, and TCP settings for a server that answers nothing at all."""
     parts = urlsplit(url)
     query = parse_qsl(parts.query, keep_blank_values=True)
     if not any(k == "options" for k, _ in query):
         query.append(("options", f"-c statement_timeout={int(timeout_s * 1000)}"))
     url = urlunsplit(parts._replace(query=urlencode(query, quote_via=quote)))
-    return connect_postgres(url, password=password, connect_timeout_s=max(1, int(timeout_s)))
+    return connect_postgres(
+        url, password=password, connect_timeout_s=max(1, int(timeout_s)), tcp_timeout_s=timeout_s
+    )

@@ -37,6 +37,9 @@ log = logging.getLogger("trainguard.controller.storewatch")
 
 PAGE_RULE = "controller_store_unreachable"
 PROBE_INTERVAL_S = 1.0
+# a probe that has not answered within this counts as a failure (a server that answers
+# nothing at all: its statement_timeout cannot fire, and TCP may not give up for long)
+PROBE_TIMEOUT_S = 5.0
 # a resolve that cannot be delivered is given up after this many rounds (the page stays
 # open at the receiver: a person closes it)
 RESOLVE_TRIES = 30
@@ -110,8 +113,12 @@ class StoreWatch:
         registry: CollectorRegistry | None = None,
         clock: Clock = SYSTEM_CLOCK,
         interval_s: float = PROBE_INTERVAL_S,
+        probe_timeout_s: float = PROBE_TIMEOUT_S,
     ) -> None:
         self._probe = probe
+        self._probe_timeout_s = probe_timeout_s
+        self._hung: threading.Thread | None = None  # a probe that has not answered yet
+        self._hung_since = 0.0
         self._notifiers = list(notifiers)
         self.instance = instance
         self.store = store
@@ -168,13 +175,43 @@ class StoreWatch:
     def round(self) -> None:
         """Probe once, note the change, deliver what is owed."""
         now = self._clock.now()
-        try:
-            self._probe()
-        except Exception as e:
-            self._down(now, " ".join(f"{type(e).__name__}: {e}".split())[:300])
+        error = self._run_probe()
+        if error is not None:
+            self._down(now, error)
         else:
             self._back(now)
         self._deliver(now)
+
+    def _run_probe(self) -> str | None:
+        """The probe's error (one line), or None when the store answered. The probe runs on
+        a thread of its own and is given `probe_timeout_s`; one that hangs is not started
+        again until it returns."""
+        hung = self._hung
+        if hung is not None:
+            if hung.is_alive():
+                waited_s = time.monotonic() - self._hung_since
+                return f"the store has not answered a probe for {waited_s:.0f} s"
+            self._hung = None
+        outcome: list[BaseException | None] = []
+
+        def run() -> None:
+            try:
+                self._probe()
+            except Exception as e:
+                outcome.append(e)
+            else:
+                outcome.append(None)
+
+        thread = threading.Thread(target=run, name="trainguard-storeprobe", daemon=True)
+        thread.start()
+        thread.join(self._probe_timeout_s)
+        if thread.is_alive():
+            self._hung, self._hung_since = thread, time.monotonic()
+            return f"no answer to a probe within {self._probe_timeout_s:g} s"
+        error = outcome[0] if outcome else None
+        if error is None:
+            return None
+        return " ".join(f"{type(error).__name__}: {error}".split())[:300]
 
     def _down(self, now: float, error: str) -> None:
         self._error = error
@@ -270,6 +307,14 @@ class StoreWatch:
                     notifier.channel,
                     page.event,
                     str(e).replace(" ", "_"),
+                )
+                continue
+            except Exception as e:  # one channel's surprise never keeps the page from the rest
+                log.error(
+                    "event=store_page_failed channel=%s kind=%s error=%s retry=false",
+                    notifier.channel,
+                    page.event,
+                    type(e).__name__,
                 )
                 continue
             delivered.append(notifier)

@@ -76,8 +76,25 @@ def test_controller_on_postgres_acts_and_finds_its_state_after_a_restart(
     detail = _get(second.url, f"/v1/incidents/{incident['id']}")
     drains = [a for a in detail["actions"] if a["kind"] == "drain"]
     assert [(a["state"], a["attempts"]) for a in drains] == [("succeeded", 1)]
-    for proc in (first, second):
+
+    # a lone controller on PostgreSQL holds the lease: a second one started on the same
+    # database by mistake waits as a standby instead of acting beside it
+    third = start_controller(cfg, log_path=tmp_path / "third.log")
+    controllers.append(third)
+    assert "event=ha_started" in third.log()
+    r = httpx.post(f"{third.url}/v1/nodes/node-3/drain", headers=OP, json={}, timeout=10)
+    assert r.status_code == 503 and "does not lead" in r.json()["error"], r.text
+    assert _metric(third.url, "trainguard_controller_leader") == 0
+    assert _metric(second.url, "trainguard_controller_leader") == 1
+    for proc in (first, second, third):
         assert PASSWORD not in proc.log()
+
+
+def _metric(url: str, name: str) -> float | None:
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[1])
+    return None
 
 
 def test_unreachable_postgres_is_exit_2_naming_the_url_and_the_error(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from tests.integration.postgres_proc import PASSWORD, PgServer
 from trainguard.controller.config import ControllerConfig
-from trainguard.controller.dialect import postgres_sql, redact_url
+from trainguard.controller.dialect import postgres_sql, redact_url, tcp_liveness
 from trainguard.controller.store import NewAction, Store, StoreError
 from trainguard.strict import ConfigError, build
 
@@ -180,3 +180,19 @@ def test_two_controllers_starting_at_once_migrate_once(pg_url: str) -> None:
     assert {s.schema_version() for s in stores} == {stores[0].schema_version()}
     rows = stores[0]._query("SELECT COUNT(*) FROM schema_version")
     assert int(rows[0][0]) == 1
+
+
+def test_tcp_liveness_notices_a_silent_server_and_leaves_what_the_url_sets_to_it() -> None:
+    # a powered-off database host answers nothing: without these a statement waits ~15 min
+    got = tcp_liveness("postgresql://u@db:5432/tg", timeout_s=3)
+    assert got == {
+        "keepalives": 1,
+        "keepalives_idle": 1,
+        "keepalives_interval": 1,
+        "keepalives_count": 3,
+        "tcp_user_timeout": 3000,
+    }
+    assert tcp_liveness("postgresql://u@db/tg", timeout_s=10)["tcp_user_timeout"] == 10000
+    mine = tcp_liveness("postgresql://u@db/tg?tcp_user_timeout=60000&keepalives=0", timeout_s=3)
+    assert "tcp_user_timeout" not in mine and "keepalives" not in mine
+    assert mine["keepalives_count"] == 3

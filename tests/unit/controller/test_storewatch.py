@@ -189,11 +189,6 @@ def test_a_transient_delivery_failure_is_tried_again_next_round_a_permanent_one_
     assert events(broken) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="StoreWatch._send catches only TransientError and PermanentError: a channel "
-    "raising anything else ends the round before the channels after it, every round",
-)
 def test_a_channel_failing_unexpectedly_does_not_keep_the_page_from_the_others(
     slack: RecordingNotifier,
 ) -> None:
@@ -371,4 +366,44 @@ def test_the_watch_thread_probes_every_interval_until_stopped(
     finally:
         watch.stop()
     assert not [t for t in threading.enumerate() if t.name == "trainguard-storewatch"]
+    assert events(pager) == ["trigger", "resolve"]
+
+
+def test_a_probe_that_never_answers_counts_as_down_and_is_not_started_again_until_it_returns(
+    pager: RecordingNotifier,
+) -> None:
+    # a server that answers nothing (a cut network): the probe hangs, the watch does not
+    release = threading.Event()
+    calls: list[int] = []
+
+    def hanging_probe() -> None:
+        calls.append(1)
+        release.wait(30)
+
+    clock = FakeClock()
+    registry = CollectorRegistry()
+    watch = StoreWatch(
+        probe=hanging_probe,
+        notifiers=[pager],
+        instance=INSTANCE,
+        store=redact_url(STORE_URL),
+        page_after_s=0,
+        registry=registry,
+        clock=clock,
+        probe_timeout_s=0.05,
+    )
+    watch.round()
+    assert registry.get_sample_value("trainguard_controller_store_up") == 0
+    assert "no answer to a probe within 0.05 s" in watch.status()["error"]
+    assert events(pager) == ["trigger"]
+    clock.advance(1)
+    watch.round()  # still hanging: counted down again, no second probe started
+    assert len(calls) == 1
+    assert "has not answered a probe" in watch.status()["error"]
+    release.set()
+    wait_for(lambda: watch._hung is None or not watch._hung.is_alive(), timeout_s=10, what="probe")
+    clock.advance(1)
+    watch.round()
+    assert len(calls) == 2
+    assert registry.get_sample_value("trainguard_controller_store_up") == 1
     assert events(pager) == ["trigger", "resolve"]
