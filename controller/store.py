@@ -910,18 +910,32 @@ class Store:
         return node
 
     def flush_freshness(self, fresh: Iterable[FreshNode]) -> int:
-        """Write a batch of in-memory report freshness in one transaction."""
+        """Write a batch of in-memory report freshness in one transaction: on SQLite one
+        UPDATE per node (in-process, microseconds each); on PostgreSQL one UPDATE of the
+        whole batch joined to its columns as arrays (one round trip and one statement to
+        plan, instead of one per node: what a tick at 1,024 nodes pays)."""
         rows = [
             (f.last_report_at, f.instance, f.agent_version, _json(f.labels), f.name) for f in fresh
         ]
         if not rows:
             return 0
         with self.transaction() as c:
-            c.executemany(
-                "UPDATE nodes SET last_report_at = ?, instance = ?, agent_version = ?,"
-                " labels = ? WHERE name = ?",
-                rows,
-            )
+            if self.dialect.postgres:
+                at, instance, version, labels, name = (list(col) for col in zip(*rows, strict=True))
+                c.execute(
+                    "UPDATE nodes SET last_report_at = v.at, instance = v.instance,"
+                    " agent_version = v.version, labels = v.labels"
+                    " FROM unnest(CAST(? AS DOUBLE PRECISION[]), CAST(? AS TEXT[]),"
+                    " CAST(? AS TEXT[]), CAST(? AS TEXT[]), CAST(? AS TEXT[]))"
+                    " AS v(at, instance, version, labels, name) WHERE nodes.name = v.name",
+                    (at, instance, version, labels, name),
+                )
+            else:
+                c.executemany(
+                    "UPDATE nodes SET last_report_at = ?, instance = ?, agent_version = ?,"
+                    " labels = ? WHERE name = ?",
+                    rows,
+                )
         return len(rows)
 
     # --- jobs (minimal: the closed-loop work extends this table via a migration) -------------

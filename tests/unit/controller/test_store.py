@@ -14,6 +14,7 @@ from tests.integration.postgres_proc import BOTH_STORES
 from trainguard.controller.store import (
     SCHEMA_VERSION,
     CommandResultRow,
+    FreshNode,
     NewAction,
     Store,
     StoreError,
@@ -251,3 +252,27 @@ def test_version_2_file_gains_command_data_and_keeps_its_commands(store_location
     s = Store(path, now=_now)
     assert s.schema_version() == SCHEMA_VERSION  # migrated to the newest
     assert s.get_command("c1").data == {}
+
+
+@BOTH_STORES
+def test_a_freshness_flush_updates_each_reporting_node_and_no_other(store_location):
+    s = Store(store_location, now=_now)
+    for name in ("n1", "n2", "n3"):
+        s.add_node(name, role="active", labels={"rack": "r0"})
+    written = s.flush_freshness(
+        [
+            FreshNode("n1", 1234.5, "inst-a", "1.2.3", {"rack": "r1", "zone": "z'1%"}),
+            FreshNode("n3", 1236.25, "", "", {}),
+            FreshNode("gone", 1.0, "x", "y", {}),  # deleted meanwhile: nothing to update
+        ]
+    )
+    assert written == 3
+    nodes = {n.name: n for n in s.list_nodes()}
+    assert set(nodes) == {"n1", "n2", "n3"}
+    n1, n2, n3 = nodes["n1"], nodes["n2"], nodes["n3"]
+    assert (n1.last_report_at, n1.agent_version) == (1234.5, "1.2.3")
+    assert n1.labels == {"rack": "r1", "zone": "z'1%"}
+    assert n2.last_report_at is None and n2.labels == {"rack": "r0"}
+    assert (n3.last_report_at, n3.labels) == (1236.25, {})
+    assert s.flush_freshness([]) == 0
+    s.close()
