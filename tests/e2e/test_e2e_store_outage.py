@@ -131,6 +131,17 @@ def test_postgresql_lost_while_running_steps_down_pages_serves_reads_and_resumes
     c.inject("node-1", "dbe", gpu=1)
     c.wait(lambda: drained_by(c, "node-1", t0), timeout_s=60, what="node-1's DBE remediated")
     incident_id = drained_by(c, "node-1", t0)[0]
+
+    def lists_every_node(name: str) -> bool:
+        r = c._client_of(name).get("/v1/nodes")
+        return r.status_code == 200 and {n["name"] for n in r.json()} == set(c.agents)
+
+    # a standby's node list follows the store a round behind the leader
+    c.wait(
+        lambda: all(lists_every_node(n) for n in NAMES),
+        timeout_s=30,
+        what="both controllers to list every node",
+    )
     before = {name: reads(c, name, incident_id) for name in NAMES}
 
     server.kill()

@@ -24,16 +24,30 @@ from tests.integration.postgres_proc import BOTH_STORES
 
 def config(tmp_path: Path, notify_yaml: str, store_location: str | None = None) -> Path:
     store = None
+    extra = f"notify:\n{notify_yaml}"
     if store_location is not None:
         store = {"url" if "://" in store_location else "path": store_location}
+        if "://" in store_location:
+            # a lone controller on PostgreSQL holds the lease: the one restarted after a
+            # kill -9 leads once the killed one's lease ran out (2 s here, 10 by default)
+            extra += "ha:\n  lease_s: 2\n"
     return write_config(
         tmp_path,
         rules=dbe_rules(["notify", "drain"]),
         tick_interval_s=0.2,
         stale_after_s=30,
-        extra_yaml=f"notify:\n{notify_yaml}",
+        extra_yaml=extra,
         store=store,
     )
+
+
+def leads(url: str) -> bool:
+    """The controller acts: it holds the lease (PostgreSQL) or has none to hold (SQLite)."""
+    r = httpx.get(f"{url}/metrics", timeout=10)
+    for line in r.text.splitlines():
+        if line.startswith("trainguard_controller_leader "):
+            return float(line.split()[1]) == 1
+    return True
 
 
 def incident_actions(url: str) -> list[dict]:
@@ -71,6 +85,7 @@ def test_kill9_mid_webhook_delivery_resends_same_key_and_drains_once(
 
         second = start_controller(cfg, log_path=tmp_path / "second.log")
         controllers.append(second)
+        wait_for(lambda: leads(second.url), timeout_s=30, what="the restarted controller to lead")
         post_gpu_report(second.url, node="node-1", dbe=1, seq=2)
         wait_for(lambda: all_done(second.url, 2), timeout_s=30, what="the plan to finish")
 
