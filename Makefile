@@ -36,8 +36,14 @@ lint: venv
 typecheck: venv
 	$(BIN)/mypy
 
+# unit, red-team and integration tests in TEST_WORKERS processes (a module's tests stay on one,
+# with its shared server); the end-to-end scenarios one at a time after them: their clusters,
+# torchrun jobs and Slurm are timed against each other's load
+TEST_WORKERS ?= 2
+
 test: venv deps lint typecheck
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile tests/unit tests/redteam tests/integration
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/e2e
 
 demo: venv
 	$(BIN)/python examples/demo.py
