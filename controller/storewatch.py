@@ -287,35 +287,27 @@ class StoreWatch:
     def _send(
         self, page: Notification, channels: list[Notifier], *, delivered: list[Notifier]
     ) -> list[Notifier]:
-        """Send `page` to each of `channels`; the ones to try again next round."""
+        """Send `page` to each of `channels`; the ones to try again next round (those whose
+        failure may pass). One channel's failure, whatever it is, never keeps the page from
+        the others."""
         again: list[Notifier] = []
         for notifier in channels:
             try:
                 notifier.send(page)
-            except TransientError as e:
-                log.warning(
-                    "event=store_page_failed channel=%s kind=%s error=%s retry=true",
+            except Exception as e:
+                retry = isinstance(e, TransientError)
+                # the delivery errors' own text is safe to log; anything else: its type only
+                said = str(e) if isinstance(e, (TransientError, PermanentError)) else ""
+                log.log(
+                    logging.WARNING if retry else logging.ERROR,
+                    "event=store_page_failed channel=%s kind=%s error=%s retry=%s",
                     notifier.channel,
                     page.event,
-                    str(e).replace(" ", "_"),
+                    (said or type(e).__name__).replace(" ", "_"),
+                    "true" if retry else "false",
                 )
-                again.append(notifier)
-                continue
-            except PermanentError as e:
-                log.error(
-                    "event=store_page_failed channel=%s kind=%s error=%s retry=false",
-                    notifier.channel,
-                    page.event,
-                    str(e).replace(" ", "_"),
-                )
-                continue
-            except Exception as e:  # one channel's surprise never keeps the page from the rest
-                log.error(
-                    "event=store_page_failed channel=%s kind=%s error=%s retry=false",
-                    notifier.channel,
-                    page.event,
-                    type(e).__name__,
-                )
+                if retry:
+                    again.append(notifier)
                 continue
             delivered.append(notifier)
             self.pages_sent.append(page)
