@@ -456,26 +456,36 @@ class JobManager:
         addr = rec.labels.get("address") if rec is not None else None
         return addr or node
 
-    def healthy(self, node: str, *, open_incident_nodes: set[str]) -> bool:
+    def healthy(
+        self, node: str, *, open_incident_nodes: set[str], unknown_counts: bool = False
+    ) -> bool:
+        """Active, reporting and free of open incidents; with `unknown_counts`, a node not
+        heard from yet since this controller started (presence unknown) counts too."""
         rec = self.nodes.node_record(node)
-        return (
-            rec is not None
-            and rec.state == "active"
-            and self.reporting(node)
-            and node not in open_incident_nodes
-        )
+        if rec is None or rec.state != "active" or node in open_incident_nodes:
+            return False
+        presence = self.presence(node)
+        return presence == "reporting" or (unknown_counts and presence == "unknown")
 
     def spares(
-        self, selector: dict[str, str], *, open_incident_nodes: set[str], exclude: Iterable[str]
+        self,
+        selector: dict[str, str],
+        *,
+        open_incident_nodes: set[str],
+        exclude: Iterable[str],
+        unknown_counts: bool = False,
     ) -> list[str]:
-        """Hot spares a job may take: role spare, active, reporting, no open incident, no job,
-        carrying every selector label. Sorted by name (deterministic)."""
+        """Hot spares a job may take: role spare, active, reporting (with `unknown_counts`:
+        or not heard from yet since the start), no open incident, no job, carrying every
+        selector label. Sorted by name (deterministic)."""
         excluded = set(exclude)
         out = []
         for rec in self.nodes.all_nodes():
             if rec.role != "spare" or rec.name in excluded or rec.job:
                 continue
-            if not self.healthy(rec.name, open_incident_nodes=open_incident_nodes):
+            if not self.healthy(
+                rec.name, open_incident_nodes=open_incident_nodes, unknown_counts=unknown_counts
+            ):
                 continue
             if any(rec.labels.get(k) != v for k, v in selector.items()):
                 continue
@@ -485,14 +495,24 @@ class JobManager:
     def drain_floor_reason(self, node: str, *, open_incident_nodes: set[str]) -> str | None:
         """Why draining `node` would leave its job below min_nodes with no spare to take its
         place (the safety budget asks before planning a drain); None when it may drain. A
-        node that no longer reports has already left the job, so draining it costs nothing."""
+        node that no longer reports has already left the job, so draining it costs nothing.
+        Right after a (re)start, nodes not heard from yet count as they stand in the store:
+        taking them for lost would turn every remediation planned in the first second into a
+        page without a drain; the steps themselves wait for those nodes to report."""
         job = self.job_of_node(node)
-        if job is None or not self.reporting(node):
+        if job is None or self.presence(node) == "silent":
             return None
-        others = [n for n in job.nodes if n != node and self.healthy(n, open_incident_nodes=set())]
+        others = [
+            n
+            for n in job.nodes
+            if n != node and self.healthy(n, open_incident_nodes=set(), unknown_counts=True)
+        ]
         spec = self.spec(job)
         spares = self.spares(
-            spec.spare_selector, open_incident_nodes=open_incident_nodes, exclude=job.nodes
+            spec.spare_selector,
+            open_incident_nodes=open_incident_nodes,
+            exclude=job.nodes,
+            unknown_counts=True,
         )
         if len(others) + len(spares) >= spec.floor:
             return None

@@ -259,6 +259,34 @@ def test_drain_that_would_leave_a_job_below_min_nodes_pages_instead(sim):
     assert sim.c.get_job("job").state == "running"
 
 
+def test_a_drain_planned_before_the_job_s_other_nodes_report_after_a_restart_still_drains(sim):
+    # min_nodes 2 with one spare: the drain may go ahead, as the store knows the cluster. The
+    # controller restarts and the sick node's reports come in before its job's other node or
+    # the spare have reported to it: they are not yet known, not lost (the floor once took
+    # them for lost and paged instead of draining, leaving the job on the failed GPU)
+    sim.submit(nodes=["n1", "n2"], min_nodes=2)
+    sim.until(running(sim, attempt=1), max_s=5, what="job running")
+    sim.c.stop()
+    sim.c = sim.new_controller()
+    for name in ("n2", "n3"):
+        sim.agents[name].silent = True
+    for dbe in (0, 1):
+        sim.clock.advance(1.0)
+        sim.agents["n1"].gpus = (gpu(0, dbe=dbe),)
+        sim.agents["n1"].train()
+        sim._report(sim.agents["n1"])
+        sim.c.tick()
+    detail = sim.incident("gpu_dbe")
+    assert not any("below min_nodes" in t.message for t in detail.timeline)
+    for name in ("n2", "n3"):
+        sim.agents[name].silent = False
+    sim.until(running(sim, attempt=2), max_s=60, what="restart onto the spare")
+    detail = sim.incident("gpu_dbe")
+    states = {a.kind: a.state for a in detail.actions if a.kind != "notify"}
+    assert states == {k: "succeeded" for k in ("checkpoint", "drain", "replace", "restart")}
+    assert sim.c.node_state("n1") == "drained"
+
+
 @BOTH_STORES
 def test_controller_restart_mid_restart_never_starts_another_attempt(sim):
     sim.submit(nodes=["n1", "n2"])
