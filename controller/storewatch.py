@@ -43,6 +43,7 @@ PROBE_TIMEOUT_S = 5.0
 # a resolve that cannot be delivered is given up after this many rounds (the page stays
 # open at the receiver: a person closes it)
 RESOLVE_TRIES = 30
+PAGES_KEPT = 100
 
 Probe = Callable[[], None]  # raises while the store cannot be reached
 
@@ -133,7 +134,8 @@ class StoreWatch:
         self._to_resolve: list[Notifier] = []
         self._resolve_tries = 0
         self._paged_since: float | None = None
-        self.pages_sent: list[Notification] = []  # delivered, in order (tests, status)
+        # delivered, in order, the last PAGES_KEPT (tests, status)
+        self.pages_sent: list[Notification] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._gauge = Gauge(
@@ -255,27 +257,21 @@ class StoreWatch:
             self._resolve_tries = 0
         self._to_trigger = []
 
+    def _page(
+        self, event: Literal["trigger", "resolve"], *, since: float, now: float
+    ) -> Notification:
+        error = self._error if event == "trigger" else ""
+        return store_page(
+            event=event, instance=self.instance, store=self.store, since=since, now=now, error=error
+        )
+
     def _deliver(self, now: float) -> None:
         if self._to_trigger and not self.up and self.down_since is not None:
-            page = store_page(
-                event="trigger",
-                instance=self.instance,
-                store=self.store,
-                since=self.down_since,
-                now=now,
-                error=self._error,
-            )
+            page = self._page("trigger", since=self.down_since, now=now)
             self._to_trigger = self._send(page, self._to_trigger, delivered=self._triggered)
         if self._to_resolve and self.up and self._paged_since is not None:
             self._resolve_tries += 1
-            page = store_page(
-                event="resolve",
-                instance=self.instance,
-                store=self.store,
-                since=self._paged_since,
-                now=now,
-                error="",
-            )
+            page = self._page("resolve", since=self._paged_since, now=now)
             self._to_resolve = self._send(page, self._to_resolve, delivered=[])
             if self._to_resolve and self._resolve_tries >= RESOLVE_TRIES:
                 log.error(
@@ -311,6 +307,7 @@ class StoreWatch:
                 continue
             delivered.append(notifier)
             self.pages_sent.append(page)
+            del self.pages_sent[:-PAGES_KEPT]
             log.warning(
                 "event=store_page_sent channel=%s kind=%s instance=%s",
                 notifier.channel,
