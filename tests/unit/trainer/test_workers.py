@@ -92,10 +92,47 @@ def test_workers_of_resumable_loader_survive_sigterm_and_sigint_when_iterated_di
 
 
 def test_unguarded_workers_die_of_the_same_signals() -> None:
-    # The failure the guard exists for: the rank's next batch raises.
-    loader = DataLoader(Tagged(), batch_size=4, num_workers=2)
-    with pytest.raises((RuntimeError, ConnectionResetError)):
-        _signal_workers_then_read(iter(loader), 64)
+    # The failure the guard exists for. In a process of its own: a worker killed while it
+    # holds one of the loader's shared locks leaves the rank blocked on that lock for good
+    # (torch's own race), which is the same failure seen from outside: the rank trains no more.
+    script = textwrap.dedent(
+        """
+        import os, signal, torch
+        from torch.utils.data import DataLoader, Dataset
+
+        class Data(Dataset):
+            def __len__(self):
+                return 256
+            def __getitem__(self, index):
+                return torch.tensor([index])
+
+        it = iter(DataLoader(Data(), batch_size=4, num_workers=2))
+        next(it)
+        for w in it._workers:
+            os.kill(w.pid, signal.SIGTERM)
+            os.kill(w.pid, signal.SIGINT)
+        for _ in range(63):
+            next(it)
+        print("read all", flush=True)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        assert b"read all" not in out  # blocked on a dead worker's lock: it never got there
+        return
+    finally:
+        proc.kill()
+    assert b"read all" not in out
+    assert proc.returncode != 0
+    # which error depends on where the workers died: RuntimeError from the loader's watch,
+    # ConnectionResetError/EOFError from a half-sent batch
+    assert b"Traceback" in err, err.decode()[-2000:]
 
 
 def test_guard_wraps_once_and_leaves_loaders_without_workers_alone() -> None:
