@@ -1,5 +1,6 @@
 """Small helpers every test may use: waiting on a condition with a deadline, a free loopback
-port, a short temporary directory for unix sockets. Fixtures live in conftest.py files."""
+port, a short temporary directory for unix sockets, whether a process still runs. Fixtures
+live in conftest.py files."""
 
 from __future__ import annotations
 
@@ -47,3 +48,14 @@ def short_tmpdir(prefix: str = "tg") -> Path:
     """A new directory under /tmp: unix socket paths are limited to 107 bytes, and pytest's
     tmp_path can be longer. The caller removes it (or uses the `short_tmp` fixture)."""
     return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` still runs: a zombie has ended (an orphaned one is its new parent's to
+    reap), and so has a pid with no /proc entry."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:  # gone, or ended between the open and the read
+        return False
+    return stat.rsplit(b")", 1)[1].split()[0] != b"Z"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port, wait_for
+from tests.helpers import alive, free_port, wait_for
 from trainguard.agent.jobpolicy import JobPolicy
 from trainguard.agent.jobs import JOB_EXIT, JobError, JobEvent, JobRunner, StartJob
 from trainguard.clock import FakeClock
@@ -17,16 +17,6 @@ from trainguard.clock import FakeClock
 pytestmark = pytest.mark.slow
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "jobs"
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie is dead; an orphan zombie is its new parent's to reap)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except FileNotFoundError:
-        return False
-    return stat[stat.rfind(b")") + 2 :].split()[0] != b"Z"
 
 
 def group_gone(pgid: int) -> bool:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.fakes.controller_service import FakeController
-from tests.helpers import free_port, wait_for
+from tests.helpers import alive, free_port, wait_for
 from tests.integration.agent_proc import AgentProcess, kill_launches, launch_pids
 from trainguard.agent.launchrec import load_records
 from trainguard.devkit.devcluster import compare_losses, read_step_lines
@@ -64,14 +64,6 @@ def top_step(controller: FakeController, instance: str | None = None) -> int:
         reports = [r for r in controller.reports if instance in (None, r.instance)]
     ranks = [r for r in (reports[-1].ranks if reports else ()) if r.job == "demo"]
     return min(r.step for r in ranks) if len(ranks) == 2 else -1
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except FileNotFoundError:
-        return False
 
 
 class Node:

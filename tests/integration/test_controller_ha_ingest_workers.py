@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import free_port, wait_for
+from tests.helpers import alive, free_port, wait_for
 from tests.integration.controller_proc import (
     OP,
     ControllerProcess,
@@ -78,20 +78,11 @@ def _worker_pids(proc: ControllerProcess) -> dict[int, int]:
     return {int(w): int(pid) for w, pid in found}
 
 
-def _alive(pid: int) -> bool:
-    """Running and not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def _stop(proc: ControllerProcess) -> None:
     """kill -9 of the controller and of any of its workers still running."""
     proc.kill()
     for pid in _worker_pids(proc).values():
-        if _alive(pid):
+        if alive(pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -140,7 +131,7 @@ def test_both_serve_through_their_workers_and_one_leads(pair: Pair) -> None:
     for proc in (pair.leader, pair.standby):
         pids = _worker_pids(proc)
         assert len(pids) == WORKERS, proc.log()
-        assert all(_alive(pid) for pid in pids.values())
+        assert all(alive(pid) for pid in pids.values())
     assert _metric(pair.leader.url, "trainguard_controller_leader") == 1
     assert _metric(pair.standby.url, "trainguard_controller_leader") == 0
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import wait_for
+from tests.helpers import alive, wait_for
 from tests.integration.agent_proc import AgentProcess, cleanup, short_tmpdir
 from tests.integration.controller_proc import (
     AGENT,
@@ -55,20 +55,11 @@ def stop(proc: Proc) -> None:
 
 
 def _kill_quietly(pid: int) -> None:
-    if _alive(pid):
+    if alive(pid):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-def _alive(pid: int) -> bool:
-    """Running and not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +165,7 @@ def test_a_killed_worker_is_replaced_and_reports_keep_flowing(controller: Proc) 
         what="worker 0 to be restarted",
     )
     assert "event=ingest_worker_exited worker=0" in controller.log()
-    assert not _alive(before[0])
+    assert not alive(before[0])
     assert controller.ready_workers()[1] == before[1]
     # new connections land on either worker; all of them are answered by the core
     for i in range(8):
@@ -187,10 +178,10 @@ def test_sigterm_stops_the_workers_then_the_controller(tmp_path: Path) -> None:
     proc = start(tmp_path)
     try:
         pids = list(proc.ready_workers().values())
-        assert all(_alive(pid) for pid in pids)
+        assert all(alive(pid) for pid in pids)
         proc.popen.send_signal(signal.SIGTERM)
         assert proc.popen.wait(timeout=30) == 0, proc.log()
-        assert not [pid for pid in pids if _alive(pid)], proc.log()
+        assert not [pid for pid in pids if alive(pid)], proc.log()
         assert "event=controller_stopped" in proc.log()
     finally:
         stop(proc)
@@ -204,7 +195,7 @@ def test_a_killed_controller_takes_its_workers_with_it(tmp_path: Path) -> None:
         proc.popen.kill()
         proc.popen.wait(timeout=10)
         wait_for(
-            lambda: not any(_alive(pid) for pid in pids),
+            lambda: not any(alive(pid) for pid in pids),
             timeout_s=15,
             what=f"workers {pids} to exit after the controller was killed",
         )

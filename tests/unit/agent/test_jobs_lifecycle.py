@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import wait_for
+from tests.helpers import alive, wait_for
 from trainguard.agent.jobpolicy import JobPolicy
 from trainguard.agent.jobs import (
     JOB_EXIT,
@@ -90,14 +90,6 @@ def exits(runner: JobRunner, seen: list[JobEvent], count: int = 1) -> list[JobEv
         return list(seen) if len(seen) >= count else None
 
     return wait_for(check, timeout_s=30, what=f"{count} job_exit event(s)")
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except FileNotFoundError:
-        return False
 
 
 # --- systemd ---------------------------------------------------------------------------------

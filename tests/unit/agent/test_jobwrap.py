@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import wait_for
+from tests.helpers import alive, wait_for
 from trainguard.agent.jobwrap import LAUNCH_FAILED_CODE, exit_code_of, wrapper_argv
 
 
@@ -22,14 +22,6 @@ def run(tmp_path: Path, argv: list[str], **kwargs: object) -> tuple[int, dict[st
     cmd = wrapper_argv(python=sys.executable, status_path=str(status), argv=argv, **kwargs)  # type: ignore[arg-type]
     code = subprocess.run(cmd, timeout=60, check=False).returncode
     return code, json.loads(status.read_text())
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_argv_is_a_list_running_the_module_isolated() -> None:

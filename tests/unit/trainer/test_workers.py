@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
-from tests.helpers import wait_for
+from tests.helpers import alive, wait_for
 from trainguard.trainer import (
     ResumableSampler,
     WorkerInit,
@@ -231,17 +231,9 @@ def test_guarded_workers_end_when_the_rank_is_killed() -> None:
         proc.kill()
         proc.wait(30)
 
-        def gone(pid: int) -> bool:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return True
-            try:  # a zombie waiting for init to reap it has ended too
-                return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
-            except OSError:
-                return True
-
         # the loader's own watchdog: each worker checks its parent every 5 s
-        wait_for(lambda: all(gone(p) for p in pids), timeout_s=30, what="orphaned workers to exit")
+        wait_for(
+            lambda: not any(alive(p) for p in pids), timeout_s=30, what="orphaned workers to exit"
+        )
     finally:
         proc.kill()
