@@ -147,6 +147,10 @@ class ApiError(Exception):
         self.detail = detail
         self.headers = headers
 
+    def reply(self) -> tuple[int, bytes, dict[str, str] | None]:
+        """(status, JSON body, headers): this error as the report path answers it."""
+        return self.status, _json_bytes({"error": self.error, "detail": self.detail}), self.headers
+
 
 def _json_bytes(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
@@ -315,7 +319,7 @@ def create_app(
             principal = authenticate_report(tokens, headers, scope)
             raw = await read_limited(headers.get(b"content-length"), receive, max_body_bytes)
         except ApiError as e:
-            return e.status, _json_bytes({"error": e.error, "detail": e.detail}), e.headers
+            return e.reply()
         return await ingest_body(raw, principal.name, principal.node)
 
     shared_token_nodes: set[str] = set()  # nodes already warned about (shared agent tokens)
@@ -330,8 +334,7 @@ def create_app(
         if leadership is not None and not leadership.is_leader():
             # a report handed over by an ingest worker has not passed `_Api.__call__`: a
             # standby refuses it here, before decoding it, as that refuses one before reading it
-            err = not_leader_error(leadership)
-            return err.status, _json_bytes({"error": err.error, "detail": err.detail}), err.headers
+            return not_leader_error(leadership).reply()
         try:
             started = time.perf_counter()
             try:
@@ -369,19 +372,17 @@ def create_app(
                 report_latency.observe(time.perf_counter() - started)
             return 200, body, None
         except ApiError as e:
-            return e.status, _json_bytes({"error": e.error, "detail": e.detail}), e.headers
+            return e.reply()
         except NotLeader as e:
             if leadership is None:
                 raise
-            err = not_leader_error(leadership, str(e))
-            return err.status, _json_bytes({"error": err.error, "detail": err.detail}), err.headers
+            return not_leader_error(leadership, str(e)).reply()
         except ServiceError as e:
             status = e.status if 400 <= e.status < 500 else 500
             return status, _json_bytes({"error": str(e) or type(e).__name__, "detail": None}), None
         except StoreUnavailable:
             # nothing of the report was stored: the agent keeps its events and sends again
-            err = store_unavailable_error()
-            return err.status, _json_bytes({"error": err.error, "detail": err.detail}), err.headers
+            return store_unavailable_error().reply()
 
     async def body_of(request: Request, cls: type[T], *, if_empty: T | None = None) -> T:
         """The body decoded as `cls`; `if_empty` (when given) stands for an empty body."""

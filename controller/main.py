@@ -44,8 +44,9 @@ log = logging.getLogger("trainguard.controller.main")
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_CONFIG = 2
-# seconds a store probe (SELECT 1) may take before the store counts as unreachable
-PROBE_TIMEOUT_S = 3.0
+# the store probe connection's connect, statement and TCP timeouts (storewatch.py bounds
+# the whole probe)
+PROBE_CONN_TIMEOUT_S = 3.0
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -168,9 +169,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _store_watch(config: Any, controller: Any) -> StoreWatch:
     """The PostgreSQL store's probe and page (controller/storewatch.py)."""
     url = config.store.url
-    instance = urlsplit(config.ha.advertise_url).netloc or f"{socket.gethostname()}"
+    instance = urlsplit(config.ha.advertise_url).netloc or socket.gethostname()
     return StoreWatch(
-        probe=postgres_probe(url, password=config.store.read_password(), timeout_s=PROBE_TIMEOUT_S),
+        probe=postgres_probe(
+            url, password=config.store.read_password(), timeout_s=PROBE_CONN_TIMEOUT_S
+        ),
         notifiers=build_notifiers(config.notify),
         instance=instance,
         store=redact_url(url),
