@@ -16,7 +16,7 @@
   job to the new node set (`nodelist=`), `release` and `starttime=now` (a requeued job would
   otherwise wait cred_expire), then wait for a step past the checkpoint.
 
-Every Slurm call is an argument list with a timeout (controller.backends.slurmcli); a failed
+Every Slurm call is an argument list with a timeout (controller.backends.slurm.cli); a failed
 one fails the step with Slurm's own message (transient: retried, then paged).
 """
 
@@ -43,8 +43,15 @@ from trainguard.controller.actions.jobsteps import (
     PhaseObserver,
     recovery_phases,
 )
+from trainguard.controller.backends.base import BackendDeps, Capability
 from trainguard.controller.backends.config import SlurmBackendConfig
-from trainguard.controller.backends.slurmcli import SlurmCommands, SlurmError, SlurmJob, SlurmNode
+from trainguard.controller.backends.slurm.cli import (
+    SlurmCli,
+    SlurmCommands,
+    SlurmError,
+    SlurmJob,
+    SlurmNode,
+)
 from trainguard.controller.jobs import JobManager
 from trainguard.controller.livestate import LiveState
 from trainguard.controller.store import JobRecord
@@ -81,6 +88,19 @@ class SlurmBackend:
     """SchedulerBackend over Slurm's client commands."""
 
     name = "slurm"
+    capabilities = frozenset(
+        {
+            Capability.CHECKPOINT,
+            Capability.REPLACE,
+            Capability.RESTART,
+            Capability.ROLLBACK,
+            Capability.STOP,
+            Capability.COLLECT_STACKS,
+            Capability.REQUEUE,
+            Capability.SCHEDULER_SIDE_DRAIN,
+            Capability.EXTERNAL_JOB_VIEWS,
+        }
+    )
 
     def __init__(
         self,
@@ -388,7 +408,8 @@ class SlurmBackend:
         return self._with_id(self._checkpoint.run_job(ctx, record, dict(ctx.progress)), job_id)
 
     def grow(self, ctx: ActionContext) -> Outcome:
-        # the controller plans no grow for a Slurm job; a step that reaches here says why
+        # no Capability.GROW: the controller plans no grow and its grow step answers skipped
+        # before it asks here; a direct call says the same
         return Outcome(
             message="skipped: growing a shrunk job back is not supported by the Slurm backend",
             skipped=True,
@@ -773,4 +794,26 @@ def job_nodes_text(job: SlurmJob) -> str:
     return ",".join(job.nodes) or "no nodes"
 
 
-__all__ = ["REASON_PREFIX", "SlurmBackend", "node_state_of", "trainguard_reason"]
+def build(deps: BackendDeps) -> SlurmBackend:
+    """The registry's factory: Slurm's client commands as `backend.slurm` configures them
+    (or `deps.slurm_runner`)."""
+    config = deps.config
+    sc = config.backend.slurm
+    runner = deps.slurm_runner or SlurmCli(
+        bin_dir=sc.bin_dir, slurm_conf=sc.slurm_conf, timeout_s=sc.command_timeout_s
+    )
+    return SlurmBackend(
+        config=sc,
+        commands=SlurmCommands(runner),
+        live=deps.live,
+        jobs=deps.jobs,
+        clock=deps.clock,
+        node_silent_after_s=config.node_silent_after_s,
+        spare_wait_s=config.jobs.spare_wait_s,
+        progress_timeout_s=config.jobs.progress_timeout_s,
+        open_incident_nodes=deps.open_incident_nodes,
+        observe=deps.observe,
+    )
+
+
+__all__ = ["REASON_PREFIX", "SlurmBackend", "build", "node_state_of", "trainguard_reason"]
