@@ -23,7 +23,7 @@ from trainguard.controller.views import JobView
 
 if TYPE_CHECKING:  # types only: the factories' inputs import the controller's core modules
     from trainguard.clock import Clock
-    from trainguard.controller.actions.jobsteps import PhaseObserver
+    from trainguard.controller.actions.recovery import PhaseObserver
     from trainguard.controller.backends.slurm.cli import SlurmRunner
     from trainguard.controller.config import ControllerConfig
     from trainguard.controller.jobs import JobManager

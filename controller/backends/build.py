@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from trainguard.clock import Clock
-from trainguard.controller.actions.jobsteps import PhaseObserver
+from trainguard.controller.actions.recovery import PhaseObserver
 from trainguard.controller.backends.base import BackendDeps, SchedulerBackend
 from trainguard.controller.backends.registry import REGISTRY
 from trainguard.controller.backends.slurm.cli import SlurmRunner

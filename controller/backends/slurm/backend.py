@@ -37,11 +37,15 @@ from trainguard.controller.actions.base import (
     TransientError,
 )
 from trainguard.controller.actions.drain import DrainState
-from trainguard.controller.actions.jobsteps import (
-    CheckpointHandler,
-    CollectStacksHandler,
+from trainguard.controller.actions.jobsteps import CheckpointHandler, CollectStacksHandler
+from trainguard.controller.actions.recovery import (
     PhaseObserver,
+    ckpt_floor,
+    first_step_past,
     recovery_phases,
+    restart_baseline,
+    restart_confirmed,
+    rolled_back_in_process,
 )
 from trainguard.controller.backends.base import BackendDeps, Capability
 from trainguard.controller.backends.config import SlurmBackendConfig
@@ -526,17 +530,9 @@ class SlurmBackend:
 
     def rollback(self, ctx: ActionContext) -> Outcome:
         if "phase" not in ctx.progress:
-            rolled = [
-                to
-                for ts, to in self._jobs.rollbacks(str(ctx.params.get("job", "")))
-                if ctx.incident is None or ts >= ctx.incident.opened_at - 30.0
-            ]
-            if rolled:
-                return Outcome(
-                    message=f"skipped: the trainer already rolled back in process (to step"
-                    f" {rolled[-1]})",
-                    skipped=True,
-                )
+            rolled = rolled_back_in_process(self._jobs, str(ctx.params.get("job", "")), ctx)
+            if rolled is not None:
+                return rolled
         return self._restart(ctx, same_nodes=True)
 
     def _restart(self, ctx: ActionContext, *, same_nodes: bool) -> Outcome:
@@ -575,20 +571,14 @@ class SlurmBackend:
                             f" no spare in reservation {self.config.spare_reservation}"
                         )
                     target = [swap.get(n, n) for n in nodes]
-        step, ckpt = self._jobs.latest_steps(name)
-        previous = ctx.previous.get("checkpoint", {})
-        if isinstance(previous.get("step"), int):
-            ckpt = previous["step"]
-        if isinstance(previous.get("last_step"), int):
-            step = previous["last_step"]
+        baseline = restart_baseline(self._jobs, name, ctx)
+        ckpt = baseline["ckpt_step"]
         progress.update(
             phase="requeued",
             job=name,
             slurm_job_id=job_id,
             nodes=target,
-            ckpt_step=ckpt,
-            last_step=step,
-            old_pids=sorted({r.pid for _, r in self._jobs.ranks(name) if r.pid}),
+            **baseline,
             stop_sent_at=ctx.now,
             started_at=ctx.now,
             restart_cnt=job.restart_cnt,
@@ -687,16 +677,13 @@ class SlurmBackend:
             )
         if job.state == "RUNNING" and "running_at" not in progress:
             progress["running_at"] = ctx.now
-        name = str(progress["job"])
-        nodes = set(progress["nodes"])
-        floor = progress["ckpt_step"] if isinstance(progress.get("ckpt_step"), int) else 0
-        old_pids = set(progress.get("old_pids", []))
-        first: int | None = None
-        for node, rank in self._jobs.ranks(name):
-            if node not in nodes or (rank.pid and rank.pid in old_pids):
-                continue
-            if rank.step > floor and rank.phase != "exit":
-                first = rank.step if first is None else min(first, rank.step)
+        floor = ckpt_floor(progress)
+        first = first_step_past(
+            self._jobs.ranks(str(progress["job"])),
+            nodes=set(progress["nodes"]),
+            floor=floor,
+            old_pids=set(progress.get("old_pids", [])),
+        )
         if first is None:
             waited_s = ctx.now - float(progress["released_at"])
             if waited_s > self._progress_timeout_s:
@@ -718,23 +705,14 @@ class SlurmBackend:
             phases["requeue"] = float(progress["pending_at"]) - float(progress["stop_sent_at"])
             phases["allocation"] = max(0.0, running - released)
         phases["launch"] = max(0.0, ctx.now - running)
-        last = progress.get("last_step")
-        lost = max(0, last - floor) if isinstance(last, int) else None
-        self._observe(phases, lost)
-        text = ", ".join(f"{k} {v:.1f} s" for k, v in phases.items())
-        lost_text = f"; lost steps {lost}" if lost is not None else ""
-        return Outcome(
-            message=f"Slurm job {job.id} (restart {job.restart_cnt}) trains past checkpoint"
-            f" {progress.get('ckpt_step')} on {job_nodes_text(job)} (step {first}); {text}"
-            f"{lost_text}",
-            output={
-                **progress,
-                "phase": "done",
-                "first_step": first,
-                "restarted_at": ctx.now,
-                "phases_s": phases,
-                "lost_steps": lost,
-            },
+        return restart_confirmed(
+            ctx,
+            progress,
+            first=first,
+            phases=phases,
+            observe=self._observe,
+            what=f"Slurm job {job.id} (restart {job.restart_cnt})",
+            where=f" on {job_nodes_text(job)}",
         )
 
     def stop(self, ctx: ActionContext) -> Outcome:

@@ -14,11 +14,11 @@ from trainguard.controller.actions.jobsteps import (
     CheckpointHandler,
     CollectStacksHandler,
     GrowHandler,
-    PhaseObserver,
     ReplaceHandler,
     RestartHandler,
     StopHandler,
 )
+from trainguard.controller.actions.recovery import PhaseObserver
 from trainguard.controller.backends.base import BackendDeps, Capability
 from trainguard.controller.jobs import JobManager
 from trainguard.controller.views import JobView
