@@ -963,21 +963,6 @@ class CollectStacksHandler(JobStep):
         )
 
 
-def job_handlers(
-    jobs: JobManager, *, open_incident_nodes: Callable[[], set[str]], observe: PhaseObserver
-) -> list[Any]:
-    """Every job step handler, ready for HandlerRegistry.register."""
-    return [
-        CheckpointHandler(jobs),
-        ReplaceHandler(jobs, open_incident_nodes),
-        RestartHandler(jobs, observe, open_incident_nodes=open_incident_nodes),
-        RestartHandler(jobs, observe, kind="rollback", open_incident_nodes=open_incident_nodes),
-        StopHandler(jobs),
-        CollectStacksHandler(jobs),
-        GrowHandler(jobs, open_incident_nodes),
-    ]
-
-
 __all__ = [
     "CheckpointHandler",
     "JobStep",
@@ -987,6 +972,5 @@ __all__ = [
     "ReplaceHandler",
     "RestartHandler",
     "StopHandler",
-    "job_handlers",
     "swap_or_shrink",
 ]
