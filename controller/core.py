@@ -28,9 +28,9 @@ from trainguard.controller.actions.notify import (
     channels_for,
 )
 from trainguard.controller.actions.worker import ActionRunner
-from trainguard.controller.backends.base import step_handlers
+from trainguard.controller.backends.base import Capability, step_handlers
 from trainguard.controller.backends.build import build_backend
-from trainguard.controller.backends.slurmcli import SlurmRunner
+from trainguard.controller.backends.slurm.cli import SlurmRunner
 from trainguard.controller.config import ControllerConfig
 from trainguard.controller.dialect import StoreUnavailable
 from trainguard.controller.errors import NotLeader
@@ -234,7 +234,7 @@ class Controller:
             store=self.store,
             metrics=self.metrics,
             wake=wake,
-            scheduler=self.backend.name,
+            can_grow=Capability.GROW in self.backend.capabilities,
         )
         self.maintenance = MaintenanceScheduler(
             store=self.store, config=config.maintenance, metrics=self.metrics, clock=clock

@@ -43,7 +43,8 @@ class GrowJob:
     full_world_size: int  # what the spec asks for
     shrink: str  # JobSpec.shrink
     spare_selector: dict[str, str] = field(default_factory=dict)
-    scheduler: str = "torchrun"  # the backend that runs it; Slurm jobs are never grown
+    # its backend declares Capability.GROW (a Slurm job is never grown back)
+    growable: bool = True
     # unix s the step that began the current attempt confirmed training past its checkpoint
     # (None: not confirmed yet)
     confirmed_at: float | None = None
@@ -159,7 +160,7 @@ def _may_grow(
     open_steps: Sequence[GrowStep],
     incidents: Sequence[GrowIncident],
 ) -> bool:
-    if job.shrink != "world" or job.scheduler != "torchrun" or job.state != "running":
+    if job.shrink != "world" or not job.growable or job.state != "running":
         return False
     if job.nproc_per_node <= 0 or job.world_size >= job.full_world_size:
         return False

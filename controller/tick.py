@@ -87,10 +87,10 @@ class TickService:
         store: Store,
         metrics: ControllerMetrics,
         wake: threading.Event,
-        scheduler: str = "torchrun",
+        can_grow: bool = True,
     ) -> None:
         self._config = config
-        self._scheduler = scheduler  # the backend's name: only torchrun jobs grow back
+        self._can_grow = can_grow  # the backend declares Capability.GROW
         self._clock = clock
         self._rules = rules
         self._live = live
@@ -358,7 +358,7 @@ class TickService:
                     full_world_size=spec.world_size,
                     shrink=spec.shrink,
                     spare_selector=dict(spec.spare_selector),
-                    scheduler=self._scheduler,
+                    growable=self._can_grow,
                     confirmed_at=began.updated_at
                     if began is not None and began.state == "succeeded"
                     else None,

@@ -22,13 +22,20 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainguard.controller.actions.base import ActionContext, Outcome, PermanentError
+from trainguard.controller.actions.recovery import (
+    PhaseObserver,
+    ckpt_floor,
+    first_step_past,
+    recovery_phases,
+    restart_baseline,
+    restart_confirmed,
+    rolled_back_in_process,
+)
 from trainguard.controller.jobs import RESUME_SKIP_ENV, JobManager, JobSpec, shrink_plan
 from trainguard.controller.store import CommandRecord, JobRecord
 
 log = logging.getLogger("trainguard.controller.jobsteps")
 
-# Restart phases measured into trainguard_controller_remediation_phase_seconds.
-PhaseObserver = Callable[[dict[str, float], "int | None"], None]
 # A step waiting for an unknown node looks again this often, s: agents report every second.
 _UNKNOWN_POLL_S = 1.0
 
@@ -460,32 +467,13 @@ class RestartHandler(JobStep):
             raise PermanentError(
                 f"job {job.name} reached max_restarts ({spec.max_restarts}); not restarting"
             )
-        step, ckpt = self.jobs.latest_steps(job.name)
-        previous = ctx.previous.get("checkpoint", {})
-        if isinstance(previous.get("step"), int):
-            ckpt = previous["step"]
-        if isinstance(previous.get("last_step"), int):
-            step = previous["last_step"]
-        progress.update(
-            phase="stop",
-            job=job.name,
-            ckpt_step=ckpt,
-            last_step=step,
-            old_pids=sorted({r.pid for _, r in self.jobs.ranks(job.name) if r.pid}),
-            stop_sent_at=ctx.now,
-        )
+        baseline = restart_baseline(self.jobs, job.name, ctx)
+        ckpt = baseline["ckpt_step"]
+        progress.update(phase="stop", job=job.name, **baseline, stop_sent_at=ctx.now)
         if self.kind == "rollback":
-            rolled = [
-                to
-                for ts, to in self.jobs.rollbacks(job.name)
-                if ctx.incident is None or ts >= ctx.incident.opened_at - 30.0
-            ]
-            if rolled:
-                return Outcome(
-                    message=f"skipped: the trainer already rolled back in process (to step"
-                    f" {rolled[-1]})",
-                    skipped=True,
-                )
+            rolled = rolled_back_in_process(self.jobs, job.name, ctx)
+            if rolled is not None:
+                return rolled
             progress["skip_batches"] = self._skip(spec, ctx, job.name, ckpt)
         if not first:
             why = ctx.params.get("reason")  # an operator's restart has none; a grow's says so
@@ -657,17 +645,19 @@ class RestartHandler(JobStep):
                     f" before training progressed: {x['tail'][-300:]}"
                 )
         ckpt = progress.get("ckpt_step")
-        floor = ckpt if isinstance(ckpt, int) else 0
-        old_pids = set(progress.get("old_pids", []))
-        first: int | None = None
-        for node, rank in self.jobs.ranks(job.name):
-            if node not in nodes or (rank.pid and rank.pid in old_pids):
-                continue
+        floor = ckpt_floor(progress)
+
+        def older_attempt(node: str) -> bool:
             proc = self.jobs.process(job.name, node)
-            if proc is not None and proc.attempt != attempt:
-                continue
-            if rank.step > floor and rank.phase != "exit":
-                first = rank.step if first is None else min(first, rank.step)
+            return proc is not None and proc.attempt != attempt
+
+        first = first_step_past(
+            self.jobs.ranks(job.name),
+            nodes=nodes,
+            floor=floor,
+            old_pids=set(progress.get("old_pids", [])),
+            stale=older_attempt,
+        )
         if first is None:
             timeout_s = self.jobs.config.progress_timeout_s
             if ctx.now - float(progress["started_at"]) > timeout_s:
@@ -685,22 +675,13 @@ class RestartHandler(JobStep):
         if current is not None and current.state != "running":
             self.jobs.set_state(job.name, "running")
         phases = self._phases(ctx, progress, now=ctx.now)
-        last = progress.get("last_step")
-        lost = max(0, last - floor) if isinstance(last, int) else None
-        self.observe(phases, lost)
-        text = ", ".join(f"{k} {v:.1f} s" for k, v in phases.items())
-        lost_text = f"; lost steps {lost}" if lost is not None else ""
-        return Outcome(
-            message=f"attempt {attempt} trains past checkpoint {ckpt} (step {first}); {text}"
-            f"{lost_text}",
-            output={
-                **progress,
-                "phase": "done",
-                "first_step": first,
-                "restarted_at": ctx.now,
-                "phases_s": phases,
-                "lost_steps": lost,
-            },
+        return restart_confirmed(
+            ctx,
+            progress,
+            first=first,
+            phases=phases,
+            observe=self.observe,
+            what=f"attempt {attempt}",
         )
 
     def _phases(
@@ -860,34 +841,6 @@ class GrowHandler(JobStep):
         )
 
 
-def recovery_phases(
-    ctx: ActionContext, progress: dict[str, Any], *, now: float
-) -> dict[str, float]:
-    """A restart's phases: detect = incident opened - condition since; checkpoint = the
-    checkpoint step; drain = checkpoint done (or incident opened) -> the replace step
-    began; restart = stop sent -> first step past the checkpoint; mttr = condition since
-    -> that first step. Every backend's restart step reports these."""
-    phases: dict[str, float] = {}
-    restart_s = now - float(progress.get("stop_sent_at", progress["started_at"]))
-    phases["restart"] = restart_s
-    if ctx.incident is None:
-        return phases
-    opened = ctx.incident.opened_at
-    since_raw = ctx.params.get("since")
-    since = float(since_raw) if isinstance(since_raw, int | float) else opened
-    phases["detect"] = max(0.0, opened - since)
-    ckpt = ctx.previous.get("checkpoint", {})
-    if "finished_at" in ckpt and "started_at" in ckpt:
-        phases["checkpoint"] = float(ckpt["finished_at"]) - float(ckpt["started_at"])
-    drained = ctx.previous.get("drain")
-    replace = ctx.previous.get("replace", {})
-    if drained is not None and "started_at" in replace:
-        begin = float(ckpt.get("finished_at", opened))
-        phases["drain"] = max(0.0, float(replace["started_at"]) - begin)
-    phases["mttr"] = max(0.0, now - since)
-    return phases
-
-
 @dataclass
 class StopHandler(JobStep):
     """`stop`: stop the job on every node (grace), wait until none reports it (bounded). A
@@ -1010,21 +963,6 @@ class CollectStacksHandler(JobStep):
         )
 
 
-def job_handlers(
-    jobs: JobManager, *, open_incident_nodes: Callable[[], set[str]], observe: PhaseObserver
-) -> list[Any]:
-    """Every job step handler, ready for HandlerRegistry.register."""
-    return [
-        CheckpointHandler(jobs),
-        ReplaceHandler(jobs, open_incident_nodes),
-        RestartHandler(jobs, observe, open_incident_nodes=open_incident_nodes),
-        RestartHandler(jobs, observe, kind="rollback", open_incident_nodes=open_incident_nodes),
-        StopHandler(jobs),
-        CollectStacksHandler(jobs),
-        GrowHandler(jobs, open_incident_nodes),
-    ]
-
-
 __all__ = [
     "CheckpointHandler",
     "JobStep",
@@ -1034,7 +972,5 @@ __all__ = [
     "ReplaceHandler",
     "RestartHandler",
     "StopHandler",
-    "job_handlers",
-    "recovery_phases",
     "swap_or_shrink",
 ]

@@ -1,2 +1,3 @@
-"""Where jobs run: the scheduler backends behind one interface (base.SchedulerBackend) that
-every remediation step asks: torchrun launched by the agents (the default) and Slurm."""
+"""Where jobs run: the scheduler backends behind one interface (base.SchedulerBackend), each a
+package (torchrun/, the default, launched by the agents; slurm/) registered with its declared
+capabilities in registry.py; build.py builds the configured one."""

@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.chaos import STEPS, TRAIN_ARGS, new_incidents, now, reference_lines, start_reference
-from trainguard.controller.backends.slurmcli import SlurmCli, SlurmCommands, SlurmError
+from trainguard.controller.backends.slurm.cli import SlurmCli, SlurmCommands, SlurmError
 from trainguard.devkit.devcluster import DevCluster, compare_losses
 from trainguard.devkit.slurm import SlurmCluster, SlurmSite, attempt_lines, missing_reason
 

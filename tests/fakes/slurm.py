@@ -11,7 +11,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from trainguard.controller.backends.slurmcli import SlurmError
+from trainguard.controller.backends.slurm.cli import SlurmError
 
 
 @dataclass

@@ -95,7 +95,7 @@ def test_a_job_missing_two_nodes_needs_two_spares():
         replace(JOB, state="waiting"),
         replace(JOB, confirmed_at=None),
         replace(JOB, confirmed_at=NOW - GROW_SETTLE_S + 0.5),
-        replace(JOB, scheduler="slurm"),
+        replace(JOB, growable=False),
         replace(JOB, full_world_size=5),
     ],
     ids=[
@@ -105,7 +105,7 @@ def test_a_job_missing_two_nodes_needs_two_spares():
         "waiting",
         "attempt-not-confirmed",
         "confirmed-too-recently",
-        "slurm-job",
+        "backend-cannot-grow",
         "full-size-not-a-whole-node",
     ],
 )

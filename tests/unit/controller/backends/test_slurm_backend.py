@@ -21,8 +21,8 @@ from trainguard.controller.actions.base import (
     TransientError,
 )
 from trainguard.controller.backends.config import BackendConfig
-from trainguard.controller.backends.slurm import SlurmBackend, node_state_of
-from trainguard.controller.backends.slurmcli import (
+from trainguard.controller.backends.slurm.backend import SlurmBackend, node_state_of
+from trainguard.controller.backends.slurm.cli import (
     SlurmNode,
     expand_hostlist,
     parse_reservation,

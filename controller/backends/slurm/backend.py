@@ -16,7 +16,7 @@
   job to the new node set (`nodelist=`), `release` and `starttime=now` (a requeued job would
   otherwise wait cred_expire), then wait for a step past the checkpoint.
 
-Every Slurm call is an argument list with a timeout (controller.backends.slurmcli); a failed
+Every Slurm call is an argument list with a timeout (controller.backends.slurm.cli); a failed
 one fails the step with Slurm's own message (transient: retried, then paged).
 """
 
@@ -37,14 +37,25 @@ from trainguard.controller.actions.base import (
     TransientError,
 )
 from trainguard.controller.actions.drain import DrainState
-from trainguard.controller.actions.jobsteps import (
-    CheckpointHandler,
-    CollectStacksHandler,
+from trainguard.controller.actions.jobsteps import CheckpointHandler, CollectStacksHandler
+from trainguard.controller.actions.recovery import (
     PhaseObserver,
+    ckpt_floor,
+    first_step_past,
     recovery_phases,
+    restart_baseline,
+    restart_confirmed,
+    rolled_back_in_process,
 )
+from trainguard.controller.backends.base import BackendDeps, Capability
 from trainguard.controller.backends.config import SlurmBackendConfig
-from trainguard.controller.backends.slurmcli import SlurmCommands, SlurmError, SlurmJob, SlurmNode
+from trainguard.controller.backends.slurm.cli import (
+    SlurmCli,
+    SlurmCommands,
+    SlurmError,
+    SlurmJob,
+    SlurmNode,
+)
 from trainguard.controller.jobs import JobManager
 from trainguard.controller.livestate import LiveState
 from trainguard.controller.store import JobRecord
@@ -81,6 +92,19 @@ class SlurmBackend:
     """SchedulerBackend over Slurm's client commands."""
 
     name = "slurm"
+    capabilities = frozenset(
+        {
+            Capability.CHECKPOINT,
+            Capability.REPLACE,
+            Capability.RESTART,
+            Capability.ROLLBACK,
+            Capability.STOP,
+            Capability.COLLECT_STACKS,
+            Capability.REQUEUE,
+            Capability.SCHEDULER_SIDE_DRAIN,
+            Capability.EXTERNAL_JOB_VIEWS,
+        }
+    )
 
     def __init__(
         self,
@@ -388,7 +412,8 @@ class SlurmBackend:
         return self._with_id(self._checkpoint.run_job(ctx, record, dict(ctx.progress)), job_id)
 
     def grow(self, ctx: ActionContext) -> Outcome:
-        # the controller plans no grow for a Slurm job; a step that reaches here says why
+        # no Capability.GROW: the controller plans no grow and its grow step answers skipped
+        # before it asks here; a direct call says the same
         return Outcome(
             message="skipped: growing a shrunk job back is not supported by the Slurm backend",
             skipped=True,
@@ -505,17 +530,9 @@ class SlurmBackend:
 
     def rollback(self, ctx: ActionContext) -> Outcome:
         if "phase" not in ctx.progress:
-            rolled = [
-                to
-                for ts, to in self._jobs.rollbacks(str(ctx.params.get("job", "")))
-                if ctx.incident is None or ts >= ctx.incident.opened_at - 30.0
-            ]
-            if rolled:
-                return Outcome(
-                    message=f"skipped: the trainer already rolled back in process (to step"
-                    f" {rolled[-1]})",
-                    skipped=True,
-                )
+            rolled = rolled_back_in_process(self._jobs, str(ctx.params.get("job", "")), ctx)
+            if rolled is not None:
+                return rolled
         return self._restart(ctx, same_nodes=True)
 
     def _restart(self, ctx: ActionContext, *, same_nodes: bool) -> Outcome:
@@ -554,20 +571,14 @@ class SlurmBackend:
                             f" no spare in reservation {self.config.spare_reservation}"
                         )
                     target = [swap.get(n, n) for n in nodes]
-        step, ckpt = self._jobs.latest_steps(name)
-        previous = ctx.previous.get("checkpoint", {})
-        if isinstance(previous.get("step"), int):
-            ckpt = previous["step"]
-        if isinstance(previous.get("last_step"), int):
-            step = previous["last_step"]
+        baseline = restart_baseline(self._jobs, name, ctx)
+        ckpt = baseline["ckpt_step"]
         progress.update(
             phase="requeued",
             job=name,
             slurm_job_id=job_id,
             nodes=target,
-            ckpt_step=ckpt,
-            last_step=step,
-            old_pids=sorted({r.pid for _, r in self._jobs.ranks(name) if r.pid}),
+            **baseline,
             stop_sent_at=ctx.now,
             started_at=ctx.now,
             restart_cnt=job.restart_cnt,
@@ -666,16 +677,13 @@ class SlurmBackend:
             )
         if job.state == "RUNNING" and "running_at" not in progress:
             progress["running_at"] = ctx.now
-        name = str(progress["job"])
-        nodes = set(progress["nodes"])
-        floor = progress["ckpt_step"] if isinstance(progress.get("ckpt_step"), int) else 0
-        old_pids = set(progress.get("old_pids", []))
-        first: int | None = None
-        for node, rank in self._jobs.ranks(name):
-            if node not in nodes or (rank.pid and rank.pid in old_pids):
-                continue
-            if rank.step > floor and rank.phase != "exit":
-                first = rank.step if first is None else min(first, rank.step)
+        floor = ckpt_floor(progress)
+        first = first_step_past(
+            self._jobs.ranks(str(progress["job"])),
+            nodes=set(progress["nodes"]),
+            floor=floor,
+            old_pids=set(progress.get("old_pids", [])),
+        )
         if first is None:
             waited_s = ctx.now - float(progress["released_at"])
             if waited_s > self._progress_timeout_s:
@@ -697,23 +705,14 @@ class SlurmBackend:
             phases["requeue"] = float(progress["pending_at"]) - float(progress["stop_sent_at"])
             phases["allocation"] = max(0.0, running - released)
         phases["launch"] = max(0.0, ctx.now - running)
-        last = progress.get("last_step")
-        lost = max(0, last - floor) if isinstance(last, int) else None
-        self._observe(phases, lost)
-        text = ", ".join(f"{k} {v:.1f} s" for k, v in phases.items())
-        lost_text = f"; lost steps {lost}" if lost is not None else ""
-        return Outcome(
-            message=f"Slurm job {job.id} (restart {job.restart_cnt}) trains past checkpoint"
-            f" {progress.get('ckpt_step')} on {job_nodes_text(job)} (step {first}); {text}"
-            f"{lost_text}",
-            output={
-                **progress,
-                "phase": "done",
-                "first_step": first,
-                "restarted_at": ctx.now,
-                "phases_s": phases,
-                "lost_steps": lost,
-            },
+        return restart_confirmed(
+            ctx,
+            progress,
+            first=first,
+            phases=phases,
+            observe=self._observe,
+            what=f"Slurm job {job.id} (restart {job.restart_cnt})",
+            where=f" on {job_nodes_text(job)}",
         )
 
     def stop(self, ctx: ActionContext) -> Outcome:
@@ -773,4 +772,26 @@ def job_nodes_text(job: SlurmJob) -> str:
     return ",".join(job.nodes) or "no nodes"
 
 
-__all__ = ["REASON_PREFIX", "SlurmBackend", "node_state_of", "trainguard_reason"]
+def build(deps: BackendDeps) -> SlurmBackend:
+    """The registry's factory: Slurm's client commands as `backend.slurm` configures them
+    (or `deps.slurm_runner`)."""
+    config = deps.config
+    sc = config.backend.slurm
+    runner = deps.slurm_runner or SlurmCli(
+        bin_dir=sc.bin_dir, slurm_conf=sc.slurm_conf, timeout_s=sc.command_timeout_s
+    )
+    return SlurmBackend(
+        config=sc,
+        commands=SlurmCommands(runner),
+        live=deps.live,
+        jobs=deps.jobs,
+        clock=deps.clock,
+        node_silent_after_s=config.node_silent_after_s,
+        spare_wait_s=config.jobs.spare_wait_s,
+        progress_timeout_s=config.jobs.progress_timeout_s,
+        open_incident_nodes=deps.open_incident_nodes,
+        observe=deps.observe,
+    )
+
+
+__all__ = ["REASON_PREFIX", "SlurmBackend", "build", "node_state_of", "trainguard_reason"]

@@ -1,7 +1,7 @@
-"""The default backend: jobs submitted to trainguard run as torchrun launched by the agents
+"""The torchrun backend: jobs submitted to trainguard run as torchrun launched by the agents
 (controller.jobs + the agents' start_job/stop_job), and a drain is trainguard's own (node
-state in the store, `stop_job` to the node's agent). This wraps the existing drain backend
-and job step handlers unchanged."""
+state in the store, `stop_job` to the node's agent). It wraps the local drain backend and the
+job step handlers of controller.actions.jobsteps."""
 
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ from trainguard.controller.actions.jobsteps import (
     CheckpointHandler,
     CollectStacksHandler,
     GrowHandler,
-    PhaseObserver,
     ReplaceHandler,
     RestartHandler,
     StopHandler,
 )
+from trainguard.controller.actions.recovery import PhaseObserver
+from trainguard.controller.backends.base import BackendDeps, Capability
 from trainguard.controller.jobs import JobManager
 from trainguard.controller.views import JobView
 
@@ -27,6 +28,18 @@ class TorchrunBackend:
     """SchedulerBackend over LocalDrainBackend and the torchrun job steps."""
 
     name = "torchrun"
+    capabilities = frozenset(
+        {
+            Capability.CHECKPOINT,
+            Capability.REPLACE,
+            Capability.RESTART,
+            Capability.ROLLBACK,
+            Capability.STOP,
+            Capability.COLLECT_STACKS,
+            Capability.GROW,
+            Capability.SHRINK,
+        }
+    )
 
     def __init__(
         self,
@@ -95,4 +108,20 @@ class TorchrunBackend:
         pass
 
 
-__all__ = ["TorchrunBackend"]
+def build(deps: BackendDeps) -> TorchrunBackend:
+    """The registry's factory: the local drain over the controller's live node state."""
+    config = deps.config
+    return TorchrunBackend(
+        drain=LocalDrainBackend(
+            deps.live,
+            stop_grace_s=config.actions.drain_stop_grace_s,
+            silent_after_s=config.node_silent_after_s,
+            presence=deps.jobs.presence,
+        ),
+        jobs=deps.jobs,
+        open_incident_nodes=deps.open_incident_nodes,
+        observe=deps.observe,
+    )
+
+
+__all__ = ["TorchrunBackend", "build"]
