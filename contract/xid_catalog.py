@@ -1,13 +1,16 @@
 """The XID classification table (rules/xid_catalog.yaml): which XIDs are fatal, caused by the
 application, or informational, and what to do about each.
 
-The table is data so operators can reclassify a code without a release; this module only loads
-it strictly (unknown keys, bad severities and duplicate codes fail naming file, code and reason)
-and answers `get(code)` / `fatal_codes()` for the agent and the controller's rules engine.
+The table is data so operators can reclassify a code without a release; this module loads it
+strictly (unknown keys, bad severities and duplicate codes fail naming file, code and reason)
+and answers `classify(code, message)` for the agent and the controller: for most codes the
+entry decides, for NVLink5 (144-150) and XID 154 the driver's own words in the line do.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -17,12 +20,22 @@ import yaml
 from trainguard.rules import shipped_dir
 from trainguard.strict import ConfigError, Invalid, build
 
-__all__ = ["ACTIONS", "SEVERITIES", "XidCatalog", "XidInfo", "default_catalog_path"]
+__all__ = [
+    "ACTIONS",
+    "DECIDERS",
+    "SEVERITIES",
+    "XidCatalog",
+    "XidInfo",
+    "default_catalog_path",
+    "recovery_action",
+]
 
 Severity = Literal["fatal", "application", "informational"]
 Action = Literal["none", "restart_job", "reset_gpu", "reboot_node", "drain"]
 SEVERITIES: tuple[str, ...] = ("fatal", "application", "informational")
 ACTIONS: tuple[str, ...] = ("none", "restart_job", "reset_gpu", "reboot_node", "drain")
+Decider = Literal["fatal_word", "recovery_action"]
+DECIDERS: tuple[str, ...] = ("fatal_word", "recovery_action")
 CATALOG_VERSION = 1
 _MAX_XID = 1023  # NVIDIA's codes are small; a larger key is a typo, not a new XID
 
@@ -34,6 +47,9 @@ class XidInfo:
     severity: Severity
     action: str  # one of ACTIONS: "none", "restart_job", "reset_gpu", "reboot_node", "drain"
     description: str
+    decided_by: str | None = None  # one of DECIDERS: the line's own words decide
+    source: str = ""  # where the classification comes from
+    differs: str = ""  # why trainguard departs from the source, where it does
 
     @property
     def known(self) -> bool:
@@ -51,6 +67,9 @@ class _EntrySpec:
     severity: Severity
     action: Action
     description: str = ""
+    decided_by: Decider | None = None
+    source: str = ""
+    differs: str = ""
 
     def __post_init__(self) -> None:
         if not self.name.strip():
@@ -138,6 +157,9 @@ class XidCatalog:
                 severity=spec.severity,
                 action=spec.action,
                 description=" ".join(spec.description.split()),
+                decided_by=spec.decided_by,
+                source=" ".join(spec.source.split()),
+                differs=" ".join(spec.differs.split()),
             )
         return cls(entries, source=source)
 
@@ -154,7 +176,25 @@ class XidCatalog:
             description=f"XID {code} is not in the catalog ({self.source or 'built-in'}).",
         )
 
+    def classify(self, code: int, message: str = "") -> XidInfo:
+        """The entry for one reported line: `get(code)`, with severity and action decided by
+        the line where the entry says so (`decided_by`). `message` is the text after the code
+        (`HardwareEvent.message`)."""
+        entry = self.get(code)
+        if entry.decided_by == "fatal_word":
+            m = _FATAL_WORD_RE.search(message)
+            if m is not None and m.group(1).lower().startswith("non"):
+                return dataclasses.replace(entry, severity="informational", action="none")
+        elif entry.decided_by == "recovery_action":
+            decided = recovery_action(message)
+            if decided is not None:
+                severity, action = decided
+                return dataclasses.replace(entry, severity=severity, action=action)
+        return entry
+
     def fatal_codes(self) -> frozenset[int]:
+        """Codes whose entry is fatal; a line of a `decided_by` code may still be classified
+        otherwise by `classify`."""
         return self._fatal
 
     def codes(self) -> tuple[int, ...]:
@@ -165,3 +205,32 @@ class XidCatalog:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+# "..., RLW_SRC_TRACK Nonfatal XC1 i0 Link 03 (...)", "..., RLW, nonfatal, cross-contain=0, ..."
+_FATAL_WORD_RE = re.compile(r"\b(non-?fatal|fatal)\b", re.IGNORECASE)
+# "GPU recovery action changed from 0x0 (None) to 0x2 (Node Reboot Required)"
+_RECOVERY_RE = re.compile(
+    r"recovery action changed from 0x[0-9a-fA-F]+ \([^)]*\) to 0x(?P<code>[0-9a-fA-F]+)"
+    r"(?: \((?P<name>[^)]*)\))?",
+    re.IGNORECASE,
+)
+# nvmlDeviceGpuRecoveryAction_t: the new action's number, with the words drivers print for it
+_RECOVERY_ACTIONS: dict[int, tuple[Severity, str]] = {
+    0: ("informational", "none"),  # NONE
+    1: ("fatal", "reset_gpu"),  # GPU_RESET ("GPU Reset Required", "PF FLR")
+    2: ("fatal", "reboot_node"),  # NODE_REBOOT ("Node Reboot Required", "OS Reboot")
+    3: ("fatal", "drain"),  # DRAIN_P2P
+    4: ("fatal", "reset_gpu"),  # DRAIN_AND_RESET
+    5: ("fatal", "drain"),  # RECOVER_IMEX_DOMAIN
+    6: ("fatal", "reset_gpu"),  # BUS_RESET
+    7: ("fatal", "reboot_node"),  # SYSTEM_REBOOT
+}
+
+
+def recovery_action(message: str) -> tuple[Severity, str] | None:
+    """(severity, action) for an XID 154 line's new recovery action; None if unreadable."""
+    m = _RECOVERY_RE.search(message)
+    if m is None:
+        return None
+    return _RECOVERY_ACTIONS.get(int(m.group("code"), 16))

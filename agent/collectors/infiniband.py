@@ -1,7 +1,9 @@
 """InfiniBand / RoCE port state and counters from sysfs (/sys/class/infiniband).
 
-Reads `<root>/<dev>/ports/<n>/{state,phys_state,rate,link_layer,counters/*,hw_counters/*}`.
-One bad file never drops the others: "N/A (no PMA)" is absent, a file that cannot be read
+Reads `<root>/<dev>/ports/<n>/{state,phys_state,rate,link_layer,counters/*,hw_counters/*}`,
+and `counters_ext/*` where the driver has it (mlx4): its 64-bit data and packet counters stand
+in for the 32-bit `counters/` ones of the same meaning, which stick at 2^32-1. One bad file
+never drops the others: "N/A (no PMA)" is absent, a file that cannot be read
 (EINVAL and friends) or holds junk is listed in `IbPortSample.unreadable`. Raw values only:
 counter wrap and rates are the consumer's business.
 """
@@ -20,6 +22,17 @@ _READ_MAX_BYTES = 4096  # one sysfs page
 _STATE_RE = re.compile(r"^(\d+):\s*(\S.*)$")
 _RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*Gb/sec")
 _NATURAL_RE = re.compile(r"(\d+)")
+# counters_ext/ (mlx4's extended port counters, 64-bit) -> the counters/ name they replace
+EXTENDED_COUNTERS = {
+    "port_rcv_data_64": "port_rcv_data",
+    "port_xmit_data_64": "port_xmit_data",
+    "port_rcv_packets_64": "port_rcv_packets",
+    "port_xmit_packets_64": "port_xmit_packets",
+    "port_unicast_rcv_packets": "unicast_rcv_packets",
+    "port_unicast_xmit_packets": "unicast_xmit_packets",
+    "port_multicast_rcv_packets": "multicast_rcv_packets",
+    "port_multicast_xmit_packets": "multicast_xmit_packets",
+}
 
 
 class _Unreadable(Exception):
@@ -122,6 +135,11 @@ class SysfsIbCollector:
                 unreadable.append("rate")
         link_layer = text("link_layer") or None
         counters = self._counters(port_dir, "counters", unreadable)
+        extended = self._counters(port_dir, "counters_ext", unreadable)
+        for name, value in extended.items():
+            replaces = EXTENDED_COUNTERS.get(name)
+            if replaces is not None:
+                counters[replaces] = value
         hw_counters = self._counters(port_dir, "hw_counters", unreadable)
         return IbPortSample(
             device=device,

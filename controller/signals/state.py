@@ -34,6 +34,7 @@ from trainguard.model import (
 )
 from trainguard.protocol import Event, RankState, Report
 from trainguard.xid_catalog import XidCatalog as _Catalog
+from trainguard.xid_catalog import XidInfo
 
 __all__ = ["SIGNAL_EVENT_KINDS", "SignalState", "XidCatalog"]
 
@@ -49,7 +50,7 @@ SIGNAL_EVENT_KINDS = frozenset(
 class XidCatalog(Protocol):
     """The part of `trainguard.xid_catalog.XidCatalog` this module needs."""
 
-    def fatal_codes(self) -> frozenset[int]: ...
+    def classify(self, code: int, message: str = "") -> XidInfo: ...
 
 
 class SignalState:
@@ -72,7 +73,7 @@ class SignalState:
             raise ValueError("min_spacing_s must not be negative")
         self.history_s = history_s
         self.min_spacing_s = min_spacing_s
-        self.fatal_xids = _fatal_codes(xid_catalog)
+        self.xid_catalog: XidCatalog = xid_catalog if xid_catalog is not None else _Catalog.load()
         self._nodes: dict[str, _NodeRec] = {}
         self._ranks: dict[tuple[str, int], _RankRec] = {}
         self._jobs: dict[str, _JobRec] = {}
@@ -373,7 +374,11 @@ class SignalState:
                 if rec is None:
                     rec = node.gpus[e.gpu] = _GpuRec(e.gpu, None, now)
             if e.kind == "xid":
-                fatal = e.code is not None and e.code in self.fatal_xids
+                # the line decides for some codes (NVLink5 Fatal/Nonfatal, XID 154's action)
+                fatal = (
+                    e.code is not None
+                    and self.xid_catalog.classify(e.code, e.message).severity == "fatal"
+                )
                 self._bump(node.series, "xid_total", node, now, "node")
                 if fatal:
                     self._bump(node.series, "xid_fatal_total", node, now, "node")
@@ -713,12 +718,6 @@ def _merge_links(g: GpuSample, old_links: tuple[NvLinkSample, ...]) -> GpuSample
     if changed:  # a link not held before: appended (the next full report settles the set)
         merged += tuple(changed.values())
     return dataclasses.replace(g, nvlinks=merged)
-
-
-def _fatal_codes(catalog: XidCatalog | None) -> frozenset[int]:
-    if catalog is not None:
-        return frozenset(catalog.fatal_codes())
-    return frozenset(_Catalog.load().fatal_codes())
 
 
 def _tuple_getter(names: Sequence[str]) -> Callable[[Any], Any]:

@@ -12,8 +12,42 @@ from trainguard.strict import ConfigError
 from trainguard.xid_catalog import ACTIONS, XidCatalog, default_catalog_path
 
 REPO = Path(__file__).resolve().parents[3]
-REQUIRED = [8, 13, 31, 32, 38, 43, 44, 45, 48, 61, 62, 63, 64, 68, 69, 74, 79, 92, 94, 95, 109,
-            119, 120, 121, 122, 123, 124, 140, 143, *range(144, 151), 154]  # fmt: skip
+REQUIRED = [
+    8,
+    13,
+    31,
+    32,
+    38,
+    43,
+    44,
+    45,
+    46,
+    48,
+    61,
+    62,
+    63,
+    64,
+    68,
+    69,
+    74,
+    78,
+    79,
+    92,
+    94,
+    95,
+    109,
+    110,
+    119,
+    120,
+    121,
+    122,
+    123,
+    124,
+    140,
+    143,
+    *range(144, 151),
+    154,
+]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +72,10 @@ def test_shipped_catalog_covers_the_codes_operators_meet(catalog):
     [
         pytest.param(13, "application", "restart_job", id="13-graphics-exception"),
         pytest.param(31, "application", "restart_job", id="31-mmu-fault"),
-        pytest.param(43, "application", "restart_job", id="43-channel-reset"),
+        pytest.param(38, "informational", "none", id="38-firmware-watchdog-ignore"),
+        pytest.param(43, "informational", "none", id="43-channel-reset-ignore"),
+        pytest.param(44, "informational", "none", id="44-ctxsw-fault-ignore"),
+        pytest.param(46, "fatal", "reset_gpu", id="46-gpu-stopped"),
         pytest.param(45, "application", "none", id="45-preemptive-cleanup"),
         pytest.param(48, "fatal", "reset_gpu", id="48-dbe"),
         pytest.param(63, "informational", "none", id="63-row-remap-event"),
@@ -47,6 +84,8 @@ def test_shipped_catalog_covers_the_codes_operators_meet(catalog):
         pytest.param(79, "fatal", "reboot_node", id="79-fallen-off-bus"),
         pytest.param(94, "application", "restart_job", id="94-contained-ecc"),
         pytest.param(95, "fatal", "reset_gpu", id="95-uncontained-ecc"),
+        pytest.param(109, "fatal", "reset_gpu", id="109-ctxsw-timeout"),
+        pytest.param(110, "fatal", "reset_gpu", id="110-security-fault"),
         pytest.param(119, "fatal", "reset_gpu", id="119-gsp-timeout"),
     ],
 )
@@ -54,6 +93,66 @@ def test_classification_of_key_codes(catalog, code, severity, action):
     info = catalog.get(code)
 
     assert (info.code, info.severity, info.action) == (code, severity, action)
+
+
+def test_every_shipped_entry_cites_its_source(catalog):
+    for code in catalog.codes():
+        info = catalog.get(code)
+        assert info.source.startswith("NVIDIA XID catalog: "), code
+        if info.decided_by is None and info.source.endswith(("RESET_GPU", "RESTART_APP")):
+            expected = "reset_gpu" if info.source.endswith("RESET_GPU") else "restart_job"
+            assert info.action == expected or info.differs, f"{code}: departs without a reason"
+
+
+_CHANGED = "GPU recovery action changed from "
+
+
+@pytest.mark.parametrize(
+    ("code", "message", "severity", "action"),
+    [
+        pytest.param(145, "RLW_REMAP Nonfatal XC0 i0 Link 00 (0x4 0x1)", "informational", "none"),
+        pytest.param(145, "RLW, nonfatal, cross-contain=0, Link 3", "informational", "none"),
+        pytest.param(145, "RLW_REMAP Non-fatal XC0", "informational", "none", id="non-fatal"),
+        pytest.param(145, "RLW_REMAP Fatal XC0 i0 Link 00", "fatal", "reset_gpu"),
+        pytest.param(145, "RLW_REMAP", "fatal", "reset_gpu", id="no-word-keeps-entry"),
+        pytest.param(48, "Nonfatal", "fatal", "reset_gpu", id="word-ignored-elsewhere"),
+        pytest.param(
+            154,
+            _CHANGED + "0x1 (GPU Reset Required) to 0x0 (None)",
+            "informational",
+            "none",
+            id="154-to-none",
+        ),
+        pytest.param(
+            154,
+            _CHANGED + "0x0 (None) to 0x2 (Node Reboot Required)",
+            "fatal",
+            "reboot_node",
+            id="154-to-reboot",
+        ),
+        pytest.param(
+            154, _CHANGED + "0x0 (None) to 0x3 (Drain P2P)", "fatal", "drain", id="154-to-drain"
+        ),
+        pytest.param(
+            154,
+            _CHANGED + "0x0 (None) to 0x4 (Drain and Reset)",
+            "fatal",
+            "reset_gpu",
+            id="154-to-drain-and-reset",
+        ),
+        pytest.param(
+            154,
+            _CHANGED + "0x0 (None) to 0x9 (Future)",
+            "fatal",
+            "reset_gpu",
+            id="154-unknown-action-keeps-entry",
+        ),
+    ],
+)
+def test_the_line_decides_where_the_entry_says_so(catalog, code, message, severity, action):
+    info = catalog.classify(code, message)
+
+    assert (info.severity, info.action) == (severity, action)
 
 
 def test_fatal_codes_are_exactly_the_fatal_entries(catalog):

@@ -22,14 +22,16 @@ from trainguard.controller.signals import (
 )
 from trainguard.model import GpuSample, IbPortSample, NvLinkSample
 from trainguard.protocol import Event, RankState, Report
+from trainguard.xid_catalog import XidInfo
 
 T0 = 1_700_000_000.0
 T = TypeVar("T")
 
 
 class _Catalog:
-    def fatal_codes(self) -> frozenset[int]:
-        return frozenset({79})
+    def classify(self, code: int, message: str = "") -> XidInfo:
+        severity = "fatal" if code == 79 else "informational"
+        return XidInfo(code=code, name="x", severity=severity, action="none", description="")
 
 
 def _gpu(index: int = 0, **fields: object) -> GpuSample:

@@ -58,6 +58,35 @@ def test_healthy_node_reports_eight_active_400g_ports():
     }
 
 
+def test_mlx4_extended_counters_replace_the_stuck_32_bit_ones():
+    (port,) = SysfsIbCollector(root=str(SYSFS / "mlx4_ext")).collect()
+
+    assert (port.device, port.port, port.rate_gbps) == ("mlx4_0", 1, 56.0)
+    # counters/ holds 2^32-1 for these; counters_ext/ the real 64-bit values
+    assert port.counters["port_rcv_data"] == 1789569706240
+    assert port.counters["port_xmit_data"] == 1801254109184
+    assert port.counters["port_rcv_packets"] == 9876543210
+    assert port.counters["port_xmit_packets"] == 9912345678
+    assert port.counters["unicast_rcv_packets"] == 9876000000
+    assert port.counters["multicast_xmit_packets"] == 345678
+    assert port.counters["link_downed"] == 1  # counters/ without a 64-bit twin are kept
+    assert "port_rcv_data_64" not in port.counters
+    assert port.unreadable == ()
+
+
+def test_an_unreadable_extended_counter_keeps_the_32_bit_one(tmp_path):
+    root = _copy("mlx4_ext", tmp_path)
+    bad = root / "mlx4_0" / "ports" / "1" / "counters_ext" / "port_rcv_data_64"
+    bad.unlink()
+    bad.mkdir()
+
+    (port,) = SysfsIbCollector(root=str(root)).collect()
+
+    assert port.counters["port_rcv_data"] == 4294967295
+    assert port.counters["port_xmit_data"] == 1801254109184
+    assert port.unreadable == ("counters_ext/port_rcv_data_64",)
+
+
 def test_devices_sort_naturally(tmp_path):
     root = _copy("healthy_8port", tmp_path)
     shutil.copytree(root / "mlx5_1", root / "mlx5_10")
