@@ -47,6 +47,7 @@ from trainguard.agent.preemption import (
     build_probe,
 )
 from trainguard.agent.reporter import EventSpool, Reporter, read_token
+from trainguard.agent.senders import JobClaims, SenderResolver
 from trainguard.agent.sim import SimHardware
 from trainguard.agent.sources import Harvest, Outcome, Source, Transition
 from trainguard.agent.stacks import stacks_handler
@@ -249,6 +250,9 @@ class Agent:
         self._reporter_thread: threading.Thread | None = None
         self.executor: CommandExecutor | None = None
         self.jobs: JobRunner | None = None
+        self._senders = SenderResolver(
+            proc_root="/proc", launches=self._launch_leaders, monotonic=clock.monotonic
+        )
         self._slow: queue.Queue[Command | None] = queue.Queue(maxsize=COMMAND_QUEUE_MAX)
         self._slow_thread: threading.Thread | None = None
         self._count_lock = threading.Lock()  # the loop and the slow-command worker both count
@@ -344,6 +348,12 @@ class Agent:
         )
         self._notifier.ready(status=f"serving node={self.node}")
 
+    def _launch_leaders(self) -> dict[tuple[int, int], str]:
+        return self.jobs.launch_leaders() if self.jobs is not None else {}
+
+    def _running_jobs(self) -> frozenset[str]:
+        return self.jobs.running_jobs() if self.jobs is not None else frozenset()
+
     def _open_heartbeat(self) -> HeartbeatServer:
         hb = self.config.heartbeat
         kwargs: dict[str, Any] = {
@@ -355,6 +365,10 @@ class Agent:
             "per_sender_rate_hz": hb.per_sender_rate_hz,
             "max_rate_hz": hb.max_rate_hz,
             "proc_root": "/proc",  # forget ranks whose process exited
+            # a heartbeat speaks only for its sender's job: launches are known once the job
+            # runner exists (it is opened after the socket it hands to its jobs)
+            "origin_of": self._senders.origin,
+            "claims": JobClaims(launched=self._running_jobs),
         }
         try:
             return HeartbeatServer(path=hb.socket_path, **kwargs)

@@ -5,6 +5,9 @@
 events into spoolable records, and sends Control datagrams to a job's ranks. A flood cannot
 cost unbounded memory or CPU: reads are rate limited in total and per sending process
 (identified by kernel-supplied credentials), tracked ranks are capped, silent ones forgotten.
+A heartbeat speaks only for its sender's own job and rank (agent.senders): the kernel names the
+sending process, its origin decides which job it may name, and a rank a live process already
+speaks for is not taken over by another.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ import stat
 import struct
 import threading
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainguard.agent.senders import REFUSALS, JobClaims, Origin
 from trainguard.clock import Clock
 from trainguard.protocol import (
     HEARTBEAT_MAX_BYTES,
@@ -45,6 +50,7 @@ DROP_REASONS = (
     "unsupported_version",
     "rate_limited",
     "too_many_ranks",
+    "sender_not_allowed",  # the sending process may not speak for that job or rank (REFUSALS)
 )
 # heartbeat `event` names that map to their own Event kind; others become "trainer_event"
 KNOWN_EVENTS = {
@@ -61,6 +67,8 @@ RATE_LIMITED_SLEEP_S = 0.01  # over the total budget: the kernel queue holds the
 GATHER_S = 0.005
 DRAIN_BATCH = 256  # datagrams per drain before checking for stop again
 _CRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
+REFUSAL_LOG_INTERVAL_S = 60.0  # one log line per (uid, job, reason) at most this often
+_MAX_REFUSAL_LOG_KEYS = 256
 
 
 @dataclass(frozen=True)
@@ -143,8 +151,16 @@ class HeartbeatServer:
         per_sender_rate_hz: float = 200.0,
         max_rate_hz: float = 5000.0,
         proc_root: str | None = None,
+        origin_of: Callable[[int, int], Origin] | None = None,
+        claims: JobClaims | None = None,
     ) -> None:
         self.path = Path(path)
+        # Who sent a datagram (pid, uid from the kernel) -> what it belongs to; without a
+        # resolver every sender is a plain user process known by its uid.
+        self._origin_of = origin_of or (lambda pid, uid: Origin("user", uid))
+        self._claims = claims if claims is not None else JobClaims()
+        self.refused_total: dict[str, int] = dict.fromkeys(REFUSALS, 0)
+        self._refusal_logged: dict[tuple[int, str, str], float] = {}
         # With a proc root, ranks whose sending process exited are forgotten at once.
         self._proc_root = proc_root
         self._clock = clock
@@ -288,19 +304,22 @@ class HeartbeatServer:
                 if self._stop.is_set():
                     break
                 raise
-            pid = -1
+            pid = uid = -1
             for level, kind, payload in anc:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
-                    pid = _CRED.unpack(payload[: _CRED.size])[0]
+                    pid, uid, _ = _CRED.unpack(payload[: _CRED.size])
             truncated = bool(flags & socket.MSG_TRUNC) or len(data) > HEARTBEAT_MAX_BYTES
-            self.handle_datagram(data, pid=pid, truncated=truncated)
+            self.handle_datagram(data, pid=pid, uid=uid, truncated=truncated)
             n += 1
         return n
 
     # -- processing ------------------------------------------------------------------------
 
-    def handle_datagram(self, data: bytes, *, pid: int = -1, truncated: bool = False) -> None:
-        """Process one datagram from process `pid` (the decision part, testable directly)."""
+    def handle_datagram(
+        self, data: bytes, *, pid: int = -1, uid: int = -1, truncated: bool = False
+    ) -> None:
+        """Process one datagram from process `pid` of user `uid` (the decision part, testable
+        directly; -1: the kernel named no sender)."""
         now_mono = self._clock.monotonic()
         with self._lock:
             if not self._sender_allows(pid, now_mono):
@@ -319,8 +338,14 @@ class HeartbeatServer:
                 else:
                     self._drop("out_of_bounds" if e.out_of_bounds else "malformed")
             return
+        origin = self._origin_of(pid, uid)
         with self._lock:
-            self._accept(hb, now_mono, sender_pid=pid)
+            refusal = self._claims.check(origin, hb.job) or self._rank_refusal(hb, pid)
+            if refusal is not None:
+                self._refuse(refusal, hb, pid=pid, uid=uid, now_mono=now_mono)
+                return
+            if self._accept(hb, now_mono, sender_pid=pid):
+                self._claims.bind(origin, hb.job)
 
     def _sender_allows(self, pid: int, now_mono: float) -> bool:
         bucket = self._senders.get(pid)
@@ -336,7 +361,36 @@ class HeartbeatServer:
     def _drop(self, reason: str) -> None:
         self.dropped_total[reason] += 1
 
-    def _accept(self, hb: Heartbeat, now_mono: float, *, sender_pid: int = -1) -> None:
+    def _rank_refusal(self, hb: Heartbeat, pid: int) -> str | None:
+        """A rank a live process speaks for is not taken over by another process (a restarted
+        rank's new process takes over once the old one is gone)."""
+        track = self._ranks.get((hb.job, hb.rank))
+        if track is None or pid <= 0 or track.sender_pid <= 0 or track.sender_pid == pid:
+            return None
+        if self._proc_root is None or _process_gone(track.sender_pid, self._proc_root):
+            return None
+        return "rank_taken"
+
+    def _refuse(self, reason: str, hb: Heartbeat, *, pid: int, uid: int, now_mono: float) -> None:
+        self._drop("sender_not_allowed")
+        self.refused_total[reason] += 1
+        key = (uid, hb.job, reason)
+        last = self._refusal_logged.get(key)
+        if last is not None and now_mono - last < REFUSAL_LOG_INTERVAL_S:
+            return
+        if len(self._refusal_logged) >= _MAX_REFUSAL_LOG_KEYS:
+            self._refusal_logged.clear()
+        self._refusal_logged[key] = now_mono
+        log.warning(
+            "event=heartbeat_sender_refused reason=%s pid=%d uid=%d job=%s rank=%d",
+            reason,
+            pid,
+            uid,
+            hb.job,
+            hb.rank,
+        )
+
+    def _accept(self, hb: Heartbeat, now_mono: float, *, sender_pid: int = -1) -> bool:
         key = (hb.job, hb.rank)
         track = self._ranks.get(key)
         if track is None:
@@ -344,7 +398,7 @@ class HeartbeatServer:
                 self._expire(now_mono)
             if len(self._ranks) >= self._max_ranks:
                 self._drop("too_many_ranks")
-                return
+                return False
             track = _Track(hb=hb, seen_mono=now_mono, step_changed_mono=now_mono)
             self._ranks[key] = track
         elif hb.step != track.hb.step:
@@ -366,8 +420,15 @@ class HeartbeatServer:
                     data={"step": hb.step, "pid": hb.pid, **_bounded(hb.event_data)},
                 )
             )
+        return True
 
     def _expire(self, now_mono: float) -> None:
+        before = {job for job, _ in self._ranks}
+        self._expire_ranks(now_mono)
+        for job in before - {job for job, _ in self._ranks}:
+            self._claims.forget(job)  # no rank left here: the name is free again
+
+    def _expire_ranks(self, now_mono: float) -> None:
         cutoff = now_mono - self._rank_timeout_s
         for key in [k for k, t in self._ranks.items() if t.seen_mono < cutoff]:
             del self._ranks[key]
@@ -411,6 +472,7 @@ class HeartbeatServer:
                 "events_dropped_total": self.events_dropped_total,
                 "control_sent_total": self.control_sent_total,
                 "control_errors_total": self.control_errors_total,
+                "refused_total": dict(self.refused_total),
                 "ranks": len(self._ranks),
             }
 

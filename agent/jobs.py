@@ -1143,6 +1143,21 @@ class JobRunner:
             launch_id = j.launch_id
         return find_launch_processes(leader_pid=leader, launch_id=launch_id)
 
+    def launch_leaders(self) -> dict[tuple[int, int], str]:
+        """(leader pid, leader start ticks) -> job, for every launch still running here: what
+        a heartbeat's sender must descend from to speak for that job (agent.senders)."""
+        with self._lock:
+            return {
+                (j.pid, j.start_ticks): j.spec.job
+                for j in self._jobs.values()
+                if j.state != "exited" and j.start_ticks is not None
+            }
+
+    def running_jobs(self) -> frozenset[str]:
+        """Names of the jobs whose launch still runs here."""
+        with self._lock:
+            return frozenset(j.spec.job for j in self._jobs.values() if j.state != "exited")
+
     def log_path(self, job: str) -> Path | None:
         """Where the job's latest attempt writes its output (None if never started here)."""
         with self._lock:
