@@ -53,8 +53,8 @@ __all__ = ["EXIT", "AgentctlConfig", "format_age", "main", "parse_duration"]
 EXIT = {"ok": 0, "error": 1, "usage": 2, "not_found": 3, "auth": 4, "connect": 5}
 DEFAULT_URL = "http://127.0.0.1:8800"
 FORMATS = ("table", "wide", "json", "yaml")
-# the header the API reads to name the client in a drain reason it fills in (controller/api.py;
-# agentctl does not import the API, which needs the controller extra)
+# the header the API reads to name the client in a drain reason it fills in
+# (controller/api/nodes.py; agentctl does not import the API, which needs the controller extra)
 CLIENT_HEADER = "X-Trainguard-Client"
 
 

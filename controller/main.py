@@ -196,7 +196,7 @@ def _serve(
     try:
         import uvicorn  # noqa: PLC0415
 
-        from trainguard.controller.api import create_app  # noqa: PLC0415
+        from trainguard.controller.api.app import create_app  # noqa: PLC0415
     except ImportError as e:
         print(
             f"trainguard-controller: {e.name or e} is not installed: the controller host needs "

@@ -11,7 +11,7 @@ import pytest
 
 from tests.fakes.controller_service import FakeService
 from trainguard.clock import FakeClock
-from trainguard.controller.api import create_app
+from trainguard.controller.api.app import create_app
 from trainguard.controller.auth import TokenStore
 from trainguard.controller.config import ConfigError, load_config
 from trainguard.controller.core import Controller
@@ -209,12 +209,14 @@ def test_forwarded_requests_get_the_apps_answers(app: Any) -> None:
     assert nodes[1][b"content-type"] == b"application/json"
 
 
-def test_report_ingest_decodes_and_ingests_a_handed_over_body(app: Any) -> None:
+def test_a_handed_over_body_is_decoded_and_ingested(app: Any) -> None:
     body = encode_json(Report(node="node-3", instance="i", seq=1, sent_at=1_000.0))
 
     async def run() -> tuple[Any, Any, Any]:
-        ok = await app.report_ingest(body, "agent-node-3", "node-3")
-        invalid = await app.report_ingest(b'{"v": 1}', "agent-node-3", "node-3")
+        ok = await app.report_path.decode_and_ingest(body, actor="agent-node-3", node="node-3")
+        invalid = await app.report_path.decode_and_ingest(
+            b'{"v": 1}', actor="agent-node-3", node="node-3"
+        )
         status, _, listed = await call_asgi(app, _meta("GET", "/v1/nodes", token="op"), b"")
         return ok, invalid, (status, json.loads(listed))
 
@@ -228,7 +230,7 @@ def test_report_handed_over_for_another_node_is_refused_and_audited(app: Any) ->
     body = encode_json(Report(node="node-2", instance="i", seq=1, sent_at=1_000.0))
 
     async def run() -> tuple[Any, Any, Any]:
-        refused = await app.report_ingest(body, "agent-node-1", "node-1")
+        refused = await app.report_path.decode_and_ingest(body, actor="agent-node-1", node="node-1")
         _, _, listed = await call_asgi(app, _meta("GET", "/v1/nodes", token="op"), b"")
         _, _, audit = await call_asgi(app, _meta("GET", "/v1/audit", token="op"), b"")
         return refused, json.loads(listed), json.loads(audit)
