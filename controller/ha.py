@@ -26,8 +26,8 @@ from typing import Any
 from prometheus_client import Counter, Gauge
 
 from trainguard.clock import SYSTEM_CLOCK, Clock
+from trainguard.controller.composition import ActionBackends, Controller
 from trainguard.controller.config import ControllerConfig
-from trainguard.controller.core import ActionBackends, Controller
 from trainguard.controller.dialect import POSTGRES, Connection, Dialect, StoreConnectError
 from trainguard.controller.errors import NotLeader
 from trainguard.controller.jobs import JobSpec

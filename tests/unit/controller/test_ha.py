@@ -23,8 +23,8 @@ from trainguard.controller.actions.base import TransientError
 from trainguard.controller.actions.notify import RecordingNotifier
 from trainguard.controller.api.app import create_app
 from trainguard.controller.auth import TokenStore
+from trainguard.controller.composition import ActionBackends
 from trainguard.controller.config import ControllerConfig
-from trainguard.controller.core import ActionBackends
 from trainguard.controller.dialect import SQLITE
 from trainguard.controller.errors import NotLeader
 from trainguard.controller.ha import HaController

@@ -16,7 +16,7 @@ from trainguard.controller.api.app import create_app
 from trainguard.controller.api.errors import ApiError
 from trainguard.controller.api.requests import authenticate_report, request_headers
 from trainguard.controller.auth import Principal, TokenStore
-from trainguard.controller.core import Controller
+from trainguard.controller.composition import Controller
 from trainguard.controller.tlsauth import PEER_NODE_KEY, cert_node
 from trainguard.protocol import Event, encode_json
 

@@ -13,8 +13,8 @@ from tests.fakes.controller_service import FakeService
 from trainguard.clock import FakeClock
 from trainguard.controller.api.app import create_app
 from trainguard.controller.auth import TokenStore
+from trainguard.controller.composition import Controller
 from trainguard.controller.config import ConfigError, load_config
-from trainguard.controller.core import Controller
 from trainguard.controller.ingest.frames import (
     ANSWER_MAX_BYTES,
     HEADER,

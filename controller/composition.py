@@ -1,5 +1,5 @@
-"""The Controller: builds the controller's parts over one store and presents them as one
-object, the ControllerService the API calls.
+"""The controller's composition root: `Controller` builds the controller's parts over one
+store and presents them as one object, the ControllerService the API calls.
 
 The work is done by services, each with one job: `ReportService` (controller/reports.py,
 the report ingest hot path and the commands riding on its responses), `TickService`
