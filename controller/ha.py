@@ -413,7 +413,8 @@ class HaController:
     # standby's read-only one (memory and the store; its node list refreshed each round).
     # Writes go to the current Controller too; its store fence refuses them unless this
     # controller holds the lease (NotLeader, which the API answers 503 naming the leader; the
-    # API refuses a standby's writes before they get here). A report is checked here first.
+    # API refuses a standby's writes before they get here). A report is refused here, before
+    # anything is stored. reload_rules is with the lifecycle above.
 
     def _refuse(self) -> NotLeader:
         leader = self.leader_url()
@@ -429,57 +430,57 @@ class HaController:
         return self._current.ingest_report(report, actor=actor)
 
     def refuse_report(self, *, actor: str, node: str, bound_node: str) -> None:
-        """A write (the audit row): fenced."""
+        """Write (the audit row): the leader does it; a standby's store fence refuses it."""
         self._current.refuse_report(actor=actor, node=node, bound_node=bound_node)
 
     def list_nodes(self) -> list[NodeView]:
-        """A read: served by leader and standby."""
+        """Read: served by leader and standby alike."""
         return self._current.list_nodes()
 
     def get_node(self, name: str) -> NodeView:
-        """A read: served by leader and standby."""
+        """Read: served by leader and standby alike."""
         return self._current.get_node(name)
 
     def set_role(self, name: str, *, role: NodeRole, actor: str) -> NodeView:
-        """A write: fenced."""
+        """Write: the leader does it; a standby's store fence refuses it (NotLeader)."""
         return self._current.set_role(name, role=role, actor=actor)
 
     def drain(self, name: str, *, reason: str, actor: str) -> NodeView:
-        """A write: fenced."""
+        """Write: the leader does it; a standby's store fence refuses it (NotLeader)."""
         return self._current.drain(name, reason=reason, actor=actor)
 
     def undrain(self, name: str, *, actor: str, force: bool = False) -> NodeView:
-        """A write: fenced."""
+        """Write: the leader does it; a standby's store fence refuses it (NotLeader)."""
         return self._current.undrain(name, actor=actor, force=force)
 
     def list_spares(self) -> list[NodeView]:
-        """A read: served by leader and standby."""
+        """Read: served by leader and standby alike."""
         return self._current.list_spares()
 
     def list_incidents(
         self, *, state: str | None = None, node: str | None = None, limit: int = 100
     ) -> list[IncidentView]:
-        """A read: served by leader and standby."""
+        """Read: served by leader and standby alike."""
         return self._current.list_incidents(state=state, node=node, limit=limit)
 
     def get_incident(self, incident_id: int) -> IncidentDetail:
-        """A read: served by leader and standby."""
+        """Read: served by leader and standby alike."""
         return self._current.get_incident(incident_id)
 
     def list_jobs(self) -> list[JobView]:
-        """A read: served by leader and standby."""
+        """Read: served by leader and standby alike."""
         return self._current.list_jobs()
 
     def get_job(self, name: str) -> JobView:
-        """A read: served by leader and standby."""
+        """Read: served by leader and standby alike."""
         return self._current.get_job(name)
 
     def submit_job(self, spec: JobSpec, *, actor: str) -> JobView:
-        """A write: fenced."""
+        """Write: the leader does it; a standby's store fence refuses it (NotLeader)."""
         return self._current.submit_job(spec, actor=actor)
 
     def job_action(self, name: str, kind: str, *, actor: str) -> ActionView:
-        """A write: fenced."""
+        """Write: the leader does it; a standby's store fence refuses it (NotLeader)."""
         return self._current.job_action(name, kind, actor=actor)
 
     def create_silence(
@@ -491,28 +492,26 @@ class HaController:
         comment: str,
         actor: str,
     ) -> SilenceView:
-        """A write: fenced."""
+        """Write: the leader does it; a standby's store fence refuses it (NotLeader)."""
         return self._current.create_silence(
             rule=rule, node=node, duration_s=duration_s, comment=comment, actor=actor
         )
 
     def list_silences(self, *, include_expired: bool = False) -> list[SilenceView]:
-        """A read: served by leader and standby."""
+        """Read: served by leader and standby alike."""
         return self._current.list_silences(include_expired=include_expired)
 
     def delete_silence(self, silence_id: int, *, actor: str) -> None:
-        """A write: fenced."""
+        """Write: the leader does it; a standby's store fence refuses it (NotLeader)."""
         self._current.delete_silence(silence_id, actor=actor)
 
     def inject_fault(self, node: str, spec: FaultSpec, *, actor: str) -> str:
-        """A write (a queued command): fenced."""
+        """Write (a queued command): the leader does it; a standby's store fence refuses it."""
         return self._current.inject_fault(node, spec, actor=actor)
 
     def audit_log(self, *, limit: int = 100) -> list[AuditEntry]:
-        """A read: served by leader and standby."""
+        """Read: served by leader and standby alike."""
         return self._current.audit_log(limit=limit)
-
-    # reload_rules is with the lifecycle above: the leader reloads, a standby checks the files
 
 
 def _err(e: BaseException) -> str:
