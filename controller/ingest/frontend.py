@@ -37,8 +37,8 @@ from trainguard.controller.ingest.frames import (
     KINDS,
     FrameError,
     Headers,
+    decode_handover,
     decode_http,
-    decode_report,
     encode_answer,
     encode_frame,
     error_answer,
@@ -314,7 +314,7 @@ class IngestFrontend:
                 if kind == KIND_REPORT:
                     # inline and in order, as the core serves its own reports: the ingest is
                     # synchronous and serialised on the controller's lock anyway
-                    actor, node, raw = decode_report(payload)
+                    actor, node, raw = decode_handover(payload)
                     try:
                         status, body, extra = await decode_and_ingest(raw, actor=actor, node=node)
                         headers = (

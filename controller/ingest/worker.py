@@ -32,8 +32,8 @@ from trainguard.controller.ingest.frames import (
     Headers,
     decode_answer,
     encode_frame,
+    encode_handover,
     encode_http,
-    encode_report,
     error_answer,
     json_headers,
     read_frame,
@@ -141,7 +141,7 @@ class WorkerApp:
         except ApiError as e:
             body = json.dumps({"error": e.error, "detail": e.detail}, separators=(",", ":"))
             return e.status, json_headers(body.encode(), e.headers), body.encode()
-        payload = encode_report(principal.name, principal.node, raw)
+        payload = encode_handover(principal.name, principal.node, raw)
         return await self._channel.request(KIND_REPORT, payload)
 
     async def _forward(self, scope: Any, receive: Any) -> tuple[int, Headers, bytes]:
