@@ -131,8 +131,8 @@ def install_error_handlers(app: FastAPI, *, leadership: Leadership | None) -> No
         if isinstance(exc, NotLeader) and leadership is not None:
             err = not_leader_error(leadership, str(exc))
             return error_response(err.status, err.error, err.detail, err.headers)
-        status = exc.status if 400 <= exc.status < 500 else 500
-        return error_response(status, str(exc) or type(exc).__name__)
+        status, body, _ = service_error_reply(exc)
+        return Response(body, status_code=status, media_type="application/json")
 
     @app.exception_handler(StoreUnavailable)
     async def _store_unavailable(_: Request, exc: StoreUnavailable) -> Response:
