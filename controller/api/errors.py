@@ -131,7 +131,7 @@ def install_error_handlers(app: FastAPI, *, leadership: Leadership | None) -> No
         if isinstance(exc, NotLeader) and leadership is not None:
             err = not_leader_error(leadership, str(exc))
             return error_response(err.status, err.error, err.detail, err.headers)
-        status, body, _ = service_error_reply(exc)
+        status, body, _no_headers = service_error_reply(exc)
         return Response(body, status_code=status, media_type="application/json")
 
     @app.exception_handler(StoreUnavailable)
