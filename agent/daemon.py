@@ -49,7 +49,7 @@ from trainguard.agent.preemption import (
 from trainguard.agent.reporter import EventSpool, Reporter, read_token
 from trainguard.agent.senders import JobClaims, SenderResolver
 from trainguard.agent.sim import SimHardware
-from trainguard.agent.sources import Harvest, Outcome, Source, Transition
+from trainguard.agent.sources import CallOutcome, Source, TakeResult, Transition
 from trainguard.agent.stacks import stacks_handler
 from trainguard.clock import SYSTEM_CLOCK, Clock
 from trainguard.model import (
@@ -759,7 +759,7 @@ class Agent:
 
     # -- sources -------------------------------------------------------------------------
 
-    def _wake_on_events(self, name: str, outcome: Outcome) -> None:
+    def _wake_on_events(self, name: str, outcome: CallOutcome) -> None:
         """From a source worker: wake the loop when the result carries events (an XID must
         not wait for the next tick to reach the spool)."""
         v = outcome.value
@@ -773,16 +773,16 @@ class Agent:
         """Feed every source's finished results to its handler and note stale/recovered
         edges (the loop's thread only: the handlers touch the loop's own state)."""
         for source, handle in self._sources:
-            harvest: Harvest = source.take()
-            for transition in harvest.transitions:
+            taken: TakeResult = source.take()
+            for transition in taken.transitions:
                 self._on_source_transition(transition)
-            for outcome in harvest.outcomes:
+            for outcome in taken.outcomes:
                 self._take_outcome(source.name, outcome, handle)
-            self._source_stale[source.name] = harvest.stale
-            if harvest.last_success_unix is not None:
-                self._source_last_success[source.name] = harvest.last_success_unix
+            self._source_stale[source.name] = taken.stale
+            if taken.last_success_unix is not None:
+                self._source_last_success[source.name] = taken.last_success_unix
 
-    def _take_outcome(self, name: str, outcome: Outcome, handle: Callable[[Any], None]) -> None:
+    def _take_outcome(self, name: str, outcome: CallOutcome, handle: Callable[[Any], None]) -> None:
         self._collect_duration_s[name] = outcome.duration_s
         if outcome.error is not None:
             self._collect_errors_total[name] = self._collect_errors_total.get(name, 0) + 1

@@ -640,7 +640,7 @@ def decode_response(raw: bytes) -> ReportResponse:
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 
 
-def _wire(value: Any) -> Any:
+def _to_wire_cached(value: Any) -> Any:
     """`trainguard.protocol.to_wire` with the field names cached per class: same output (a test
     compares them), ~3x faster, which matters for a report sent every second forever."""
     t = type(value)
@@ -658,20 +658,20 @@ def _wire(value: Any) -> Any:
         for name in names:
             v = getattr(value, name)
             if v is not None:
-                out[name] = _wire(v)
+                out[name] = _to_wire_cached(v)
         return out
     if isinstance(value, float):
-        return _wire(float(value))
+        return _to_wire_cached(float(value))
     if isinstance(value, Mapping):
-        return {str(k): _wire(v) for k, v in value.items()}
+        return {str(k): _to_wire_cached(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_wire(v) for v in value]
+        return [_to_wire_cached(v) for v in value]
     return value
 
 
 def encode_report(report: Report) -> bytes:
     """The report as compact JSON bytes, exactly as `trainguard.protocol.encode_json` writes it."""
-    return json.dumps(_wire(report), separators=(",", ":"), allow_nan=False).encode()
+    return json.dumps(_to_wire_cached(report), separators=(",", ":"), allow_nan=False).encode()
 
 
 def _refuses_deltas(resp: httpx.Response) -> bool:

@@ -20,7 +20,14 @@ from typing import Any, Literal
 
 from trainguard.clock import Clock
 
-__all__ = ["MAX_PENDING_OUTCOMES", "Harvest", "Outcome", "Source", "SourceState", "Transition"]
+__all__ = [
+    "MAX_PENDING_OUTCOMES",
+    "TakeResult",
+    "CallOutcome",
+    "Source",
+    "SourceState",
+    "Transition",
+]
 
 log = logging.getLogger("trainguard.agent.sources")
 
@@ -31,7 +38,7 @@ ERROR_MAX_CHARS = 200
 
 
 @dataclass(frozen=True)
-class Outcome:
+class CallOutcome:
     """One finished call: its value, or the error it raised (bounded text)."""
 
     value: Any
@@ -52,10 +59,10 @@ class Transition:
 
 
 @dataclass(frozen=True)
-class Harvest:
+class TakeResult:
     """What one `Source.take` hands the collect loop."""
 
-    outcomes: tuple[Outcome, ...]
+    outcomes: tuple[CallOutcome, ...]
     transitions: tuple[Transition, ...]
     stale: bool
     last_success_unix: float | None
@@ -159,7 +166,7 @@ class Source:
         interval_s: float,
         deadline_s: float,
         clock: Clock,
-        on_outcome: Callable[[str, Outcome], None] | None = None,
+        on_outcome: Callable[[str, CallOutcome], None] | None = None,
     ) -> None:
         self.name = name
         self._body = body
@@ -169,7 +176,7 @@ class Source:
         self._state = SourceState(
             name=name, interval_s=interval_s, deadline_s=deadline_s, now_mono=clock.monotonic()
         )
-        self._outcomes: deque[Outcome] = deque()
+        self._outcomes: deque[CallOutcome] = deque()
         self._transitions: list[Transition] = []
         self.outcomes_dropped_total = 0
         self._stop = threading.Event()
@@ -201,7 +208,7 @@ class Source:
             duration_s, late, transition = self._state.finish(
                 self._clock.monotonic(), ok=error is None, now_unix=self._clock.now()
             )
-            outcome = Outcome(value=value, error=error, duration_s=duration_s, late=late)
+            outcome = CallOutcome(value=value, error=error, duration_s=duration_s, late=late)
             if len(self._outcomes) >= MAX_PENDING_OUTCOMES:
                 self._outcomes.popleft()
                 self.outcomes_dropped_total += 1
@@ -253,7 +260,7 @@ class Source:
 
     # -- the collect loop's view -----------------------------------------------------------
 
-    def take(self) -> Harvest:
+    def take(self) -> TakeResult:
         """Outcomes and transitions since the last take, after checking the deadline."""
         with self._lock:
             transition = self._state.check(self._clock.monotonic())
@@ -263,7 +270,7 @@ class Source:
             self._outcomes.clear()
             transitions = tuple(self._transitions)
             self._transitions.clear()
-            return Harvest(
+            return TakeResult(
                 outcomes=outcomes,
                 transitions=transitions,
                 stale=self._state.stale,

@@ -53,8 +53,8 @@ __all__ = ["EXIT", "AgentctlConfig", "format_age", "main", "parse_duration"]
 EXIT = {"ok": 0, "error": 1, "usage": 2, "not_found": 3, "auth": 4, "connect": 5}
 DEFAULT_URL = "http://127.0.0.1:8800"
 FORMATS = ("table", "wide", "json", "yaml")
-# the header the API reads to name the client in a drain reason it fills in (controller/api.py;
-# agentctl does not import the API, which needs the controller extra)
+# the header the API reads to name the client in a drain reason it fills in
+# (controller/api/nodes.py; agentctl does not import the API, which needs the controller extra)
 CLIENT_HEADER = "X-Trainguard-Client"
 
 
@@ -466,7 +466,26 @@ def _command(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """agentctl's whole command tree (also the source of its shell completion)."""
+    """agentctl's whole command tree (also the source of its shell completion): the global
+    options, then one function per group of commands, in the order `--help` lists them."""
+    common, reads = _option_parents()
+    p = _top_parser()
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    api = [common, reads]
+    _add_read_commands(sub, parents=api)
+    _add_node_commands(sub, parents=api)
+    _add_silence_commands(sub, parents=api, common=common)
+    _add_inject_command(sub, parents=api)
+    _add_job_commands(sub, parents=api)
+    _add_rules_commands(sub, common=common)
+    _add_token_commands(sub)
+    _add_completion_command(sub)
+    return p
+
+
+def _option_parents() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The options every command that calls the controller takes (`common`) and those of the
+    commands that print what they read (`reads`)."""
     common = argparse.ArgumentParser(add_help=False)
     # SUPPRESS: the same options are accepted before or after the command
     common.add_argument(
@@ -490,7 +509,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=argparse.SUPPRESS,
         help="table (default), wide (more columns), json or yaml",
     )
+    return common, reads
 
+
+def _top_parser() -> argparse.ArgumentParser:
+    """`agentctl` itself and its global options (with their defaults)."""
     p = argparse.ArgumentParser(
         prog="agentctl",
         description="agentctl: the trainguard controller's command line",
@@ -515,16 +538,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "-o", "--output", choices=FORMATS, default="table", help="table, wide, json or yaml"
     )
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    api = [common, reads]
+    return p
 
+
+def _add_read_commands(sub: Any, *, parents: list[argparse.ArgumentParser]) -> None:
+    """get and describe: what the controller knows."""
     get = _command(
         sub,
         "get",
         "List nodes, incidents, jobs, silences or audit entries.",
         "agentctl get nodes -o wide",
         "agentctl get inc --state open --node node-12 --limit 20",
-        parents=api,
+        parents=parents,
     )
     get.add_argument(
         "resource", choices=list(_RESOURCE_OF), metavar="{" + ",".join(RESOURCES) + "}"
@@ -539,18 +564,21 @@ def build_parser() -> argparse.ArgumentParser:
         "describe",
         "Show one node, incident or job in full.",
         "agentctl describe incident 42",
-        parents=api,
+        parents=parents,
     )
     desc.add_argument("kind", choices=list(_KIND_OF), metavar="{node,incident,job}")
     desc.add_argument("name")
 
+
+def _add_node_commands(sub: Any, *, parents: list[argparse.ArgumentParser]) -> None:
+    """drain, undrain, spares and role: a node's place in the cluster."""
     drain = _command(
         sub,
         "drain",
         "Drain a node: no new work lands on it (idempotent).",
         "agentctl drain node-12",
         "agentctl drain node-12 --reason 'xid 79 on gpu 3'",
-        parents=api,
+        parents=parents,
         aliases=["cordon"],
     )
     drain.add_argument("node")
@@ -563,7 +591,7 @@ def build_parser() -> argparse.ArgumentParser:
         "undrain",
         "Put a drained node back into service.",
         "agentctl undrain node-12\n  agentctl undrain --force node-12   # another's drain",
-        parents=api,
+        parents=parents,
         aliases=["uncordon"],
     )
     undrain.add_argument("node")
@@ -573,24 +601,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="also undo a drain trainguard did not make (an admin's or a health check's)",
     )
 
-    _command(sub, "spares", "List the hot spares.", "agentctl spares -o wide", parents=api)
+    _command(sub, "spares", "List the hot spares.", "agentctl spares -o wide", parents=parents)
 
     role = _command(
         sub,
         "role",
         "Mark a node active or hot spare.",
         "agentctl role node-31 spare",
-        parents=api,
+        parents=parents,
     )
     role.add_argument("node")
     role.add_argument("role", choices=["active", "spare"])
 
+
+def _add_silence_commands(
+    sub: Any, *, parents: list[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
+    """silence and unsilence."""
     sil = _command(
         sub,
         "silence",
         "Silence a rule, a node, or a rule on a node for a while.",
         "agentctl silence --rule gpu_dbe --node node-12 --for 2h --comment 'RMA open'",
-        parents=api,
+        parents=parents,
     )
     sil.add_argument("--rule")
     sil.add_argument("--node")
@@ -602,12 +635,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     unsil.add_argument("id", type=int)
 
+
+def _add_inject_command(sub: Any, *, parents: list[argparse.ArgumentParser]) -> None:
+    """inject: a simulated fault."""
     inj = _command(
         sub,
         "inject",
         "Queue a simulated fault on a node (sim agents only).",
         "agentctl inject node-3 xid --gpu 2 --code 79",
-        parents=api,
+        parents=parents,
     )
     inj.add_argument("node")
     inj.add_argument("kind", choices=INJECT_KINDS)
@@ -621,6 +657,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--for", dest="duration", help="fault duration, e.g. 30s (default: until cleared)"
     )
 
+
+def _add_job_commands(sub: Any, *, parents: list[argparse.ArgumentParser]) -> None:
+    """job submit|stop, checkpoint and restart."""
     job = _command(sub, "job", "Submit or stop a training job.", "agentctl job submit llama.yaml")
     jsub = job.add_subparsers(dest="job_command", required=True, metavar="SUBCOMMAND")
     submit = _command(
@@ -628,20 +667,23 @@ def build_parser() -> argparse.ArgumentParser:
         "submit",
         "Submit a job spec (YAML, see docs/jobs.md); prints the job.",
         "agentctl job submit llama.yaml",
-        parents=api,
+        parents=parents,
     )
     submit.add_argument("file")
     jstop = _command(
-        jsub, "stop", "Stop a job on all its nodes.", "agentctl job stop llama", parents=api
+        jsub, "stop", "Stop a job on all its nodes.", "agentctl job stop llama", parents=parents
     )
     jstop.add_argument("job")
     for verb, text in (
         ("checkpoint", "Ask a job's ranks for a checkpoint now."),
         ("restart", "Restart a job from its latest committed checkpoint."),
     ):
-        verb_parser = _command(sub, verb, text, f"agentctl {verb} llama", parents=api)
+        verb_parser = _command(sub, verb, text, f"agentctl {verb} llama", parents=parents)
         verb_parser.add_argument("job")
 
+
+def _add_rules_commands(sub: Any, *, common: argparse.ArgumentParser) -> None:
+    """rules check|export (offline) and reload."""
     rules = _command(
         sub, "rules", "Check, export or reload alerting rules.", "agentctl rules check"
     )
@@ -670,6 +712,9 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
     )
 
+
+def _add_token_commands(sub: Any) -> None:
+    """token hash|issue (offline)."""
     token = _command(
         sub,
         "token",
@@ -702,6 +747,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="also append the line to this tokens file, atomically (restart the controller)",
     )
 
+
+def _add_completion_command(sub: Any) -> None:
+    """completion: the shell completion script."""
     comp = _command(
         sub,
         "completion",
@@ -710,7 +758,6 @@ def build_parser() -> argparse.ArgumentParser:
         "source <(agentctl completion zsh)   # after compinit",
     )
     comp.add_argument("shell", choices=SHELLS)
-    return p
 
 
 # --- settings ----------------------------------------------------------------------------------

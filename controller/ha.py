@@ -26,23 +26,30 @@ from typing import Any
 from prometheus_client import Counter, Gauge
 
 from trainguard.clock import SYSTEM_CLOCK, Clock
+from trainguard.controller.composition import ActionBackends, Controller
 from trainguard.controller.config import ControllerConfig
-from trainguard.controller.core import ActionBackends, Controller
 from trainguard.controller.dialect import POSTGRES, Connection, Dialect, StoreConnectError
 from trainguard.controller.errors import NotLeader
+from trainguard.controller.jobs import JobSpec
 from trainguard.controller.lease import Lease, LeaseFence, lease_connection, safety_margin_s
 from trainguard.controller.metrics import ControllerMetrics
 from trainguard.controller.tick import load_rule_set
-from trainguard.protocol import Report, ReportResponse
+from trainguard.controller.views import (
+    ActionView,
+    AuditEntry,
+    IncidentDetail,
+    IncidentView,
+    JobView,
+    NodeRole,
+    NodeView,
+    SilenceView,
+)
+from trainguard.protocol import FaultSpec, Report, ReportResponse
 from trainguard.strict import ConfigError
 
-__all__ = ["LEADER_HEADER", "HaController", "new_holder_id"]
+__all__ = ["HaController", "new_holder_id"]
 
 log = logging.getLogger("trainguard.controller.ha")
-
-# The header on a standby's 503: the leader's advertise_url (empty while none is known).
-# Agents and agentctl switch to it.
-LEADER_HEADER = "X-Trainguard-Leader"
 
 
 def new_holder_id() -> str:
@@ -75,8 +82,9 @@ class HaMetrics:
 
 
 class HaController:
-    """Implements controller.service.ControllerService (reads delegate to the current
-    Controller) and the lifecycle main.py drives: start, stop, ticking, reload_rules."""
+    """Implements controller.service.ControllerService, every method stated below with what
+    a leader and a standby do, and the lifecycle main.py drives: start, stop, ticking,
+    reload_rules."""
 
     def __init__(
         self,
@@ -399,7 +407,14 @@ class HaController:
                 if rec.last_report_at:
                     live.last_seen[rec.name] = rec.last_report_at
 
-    # --- the service: reads delegate, writes need the lease ----------------------------------
+    # --- the service (controller/service.py), method by method ----------------------------
+    #
+    # Reads are served by whichever controller this is: the leader's Controller, or the
+    # standby's read-only one (memory and the store; its node list refreshed each round).
+    # Writes go to the current Controller too; its store fence refuses them unless this
+    # controller holds the lease (NotLeader, which the API answers 503 naming the leader; the
+    # API refuses a standby's writes before they get here). A report is refused here, before
+    # anything is stored. reload_rules is with the lifecycle above.
 
     def _refuse(self) -> NotLeader:
         leader = self.leader_url()
@@ -407,18 +422,96 @@ class HaController:
         return NotLeader(f"this controller is a standby; {where}")
 
     def ingest_report(self, report: Report, *, actor: str) -> ReportResponse:
+        """Leader only; a standby raises NotLeader before anything is stored."""
         # checked here, not only by the API: commands ride on the response, and a deposed
         # leader must hand none out in the moment before its lease round notices
         if not self.is_leader():
             raise self._refuse()
         return self._current.ingest_report(report, actor=actor)
 
-    def __getattr__(self, name: str) -> Any:
-        # every other ControllerService method: the current Controller's (reads from memory
-        # and the store; its writes are refused by the fence unless it leads)
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self._current, name)
+    def refuse_report(self, *, actor: str, node: str, bound_node: str) -> None:
+        """Write (the audit row): the leader does it; a standby's store fence refuses it."""
+        self._current.refuse_report(actor=actor, node=node, bound_node=bound_node)
+
+    def list_nodes(self) -> list[NodeView]:
+        """Read: served by leader and standby alike."""
+        return self._current.list_nodes()
+
+    def get_node(self, name: str) -> NodeView:
+        """Read: served by leader and standby alike."""
+        return self._current.get_node(name)
+
+    def set_role(self, name: str, *, role: NodeRole, actor: str) -> NodeView:
+        """Write: the leader does it; a standby's store fence refuses it (NotLeader)."""
+        return self._current.set_role(name, role=role, actor=actor)
+
+    def drain(self, name: str, *, reason: str, actor: str) -> NodeView:
+        """Write: the leader does it; a standby's store fence refuses it (NotLeader)."""
+        return self._current.drain(name, reason=reason, actor=actor)
+
+    def undrain(self, name: str, *, actor: str, force: bool = False) -> NodeView:
+        """Write: the leader does it; a standby's store fence refuses it (NotLeader)."""
+        return self._current.undrain(name, actor=actor, force=force)
+
+    def list_spares(self) -> list[NodeView]:
+        """Read: served by leader and standby alike."""
+        return self._current.list_spares()
+
+    def list_incidents(
+        self, *, state: str | None = None, node: str | None = None, limit: int = 100
+    ) -> list[IncidentView]:
+        """Read: served by leader and standby alike."""
+        return self._current.list_incidents(state=state, node=node, limit=limit)
+
+    def get_incident(self, incident_id: int) -> IncidentDetail:
+        """Read: served by leader and standby alike."""
+        return self._current.get_incident(incident_id)
+
+    def list_jobs(self) -> list[JobView]:
+        """Read: served by leader and standby alike."""
+        return self._current.list_jobs()
+
+    def get_job(self, name: str) -> JobView:
+        """Read: served by leader and standby alike."""
+        return self._current.get_job(name)
+
+    def submit_job(self, spec: JobSpec, *, actor: str) -> JobView:
+        """Write: the leader does it; a standby's store fence refuses it (NotLeader)."""
+        return self._current.submit_job(spec, actor=actor)
+
+    def job_action(self, name: str, kind: str, *, actor: str) -> ActionView:
+        """Write: the leader does it; a standby's store fence refuses it (NotLeader)."""
+        return self._current.job_action(name, kind, actor=actor)
+
+    def create_silence(
+        self,
+        *,
+        rule: str | None,
+        node: str | None,
+        duration_s: float,
+        comment: str,
+        actor: str,
+    ) -> SilenceView:
+        """Write: the leader does it; a standby's store fence refuses it (NotLeader)."""
+        return self._current.create_silence(
+            rule=rule, node=node, duration_s=duration_s, comment=comment, actor=actor
+        )
+
+    def list_silences(self, *, include_expired: bool = False) -> list[SilenceView]:
+        """Read: served by leader and standby alike."""
+        return self._current.list_silences(include_expired=include_expired)
+
+    def delete_silence(self, silence_id: int, *, actor: str) -> None:
+        """Write: the leader does it; a standby's store fence refuses it (NotLeader)."""
+        self._current.delete_silence(silence_id, actor=actor)
+
+    def inject_fault(self, node: str, spec: FaultSpec, *, actor: str) -> str:
+        """Write (a queued command): the leader does it; a standby's store fence refuses it."""
+        return self._current.inject_fault(node, spec, actor=actor)
+
+    def audit_log(self, *, limit: int = 100) -> list[AuditEntry]:
+        """Read: served by leader and standby alike."""
+        return self._current.audit_log(limit=limit)
 
 
 def _err(e: BaseException) -> str:

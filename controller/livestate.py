@@ -4,7 +4,7 @@ commands, the jobs seen in heartbeats; and the gate through which the SignalStat
 The store is written when a node record changes; freshness (last report time, agent
 version, labels) is kept here and written in one batch per tick (`flush`). A SignalState
 change made while a tick evaluates rules is queued, whole, and applied in order after it
-(`signals_do`, `begin_evaluation`, `end_evaluation`), so the engine sees one consistent
+(`change_signals`, `begin_evaluation`, `end_evaluation`), so the engine sees one consistent
 state and a report never waits for an evaluation. This object is also what the job manager
 (NodeAccess) and the local drain backend (NodeOps) use to read and change nodes.
 """
@@ -66,7 +66,7 @@ class LiveState:
         self.jobs_seen: dict[str, JobSeen] = {}
         self.pending: dict[str, list[CommandRecord]] = {}
         self.reported: set[str] = set()  # nodes that reported since this process started
-        # SignalState changes queued while a tick evaluates (see `signals_do`)
+        # SignalState changes queued while a tick evaluates (see `change_signals`)
         self._evaluating = False
         self._deferred: list[Callable[[], None]] = []
         for cmd in store.pending_commands():
@@ -76,7 +76,7 @@ class LiveState:
 
     # --- the SignalState gate -------------------------------------------------------------
 
-    def signals_do(self, fn: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+    def change_signals(self, fn: Callable[..., None], *args: Any, **kwargs: Any) -> None:
         """Change the SignalState now, or after the running evaluation. Caller holds lock."""
         if self._evaluating:
             self._deferred.append(functools.partial(fn, *args, **kwargs))
@@ -116,14 +116,14 @@ class LiveState:
     def put_node(self, rec: NodeRecord) -> None:
         """Hold `rec` as the node's record and tell the SignalState. Caller holds lock."""
         self.nodes[rec.name] = rec
-        self.signals_do(
+        self.change_signals(
             self.signals.set_node_meta, rec.name, role=rec.role, state=rec.state, job=rec.job
         )
 
     def set_job_meta(self, job: str, nodes: tuple[str, ...], state: str) -> None:
         """A job's nodes or state changed (the job manager's `on_state`)."""
         with self.lock:
-            self.signals_do(self.signals.set_job_meta, job, nodes=nodes, state=state)
+            self.change_signals(self.signals.set_job_meta, job, nodes=nodes, state=state)
 
     def flush(self) -> None:
         """Write the freshness gathered since the last flush, in one batch."""

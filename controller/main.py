@@ -25,8 +25,8 @@ from trainguard import __version__
 from trainguard.controller.actions.notify import build_notifiers
 from trainguard.controller.auth import load_tokens
 from trainguard.controller.backup import main as backup_main
+from trainguard.controller.composition import Controller
 from trainguard.controller.config import load_config
-from trainguard.controller.core import Controller
 from trainguard.controller.dialect import redact_url
 from trainguard.controller.errors import ServiceError
 from trainguard.controller.ha import HaController
@@ -196,7 +196,7 @@ def _serve(
     try:
         import uvicorn  # noqa: PLC0415
 
-        from trainguard.controller.api import create_app  # noqa: PLC0415
+        from trainguard.controller.api.app import create_app  # noqa: PLC0415
     except ImportError as e:
         print(
             f"trainguard-controller: {e.name or e} is not installed: the controller host needs "

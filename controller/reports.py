@@ -77,7 +77,7 @@ class ReportService:
         # lookup each on the hot path, as when they were this object's own
         self._lock = live.lock
         self._signals = live.signals
-        self._signals_do = live.signals_do
+        self._change_signals = live.change_signals
         self._nodes = live.nodes
         self._last_seen = live.last_seen
         self._reported = live.reported
@@ -143,7 +143,7 @@ class ReportService:
                 # a report's role_hint never makes a spare: an operator does (set_role)
                 node = self._store.add_node(name, role="active", labels=dict(report.labels))
                 self._nodes[name] = node
-                self._signals_do(
+                self._change_signals(
                     self._signals.set_node_meta,
                     name,
                     role=node.role,
@@ -179,7 +179,7 @@ class ReportService:
                 self._store_events(name, report.instance, new_events)
                 hwm = new_events[-1].id
                 self._hwm[name] = (report.instance, hwm)
-            self._signals_do(self._signals.ingest, report, now=now, new_events=new_events)
+            self._change_signals(self._signals.ingest, report, now=now, new_events=new_events)
             commands = self._commands_for(name, now)
         self._metrics.reports_total.inc()
         return ReportResponse(

@@ -1,6 +1,8 @@
 """The controller's facade: everything the REST API (and so agentctl) can ask of it.
 
-The API layer depends only on this Protocol; `trainguard.controller.core.Controller` implements it.
+The API layer depends only on this Protocol. `Controller` (controller/composition.py) and
+`HaController` (controller/ha.py) implement it, method by method, as does the tests'
+FakeService; tests/unit/controller/test_service_protocol.py keeps them complete.
 Every mutating call takes `actor` (the token's name) for the audit log.
 """
 

@@ -52,7 +52,7 @@ _EVENT = decoder(Event)  # the stored body of an event is its wire form
 
 
 @dataclass(frozen=True)
-class _Held:
+class _RestoredMemory:
     """A restored incident's engine memory, held open until `until` (unix s) has passed and
     every node in `nodes` has reported since the controller started."""
 
@@ -103,7 +103,7 @@ class TickService:
         self._wake = wake
         self._tick_lock = threading.Lock()  # one evaluation at a time
         self._started_at = clock.now()
-        self._seeded: dict[tuple[str, str], _Held] = {}
+        self._seeded: dict[tuple[str, str], _RestoredMemory] = {}
         self._replay_events()
         self._memory = self._seed_memory()
         self._stop = threading.Event()
@@ -175,7 +175,7 @@ class TickService:
             nodes = self._nodes_of(target)
             if not nodes:  # nothing to wait for: at least stale_after_s, as for a silent node
                 window_s = max(window_s, self._config.stale_after_s)
-            self._seeded[key] = _Held(
+            self._seeded[key] = _RestoredMemory(
                 entry=entries[key], nodes=nodes, until=self._started_at + window_s
             )
         return EngineMemory(entries) if entries else EngineMemory()
@@ -486,7 +486,7 @@ class TickService:
         live = self._live
         with live.lock:
             self._rules = rules
-            live.signals_do(live.signals.track, rules.history_needs())
+            live.change_signals(live.signals.track, rules.history_needs())
         self._metrics.known_rules(rules.names())
         self._store.audit(
             ts=self._clock.now(),

@@ -40,12 +40,12 @@ from trainguard.controller.ingest.frames import (
     KIND_TOKENS,
     FrameError,
     decode_answer,
+    decode_handover,
     decode_http,
-    decode_report,
     encode_answer,
     encode_frame,
+    encode_handover,
     encode_http,
-    encode_report,
     read_frame,
 )
 from trainguard.controller.ingest.frontend import IngestFrontend, call_asgi
@@ -64,10 +64,10 @@ __all__ = [
     "call_asgi",
     "decode_answer",
     "decode_http",
-    "decode_report",
+    "decode_handover",
     "encode_answer",
     "encode_frame",
     "encode_http",
-    "encode_report",
+    "encode_handover",
     "read_frame",
 ]

@@ -22,11 +22,11 @@ __all__ = [
     "Headers",
     "decode_answer",
     "decode_http",
-    "decode_report",
+    "decode_handover",
     "encode_answer",
     "encode_frame",
     "encode_http",
-    "encode_report",
+    "encode_handover",
     "error_answer",
     "json_headers",
     "read_frame",
@@ -61,15 +61,16 @@ def encode_frame(kind: int, request_id: int, payload: bytes) -> bytes:
     return HEADER.pack(len(payload), kind, request_id) + payload
 
 
-def encode_report(actor: str, node: str | None, body: bytes) -> bytes:
-    """A report frame's payload: the authenticated actor, the node its credential speaks for
-    (None: a shared agent token; sent as an empty name) and the raw body."""
+def encode_handover(actor: str, node: str | None, body: bytes) -> bytes:
+    """A report frame's payload, a received report handed over to the core: the authenticated
+    actor, the node its credential speaks for (None: a shared agent token; sent as an empty
+    name) and the raw body."""
     name = actor.encode()
     bound = (node or "").encode()
     return _U16.pack(len(name)) + name + _U16.pack(len(bound)) + bound + body
 
 
-def decode_report(payload: bytes) -> tuple[str, str | None, bytes]:
+def decode_handover(payload: bytes) -> tuple[str, str | None, bytes]:
     """(actor, node or None, raw body) of a report frame's payload."""
     if len(payload) < _U16.size:
         raise FrameError("report frame shorter than its header")

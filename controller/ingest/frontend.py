@@ -1,12 +1,13 @@
 """The core's side of the ingest workers: IngestFrontend starts N worker processes
 (`python -m trainguard.controller.ingest`), serves their channels and restarts or stops them.
 
-Reports handed over by a worker are decoded and ingested through the app's `report_ingest`,
-in order, exactly as the core's own; every other request is run through the core's ASGI app
-in-process (`call_asgi`). A worker's channel is read in batches and not read while 512 of its
-frames wait (back-pressure on the workers). A worker that exits while the core serves is
-started again (with a backoff when it keeps crashing); on shutdown each gets SIGTERM, what it
-still hands over is answered, and one still there after the grace period is killed.
+A report a worker has received (the report path's receive stage) is decoded and ingested
+through the app's `report_path.decode_and_ingest`, in order, exactly as the core's own; every
+other request is run through the core's ASGI app in-process (`call_asgi`). A worker's channel
+is read in batches and not read while 512 of its frames wait (back-pressure on the workers). A
+worker that exits while the core serves is started again (with a backoff when it keeps
+crashing); on shutdown each gets SIGTERM, what it still hands over is answered, and one still
+there after the grace period is killed.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from trainguard.controller.ingest.frames import (
     KINDS,
     FrameError,
     Headers,
+    decode_handover,
     decode_http,
-    decode_report,
     encode_answer,
     encode_frame,
     error_answer,
@@ -158,10 +159,9 @@ class IngestFrontend:
         self.started = False
         self.should_exit = False
         self._app = app
-        self._ingest: Callable[
-            [bytes, str, str | None], Awaitable[tuple[int, bytes, dict[str, str] | None]]
-        ]
-        self._ingest = app.report_ingest
+        # the report path's decode and ingest stages (controller/api/reports.py)
+        self._decode_and_ingest: Callable[..., Awaitable[tuple[int, bytes, dict[str, str] | None]]]
+        self._decode_and_ingest = app.report_path.decode_and_ingest
         self._tokens = tokens
         self._max_body_bytes = max_body_bytes
         self._max_frame_bytes = max_body_bytes + _META_ALLOWANCE_BYTES
@@ -302,7 +302,7 @@ class IngestFrontend:
         return lived_s
 
     async def _serve_channel(self, slot: _Slot, channel: _FrameQueue) -> None:
-        ingest = self._ingest
+        decode_and_ingest = self._decode_and_ingest
         frames = channel.frames
         while True:
             await channel.wakeup.wait()
@@ -314,9 +314,9 @@ class IngestFrontend:
                 if kind == KIND_REPORT:
                     # inline and in order, as the core serves its own reports: the ingest is
                     # synchronous and serialised on the controller's lock anyway
-                    actor, node, raw = decode_report(payload)
+                    actor, node, raw = decode_handover(payload)
                     try:
-                        status, body, extra = await ingest(raw, actor, node)
+                        status, body, extra = await decode_and_ingest(raw, actor=actor, node=node)
                         headers = (
                             [(k.lower().encode(), v.encode()) for k, v in extra.items()]
                             if extra

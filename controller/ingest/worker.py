@@ -1,9 +1,9 @@
 """An ingest worker process (`python -m trainguard.controller.ingest --worker N ...`): serves
-the inherited API socket with uvicorn, checks the credential (agent token or client
-certificate) and the body limit of `POST /v1/reports` and hands the raw body, with the node
-that credential speaks for, to the core over its channel; every other request is forwarded
-whole. A repeated Authorization header is answered 400 here, on every route. It exits at EOF
-on its channel and, on Linux, when the core dies.
+the inherited API socket with uvicorn, does the receive stage of `POST /v1/reports` (the
+credential, an agent token or client certificate, and the body limit) and hands the raw body,
+with the node that credential speaks for, to the core over its channel; every other request
+is forwarded whole. A repeated Authorization header is answered 400 here, on every route. It
+exits at EOF on its channel and, on Linux, when the core dies.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from trainguard.controller.ingest.frames import (
     Headers,
     decode_answer,
     encode_frame,
+    encode_handover,
     encode_http,
-    encode_report,
     error_answer,
     json_headers,
     read_frame,
@@ -124,10 +124,10 @@ class WorkerApp:
         await send({"type": "http.response.body", "body": body})
 
     async def _report(self, scope: Any, receive: Any) -> tuple[int, Headers, bytes]:
-        # defers fastapi (which the api module imports) to the first report: an idle worker
+        # defers fastapi (which the api package imports) to the first report: an idle worker
         # stays small
-        from trainguard.controller.api import (  # noqa: PLC0415
-            ApiError,
+        from trainguard.controller.api.errors import ApiError  # noqa: PLC0415
+        from trainguard.controller.api.requests import (  # noqa: PLC0415
             authenticate_report,
             read_limited,
             request_headers,
@@ -141,7 +141,7 @@ class WorkerApp:
         except ApiError as e:
             body = json.dumps({"error": e.error, "detail": e.detail}, separators=(",", ":"))
             return e.status, json_headers(body.encode(), e.headers), body.encode()
-        payload = encode_report(principal.name, principal.node, raw)
+        payload = encode_handover(principal.name, principal.node, raw)
         return await self._channel.request(KIND_REPORT, payload)
 
     async def _forward(self, scope: Any, receive: Any) -> tuple[int, Headers, bytes]:

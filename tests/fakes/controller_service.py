@@ -20,7 +20,7 @@ from typing import Any
 
 from tests.fakes.api_server import serve
 from trainguard.clock import SYSTEM_CLOCK, Clock, FakeClock
-from trainguard.controller.api import create_app
+from trainguard.controller.api.app import create_app
 from trainguard.controller.auth import Role, TokenStore
 from trainguard.controller.errors import BadRequest, Conflict, NotFound
 from trainguard.controller.views import (

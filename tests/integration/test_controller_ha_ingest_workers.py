@@ -27,7 +27,7 @@ from tests.integration.controller_proc import (
     write_config,
 )
 from tests.integration.postgres_proc import PgServer
-from trainguard.controller.api import LEADER_HEADER
+from trainguard.leader import LEADER_HEADER
 from trainguard.protocol import Report, encode_json
 
 pytestmark = pytest.mark.slow

@@ -30,10 +30,10 @@ from schemathesis.specs.openapi.checks import (
 
 from tests.fakes.controller_service import FakeService
 from trainguard.clock import FakeClock
-from trainguard.controller.api import create_app
+from trainguard.controller.api.app import create_app
 from trainguard.controller.auth import TokenStore
+from trainguard.controller.composition import Controller
 from trainguard.controller.config import ControllerConfig
-from trainguard.controller.core import Controller
 from trainguard.strict import build
 
 RULES = Path(__file__).parents[2] / "rules"

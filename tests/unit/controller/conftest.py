@@ -14,8 +14,8 @@ import pytest
 from tests.unit.controller.job_sim import Sim
 from trainguard.clock import FakeClock
 from trainguard.controller.actions.notify import RecordingNotifier
+from trainguard.controller.composition import ActionBackends, Controller
 from trainguard.controller.config import ControllerConfig
-from trainguard.controller.core import ActionBackends, Controller
 from trainguard.strict import build
 
 CORE_RULES = """

@@ -11,7 +11,7 @@ from typing import Any
 
 from tests.fakes.job_agent import FakeJobAgent, SharedCheckpoints
 from trainguard.clock import FakeClock
-from trainguard.controller.core import Controller
+from trainguard.controller.composition import Controller
 from trainguard.controller.jobs import JobSpec
 from trainguard.strict import build
 

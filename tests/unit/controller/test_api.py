@@ -13,7 +13,8 @@ from prometheus_client import CollectorRegistry, Histogram
 
 from tests.fakes.controller_service import FakeService
 from trainguard.clock import FakeClock
-from trainguard.controller.api import STORE_RETRY_AFTER_S, create_app
+from trainguard.controller.api.app import create_app
+from trainguard.controller.api.errors import STORE_RETRY_AFTER_S
 from trainguard.controller.auth import TokenStore
 from trainguard.controller.dialect import StoreUnavailable
 from trainguard.controller.views import JobView
@@ -446,5 +447,7 @@ def test_a_report_handed_over_by_an_ingest_worker_finds_no_store_is_503(svc: Fak
         tokens=TokenStore.from_plaintext(TOKENS),
         max_body_bytes=64 * 1024,
     )
-    status, body, headers = asyncio.run(app.report_ingest(encode_json(_report()), "agents", None))
+    status, body, headers = asyncio.run(
+        app.report_path.decode_and_ingest(encode_json(_report()), actor="agents", node=None)
+    )
     _assert_store_unavailable(status, body, headers)

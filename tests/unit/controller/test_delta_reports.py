@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from trainguard.agent.reporter import DeltaEncoder
-from trainguard.controller.api import _json_bytes, encode_report_response
+from trainguard.controller.api.errors import json_bytes
+from trainguard.controller.api.reports import encode_report_response
 from trainguard.controller.model import Target
 from trainguard.controller.rules import engine
 from trainguard.model import GpuSample, IbPortSample, NvLinkSample
@@ -281,4 +282,4 @@ def test_reports_arriving_during_evaluation_are_applied_whole_after_it(
     ],
 )
 def test_report_response_fast_encoding_matches_the_wire_encoder(resp):
-    assert encode_report_response(resp) == _json_bytes(to_wire(resp))
+    assert encode_report_response(resp) == json_bytes(to_wire(resp))

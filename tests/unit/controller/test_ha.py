@@ -21,14 +21,15 @@ from tests.fakes.controller_service import FakeService
 from trainguard.clock import FakeClock
 from trainguard.controller.actions.base import TransientError
 from trainguard.controller.actions.notify import RecordingNotifier
-from trainguard.controller.api import LEADER_HEADER, create_app
+from trainguard.controller.api.app import create_app
 from trainguard.controller.auth import TokenStore
+from trainguard.controller.composition import ActionBackends
 from trainguard.controller.config import ControllerConfig
-from trainguard.controller.core import ActionBackends
 from trainguard.controller.dialect import SQLITE
 from trainguard.controller.errors import NotLeader
 from trainguard.controller.ha import HaController
 from trainguard.controller.store import Store
+from trainguard.leader import LEADER_HEADER
 from trainguard.strict import ConfigError, build
 
 LEASE_S = 9.0

@@ -12,9 +12,11 @@ from fastapi.testclient import TestClient
 
 from tests.builders import Reporter
 from trainguard.clock import FakeClock
-from trainguard.controller.api import ApiError, authenticate_report, create_app, request_headers
+from trainguard.controller.api.app import create_app
+from trainguard.controller.api.errors import ApiError
+from trainguard.controller.api.requests import authenticate_report, request_headers
 from trainguard.controller.auth import Principal, TokenStore
-from trainguard.controller.core import Controller
+from trainguard.controller.composition import Controller
 from trainguard.controller.tlsauth import PEER_NODE_KEY, cert_node
 from trainguard.protocol import Event, encode_json
 

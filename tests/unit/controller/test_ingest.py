@@ -11,10 +11,10 @@ import pytest
 
 from tests.fakes.controller_service import FakeService
 from trainguard.clock import FakeClock
-from trainguard.controller.api import create_app
+from trainguard.controller.api.app import create_app
 from trainguard.controller.auth import TokenStore
+from trainguard.controller.composition import Controller
 from trainguard.controller.config import ConfigError, load_config
-from trainguard.controller.core import Controller
 from trainguard.controller.ingest.frames import (
     ANSWER_MAX_BYTES,
     HEADER,
@@ -24,12 +24,12 @@ from trainguard.controller.ingest.frames import (
     KIND_REPORT,
     FrameError,
     decode_answer,
+    decode_handover,
     decode_http,
-    decode_report,
     encode_answer,
     encode_frame,
+    encode_handover,
     encode_http,
-    encode_report,
     read_frame,
 )
 from trainguard.controller.ingest.frontend import IngestFrontend, _FrameQueue, _Slot, call_asgi
@@ -65,12 +65,12 @@ def test_ingest_workers_go_with_ha_in_the_file_and_by_flag(tmp_path: Any) -> Non
 
 
 def test_frames_round_trip() -> None:
-    frame = encode_frame(KIND_REPORT, 7, encode_report("agent-n1", "n1", b'{"v":1}'))
+    frame = encode_frame(KIND_REPORT, 7, encode_handover("agent-n1", "n1", b'{"v":1}'))
     length, kind, request_id = HEADER.unpack(frame[: HEADER.size])
     assert (length, kind, request_id) == (len(frame) - HEADER.size, KIND_REPORT, 7)
-    assert decode_report(frame[HEADER.size :]) == ("agent-n1", "n1", b'{"v":1}')
+    assert decode_handover(frame[HEADER.size :]) == ("agent-n1", "n1", b'{"v":1}')
     # a shared agent token speaks for no one node
-    assert decode_report(encode_report("agents", None, b"{}")) == ("agents", None, b"{}")
+    assert decode_handover(encode_handover("agents", None, b"{}")) == ("agents", None, b"{}")
 
     meta = {"method": "GET", "path": "/v1/nodes", "headers": [["x", "y"]]}
     assert decode_http(encode_http(meta, b"body")) == (meta, b"body")
@@ -89,9 +89,9 @@ def test_frames_round_trip() -> None:
 @pytest.mark.parametrize(
     ("decode", "payload", "reason"),
     [
-        pytest.param(decode_report, b"\x00", "shorter", id="report-short"),
-        pytest.param(decode_report, b"\x00\x09ab", "runs past", id="report-actor-past-end"),
-        pytest.param(decode_report, b"\x00\x01a\x00\x05b", "node name runs past", id="node-past"),
+        pytest.param(decode_handover, b"\x00", "shorter", id="report-short"),
+        pytest.param(decode_handover, b"\x00\x09ab", "runs past", id="report-actor-past-end"),
+        pytest.param(decode_handover, b"\x00\x01a\x00\x05b", "node name runs past", id="node-past"),
         pytest.param(decode_http, b"\x00\x00\x00\x10{}", "runs past", id="http-head-past-end"),
         pytest.param(decode_http, b"\x00\x00\x00\x01{", "not JSON", id="http-head-not-json"),
         pytest.param(decode_http, b"\x00\x00\x00\x02[]", "not an object", id="http-head-list"),
@@ -209,12 +209,14 @@ def test_forwarded_requests_get_the_apps_answers(app: Any) -> None:
     assert nodes[1][b"content-type"] == b"application/json"
 
 
-def test_report_ingest_decodes_and_ingests_a_handed_over_body(app: Any) -> None:
+def test_a_handed_over_body_is_decoded_and_ingested(app: Any) -> None:
     body = encode_json(Report(node="node-3", instance="i", seq=1, sent_at=1_000.0))
 
     async def run() -> tuple[Any, Any, Any]:
-        ok = await app.report_ingest(body, "agent-node-3", "node-3")
-        invalid = await app.report_ingest(b'{"v": 1}', "agent-node-3", "node-3")
+        ok = await app.report_path.decode_and_ingest(body, actor="agent-node-3", node="node-3")
+        invalid = await app.report_path.decode_and_ingest(
+            b'{"v": 1}', actor="agent-node-3", node="node-3"
+        )
         status, _, listed = await call_asgi(app, _meta("GET", "/v1/nodes", token="op"), b"")
         return ok, invalid, (status, json.loads(listed))
 
@@ -228,7 +230,7 @@ def test_report_handed_over_for_another_node_is_refused_and_audited(app: Any) ->
     body = encode_json(Report(node="node-2", instance="i", seq=1, sent_at=1_000.0))
 
     async def run() -> tuple[Any, Any, Any]:
-        refused = await app.report_ingest(body, "agent-node-1", "node-1")
+        refused = await app.report_path.decode_and_ingest(body, actor="agent-node-1", node="node-1")
         _, _, listed = await call_asgi(app, _meta("GET", "/v1/nodes", token="op"), b"")
         _, _, audit = await call_asgi(app, _meta("GET", "/v1/audit", token="op"), b"")
         return refused, json.loads(listed), json.loads(audit)
@@ -291,8 +293,8 @@ def test_a_standby_answers_what_its_workers_hand_over_503_naming_the_leader() ->
         channel = _CoreChannel(reader, writer)
         reading = asyncio.create_task(channel.read_loop(max_frame_bytes=ANSWER_MAX_BYTES))
         refused = [
-            await channel.request(KIND_REPORT, encode_report("agent-node-1", "node-1", report)),
-            await channel.request(KIND_REPORT, encode_report("agent-node-2", "node-2", report)),
+            await channel.request(KIND_REPORT, encode_handover("agent-node-1", "node-1", report)),
+            await channel.request(KIND_REPORT, encode_handover("agent-node-2", "node-2", report)),
             await channel.request(KIND_HTTP, encode_http(drain, b"{}")),
         ]
         read = await channel.request(
@@ -301,7 +303,7 @@ def test_a_standby_answers_what_its_workers_hand_over_503_naming_the_leader() ->
         called_as_standby = svc.methods_called()
         leadership.leading = True
         ingested = await channel.request(
-            KIND_REPORT, encode_report("agent-node-1", "node-1", report)
+            KIND_REPORT, encode_handover("agent-node-1", "node-1", report)
         )
         writer.close()
         await asyncio.wait_for(serving, timeout=10)  # EOF on the channel ends the serving

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Histogram
 
 from tests.fakes.controller_service import FakeService
 from trainguard.clock import FakeClock
-from trainguard.controller.api import create_app
+from trainguard.controller.api.app import create_app
 from trainguard.controller.auth import TokenStore
 from trainguard.controller.jobs import JobSpec
 from trainguard.fastwire import decoder

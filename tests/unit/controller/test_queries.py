@@ -12,7 +12,7 @@ import pytest
 
 from tests.builders import Reporter
 from trainguard.clock import FakeClock
-from trainguard.controller.core import Controller
+from trainguard.controller.composition import Controller
 from trainguard.controller.dialect import StoreUnavailable
 from trainguard.controller.errors import NotFound
 from trainguard.controller.model import Decision, Target

@@ -13,7 +13,7 @@ import pytest
 
 from tests.builders import Reporter
 from trainguard.clock import FakeClock
-from trainguard.controller.core import Controller
+from trainguard.controller.composition import Controller
 from trainguard.controller.model import Target
 from trainguard.protocol import Event
 

@@ -29,7 +29,7 @@ from trainguard.controller.backends.slurm.cli import (
     parse_sinfo,
     parse_squeue,
 )
-from trainguard.controller.core import ActionBackends, Controller
+from trainguard.controller.composition import ActionBackends, Controller
 from trainguard.controller.errors import BadRequest
 from trainguard.controller.views import ActionView
 from trainguard.protocol import RankState

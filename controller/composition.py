@@ -1,13 +1,12 @@
-"""The Controller: builds the controller's parts over one store and presents them as one
-object, the ControllerService the API calls.
+"""The controller's composition root: `Controller` builds the controller's parts over one
+store and presents them as one object, the ControllerService the API calls.
 
 The work is done by services, each with one job: `ReportService` (controller/reports.py,
 the report ingest hot path and the commands riding on its responses), `TickService`
 (controller/tick.py: rule evaluation, incidents, the tick and action worker threads),
 `QueryService` (controller/queries.py: the API's reads) and `OperatorService`
 (controller/operations.py: drain, roles, jobs, silences, faults). They share the in-memory
-node state and its lock (`LiveState`, controller/livestate.py). The methods here delegate;
-`ingest_report` is the ReportService's own bound method, so a report costs no extra call.
+node state and its lock (`LiveState`, controller/livestate.py). The methods here delegate.
 """
 
 from __future__ import annotations
@@ -57,7 +56,7 @@ from trainguard.controller.views import (
     NodeView,
     SilenceView,
 )
-from trainguard.protocol import FaultSpec
+from trainguard.protocol import FaultSpec, Report, ReportResponse
 from trainguard.strict import ConfigError
 from trainguard.xid_catalog import XidCatalog
 
@@ -202,8 +201,6 @@ class Controller:
             wake=wake,
             max_nodes=config.api.max_nodes,
         )
-        # the hot path: api.py calls this bound method directly, no delegating call between
-        self.ingest_report = self.reports.ingest_report
         self.queries = QueryService(
             live=live,
             jobs=self.jobs,
@@ -346,6 +343,10 @@ class Controller:
 
     def nodes_known(self) -> Iterable[str]:
         return self.live.nodes_known()
+
+    def ingest_report(self, report: Report, *, actor: str) -> ReportResponse:
+        """The report path's ingest stage (controller/api/reports.py has the stages before)."""
+        return self.reports.ingest_report(report, actor=actor)
 
     def refuse_report(self, *, actor: str, node: str, bound_node: str) -> None:
         self.reports.refuse_report(actor=actor, node=node, bound_node=bound_node)
