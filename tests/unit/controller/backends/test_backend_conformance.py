@@ -19,7 +19,7 @@ from trainguard.clock import FakeClock
 from trainguard.controller.backends.base import BackendKind, Capability
 from trainguard.controller.backends.recording import STEP_CAPABILITIES, RecordingBackend
 from trainguard.controller.backends.registry import REGISTRY
-from trainguard.controller.core import ActionBackends, Controller
+from trainguard.controller.composition import ActionBackends, Controller
 from trainguard.protocol import RankState
 
 JOB_NODES = ("n1", "n2")
