@@ -39,10 +39,10 @@ from starlette.types import Receive, Scope, Send
 
 from trainguard.bounds import INT64_MAX
 from trainguard.controller.auth import Permission, Principal, TokenStore
-from trainguard.controller.dialect import StoreUnavailable
 from trainguard.controller.errors import NotLeader, ServiceError
 from trainguard.controller.jobs import JobSpec
 from trainguard.controller.service import ControllerService
+from trainguard.controller.store.errors import LeaseLost, StoreUnavailable
 from trainguard.controller.tlsauth import PEER_NODE_KEY
 from trainguard.controller.views import (
     ActionView,
@@ -373,7 +373,7 @@ def create_app(
             return 200, body, None
         except ApiError as e:
             return e.reply()
-        except NotLeader as e:
+        except (NotLeader, LeaseLost) as e:
             if leadership is None:
                 raise
             return not_leader_error(leadership, str(e)).reply()
@@ -443,6 +443,14 @@ def create_app(
             return _error_response(err.status, err.error, err.detail, err.headers)
         status = exc.status if 400 <= exc.status < 500 else 500
         return _error_response(status, str(exc) or type(exc).__name__)
+
+    @app.exception_handler(LeaseLost)
+    async def _lease_lost(_: Request, exc: LeaseLost) -> Response:
+        # the store's fence refused a write: answered as a standby's NotLeader is
+        if leadership is None:  # no fence without HA
+            return _error_response(500, str(exc) or type(exc).__name__)
+        err = not_leader_error(leadership, str(exc))
+        return _error_response(err.status, err.error, err.detail, err.headers)
 
     @app.exception_handler(StoreUnavailable)
     async def _store_unavailable(_: Request, exc: StoreUnavailable) -> Response:

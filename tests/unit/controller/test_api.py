@@ -15,7 +15,7 @@ from tests.fakes.controller_service import FakeService
 from trainguard.clock import FakeClock
 from trainguard.controller.api import STORE_RETRY_AFTER_S, create_app
 from trainguard.controller.auth import TokenStore
-from trainguard.controller.dialect import StoreUnavailable
+from trainguard.controller.store.errors import StoreUnavailable
 from trainguard.controller.views import JobView
 from trainguard.protocol import Event, RankState, Report, encode_json
 
