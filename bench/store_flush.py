@@ -19,13 +19,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainguard.controller.store import FreshNode, Store
+from trainguard.controller.records import FreshNode
+from trainguard.controller.store import Store
 
 
 def time_flush(store: Store, *, nodes: int, rounds: int) -> dict[str, float]:
     names = [f"node-{i:04d}" for i in range(nodes)]
     for name in names:
-        store.add_node(name, role="active", labels={})
+        store.nodes.add(name, role="active", labels={})
     times = []
     for r in range(rounds):
         batch = [
@@ -34,7 +35,7 @@ def time_flush(store: Store, *, nodes: int, rounds: int) -> dict[str, float]:
             for n in names
         ]  # fmt: skip
         started = time.perf_counter()
-        store.flush_freshness(batch)
+        store.nodes.flush_freshness(batch)
         times.append(time.perf_counter() - started)
     return {
         "median_ms": round(statistics.median(times) * 1e3, 2),

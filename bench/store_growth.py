@@ -33,7 +33,8 @@ from pathlib import Path
 from trainguard.clock import FakeClock
 from trainguard.controller.config import RetentionConfig
 from trainguard.controller.maintenance import run_checkpoint, run_retention, run_vacuum
-from trainguard.controller.store import CommandResultRow, FreshNode, NewAction, Store
+from trainguard.controller.records import CommandResultRow, FreshNode, NewAction
+from trainguard.controller.store import Store
 
 HOUR_S = 3600.0
 DAY_S = 24 * HOUR_S
@@ -69,7 +70,7 @@ def _events(store: Store, cluster: Cluster, node: str, kinds: list[str], ts: flo
         cluster.next_event_id[node] += 1
         body = {"kind": kind, "node": node, "detail": {"gpu": 3, "code": 79, "msg": "x" * 80}}
         rows.append((cluster.next_event_id[node], kind, ts, body))
-    store.insert_events(node, cluster.instance[node], rows)
+    store.events.insert(node, cluster.instance[node], rows)
 
 
 def _restart_job(store: Store, cluster: Cluster, clock: FakeClock, job: str) -> None:
@@ -81,13 +82,13 @@ def _restart_job(store: Store, cluster: Cluster, clock: FakeClock, job: str) -> 
         for node in nodes:
             cluster.command_seq += 1
             ids[node] = f"{kind}-{job}-{cluster.command_seq}"
-            store.add_command(ids[node], node=node, kind=kind, args={"job": job, "attempt": 7})
+            store.commands.add(ids[node], node=node, kind=kind, args={"job": job, "attempt": 7})
         clock.advance(5.0)
         for node in nodes:
             cluster.next_event_id[node] += 1
             result = CommandResultRow(command_id=ids[node], ok=True, message=f"{kind} done")
             body = {"command_id": ids[node], "ok": True, "message": result.message}
-            store.insert_events(
+            store.events.insert(
                 node,
                 cluster.instance[node],
                 [(cluster.next_event_id[node], "command_result", clock.now(), body)],
@@ -98,7 +99,7 @@ def _restart_job(store: Store, cluster: Cluster, clock: FakeClock, job: str) -> 
 def _open_incident(store: Store, cluster: Cluster, rng: random.Random, now: float) -> None:
     node = rng.choice(cluster.nodes)
     cluster.incident_seq += 1
-    incident_id = store.create_incident(
+    incident_id = store.incidents.create(
         rule="gpu_dbe",
         target_key=f"gpu:{node}:{cluster.incident_seq % 8}:{cluster.incident_seq}",
         target={"scope": "gpu", "node": node, "gpu": cluster.incident_seq % 8},
@@ -114,7 +115,7 @@ def _open_incident(store: Store, cluster: Cluster, rng: random.Random, now: floa
         ],
     )
     steps = ("notify", "checkpoint", "drain", "replace")
-    ids = store.add_actions(
+    ids = store.actions.add(
         incident_id,
         [
             NewAction(kind=k, target=node, idempotency_key=f"{incident_id}:{i}:{k}", seq=i)
@@ -124,7 +125,7 @@ def _open_incident(store: Store, cluster: Cluster, rng: random.Random, now: floa
         timeline=[("queued", f"{len(steps)} steps", {})],
     )
     for action_id, kind in zip(ids, steps, strict=True):
-        store.update_action(
+        store.actions.update(
             action_id,
             state="succeeded",
             ts=now + 30.0,
@@ -133,7 +134,7 @@ def _open_incident(store: Store, cluster: Cluster, rng: random.Random, now: floa
             attempts_delta=1,
             timeline=(incident_id, kind, f"{kind} succeeded", {"took_s": 12.5}),
         )
-    store.set_incident_state(
+    store.incidents.set_state(
         incident_id,
         "mitigated",
         ts=now + 120.0,
@@ -149,7 +150,7 @@ def _resolve_due(store: Store, cluster: Cluster, now: float) -> None:
     still = []
     for inc in cluster.open_incidents:
         if inc.resolve_at <= now:
-            store.set_incident_state(inc.id, "resolved", ts=now, kind="resolved", message="ok")
+            store.incidents.set_state(inc.id, "resolved", ts=now, kind="resolved", message="ok")
         else:
             still.append(inc)
     cluster.open_incidents = still
@@ -158,19 +159,19 @@ def _resolve_due(store: Store, cluster: Cluster, now: float) -> None:
 def _operator(store: Store, cluster: Cluster, rng: random.Random, now: float) -> None:
     cluster.audit_seq += 1
     node = rng.choice(cluster.nodes)
-    audit_id = store.audit(
+    audit_id = store.audit.record(
         ts=now, actor="ops", action="drain", target=node, detail={"reason": "maintenance window"}
     )
-    (action_id,) = store.add_actions(
+    (action_id,) = store.actions.add(
         None,
         [NewAction(kind="drain", target=node, idempotency_key=f"operator:drain:{node}:{audit_id}")],
         ts=now,
     )
-    store.update_action(action_id, state="succeeded", ts=now + 10.0, result="drained")
+    store.actions.update(action_id, state="succeeded", ts=now + 10.0, result="drained")
 
 
 def _rows(store: Store) -> dict[str, int]:
-    return {t: int(store._query(f"SELECT COUNT(*) FROM {t}")[0][0]) for t in TABLES}
+    return {t: int(store.db.query(f"SELECT COUNT(*) FROM {t}")[0][0]) for t in TABLES}
 
 
 def main() -> None:
@@ -214,7 +215,7 @@ def main() -> None:
         jobs={f"job-{j}": nodes[j * per_job : (j + 1) * per_job] for j in range(args.jobs)},
     )
     for n in nodes:
-        store.add_node(n, role="active", labels={"rack": n[:8], "pool": "default"})
+        store.nodes.add(n, role="active", labels={"rack": n[:8], "pool": "default"})
 
     print(
         f"nodes={args.nodes} days={args.days} events/node/day={args.events_per_node_day} "
@@ -256,7 +257,7 @@ def main() -> None:
         for _ in range(int(args.operator_actions_per_day / 24.0 + rng.random())):
             _operator(store, cluster, rng, clock.now())
         _resolve_due(store, cluster, clock.now())
-        store.flush_freshness(
+        store.nodes.flush_freshness(
             FreshNode(
                 name=n,
                 last_report_at=clock.now(),
@@ -278,7 +279,7 @@ def main() -> None:
         run_checkpoint(store)
 
         if (hour + 1) % 24 == 0:
-            db_bytes, wal_bytes = store.file_sizes()
+            db_bytes, wal_bytes = store.space.file_sizes()
             rows = _rows(store)
             print(
                 f"{(hour + 1) // 24:>3} {db_bytes / 2**20:>7.1f} {wal_bytes / 2**20:>7.1f} "

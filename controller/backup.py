@@ -18,13 +18,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from trainguard.controller.config import load_config
-from trainguard.controller.dialect import redact_url
-from trainguard.controller.store import (
-    SCHEMA_VERSION,
-    StoreError,
-    check_existing_file,
-    verify_connection,
-)
+from trainguard.controller.store.connection import redact_url
+from trainguard.controller.store.errors import StoreError
+from trainguard.controller.store.schema import SCHEMA_VERSION
+from trainguard.controller.store.sqlitefile import check_existing_file, verify_connection
 from trainguard.strict import ConfigError
 
 PROG = "trainguard-controller"

@@ -31,8 +31,6 @@ from trainguard.controller.backends.base import Capability, step_handlers
 from trainguard.controller.backends.build import build_backend
 from trainguard.controller.backends.slurm.cli import SlurmRunner
 from trainguard.controller.config import ControllerConfig
-from trainguard.controller.dialect import StoreUnavailable
-from trainguard.controller.errors import NotLeader
 from trainguard.controller.incidents import IncidentManager
 from trainguard.controller.jobs import JobManager, JobSpec
 from trainguard.controller.livestate import LiveState
@@ -41,10 +39,12 @@ from trainguard.controller.metrics import ControllerMetrics
 from trainguard.controller.model import Decision
 from trainguard.controller.operations import OperatorService
 from trainguard.controller.queries import QueryService
+from trainguard.controller.records import CommandRecord, NodeRecord
 from trainguard.controller.reports import ReportService
 from trainguard.controller.safety import Safety
 from trainguard.controller.signals import SignalState
-from trainguard.controller.store import CommandRecord, NodeRecord, Store, StoreError, WriteFence
+from trainguard.controller.store import Store, WriteFence
+from trainguard.controller.store.errors import LeaseLost, StoreError, StoreUnavailable
 from trainguard.controller.tick import TickService, load_rule_set
 from trainguard.controller.views import (
     ActionView,
@@ -148,7 +148,7 @@ class Controller:
             live=live,
             jobs=self.jobs,
             clock=clock,
-            open_incident_nodes=lambda: set(self.store.open_incident_counts()),
+            open_incident_nodes=lambda: set(self.store.incidents.open_counts()),
             observe=self._observe_recovery,
             slurm_runner=backends.slurm_runner,
         )
@@ -169,7 +169,7 @@ class Controller:
             self.registry.register(handler)
         self.safety = Safety(self.store, config.safety)
         self.safety.job_floor = lambda node: self.jobs.drain_floor_reason(
-            node, open_incident_nodes=set(self.store.open_incident_counts())
+            node, open_incident_nodes=set(self.store.incidents.open_counts())
         )
         wake = threading.Event()  # the action worker: new or due steps
         self.incidents = IncidentManager(
@@ -265,7 +265,7 @@ class Controller:
         self.stop_acting()
         try:
             self.live.flush()
-        except NotLeader:  # HA: a controller that no longer leads writes nothing
+        except LeaseLost:  # HA: a controller that no longer leads writes nothing
             log.info("event=freshness_not_flushed reason=not_leader")
         except StoreUnavailable:  # nothing to flush to; the next leader's agents report anew
             log.warning("event=freshness_not_flushed reason=store_unavailable")

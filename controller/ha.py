@@ -1,7 +1,7 @@
 """High availability: two or more controllers on one PostgreSQL store, one leading.
 
 `HaController` is what trainguard-controller serves when `ha.enabled`. It contends for the
-lease (controller/lease.py) every `ha.renew_interval_s`. Holding it, it runs a Controller
+lease (controller/store/lease.py) every `ha.renew_interval_s`. Holding it, it runs a Controller
 built exactly as a restarted controller is (store loaded, incidents seeded and held,
 acknowledged events replayed, rows left running recovered, resumed steps waiting for their
 nodes), fenced by the lease's epoch: one Controller per epoch, so there is one startup path.
@@ -28,11 +28,13 @@ from prometheus_client import Counter, Gauge
 from trainguard.clock import SYSTEM_CLOCK, Clock
 from trainguard.controller.composition import ActionBackends, Controller
 from trainguard.controller.config import ControllerConfig
-from trainguard.controller.dialect import POSTGRES, Connection, Dialect, StoreConnectError
 from trainguard.controller.errors import NotLeader
 from trainguard.controller.jobs import JobSpec
-from trainguard.controller.lease import Lease, LeaseFence, lease_connection, safety_margin_s
 from trainguard.controller.metrics import ControllerMetrics
+from trainguard.controller.store.connection import Connection
+from trainguard.controller.store.dialect import POSTGRES, Dialect
+from trainguard.controller.store.errors import StoreConnectError
+from trainguard.controller.store.lease import Lease, LeaseFence, lease_connection, safety_margin_s
 from trainguard.controller.tick import load_rule_set
 from trainguard.controller.views import (
     ActionView,
@@ -396,7 +398,7 @@ class HaController:
             return
         ctl = self._current
         try:
-            records = ctl.store.list_nodes()
+            records = ctl.store.nodes.all()
         except Exception as e:
             log.debug("event=standby_refresh_failed error=%s", _err(e))
             return

@@ -31,8 +31,9 @@ from typing import Any, Protocol
 from trainguard.controller.actions.base import DISRUPTIVE_KINDS, ActionHandler, HandlerRegistry
 from trainguard.controller.actions.worker import step_label
 from trainguard.controller.model import Decision
+from trainguard.controller.records import JobRecord, NewAction
 from trainguard.controller.safety import Safety, silence_matches
-from trainguard.controller.store import JobRecord, NewAction, Store
+from trainguard.controller.store import Store
 from trainguard.controller.views import ActionView, IncidentState, IncidentView, SilenceView
 from trainguard.protocol import RankState
 
@@ -117,9 +118,9 @@ class IncidentManager:
         # (rule, target key) of decisions about an old attempt with no incident to note them
         # on: ignored (logged once) until they clear
         self._ignored: set[tuple[str, str]] = set()
-        for inc in store.unresolved_incidents():
+        for inc in store.incidents.unresolved():
             self._open[(inc.rule, inc.target)] = (inc.id, inc.state)
-            for entry in store.timeline(inc.id):
+            for entry in store.incidents.timeline(inc.id):
                 rule, target = entry.data.get("rule"), entry.data.get("target")
                 if entry.kind == "correlated" and isinstance(rule, str) and isinstance(target, str):
                     self._attached[(rule, target)] = inc.id
@@ -148,11 +149,11 @@ class IncidentManager:
         data: dict[str, Any] | None = None,
     ) -> IncidentView:
         with self._lock:
-            incident = self._store.get_incident(incident_id)
+            incident = self._store.incidents.get(incident_id)
             if incident is None:
                 raise KeyError(incident_id)
             check_transition(incident_id, incident.state, wanted)
-            self._store.set_incident_state(
+            self._store.incidents.set_state(
                 incident_id, wanted, ts=now, kind=wanted, message=message, data=data
             )
             key = (incident.rule, incident.target)
@@ -167,7 +168,7 @@ class IncidentManager:
                 incident.rule,
                 incident.target,
             )
-            after = self._store.get_incident(incident_id)
+            after = self._store.incidents.get(incident_id)
             assert after is not None
             return after
 
@@ -197,7 +198,7 @@ class IncidentManager:
         host = self._covering(d)
         if host is not None:
             return None, self._attach(host, d, now=now)
-        last = self._store.last_incident(d.rule, d.target.key)
+        last = self._store.incidents.last(d.rule, d.target.key)
         if (
             last is not None
             and last.resolved_at is not None
@@ -206,7 +207,7 @@ class IncidentManager:
         ):
             if last.id not in self._cooldown_noted:
                 self._cooldown_noted.add(last.id)
-                self._store.add_timeline(
+                self._store.incidents.add_timeline(
                     last.id,
                     ts=now,
                     kind="cooldown",
@@ -240,7 +241,7 @@ class IncidentManager:
             "severity": d.severity,
             "labels": d.labels,
         }
-        incident_id = self._store.create_incident(
+        incident_id = self._store.incidents.create(
             rule=d.rule,
             target_key=d.target.key,
             target=dataclasses.asdict(d.target),
@@ -368,7 +369,7 @@ class IncidentManager:
                 for r in rows
             )
             notes.insert(0, ("planned", f"plan: {planned}", {"steps": len(rows)}))
-        self._store.add_actions(incident_id, rows, ts=now, timeline=notes)
+        self._store.actions.add(incident_id, rows, ts=now, timeline=notes)
         return any(r.state == "pending" for r in rows)
 
     def _page_rows(
@@ -388,7 +389,7 @@ class IncidentManager:
     # --- correlation --------------------------------------------------------------------------
 
     def _job_of_node(self, node: str) -> str | None:
-        for job in self._store.job_records():
+        for job in self._store.jobs.all():
             if job.state in _JOB_ACTIVE_STATES and (node in job.nodes or node in job.attempt_nodes):
                 return job.name
         return None
@@ -403,12 +404,12 @@ class IncidentManager:
         for incident_id, state in sorted(self._open.values()):
             if state not in ("open", "acting"):
                 continue
-            incident = self._store.get_incident(incident_id)
+            incident = self._store.incidents.get(incident_id)
             if incident is None:
                 continue
             steps = [
                 a
-                for a in self._store.actions_for_incident(incident_id)
+                for a in self._store.actions.for_incident(incident_id)
                 if a.kind in DISRUPTIVE_KINDS and a.state in ("pending", "running")
             ]
             if not steps:
@@ -429,7 +430,7 @@ class IncidentManager:
         must not remediate the job again; a new fault on a node still in the job must."""
         target = d.target
         if target.scope in ("rank", "job"):
-            job = self._store.get_job(target.job) if target.job else None
+            job = self._store.jobs.get(target.job) if target.job else None
             if job is None or job.state not in _JOB_ACTIVE_STATES or job.attempt < 1:
                 return None
             why = self._old_attempt(d, job)
@@ -437,9 +438,9 @@ class IncidentManager:
         node = target.node
         if node is None:
             return None
-        rec = self._store.get_node(node)
+        rec = self._store.nodes.get(node)
         if rec is not None and rec.state in ("draining", "drained"):
-            drain = self._store.last_drain(node)
+            drain = self._store.actions.last_drain(node)
             return (
                 drain.incident_id if drain is not None else None,
                 f"{node} is {rec.state}, out of every job already",
@@ -465,9 +466,9 @@ class IncidentManager:
         if target.scope == "rank" and target.node is not None:
             if job.attempt_nodes and target.node not in job.attempt_nodes:
                 return f"rank {target.rank} on {target.node} is not part of {current}"
-            began = self._store.action_by_key(job.attempt_key) if job.attempt_key else None
+            began = self._store.actions.by_key(job.attempt_key) if job.attempt_key else None
             old_pids = (
-                set(self._store.action_output(began.id).get("old_pids", ()))
+                set(self._store.actions.output(began.id).get("old_pids", ()))
                 if began is not None
                 else set()
             )
@@ -485,7 +486,7 @@ class IncidentManager:
         """The incident whose step began the job's current attempt (None: an operator's)."""
         if not job.attempt_key:
             return None
-        action = self._store.action_by_key(job.attempt_key)
+        action = self._store.actions.by_key(job.attempt_key)
         return action.incident_id if action is not None else None
 
     def _attach(self, host_id: int, d: Decision, *, now: float, why: str | None = None) -> bool:
@@ -514,11 +515,11 @@ class IncidentManager:
             )
         ]
         wants_out = node is not None and bool(_NODE_REMOVING & set(d.actions))
-        actions = self._store.actions_for_incident(host_id)
-        host = self._store.get_incident(host_id)
+        actions = self._store.actions.for_incident(host_id)
+        host = self._store.incidents.get(host_id)
         drained = any(a.kind == "drain" and a.params.get("node") == node for a in actions)
         if node is not None and why is not None:
-            rec = self._store.get_node(node)
+            rec = self._store.nodes.get(node)
             drained = drained or rec is None or rec.state != "active"
         if wants_out and node is not None and not drained and (host is None or host.node != node):
             budget = self._safety.budget(now=now)
@@ -544,7 +545,7 @@ class IncidentManager:
                 )
             )
             notes.append(("planned", f"plan: drain {node} ({d.rule}) {result}".strip(), {}))
-        self._store.add_actions(host_id, rows, ts=now, timeline=notes)
+        self._store.actions.add(host_id, rows, ts=now, timeline=notes)
         log.info(
             "event=incident_correlated incident=%d rule=%s target=%s drain_added=%s",
             host_id,
@@ -567,7 +568,7 @@ class IncidentManager:
             # restart steps are still to come: resolve once the remediation has ended
             if incident_id not in self._resolve_after:
                 self._resolve_after[incident_id] = d
-                self._store.add_timeline(
+                self._store.incidents.add_timeline(
                     incident_id,
                     ts=now,
                     kind="condition_cleared",
@@ -580,15 +581,15 @@ class IncidentManager:
     def _remediating(self, incident_id: int) -> bool:
         return any(
             a.state in ("pending", "running") and self._registry.get(a.kind).remediation
-            for a in self._store.actions_for_incident(incident_id)
+            for a in self._store.actions.for_incident(incident_id)
         )
 
     def _resolve(self, incident_id: int, d: Decision, *, now: float) -> bool:
         self._resolve_after.pop(incident_id, None)
-        actions = self._store.actions_for_incident(incident_id)
+        actions = self._store.actions.for_incident(incident_id)
         for a in actions:
             if a.state == "pending":
-                self._store.update_action(
+                self._store.actions.update(
                     a.id,
                     state="skipped",
                     ts=now,
@@ -629,7 +630,7 @@ class IncidentManager:
             )
             for channel in told
         ]
-        self._store.add_actions(incident_id, rows, ts=now)
+        self._store.actions.add(incident_id, rows, ts=now)
         return True
 
     # --- silences -----------------------------------------------------------------------------
@@ -644,19 +645,19 @@ class IncidentManager:
             for incident_id, state in sorted(self._open.values()):
                 if state == "suppressed":
                     continue
-                incident = self._store.get_incident(incident_id)
+                incident = self._store.incidents.get(incident_id)
                 if incident is None or not silence_matches(
                     silence, rule=incident.rule, node=incident.node, now=now
                 ):
                     continue
                 touched.append(incident_id)
                 why = f"suppressed by silence {silence.id}"
-                actions = self._store.actions_for_incident(incident_id)
+                actions = self._store.actions.for_incident(incident_id)
                 skipped = 0
                 for a in actions:
                     if a.kind == "notify" and a.state == "pending" and _is_trigger(a):
                         skipped += 1
-                        self._store.update_action(
+                        self._store.actions.update(
                             a.id,
                             state="skipped",
                             ts=now,
@@ -669,7 +670,7 @@ class IncidentManager:
                             ),
                         )
                 remediating = self._remediating(incident_id)
-                self._store.add_timeline(
+                self._store.incidents.add_timeline(
                     incident_id,
                     ts=now,
                     kind="silenced",
@@ -706,7 +707,7 @@ class IncidentManager:
         None. Resolves still go out: they close what the channel was already told."""
         if action.kind != "notify" or action.incident_id is None or not _is_trigger(action):
             return None
-        incident = self._store.get_incident(action.incident_id)
+        incident = self._store.incidents.get(action.incident_id)
         if incident is None:
             return None
         silence = self._safety.silence_for(rule=incident.rule, node=incident.node, now=now)
@@ -718,7 +719,7 @@ class IncidentManager:
         if action.incident_id is None or not handler.remediation:
             return
         with self._lock:
-            incident = self._store.get_incident(action.incident_id)
+            incident = self._store.incidents.get(action.incident_id)
             if incident is not None and incident.state == "open":
                 self.transition(
                     incident.id, "acting", now=now, message=f"remediation started: {action.kind}"
@@ -728,12 +729,12 @@ class IncidentManager:
         if action.incident_id is None:
             return
         with self._lock:
-            incident = self._store.get_incident(action.incident_id)
+            incident = self._store.incidents.get(action.incident_id)
             if incident is None or incident.state != "acting":
                 return
             steps = [
                 a
-                for a in self._store.actions_for_incident(incident.id)
+                for a in self._store.actions.for_incident(incident.id)
                 if self._registry.get(a.kind).remediation
             ]
             if any(a.state in ("pending", "running") for a in steps):
@@ -744,7 +745,7 @@ class IncidentManager:
                 done = ", ".join(a.kind for a in steps if a.state == "succeeded")
                 self.transition(incident.id, "mitigated", now=now, message=f"mitigated: {done}")
             else:
-                self._store.add_timeline(
+                self._store.incidents.add_timeline(
                     incident.id,
                     ts=now,
                     kind="remediation_incomplete",
@@ -770,14 +771,14 @@ class IncidentManager:
             if r.params["channel"] != failed_channel and r.params["channel"]
         ]
         if not rows:
-            self._store.add_timeline(
+            self._store.incidents.add_timeline(
                 action.incident_id,
                 ts=now,
                 kind="escalation_unavailable",
                 message=f"step {action.kind} #{action.id} failed and no other channel can page",
             )
             return
-        self._store.add_actions(
+        self._store.actions.add(
             action.incident_id,
             rows,
             ts=now,

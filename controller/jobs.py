@@ -34,7 +34,8 @@ from typing import Any, Literal, Protocol
 
 from trainguard.bounds import MAX_RANKS_PER_REPORT, bad_name_reason
 from trainguard.controller.config import JobsConfig
-from trainguard.controller.store import CommandRecord, JobRecord, NodeRecord, Store
+from trainguard.controller.records import CommandRecord, JobRecord, NodeRecord
+from trainguard.controller.store import Store
 from trainguard.controller.views import JobView
 from trainguard.protocol import Event, JobProcess, RankState, Report, to_wire
 from trainguard.strict import Invalid, build
@@ -284,7 +285,7 @@ class JobManager:
         self._on_state = on_state
         self._lock = threading.RLock()
         self._live: dict[str, _Live] = {}
-        self._jobs: dict[str, JobRecord] = {j.name: j for j in store.job_records()}
+        self._jobs: dict[str, JobRecord] = {j.name: j for j in store.jobs.all()}
         self._node_job_ranks: dict[str, set[str]] = {}  # node -> jobs it reported ranks for
         # presence: this process's start, and when the controller last heard any node before
         # it (the newest stored report): a node silent already then is silent now
@@ -311,7 +312,7 @@ class JobManager:
 
     def submit(self, spec: JobSpec, *, now: float) -> JobRecord | None:
         """Store a new job (pending); None if a job of that name is still active."""
-        rec = self.store.submit_job(
+        rec = self.store.jobs.submit(
             spec.name,
             spec=to_wire(spec),
             nodes=spec.nodes,
@@ -342,7 +343,7 @@ class JobManager:
             if current is not None and current.started_at is None:
                 # the restart step can see the first attempt train before the tick does
                 changes["started_at"] = now
-        rec = self._remember(self.store.update_job(name, **changes))
+        rec = self._remember(self.store.jobs.update(name, **changes))
         log.info(
             "event=job_state job=%s state=%s attempt=%d reason=%s",
             name,
@@ -363,7 +364,7 @@ class JobManager:
                 return spec_port
             return self.config.rdzv_port_base + attempt % self.config.rdzv_port_span
 
-        rec, began = self.store.begin_attempt(
+        rec, began = self.store.jobs.begin_attempt(
             name, key=key, rdzv_port=port, ts=self._now(), counts_restart=counts_restart
         )
         self._remember(rec)
@@ -386,7 +387,7 @@ class JobManager:
         assign: Sequence[str],
         release: Sequence[str],
     ) -> JobRecord:
-        rec = self.store.set_job_placement(
+        rec = self.store.jobs.set_placement(
             name, nodes=nodes, nproc_per_node=nproc_per_node, assign=assign, release=release
         )
         for n in (*assign, *release):
@@ -645,7 +646,7 @@ class JobManager:
         """A pending or running step that may stop this job's processes (read from the store,
         so it holds across a controller restart)."""
         nodes = {*job.nodes, *job.attempt_nodes}
-        for action, _ in self.store.open_actions():
+        for action, _ in self.store.actions.open():
             if action.kind not in _STOPPING_KINDS:
                 continue
             if action.params.get("job") == job.name or action.params.get("node") in nodes:
@@ -806,7 +807,7 @@ class JobManager:
             if running:
                 changes["sampled_at"] = now
             if changes:
-                self._remember(self.store.update_job(job.name, **changes))
+                self._remember(self.store.jobs.update(job.name, **changes))
 
     def _attempt_running(self, job: JobRecord) -> bool:
         with self._lock:

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard.clock import Clock
+from trainguard.controller.records import CommandRecord, FreshNode, NodeRecord
 from trainguard.controller.signals import SignalState
-from trainguard.controller.store import CommandRecord, FreshNode, NodeRecord, Store
+from trainguard.controller.store import Store
 
 __all__ = ["JobSeen", "LiveState"]
 
@@ -56,7 +57,7 @@ class LiveState:
         self.store = store
         self.signals = signals
         self._clock = clock
-        self.nodes: dict[str, NodeRecord] = {n.name: n for n in store.list_nodes()}
+        self.nodes: dict[str, NodeRecord] = {n.name: n for n in store.nodes.all()}
         self.last_seen: dict[str, float] = {
             n.name: n.last_report_at for n in self.nodes.values() if n.last_report_at
         }
@@ -69,7 +70,7 @@ class LiveState:
         # SignalState changes queued while a tick evaluates (see `change_signals`)
         self._evaluating = False
         self._deferred: list[Callable[[], None]] = []
-        for cmd in store.pending_commands():
+        for cmd in store.commands.pending():
             self.pending.setdefault(cmd.node, []).append(cmd)
         for n in self.nodes.values():
             signals.set_node_meta(n.name, role=n.role, state=n.state, job=n.job)
@@ -131,7 +132,7 @@ class LiveState:
             batch = list(self.fresh.values())
             self.fresh.clear()
         if batch:
-            self.store.flush_freshness(batch)
+            self.store.nodes.flush_freshness(batch)
 
     def drop_pending(self, node: str, ids: set[str]) -> None:
         """Forget pending commands `ids` of `node` (done or timed out). Caller holds lock."""
@@ -158,7 +159,7 @@ class LiveState:
             return sorted(self.nodes)
 
     def refresh_node(self, node: str) -> None:
-        rec = self.store.get_node(node)
+        rec = self.store.nodes.get(node)
         if rec is None:
             return
         with self.lock:
@@ -182,20 +183,20 @@ class LiveState:
 
     def set_node_state(self, node: str, state: str, *, reason: str | None) -> None:
         with self.lock:
-            rec = self.store.update_node(node, state=state, drain_reason=reason)
+            rec = self.store.nodes.update(node, state=state, drain_reason=reason)
             self.put_node(rec)
         log.info("event=node_state node=%s state=%s", node, state)
 
     def queue_command(self, node: str, kind: str, args: dict[str, Any], *, command_id: str) -> None:
-        if self.store.add_command(command_id, node=node, kind=kind, args=args):
-            record = self.store.get_command(command_id)
+        if self.store.commands.add(command_id, node=node, kind=kind, args=args):
+            record = self.store.commands.get(command_id)
             assert record is not None
             with self.lock:
                 self.pending.setdefault(node, []).append(record)
             log.info("event=command_queued command=%s node=%s kind=%s", command_id, node, kind)
 
     def command_status(self, command_id: str) -> CommandRecord | None:
-        return self.store.get_command(command_id)
+        return self.store.commands.get(command_id)
 
     def pending_commands(self, node: str) -> list[CommandRecord]:
         with self.lock:

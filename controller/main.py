@@ -27,11 +27,12 @@ from trainguard.controller.auth import load_tokens
 from trainguard.controller.backup import main as backup_main
 from trainguard.controller.composition import Controller
 from trainguard.controller.config import load_config
-from trainguard.controller.dialect import redact_url
 from trainguard.controller.errors import ServiceError
 from trainguard.controller.ha import HaController
 from trainguard.controller.ingest.frontend import IngestFrontend
 from trainguard.controller.runtime import new_event_loop, setup_logging
+from trainguard.controller.store.connection import redact_url
+from trainguard.controller.store.errors import LeaseLost
 from trainguard.controller.storewatch import StoreWatch, postgres_probe
 from trainguard.controller.tlsauth import uvicorn_tls_options
 from trainguard.controller.watchdog import watchdog_running
@@ -245,7 +246,7 @@ def _serve(
     def reload_rules() -> None:
         try:
             count = controller.reload_rules(actor="sighup")
-        except ServiceError as e:
+        except (ServiceError, LeaseLost) as e:
             log.error("event=sighup_reload_failed detail=%s", str(e).replace("\n", " "))
             return
         except Exception:  # a reload must never end silently: log it, the rules stay

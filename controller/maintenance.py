@@ -88,19 +88,19 @@ def run_retention(
         deleted[table] = deleted.get(table, 0) + rows
         batches += n
 
-    simple("events", "events", store.expire_events)
-    simple("commands", "commands", store.expire_commands)
+    simple("events", "events", store.retention.expire_events)
+    simple("commands", "commands", store.retention.expire_commands)
     incidents_age_s = policy.max_age_s("incidents")
     if incidents_age_s is not None:
         while not cancelled():
-            got = store.expire_incidents(now=now, max_age_s=incidents_age_s, limit=limit)
+            got = store.retention.expire_incidents(now=now, max_age_s=incidents_age_s, limit=limit)
             batches += 1
             for table, n in got.items():
                 deleted[table] = deleted.get(table, 0) + n
             if got["incidents"] == 0:
                 break
-    simple("actions", "operator_actions", store.expire_operator_actions)
-    simple("audit_log", "audit", store.expire_audit)
+    simple("actions", "operator_actions", store.retention.expire_operator_actions)
+    simple("audit_log", "audit", store.retention.expire_audit)
     return RetentionResult(deleted=deleted, batches=batches, complete=not cancelled())
 
 
@@ -111,7 +111,7 @@ def run_vacuum(
     how many went. The file shrinks at the next WAL checkpoint."""
     freed = 0
     while freed < max_pages and not cancelled():
-        n = store.incremental_vacuum(pages=min(VACUUM_PAGES_PER_STEP, max_pages - freed))
+        n = store.space.incremental_vacuum(pages=min(VACUUM_PAGES_PER_STEP, max_pages - freed))
         if n == 0:
             break
         freed += n
@@ -129,9 +129,9 @@ class CheckpointResult:
 
 def run_checkpoint(store: Store) -> CheckpointResult:
     """Copy the WAL into the database file and truncate the -wal file (TRUNCATE)."""
-    _, wal_before = store.file_sizes()
-    busy, frames, done = store.checkpoint_wal(mode="TRUNCATE")
-    _, wal_after = store.file_sizes()
+    _, wal_before = store.space.file_sizes()
+    busy, frames, done = store.space.checkpoint_wal(mode="TRUNCATE")
+    _, wal_after = store.space.file_sizes()
     return CheckpointResult(busy, frames, done, wal_before, wal_after)
 
 
@@ -152,7 +152,7 @@ class MaintenanceScheduler:
         self._clock = clock
         self._stopping = threading.Event()
         self._scheduler: BackgroundScheduler | None = None
-        metrics.watch_store_size(store.file_sizes)
+        metrics.watch_store_size(store.space.file_sizes)
 
     @property
     def running(self) -> bool:

@@ -17,7 +17,8 @@ from trainguard.controller.incidents import IncidentManager
 from trainguard.controller.jobs import JobManager, JobSpec
 from trainguard.controller.livestate import LiveState
 from trainguard.controller.queries import QueryService
-from trainguard.controller.store import NewAction, Store
+from trainguard.controller.records import NewAction
+from trainguard.controller.store import Store
 from trainguard.controller.views import ActionView, JobView, NodeRole, NodeView, SilenceView
 from trainguard.protocol import FaultSpec, to_wire
 
@@ -58,8 +59,8 @@ class OperatorService:
         with self._live.lock:
             if name not in self._live.nodes:
                 raise NotFound(f"node {name!r} not found")
-            self._live.put_node(self._store.update_node(name, role=role))
-        self._store.audit(
+            self._live.put_node(self._store.nodes.update(name, role=role))
+        self._store.audit.record(
             ts=self._clock.now(), actor=actor, action="set_role", target=name, detail={"role": role}
         )
         log.info("event=node_role node=%s role=%s actor=%s", name, role, actor)
@@ -79,7 +80,7 @@ class OperatorService:
             raise NotFound(f"node {node!r} not found")
         command_id = f"fault-{uuid.uuid4().hex[:12]}"
         self._live.queue_command(node, "inject_fault", to_wire(spec), command_id=command_id)
-        self._store.audit(
+        self._store.audit.record(
             ts=self._clock.now(),
             actor=actor,
             action="inject_fault",
@@ -99,8 +100,10 @@ class OperatorService:
         """An operator's step on a node or job: audit-logged, written as an action row keyed
         by the audit id (no incident), run now; a failed step is a 400 with its reason."""
         now = self._clock.now()
-        audit_id = self._store.audit(ts=now, actor=actor, action=audit, target=name, detail=detail)
-        (action_id,) = self._store.add_actions(
+        audit_id = self._store.audit.record(
+            ts=now, actor=actor, action=audit, target=name, detail=detail
+        )
+        (action_id,) = self._store.actions.add(
             None,
             [
                 NewAction(
@@ -195,7 +198,7 @@ class OperatorService:
         if not duration_s > 0:
             raise BadRequest(f"duration_s must be > 0, got {duration_s}")
         now = self._clock.now()
-        silence = self._store.add_silence(
+        silence = self._store.silences.add(
             rule=rule or None,
             node=node or None,
             created_by=actor,
@@ -204,7 +207,7 @@ class OperatorService:
             comment=comment,
         )
         touched = self._incidents.apply_silence(silence, now=now)
-        self._store.audit(
+        self._store.audit.record(
             ts=now,
             actor=actor,
             action="create_silence",
@@ -229,8 +232,8 @@ class OperatorService:
 
     def delete_silence(self, silence_id: int, *, actor: str) -> None:
         now = self._clock.now()
-        if not self._store.delete_silence(silence_id, now=now):
+        if not self._store.silences.delete(silence_id, now=now):
             raise NotFound(f"silence {silence_id} not found")
-        self._store.audit(
+        self._store.audit.record(
             ts=now, actor=actor, action="delete_silence", target=f"silence:{silence_id}", detail={}
         )

@@ -15,11 +15,12 @@ from collections.abc import Callable, Hashable
 from typing import TypeVar
 
 from trainguard.clock import Clock
-from trainguard.controller.dialect import StoreUnavailable
 from trainguard.controller.errors import BadRequest, NotFound
 from trainguard.controller.jobs import JobManager
 from trainguard.controller.livestate import JobSeen, LiveState
-from trainguard.controller.store import NodeRecord, Store
+from trainguard.controller.records import NodeRecord
+from trainguard.controller.store import Store
+from trainguard.controller.store.errors import StoreUnavailable
 from trainguard.controller.views import (
     AuditEntry,
     IncidentDetail,
@@ -117,7 +118,7 @@ class QueryService:
         )
 
     def _open_counts(self) -> dict[str, int]:
-        return self.last_answers.ask(("open_incident_counts",), self._store.open_incident_counts)
+        return self.last_answers.ask(("open_incident_counts",), self._store.incidents.open_counts)
 
     def list_nodes(self) -> list[NodeView]:
         now = self._clock.now()
@@ -149,18 +150,18 @@ class QueryService:
             raise BadRequest(f"limit must be >= 1, got {limit}")
         return self.last_answers.ask(
             ("incidents", state, node, limit),
-            lambda: self._store.list_incidents(state=state, node=node, limit=limit),
+            lambda: self._store.incidents.find(state=state, node=node, limit=limit),
         )
 
     def get_incident(self, incident_id: int) -> IncidentDetail:
         def read() -> IncidentDetail | None:
-            incident = self._store.get_incident(incident_id)
+            incident = self._store.incidents.get(incident_id)
             if incident is None:
                 return None
             return IncidentDetail(
                 incident=incident,
-                timeline=tuple(self._store.timeline(incident_id)),
-                actions=tuple(self._store.actions_for_incident(incident_id)),
+                timeline=tuple(self._store.incidents.timeline(incident_id)),
+                actions=tuple(self._store.actions.for_incident(incident_id)),
             )
 
         detail = self.last_answers.ask(("incident", incident_id), read)
@@ -211,10 +212,12 @@ class QueryService:
     def list_silences(self, *, include_expired: bool = False) -> list[SilenceView]:
         return self.last_answers.ask(
             ("silences", include_expired),
-            lambda: self._store.list_silences(
+            lambda: self._store.silences.find(
                 now=self._clock.now(), include_expired=include_expired
             ),
         )
 
     def audit_log(self, *, limit: int = 100) -> list[AuditEntry]:
-        return self.last_answers.ask(("audit", limit), lambda: self._store.audit_log(limit=limit))
+        return self.last_answers.ask(
+            ("audit", limit), lambda: self._store.audit.recent(limit=limit)
+        )

@@ -36,7 +36,8 @@ from trainguard.controller.errors import LimitReached
 from trainguard.controller.jobs import JobManager
 from trainguard.controller.livestate import JobSeen, LiveState
 from trainguard.controller.metrics import ControllerMetrics
-from trainguard.controller.store import CommandResultRow, FreshNode, Store
+from trainguard.controller.records import CommandResultRow, FreshNode
+from trainguard.controller.store import Store
 from trainguard.protocol import Command, Report, ReportResponse, to_wire
 
 __all__ = ["ReportService"]
@@ -112,7 +113,7 @@ class ReportService:
             node,
             bound_node,
         )
-        self._store.audit(
+        self._store.audit.record(
             ts=now,
             actor=actor,
             action="report_refused",
@@ -141,7 +142,7 @@ class ReportService:
                         f"node {name} is not registered"
                     )
                 # a report's role_hint never makes a spare: an operator does (set_role)
-                node = self._store.add_node(name, role="active", labels=dict(report.labels))
+                node = self._store.nodes.add(name, role="active", labels=dict(report.labels))
                 self._nodes[name] = node
                 self._change_signals(
                     self._signals.set_node_meta,
@@ -218,7 +219,7 @@ class ReportService:
         if known is not None and known[0] == instance:
             return known[1]
         # a new agent instance (or a controller restart): ask the store once
-        hwm = self._store.max_event_id(node, instance)
+        hwm = self._store.events.max_event_id(node, instance)
         self._hwm[node] = (instance, hwm)
         return hwm
 
@@ -236,7 +237,7 @@ class ReportService:
                             data={k: v for k, v in e.data.items() if k not in _RESULT_FIELDS},
                         )
                     )
-        self._store.insert_events(
+        self._store.events.insert(
             node,
             instance,
             [(e.id, e.kind, e.ts, to_wire(e)) for e in events],
@@ -269,7 +270,7 @@ class ReportService:
             return ()
         first_time = [c.id for c in pending if c.delivered_at is None]
         if first_time:
-            self._store.mark_delivered(first_time)
+            self._store.commands.mark_delivered(first_time)
             self._pending[node] = [
                 dataclasses.replace(c, delivered_at=now) if c.delivered_at is None else c
                 for c in pending

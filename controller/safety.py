@@ -130,20 +130,20 @@ class Safety:
         return self.config.dry_run
 
     def silence_for(self, *, rule: str, node: str | None, now: float) -> SilenceView | None:
-        silences = self._store.list_silences(now=now, include_expired=False)
+        silences = self._store.silences.find(now=now, include_expired=False)
         return matching_silence(silences, rule=rule, node=node, now=now)
 
     def budget(self, *, now: float) -> BudgetVerdict:
         window_s = self.config.drain_budget_window_s
-        used = self._store.count_auto_drains(since=now - window_s)
+        used = self._store.actions.count_auto_drains(since=now - window_s)
         return budget_verdict(
             drains_in_window=used, budget=self.config.drain_budget, window_s=window_s
         )
 
     def breaker(self, *, rule: str, now: float) -> BreakerVerdict:
         window_s = self.config.breaker_window_s
-        nodes = self._store.nodes_tripping_rule(rule, since=now - window_s)
-        trip = self._store.get_breaker(rule)
+        nodes = self._store.incidents.nodes_tripping_rule(rule, since=now - window_s)
+        trip = self._store.breakers.get(rule)
         return breaker_verdict(
             rule=rule,
             nodes_in_window=nodes,
@@ -154,10 +154,10 @@ class Safety:
         )
 
     def record_trip(self, *, rule: str, now: float, incident_id: int, nodes: Iterable[str]) -> None:
-        self._store.trip_breaker(rule, tripped_at=now, incident_id=incident_id, nodes=list(nodes))
+        self._store.breakers.trip(rule, tripped_at=now, incident_id=incident_id, nodes=list(nodes))
 
     def breaker_incident(self, rule: str) -> int | None:
-        trip = self._store.get_breaker(rule)
+        trip = self._store.breakers.get(rule)
         return trip[1] if trip else None
 
 

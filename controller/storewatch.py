@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from trainguard.clock import SYSTEM_CLOCK, Clock
 from trainguard.controller.actions.base import PermanentError, TransientError
 from trainguard.controller.actions.notify import Notification, Notifier
-from trainguard.controller.lease import lease_connection
+from trainguard.controller.store.lease import lease_connection
 
 __all__ = ["PAGE_RULE", "StoreWatch", "postgres_probe", "store_page"]
 

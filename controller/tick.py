@@ -21,8 +21,7 @@ from typing import Any
 from trainguard.clock import Clock
 from trainguard.controller.actions.worker import ActionRunner
 from trainguard.controller.config import ControllerConfig
-from trainguard.controller.dialect import StoreUnavailable
-from trainguard.controller.errors import BadRequest, NotLeader
+from trainguard.controller.errors import BadRequest
 from trainguard.controller.growplan import (
     GrowIncident,
     GrowJob,
@@ -36,11 +35,13 @@ from trainguard.controller.livestate import LiveState
 from trainguard.controller.metrics import DEFAULT_SPARE_POOL, ControllerMetrics
 from trainguard.controller.model import Decision, Target
 from trainguard.controller.queries import QueryService
+from trainguard.controller.records import NewAction
 from trainguard.controller.rules import engine
 from trainguard.controller.rules.engine import EngineMemory, MemoryEntry
 from trainguard.controller.rules.loader import RuleError, RuleSet, load_rules
 from trainguard.controller.signals import SIGNAL_EVENT_KINDS
-from trainguard.controller.store import NewAction, Store
+from trainguard.controller.store import Store
+from trainguard.controller.store.errors import LeaseLost, StoreUnavailable
 from trainguard.protocol import Event, ProtocolError, decoder
 from trainguard.strict import ConfigError
 
@@ -125,7 +126,7 @@ class TickService:
         ticks like any other. history_s is what the SignalState would have held: a rule
         window longer than it is not answered live either."""
         since = self._started_at - self._config.history_s
-        rows = self._store.events_received_since(since, kinds=SIGNAL_EVENT_KINDS)
+        rows = self._store.events.received_since(since, kinds=SIGNAL_EVENT_KINDS)
         live = self._live
         replayed = skipped = 0
         with live.lock:
@@ -156,8 +157,8 @@ class TickService:
         instead of staying open, and one that still holds keeps its `since`. Each is held
         open (see `_hold_seeded`) until what its condition reads has been rebuilt."""
         entries: dict[tuple[str, str], MemoryEntry] = {}
-        for inc in self._store.unresolved_incidents():
-            target = Target(**self._store.incident_target(inc.id))
+        for inc in self._store.incidents.unresolved():
+            target = Target(**self._store.incidents.target(inc.id))
             key = (inc.rule, inc.target)
             entries[key] = MemoryEntry(
                 target=target,
@@ -185,7 +186,7 @@ class TickService:
         if target.node is not None:
             return frozenset({target.node})
         if target.scope == "job" and target.job is not None:
-            job = self._store.get_job(target.job)
+            job = self._store.jobs.get(target.job)
             if job is not None:
                 return frozenset(job.attempt_nodes or job.nodes)
         return frozenset()
@@ -258,7 +259,7 @@ class TickService:
             started = time.monotonic()
             try:
                 self.tick()
-            except (StoreUnavailable, NotLeader) as e:
+            except (StoreUnavailable, LeaseLost) as e:
                 # a store outage (or a lost lease) skips the round: nothing is decided
                 # without the store; storewatch.py and ha.py say so once, not every tick
                 log.debug("event=tick_skipped reason=%s", type(e).__name__)
@@ -276,9 +277,9 @@ class TickService:
             except StoreUnavailable:
                 log.debug("event=action_worker_skipped reason=store_unavailable")
                 due = None
-            except NotLeader as e:  # a deposed leader's step: its write refused by the store
+            except LeaseLost as e:  # a deposed leader's step: its write refused by the store
                 log.warning(
-                    "event=action_write_refused reason=NotLeader detail=%s",
+                    "event=action_write_refused reason=LeaseLost detail=%s",
                     str(e).replace(" ", "_"),
                 )
                 due = None
@@ -332,7 +333,7 @@ class TickService:
         """Feed decisions to the incident layer; returns ids of incidents opened."""
         opened = self._incidents.apply(decisions, now=now)
         for incident_id in opened:
-            incident = self._store.get_incident(incident_id)
+            incident = self._store.incidents.get(incident_id)
             if incident is not None:
                 self._metrics.incidents_opened_total.labels(rule=incident.rule).inc()
         return opened
@@ -347,7 +348,7 @@ class TickService:
             spec = self._jobs.spec(rec)
             if spec.shrink != "world" or len(rec.nodes) * rec.nproc_per_node >= spec.world_size:
                 continue
-            began = self._store.action_by_key(rec.attempt_key) if rec.attempt_key else None
+            began = self._store.actions.by_key(rec.attempt_key) if rec.attempt_key else None
             jobs.append(
                 GrowJob(
                     name=rec.name,
@@ -379,11 +380,11 @@ class TickService:
         ]
         steps = [
             GrowStep(kind=a.kind, job=_text(a.params.get("job")), node=_text(a.params.get("node")))
-            for a, _ in self._store.open_actions()
+            for a, _ in self._store.actions.open()
         ]
         incidents = [
             GrowIncident(state=i.state, job=i.job, node=i.node)
-            for i in self._store.unresolved_incidents()
+            for i in self._store.incidents.unresolved()
         ]
         written: list[str] = []
         for grow in plan_grows(
@@ -394,9 +395,9 @@ class TickService:
             incidents=incidents,
             now=now,
         ):
-            if self._store.action_by_key(grow.key) is not None:
+            if self._store.actions.by_key(grow.key) is not None:
                 continue  # at most one grow per job and attempt, whatever became of it
-            self._store.add_actions(
+            self._store.actions.add(
                 None,
                 [
                     NewAction(
@@ -440,7 +441,7 @@ class TickService:
             ]
         for cmd in expired:
             message = f"no result from the agent within {timeout_s:g} s"
-            if self._store.finish_command(cmd.id, ok=False, result=message):
+            if self._store.commands.finish(cmd.id, ok=False, result=message):
                 self._metrics.commands_timed_out_total.inc()
                 log.warning(
                     "event=command_timed_out command=%s node=%s kind=%s", cmd.id, cmd.node, cmd.kind
@@ -467,9 +468,9 @@ class TickService:
         metrics.nodes_reporting.set(reporting)
         metrics.set_spares(spares)
         metrics.set_jobs(self._queries.list_jobs())
-        open_counts = self._store.open_incident_counts()
+        open_counts = self._store.incidents.open_counts()
         metrics.set_node_incidents({n: open_counts.get(n, 0) for n in live.nodes_known()})
-        severities = {inc.id: inc.severity for inc in self._store.unresolved_incidents()}
+        severities = {inc.id: inc.severity for inc in self._store.incidents.unresolved()}
         metrics.set_incidents(
             (rule, severities.get(i, "info")) for rule, _, i, _ in self._incidents.open_incidents()
         )
@@ -488,7 +489,7 @@ class TickService:
             self._rules = rules
             live.change_signals(live.signals.track, rules.history_needs())
         self._metrics.known_rules(rules.names())
-        self._store.audit(
+        self._store.audit.record(
             ts=self._clock.now(),
             actor=actor,
             action="reload_rules",

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from trainguard.controller.actions.base import ActionContext, Outcome, PermanentError
+from trainguard.controller.records import CommandRecord
 from trainguard.controller.safety import stale_drain_reason
-from trainguard.controller.store import CommandRecord
 
 log = logging.getLogger("trainguard.controller.drain")
 

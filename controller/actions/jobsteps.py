@@ -32,7 +32,7 @@ from trainguard.controller.actions.recovery import (
     rolled_back_in_process,
 )
 from trainguard.controller.jobs import RESUME_SKIP_ENV, JobManager, JobSpec, shrink_plan
-from trainguard.controller.store import CommandRecord, JobRecord
+from trainguard.controller.records import CommandRecord, JobRecord
 
 log = logging.getLogger("trainguard.controller.jobsteps")
 
@@ -517,7 +517,7 @@ class RestartHandler(JobStep):
         active, or about to be drained (a correlated incident's drain step is pending)."""
         draining = {
             a.params.get("node")
-            for a, _ in self.jobs.store.open_actions()
+            for a, _ in self.jobs.store.actions.open()
             if a.kind == "drain" and a.state == "pending"
         }
         return [
@@ -827,12 +827,12 @@ class GrowHandler(JobStep):
     def _note_grown(self, job: str, *, key: str, text: str, ranks: int, now: float) -> None:
         """`grown back to N ranks` on the incident that shrank the job (once per grow key)."""
         store = self.jobs.store
-        incident_id = store.last_shrink_incident(job)
-        if incident_id is None or store.get_incident(incident_id) is None:
+        incident_id = store.actions.last_shrink_incident(job)
+        if incident_id is None or store.incidents.get(incident_id) is None:
             return
-        if any(e.data.get("key") == key for e in store.timeline(incident_id)):
+        if any(e.data.get("key") == key for e in store.incidents.timeline(incident_id)):
             return
-        store.add_timeline(
+        store.incidents.add_timeline(
             incident_id,
             ts=now,
             kind="job_grown",

@@ -29,10 +29,10 @@ from trainguard.controller.actions.base import (
     TransientError,
 )
 from trainguard.controller.config import ActionsConfig
-from trainguard.controller.dialect import StoreUnavailable
-from trainguard.controller.errors import NotLeader
+from trainguard.controller.records import TERMINAL_ACTION_STATES
 from trainguard.controller.safety import backoff_s
-from trainguard.controller.store import TERMINAL_ACTION_STATES, Store
+from trainguard.controller.store import Store
+from trainguard.controller.store.errors import LeaseLost, StoreUnavailable
 from trainguard.controller.views import ActionView
 
 log = logging.getLogger("trainguard.controller.actions")
@@ -90,7 +90,7 @@ class ActionRunner:
     def recover(self, *, now: float) -> int:
         """Deal with rows left `running` by a previous process; returns how many."""
         count = 0
-        for action, _ in self._store.open_actions():
+        for action, _ in self._store.actions.open():
             if action.state != "running":
                 continue
             count += 1
@@ -101,7 +101,7 @@ class ActionRunner:
                     f"{action.kind} was running when the controller stopped; resuming"
                     f" (idempotent for key {action.idempotency_key})"
                 )
-                self._store.update_action(
+                self._store.actions.update(
                     action.id,
                     state="running",
                     ts=now,
@@ -125,7 +125,7 @@ class ActionRunner:
     # --- running ----------------------------------------------------------------------------
 
     def next_due_at(self) -> float | None:
-        due = [at for _, at in self._store.open_actions()]
+        due = [at for _, at in self._store.actions.open()]
         return min(due) if due else None
 
     def run_due(self, *, now: float, max_passes: int = 10) -> int:
@@ -141,7 +141,7 @@ class ActionRunner:
 
     def _pass(self, *, now: float) -> int:
         with self._pass_lock:
-            open_rows = self._store.open_actions()
+            open_rows = self._store.actions.open()
             due_at = {a.id: at for a, at in open_rows}
             by_incident: dict[int, list[ActionView]] = defaultdict(list)
             ran = 0
@@ -157,12 +157,12 @@ class ActionRunner:
 
     def run_one(self, action_id: int, *, now: float) -> ActionView:
         """Run one step now (an operator's drain), unless the worker is already on it."""
-        action = self._store.get_action(action_id)
+        action = self._store.actions.get(action_id)
         if action is None:
             raise KeyError(action_id)
         if action.state not in TERMINAL_ACTION_STATES:
             self._run_claimed(action, now=now)
-        result = self._store.get_action(action_id)
+        result = self._store.actions.get(action_id)
         assert result is not None
         return result
 
@@ -170,7 +170,7 @@ class ActionRunner:
         ran = 0
         waiting = False
         failed: ActionView | None = None
-        for action in self._store.actions_for_incident(incident_id):
+        for action in self._store.actions.for_incident(incident_id):
             handler = self._registry.get(action.kind)
             if action.state in TERMINAL_ACTION_STATES:
                 if handler.remediation and action.state == "failed":
@@ -191,7 +191,7 @@ class ActionRunner:
             if due_at.get(action.id, now) <= now and self._run_claimed(action, now=now):
                 ran += 1
             if handler.remediation:
-                after = self._store.get_action(action.id)
+                after = self._store.actions.get(action.id)
                 if after is None or after.state not in TERMINAL_ACTION_STATES:
                     waiting = True
                 elif after.state == "failed":
@@ -204,7 +204,7 @@ class ActionRunner:
                 return False
             self._claimed.add(action.id)
         try:
-            fresh = self._store.get_action(action.id)
+            fresh = self._store.actions.get(action.id)
             if fresh is None or fresh.state in TERMINAL_ACTION_STATES:
                 return False
             self._execute(fresh, now=now)
@@ -217,11 +217,11 @@ class ActionRunner:
         if action.incident_id is None:
             return {}
         out: dict[str, dict[str, object]] = {}
-        for other in self._store.actions_for_incident(action.incident_id):
+        for other in self._store.actions.for_incident(action.incident_id):
             if other.id == action.id:
                 break
             if other.state == "succeeded":
-                out[other.kind] = self._store.action_output(other.id)
+                out[other.kind] = self._store.actions.output(other.id)
         return out
 
     def _execute(self, action: ActionView, *, now: float) -> None:
@@ -234,7 +234,7 @@ class ActionRunner:
         attempt = action.attempts + (1 if first else 0)
         incident_id = action.incident_id
         if first:
-            self._store.update_action(
+            self._store.actions.update(
                 action.id,
                 state="running",
                 ts=now,
@@ -250,10 +250,10 @@ class ActionRunner:
             )
             if self.listener is not None:
                 self.listener.on_action_started(action, handler, now=now)
-        progress = self._store.action_output(action.id)
+        progress = self._store.actions.output(action.id)
         recovering = not first and not progress
-        incident = self._store.get_incident(incident_id) if incident_id is not None else None
-        current = self._store.get_action(action.id)
+        incident = self._store.incidents.get(incident_id) if incident_id is not None else None
+        current = self._store.actions.get(action.id)
         assert current is not None
         ctx = ActionContext(
             action=current,
@@ -266,7 +266,7 @@ class ActionRunner:
         )
         # HA: the step's side effects (an agent command, a webhook, scontrol) follow a store
         # round trip that proves this controller still holds the lease; a deposed leader
-        # raises NotLeader here and does nothing
+        # raises LeaseLost here and does nothing
         self._store.check_fence()
         try:
             outcome = handler.run(ctx)
@@ -276,7 +276,7 @@ class ActionRunner:
         except PermanentError as e:
             self._fail(current, reason=str(e), now=now)
             return
-        except (StoreUnavailable, NotLeader) as e:
+        except (StoreUnavailable, LeaseLost) as e:
             # the store or the lease went while the step ran: the step is not the one that
             # failed; it stays running and is taken up again by whoever leads next
             log.warning(
@@ -302,7 +302,7 @@ class ActionRunner:
                     f"{self._label(action)}: {outcome.message}",
                     {"action_id": action.id},
                 )
-            self._store.update_action(
+            self._store.actions.update(
                 action.id,
                 state="running",
                 ts=now,
@@ -323,7 +323,7 @@ class ActionRunner:
             attempt, initial_s=self._config.backoff_initial_s, max_s=self._config.backoff_max_s
         )
         message = f"{self._label(action)} attempt {attempt} failed: {error}; retry in {delay_s:g} s"
-        self._store.update_action(
+        self._store.actions.update(
             action.id,
             state="pending",
             ts=now,
@@ -366,7 +366,7 @@ class ActionRunner:
         for key in TIMELINE_OUTPUT_KEYS:
             if output is not None and key in output:
                 data[key] = output[key]
-        self._store.update_action(
+        self._store.actions.update(
             action.id,
             state=state,
             ts=now,
@@ -388,7 +388,7 @@ class ActionRunner:
             action.idempotency_key,
         )
         if self.listener is not None:
-            done = self._store.get_action(action.id)
+            done = self._store.actions.get(action.id)
             if done is not None:
                 self.listener.on_action_finished(done, now=now)
 

@@ -17,8 +17,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from trainguard.controller.dialect import StoreUnavailable
 from trainguard.controller.errors import NotLeader, ServiceError
+from trainguard.controller.store.errors import LeaseLost, StoreUnavailable
 from trainguard.leader import LEADER_HEADER
 from trainguard.protocol import ProtocolError
 
@@ -133,6 +133,14 @@ def install_error_handlers(app: FastAPI, *, leadership: Leadership | None) -> No
             return error_response(err.status, err.error, err.detail, err.headers)
         status, body, _no_headers = service_error_reply(exc)
         return Response(body, status_code=status, media_type="application/json")
+
+    @app.exception_handler(LeaseLost)
+    async def _lease_lost(_: Request, exc: LeaseLost) -> Response:
+        # the store's fence refused a write: answered as a standby's NotLeader is
+        if leadership is None:  # no fence without HA
+            return error_response(500, str(exc) or type(exc).__name__, None, None)
+        err = not_leader_error(leadership, str(exc))
+        return error_response(err.status, err.error, err.detail, err.headers)
 
     @app.exception_handler(StoreUnavailable)
     async def _store_unavailable(_: Request, exc: StoreUnavailable) -> Response:

@@ -47,9 +47,9 @@ from trainguard.controller.api.requests import (
 )
 from trainguard.controller.api.routing import Routes
 from trainguard.controller.auth import TokenStore
-from trainguard.controller.dialect import StoreUnavailable
 from trainguard.controller.errors import NotLeader, ServiceError
 from trainguard.controller.service import ControllerService
+from trainguard.controller.store.errors import LeaseLost, StoreUnavailable
 from trainguard.fastwire import decoder
 from trainguard.protocol import ProtocolError, Report, ReportResponse, to_wire
 
@@ -135,7 +135,7 @@ class ReportPath:
             return 200, body, None
         except ApiError as e:
             return e.reply()
-        except NotLeader as e:
+        except (NotLeader, LeaseLost) as e:
             if leadership is None:
                 raise
             return not_leader_error(leadership, str(e)).reply()

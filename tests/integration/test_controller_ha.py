@@ -194,7 +194,7 @@ def test_a_leader_stopped_past_its_lease_is_refused_by_the_store_and_steps_down(
         assert r.headers[LEADER_HEADER] == b.url
         assert _metric(a.url, "trainguard_controller_leader") == 0
         wait_for(
-            lambda: "NotLeader" in a.log(),
+            lambda: "LeaseLost" in a.log(),
             timeout_s=TAKEOVER_S,
             what="a's refused write in its log",
         )

@@ -14,15 +14,11 @@ import psycopg
 import pytest
 
 from tests.integration.postgres_proc import PASSWORD, ROLE, PgServer
-from trainguard.controller.dialect import (
-    POSTGRES,
-    PgConnection,
-    StoreConnectError,
-    StoreUnavailable,
-    connect_postgres,
-)
-from trainguard.controller.lease import Lease, lease_connection
 from trainguard.controller.store import Store
+from trainguard.controller.store.connection import PgConnection, connect_postgres
+from trainguard.controller.store.dialect import POSTGRES
+from trainguard.controller.store.errors import StoreConnectError, StoreUnavailable
+from trainguard.controller.store.lease import Lease, lease_connection
 from trainguard.controller.storewatch import postgres_probe
 
 
@@ -151,16 +147,16 @@ def test_a_store_cut_from_its_server_raises_store_unavailable_then_goes_on(
 ) -> None:
     store = Store(db.url, now=lambda: 1000.0)
     try:
-        store.audit(ts=1.0, actor="op", action="before", target="t", detail={})
+        store.audit.record(ts=1.0, actor="op", action="before", target="t", detail={})
         db.cut()
         with pytest.raises(StoreUnavailable):
-            store.audit(ts=2.0, actor="op", action="lost", target="t", detail={})
-        store.audit(ts=3.0, actor="op", action="after", target="t", detail={})
-        assert [e.action for e in store.audit_log()] == ["after", "before"]
+            store.audit.record(ts=2.0, actor="op", action="lost", target="t", detail={})
+        store.audit.record(ts=3.0, actor="op", action="after", target="t", detail={})
+        assert [e.action for e in store.audit.recent()] == ["after", "before"]
         db.cut()
         with pytest.raises(StoreUnavailable):
-            store.audit_log()
-        assert len(store.audit_log()) == 2
+            store.audit.recent()
+        assert len(store.audit.recent()) == 2
     finally:
         store.close()
 

@@ -58,7 +58,7 @@ from trainguard.controller.backends.slurm.cli import (
 )
 from trainguard.controller.jobs import JobManager
 from trainguard.controller.livestate import LiveState
-from trainguard.controller.store import JobRecord
+from trainguard.controller.records import JobRecord
 from trainguard.controller.views import JobView
 
 log = logging.getLogger("trainguard.controller.slurm")
@@ -216,7 +216,7 @@ class SlurmBackend:
             role = "spare" if sn.name in spares else "active"
             if have_spares and rec.role != role:
                 with self._live.lock:
-                    self._live.put_node(self._live.store.update_node(rec.name, role=role))
+                    self._live.put_node(self._live.store.nodes.update(rec.name, role=role))
                 log.info("event=node_role node=%s role=%s source=slurm", rec.name, role)
 
     def _fresh(self) -> None:

@@ -149,7 +149,7 @@ def test_old_attempt_rank_and_job_decisions_are_recorded_not_remediated(
     sim: Sim,
 ) -> None:
     host = _crash_restart_without_n1(sim)
-    job = sim.c.store.get_job("job")
+    job = sim.c.store.jobs.get("job")
     assert job is not None and job.attempt_started_at is not None
     now = sim.clock.now()
     old_rank = _decision(
@@ -193,7 +193,7 @@ def test_a_notify_only_rule_that_outlasts_a_restart_still_notifies(sim: Sim) -> 
     # throughput_drop began before the restart and still holds after it: nothing to
     # remediate twice, but someone should hear of it
     _crash_restart_without_n1(sim)
-    job = sim.c.store.get_job("job")
+    job = sim.c.store.jobs.get("job")
     assert job is not None and job.attempt_started_at is not None
     now = sim.clock.now()
     drop = _decision(

@@ -16,7 +16,7 @@ from trainguard.clock import FakeClock
 from trainguard.controller.api.app import create_app
 from trainguard.controller.api.errors import STORE_RETRY_AFTER_S
 from trainguard.controller.auth import TokenStore
-from trainguard.controller.dialect import StoreUnavailable
+from trainguard.controller.store.errors import StoreUnavailable
 from trainguard.controller.views import JobView
 from trainguard.protocol import Event, RankState, Report, encode_json
 

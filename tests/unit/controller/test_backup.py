@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from trainguard.controller.backup import backup, main, restore
-from trainguard.controller.store import Store, StoreError
+from trainguard.controller.store import Store
+from trainguard.controller.store.errors import StoreError
 
 
 def _now() -> float:
@@ -17,16 +18,16 @@ def _now() -> float:
 def _store_with_nodes(path: Path, names: list[str]) -> Store:
     s = Store(path, now=_now)
     for n in names:
-        s.add_node(n, role="active", labels={})
+        s.nodes.add(n, role="active", labels={})
     return s
 
 
 def test_backup_of_a_live_store_holds_what_was_committed(tmp_path: Path) -> None:
     live = _store_with_nodes(tmp_path / "c.db", ["node-1", "node-2"])  # stays open, WAL mode
     backup(store_path=tmp_path / "c.db", dest=tmp_path / "b.db")
-    live.add_node("node-3", role="active", labels={})  # after the backup: not in it
+    live.nodes.add("node-3", role="active", labels={})  # after the backup: not in it
     copy = Store(tmp_path / "b.db", now=_now)
-    assert [n.name for n in copy.list_nodes()] == ["node-1", "node-2"]
+    assert [n.name for n in copy.nodes.all()] == ["node-1", "node-2"]
     copy.close()
     live.close()
 
@@ -43,15 +44,15 @@ def test_restore_installs_the_backup_and_keeps_the_old_file(tmp_path: Path) -> N
     _store_with_nodes(tmp_path / "c.db", ["node-1"]).close()
     backup(store_path=tmp_path / "c.db", dest=tmp_path / "b.db")
     s = Store(tmp_path / "c.db", now=_now)
-    s.add_node("node-2", role="active", labels={})
+    s.nodes.add("node-2", role="active", labels={})
     s.close()
     aside = restore(backup_path=tmp_path / "b.db", store_path=tmp_path / "c.db")
     assert aside is not None and aside.exists()
     restored = Store(tmp_path / "c.db", now=_now)
-    assert [n.name for n in restored.list_nodes()] == ["node-1"]
+    assert [n.name for n in restored.nodes.all()] == ["node-1"]
     restored.close()
     kept = Store(aside, now=_now)
-    assert [n.name for n in kept.list_nodes()] == ["node-1", "node-2"]
+    assert [n.name for n in kept.nodes.all()] == ["node-1", "node-2"]
     kept.close()
 
 

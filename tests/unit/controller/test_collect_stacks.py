@@ -51,7 +51,7 @@ def test_stacks_from_every_node_are_in_the_step_output_and_its_timeline_entry(
     detail = _stall_and_restart(sim)
     step = next(a for a in detail.actions if a.kind == "collect_stacks")
     assert (step.state, step.result) == ("succeeded", "stacks from 2 of 2 node(s)")
-    output = sim.c.store.action_output(step.id)
+    output = sim.c.store.actions.output(step.id)
     assert output["stacks"]["n1"] == sim.agents["n1"].stacks
     assert output["stacks"]["n2"] == sim.agents["n2"].stacks
     assert output["results"] == {"n1": "stacks of 1 of 1 rank(s)", "n2": "stacks of 1 of 1 rank(s)"}
@@ -69,7 +69,7 @@ def test_long_stacks_are_cut_per_node_with_a_marker_naming_the_full_log(
     sim.agents["n1"].stacks = "x" * 20000
     detail = _stall_and_restart(sim)
     step = next(a for a in detail.actions if a.kind == "collect_stacks")
-    text = sim.c.store.action_output(step.id)["stacks"]["n1"]
+    text = sim.c.store.actions.output(step.id)["stacks"]["n1"]
     assert text.startswith("x" * 8000)
     assert text.endswith(
         "\n[... 12000 chars cut; the whole dump is in n1:/var/lib/trainguard/job.log ...]"

@@ -43,9 +43,9 @@ def test_first_report_registers_node_active_whatever_its_role_hint(make_core, co
 def test_freshness_is_flushed_to_the_store_on_tick_not_per_report(make_core, core_clock):
     c = make_core()
     c.ingest_report(Reporter("n1").report(now=core_clock.now()), actor="a")
-    assert c.store.get_node("n1").last_report_at is None
+    assert c.store.nodes.get("n1").last_report_at is None
     c.tick()
-    assert c.store.get_node("n1").last_report_at == core_clock.now()
+    assert c.store.nodes.get("n1").last_report_at == core_clock.now()
 
 
 @BOTH_STORES
@@ -61,7 +61,7 @@ def test_resent_events_are_stored_once_and_acked(make_core, core_clock):
     assert (
         c.ingest_report(r.report(now=core_clock.now(), events=again), actor="a").ack_event_id == 3
     )
-    assert c.store.count_events("n1") == 3
+    assert c.store.events.count("n1") == 3
 
 
 def test_new_agent_instance_starts_its_own_event_ids(make_core, core_clock):
@@ -70,7 +70,7 @@ def test_new_agent_instance_starts_its_own_event_ids(make_core, core_clock):
     c.ingest_report(Reporter("n1", instance="a").report(now=0, events=ev), actor="a")
     resp = c.ingest_report(Reporter("n1", instance="b").report(now=0, events=ev), actor="a")
     assert resp.ack_event_id == 1
-    assert c.store.count_events("n1") == 2
+    assert c.store.events.count("n1") == 2
 
 
 def test_event_dedupe_survives_a_controller_restart(make_core, core_clock):
@@ -81,7 +81,7 @@ def test_event_dedupe_survives_a_controller_restart(make_core, core_clock):
     c.stop()
     c2 = make_core()
     assert c2.ingest_report(r.report(now=0, events=ev), actor="a").ack_event_id == 1
-    assert c2.store.count_events("n1") == 1
+    assert c2.store.events.count("n1") == 1
 
 
 def test_command_is_resent_until_its_result_arrives(make_core, core_clock):
@@ -95,7 +95,7 @@ def test_command_is_resent_until_its_result_arrives(make_core, core_clock):
     assert first.commands[0].kind == "inject_fault" and first.commands[0].args["kind"] == "dbe"
     done = c.ingest_report(r.report(now=0, events=(_result_event(1, command_id),)), actor="a")
     assert done.commands == ()
-    record = c.store.get_command(command_id)
+    record = c.store.commands.get(command_id)
     assert record.ok is True and record.delivered_at is not None
     assert c.audit_log()[0].action == "inject_fault"
 
@@ -106,7 +106,7 @@ def test_command_without_result_times_out_as_failed(make_core, core_clock):
     command_id = c.inject_fault("n1", FaultSpec(kind="clear"), actor="op")
     core_clock.advance(31)
     c.tick()
-    record = c.store.get_command(command_id)
+    record = c.store.commands.get(command_id)
     assert record.ok is False and "30 s" in record.result
     assert c.pending_commands("n1") == []
 
@@ -425,7 +425,7 @@ def test_start_and_stop_run_ticks_in_the_background(make_core, core_clock):
     c.ingest_report(Reporter("n1").report(now=core_clock.now()), actor="a")
     c.start()
     wait_for(
-        lambda: c.store.get_node("n1").last_report_at is not None,
+        lambda: c.store.nodes.get("n1").last_report_at is not None,
         timeout_s=10,
         what="the tick thread to flush freshness",
     )

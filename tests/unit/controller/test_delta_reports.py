@@ -169,7 +169,7 @@ def test_refused_delta_still_delivers_its_events_and_values(make_core, core_cloc
         report(3, gpus=(gpu(0, dbe=1),), full=False, base_seq=2, events=(ev,)), actor="a"
     )
     assert resp.want_full is True and resp.ack_event_id == 1
-    assert c.store.count_events("n1") == 1
+    assert c.store.events.count("n1") == 1
     assert gpu_value(c, 0, "ecc_uncorrected_volatile_total", core_clock.now()) == 1
 
 

@@ -25,11 +25,13 @@ from trainguard.controller.api.app import create_app
 from trainguard.controller.auth import TokenStore
 from trainguard.controller.composition import ActionBackends
 from trainguard.controller.config import ControllerConfig
-from trainguard.controller.dialect import SQLITE
 from trainguard.controller.errors import NotLeader
 from trainguard.controller.ha import HaController
 from trainguard.controller.store import Store
+from trainguard.controller.store.dialect import SQLITE
+from trainguard.controller.store.errors import LeaseLost
 from trainguard.leader import LEADER_HEADER
+from trainguard.protocol import encode_json
 from trainguard.strict import ConfigError, build
 
 LEASE_S = 9.0
@@ -97,7 +99,7 @@ def test_the_first_controller_leads_and_the_second_is_a_standby_naming_it(
     with pytest.raises(NotLeader, match="the leader is http://a:8800"):
         b.ingest_report(reporter.report(now=core_clock.now()), actor="agent")
     # a standby writes nothing, even called directly: its store is fenced
-    with pytest.raises(NotLeader):
+    with pytest.raises(LeaseLost):
         b.create_silence(rule="gpu_dbe", node=None, duration_s=60, comment="", actor="op")
     a.current.tick(now=core_clock.now())  # the leader flushes freshness
     b.lease_round()  # the standby's node list follows the store
@@ -117,7 +119,7 @@ def test_a_standby_takes_over_a_lapsed_lease_and_the_woken_leader_acts_on_nothin
     a.ingest_report(reporter.report(now=core_clock.now(), dbe=1), actor="agent")
     a.current.tick(now=core_clock.now())
     incident = a.list_incidents()[0]
-    notify = [s for s in a.current.store.actions_for_incident(incident.id) if s.kind == "notify"]
+    notify = [s for s in a.current.store.actions.for_incident(incident.id) if s.kind == "notify"]
     assert [s.state for s in notify] == ["pending"] and a_notes.sent == []
 
     # a stops (SIGSTOP) past its lease; b takes over with the next epoch
@@ -126,7 +128,7 @@ def test_a_standby_takes_over_a_lapsed_lease_and_the_woken_leader_acts_on_nothin
     assert b.role == "leader" and b.ha_metrics.lease_epoch._value.get() == 2
 
     # a wakes: its worker's retry is refused by the store before anything is sent
-    with pytest.raises(NotLeader):
+    with pytest.raises(LeaseLost):
         a.current.run_actions(now=core_clock.now())
     assert a_notes.sent == [] and a_notes.errors == []
     assert not a.is_leader()  # by its own count already, before its lease round
@@ -138,7 +140,7 @@ def test_a_standby_takes_over_a_lapsed_lease_and_the_woken_leader_acts_on_nothin
     b.ingest_report(reporter.report(now=core_clock.now(), dbe=1), actor="agent")
     b.current.run_actions(now=core_clock.now())
     assert [n.incident_id for n in b_notes.sent] == [incident.id]
-    notify = [s for s in b.current.store.actions_for_incident(incident.id) if s.kind == "notify"]
+    notify = [s for s in b.current.store.actions.for_incident(incident.id) if s.kind == "notify"]
     assert [s.state for s in notify] == ["succeeded"]
     assert a_notes.sent == []
     assert len(b.list_incidents()) == 1
@@ -256,3 +258,48 @@ def test_a_standby_api_answers_writes_503_naming_the_leader_and_serves_reads(
     assert client.get("/v1/nodes", headers=op).status_code == 200
     assert client.get("/healthz").status_code == 200
     assert svc.methods_called() == ["list_nodes"]  # no write reached the service
+
+
+class _FencedLeader(_Standby):
+    """A controller that counts itself the leader while the store's fence refuses its writes
+    (its lease was taken over between its last round and the write)."""
+
+    def is_leader(self) -> bool:
+        return True
+
+
+class _FencedService(FakeService):
+    def drain(self, name: str, *, reason: str, actor: str) -> Any:
+        raise LeaseLost("the lease of epoch 3 is no longer this controller's")
+
+    def ingest_report(self, report: Any, *, actor: str) -> Any:
+        raise LeaseLost("the lease of epoch 3 is no longer this controller's")
+
+
+def test_a_write_the_store_fence_refuses_answers_503_naming_the_leader() -> None:
+    svc = _FencedService(clock=FakeClock())
+    svc.add_node("node-1")
+    app = create_app(
+        svc,  # type: ignore[arg-type]
+        tokens=TokenStore.from_plaintext(
+            {"op-token": ("ops", "operator"), "agent-token": ("agents", "agent")}
+        ),
+        max_body_bytes=64 * 1024,
+        leadership=_FencedLeader("http://ctl-2:8800"),
+    )
+    client = TestClient(app, raise_server_exceptions=False)
+    report = Reporter("node-1").report(now=1000.0)
+    calls: list[tuple[str, str, dict[str, Any]]] = [
+        ("POST", "/v1/nodes/node-1/drain", {"json": {}}),
+        ("POST", "/v1/reports", {"content": encode_json(report)}),
+    ]
+    for method, path, kw in calls:
+        token = "agent-token" if path == "/v1/reports" else "op-token"
+        r = client.request(method, path, headers={"Authorization": f"Bearer {token}"}, **kw)
+        assert r.status_code == 503, (method, path, r.text)
+        assert r.headers[LEADER_HEADER] == "http://ctl-2:8800"
+        assert r.headers["Retry-After"] == "2"
+        assert r.json()["detail"] == {
+            "leader": "http://ctl-2:8800",
+            "reason": "the lease of epoch 3 is no longer this controller's",
+        }

@@ -79,7 +79,7 @@ def test_forged_dbe_for_another_node_is_403_audited_and_stores_nothing(
     core.tick()
     # nothing of the forged report reached node-2: no events, no DBE, its command still
     # pending and undelivered to the forger, no incident, not drained
-    assert core.store.count_events("node-2") == 0
+    assert core.store.events.count("node-2") == 0
     status = core.command_status("cmd-n2")
     assert status is not None and status.done_at is None
     assert [c.id for c in core.pending_commands("node-2")] == ["cmd-n2"]

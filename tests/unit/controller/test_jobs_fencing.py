@@ -116,7 +116,7 @@ def test_resumed_steps_wait_for_the_sick_node_to_report_after_a_controller_resta
         k: "succeeded" for k in ("checkpoint", "drain", "replace", "restart")
     }
     ckpt_id = next(a for a in sim.incident("gpu_dbe").actions if a.kind == "checkpoint").id
-    assert sim.c.store.action_output(ckpt_id)["proactive"] is True
+    assert sim.c.store.actions.output(ckpt_id)["proactive"] is True
     assert len(sim.cmds("n1", "stop_job")) == 1  # the drain's, answered before the start
     assert _alive(sim) == {("n3", 2), ("n2", 2)}
 

@@ -25,12 +25,12 @@ def shrunk(sim: Sim) -> None:
 def test_a_shrunk_job_grows_back_to_full_size_when_a_spare_is_free(sim):
     shrunk(sim)
     sim.second(5)
-    assert sim.c.store.action_by_key("grow:job:2") is None  # no spare free: runs shrunk
+    assert sim.c.store.actions.by_key("grow:job:2") is None  # no spare free: runs shrunk
     sim.add("n4", role="spare")
     sim.until(running(sim, attempt=3), max_s=30, what="grown attempt 3")
     sim.until(
         lambda: (
-            (a := sim.c.store.action_by_key("grow:job:2")) is not None and a.state == "succeeded"
+            (a := sim.c.store.actions.by_key("grow:job:2")) is not None and a.state == "succeeded"
         ),
         max_s=10,
         what="grow step succeeded",
@@ -40,11 +40,11 @@ def test_a_shrunk_job_grows_back_to_full_size_when_a_spare_is_free(sim):
     assert job.restarts == 1  # the grow is no restart
     assert sim.c.get_node("n4").role == "active" and sim.c.get_node("n4").job == "job"
     # checkpoint first (one request id to the shrunk attempt's node), then the restart
-    grow = sim.c.store.action_by_key("grow:job:2")
+    grow = sim.c.store.actions.by_key("grow:job:2")
     assert grow is not None and grow.incident_id is None
     grow_ckpts = [c for c in sim.cmds("n2", "checkpoint") if c["request_id"] == "grow:job:2"]
     assert len(grow_ckpts) == 1
-    out = sim.c.store.action_output(grow.id)
+    out = sim.c.store.actions.output(grow.id)
     assert out["checkpoint"]["proactive"] is True
     assert out["restart"]["ckpt_step"] == out["checkpoint"]["step"]
     starts = {n: sim.cmds(n, "start_job")[-1] for n in ("n2", "n4")}
@@ -58,7 +58,7 @@ def test_a_shrunk_job_grows_back_to_full_size_when_a_spare_is_free(sim):
     # one grow per attempt: the full-size job plans none
     sim.second(10)
     assert sim.c.get_job("job").attempt == 3
-    assert [a.kind for a, _ in sim.c.store.open_actions()] == []
+    assert [a.kind for a, _ in sim.c.store.actions.open()] == []
 
 
 def test_a_grow_whose_checkpoint_does_not_commit_leaves_the_job_shrunk(sim):
@@ -74,11 +74,13 @@ def test_a_grow_whose_checkpoint_does_not_commit_leaves_the_job_shrunk(sim):
     agent._execute = no_commit  # type: ignore[method-assign]
     sim.add("n4", role="spare")
     sim.until(
-        lambda: (a := sim.c.store.action_by_key("grow:job:2")) is not None and a.state == "skipped",
+        lambda: (
+            (a := sim.c.store.actions.by_key("grow:job:2")) is not None and a.state == "skipped"
+        ),
         max_s=30,
         what="grow skipped",
     )
-    grow = sim.c.store.action_by_key("grow:job:2")
+    grow = sim.c.store.actions.by_key("grow:job:2")
     assert grow is not None and "checkpoint did not commit" in grow.result
     job = sim.c.get_job("job")
     assert (job.nodes, job.attempt, job.world_size) == (("n2",), 2, 2)

@@ -48,7 +48,7 @@ def test_sick_node_is_checkpointed_drained_replaced_and_restarted(sim):
     (req1,) = sim.cmds("n1", "checkpoint")
     (req2,) = sim.cmds("n2", "checkpoint")
     assert req1["request_id"] == req2["request_id"]
-    ckpt_out = sim.c.store.action_output(detail.actions[1].id)
+    ckpt_out = sim.c.store.actions.output(detail.actions[1].id)
     assert ckpt_out["proactive"] is True and isinstance(ckpt_out["step"], int)
     # drain stopped n1; the restart stopped n2 and started attempt 2 on n3 + n2
     assert len(sim.cmds("n1", "stop_job")) == 1 and len(sim.cmds("n2", "stop_job")) == 1
@@ -59,7 +59,7 @@ def test_sick_node_is_checkpointed_drained_replaced_and_restarted(sim):
     job = sim.c.get_job("job")
     assert job.nodes == ("n3", "n2") and job.restarts == 1
     assert sim.c.get_node("n3").role == "active"
-    restart_out = sim.c.store.action_output(detail.actions[-1].id)
+    restart_out = sim.c.store.actions.output(detail.actions[-1].id)
     assert restart_out["first_step"] > ckpt_out["step"]
     assert set(restart_out["phases_s"]) == {"detect", "checkpoint", "drain", "restart", "mttr"}
     assert restart_out["lost_steps"] <= 1
@@ -167,7 +167,7 @@ def test_silent_node_uses_the_latest_checkpoint_and_is_not_waited_for(sim):
     sim.agents["n1"].silent = True
     sim.until(running(sim, attempt=2), max_s=40, what="restart without n1")
     detail = sim.incident("node_silent")
-    ckpt_out = sim.c.store.action_output(detail.actions[1].id)
+    ckpt_out = sim.c.store.actions.output(detail.actions[1].id)
     assert ckpt_out["proactive"] is False and ckpt_out["step"] == committed
     assert not sim.cmds("n2", "checkpoint")
     assert sim.c.get_job("job").nodes == ("n3", "n2")

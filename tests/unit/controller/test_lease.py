@@ -1,4 +1,4 @@
-"""The leader lease and its fence (controller/lease.py), on both stores: taken when free or
+"""The leader lease and its fence (controller/store/lease.py), on both stores: taken when free or
 expired with the next epoch, renewed only by its holder under its epoch, given up on release;
 a store fenced by an epoch that was taken over writes nothing, and several contenders racing
 for a free lease end with exactly one holder. On SQLite the row's times are a FakeClock's;
@@ -18,10 +18,10 @@ import pytest
 from tests.helpers import wait_for
 from tests.integration.postgres_proc import BOTH_STORES
 from trainguard.clock import FakeClock
-from trainguard.controller.dialect import POSTGRES, SQLITE, Dialect
-from trainguard.controller.errors import NotLeader
-from trainguard.controller.lease import Lease, LeaseFence, lease_connection, safety_margin_s
 from trainguard.controller.store import Store
+from trainguard.controller.store.dialect import POSTGRES, SQLITE, Dialect
+from trainguard.controller.store.errors import LeaseLost
+from trainguard.controller.store.lease import Lease, LeaseFence, lease_connection, safety_margin_s
 
 pytestmark = BOTH_STORES
 
@@ -161,19 +161,19 @@ def test_a_write_fenced_by_an_epoch_that_was_taken_over_is_refused_and_writes_no
     assert epoch_a == 1
     # a local count that has not run out (a process whose clock runs slow): the row decides
     a = site.store("a", epoch_a, local_s=1000 * LEASE_S)
-    a.audit(ts=1.0, actor="a", action="before", target="t", detail={})
+    a.audit.record(ts=1.0, actor="a", action="before", target="t", detail={})
 
     site.expire(a_lease)
     epoch_b = b_lease.acquire()
     assert epoch_b == 2
     b = site.store("b", epoch_b)
-    b.audit(ts=2.0, actor="b", action="leader", target="t", detail={})
+    b.audit.record(ts=2.0, actor="b", action="leader", target="t", detail={})
 
-    with pytest.raises(NotLeader, match="no longer this controller's"):
-        a.audit(ts=3.0, actor="a", action="deposed", target="t", detail={})
-    with pytest.raises(NotLeader):
+    with pytest.raises(LeaseLost, match="no longer this controller's"):
+        a.audit.record(ts=3.0, actor="a", action="deposed", target="t", detail={})
+    with pytest.raises(LeaseLost):
         a.check_fence()
-    assert [e.action for e in site.store().audit_log()] == ["leader", "before"]
+    assert [e.action for e in site.store().audit.recent()] == ["leader", "before"]
 
 
 def test_a_fence_refuses_past_its_local_deadline_before_asking_the_store(site: Site) -> None:
@@ -184,22 +184,22 @@ def test_a_fence_refuses_past_its_local_deadline_before_asking_the_store(site: S
     fence = s.fence
     assert isinstance(fence, LeaseFence)
     fence.grant(epoch, deadline=site.clock.monotonic() + LEASE_S - safety_margin_s(LEASE_S))
-    s.audit(ts=1.0, actor="a", action="ok", target="t", detail={})
+    s.audit.record(ts=1.0, actor="a", action="ok", target="t", detail={})
     assert fence.valid()
     # the process was stopped past its lease: by its own count it no longer leads, whatever
     # the row says (on PostgreSQL the row has not even expired)
     site.clock.advance(LEASE_S)
     assert not fence.valid()
-    with pytest.raises(NotLeader, match="ran out"):
-        s.audit(ts=2.0, actor="a", action="late", target="t", detail={})
-    assert [e.action for e in site.store().audit_log()] == ["ok"]
+    with pytest.raises(LeaseLost, match="ran out"):
+        s.audit.record(ts=2.0, actor="a", action="late", target="t", detail={})
+    assert [e.action for e in site.store().audit.recent()] == ["ok"]
 
 
 def test_an_ungranted_fence_refuses_every_write(site: Site) -> None:
     s = site.store("standby")
-    with pytest.raises(NotLeader, match="standby"):
-        s.audit(ts=1.0, actor="x", action="y", target="t", detail={})
-    assert site.store().audit_log() == []
+    with pytest.raises(LeaseLost, match="standby"):
+        s.audit.record(ts=1.0, actor="x", action="y", target="t", detail={})
+    assert site.store().audit.recent() == []
 
 
 def test_contenders_racing_for_a_free_lease_leave_exactly_one_holder(site: Site) -> None:

@@ -74,8 +74,10 @@ def test_a_failing_job_body_is_logged_and_counted_and_the_controller_goes_on(
 
 def test_a_retention_run_counts_deleted_rows_and_exports_the_store_size(make_core, core_clock):
     core = make_core()
-    core.store.insert_events("n9", "i", [(i, "xid", 0.0, {}) for i in range(1, 8)])
-    core.store.audit(ts=core_clock.now(), actor="ops", action="drain", target="n9", detail={})
+    core.store.events.insert("n9", "i", [(i, "xid", 0.0, {}) for i in range(1, 8)])
+    core.store.audit.record(
+        ts=core_clock.now(), actor="ops", action="drain", target="n9", detail={}
+    )
     core_clock.advance(365 * DAY_S)
     core.maintenance.retention_job()  # the job body, as the scheduler calls it
     name = "trainguard_controller_retention_deleted_rows_total"
@@ -84,7 +86,7 @@ def test_a_retention_run_counts_deleted_rows_and_exports_the_store_size(make_cor
     assert _sample(core, name, table="incidents") == 0
     last = "trainguard_controller_maintenance_last_run_timestamp_seconds"
     assert _sample(core, last, job="retention") == core_clock.now()
-    db_bytes, _ = core.store.file_sizes()
+    db_bytes, _ = core.store.space.file_sizes()
     assert _sample(core, "trainguard_controller_store_size_bytes", file="db") == db_bytes > 0
     text = generate_latest(core.metrics.registry).decode()
     assert 'trainguard_controller_store_size_bytes{file="wal"}' in text

@@ -17,7 +17,7 @@ def test_a_new_node_beyond_max_nodes_is_refused_and_nothing_is_stored(make_core,
     with pytest.raises(LimitReached, match=r"api\.max_nodes is 2") as refused:
         c.ingest_report(Reporter("n3").report(now=core_clock.now()), actor="a")
     assert refused.value.status == 403
-    assert c.store.get_node("n3") is None
+    assert c.store.nodes.get("n3") is None
     assert sorted(n.name for n in c.list_nodes()) == ["n1", "n2"]
     # the registered ones are not affected
     resp = c.ingest_report(Reporter("n1").report(now=core_clock.now()), actor="a")

@@ -13,11 +13,11 @@ import pytest
 from tests.builders import Reporter
 from trainguard.clock import FakeClock
 from trainguard.controller.composition import Controller
-from trainguard.controller.dialect import StoreUnavailable
 from trainguard.controller.errors import NotFound
 from trainguard.controller.model import Decision, Target
 from trainguard.controller.queries import LastAnswers, QueryService
 from trainguard.controller.store import Store
+from trainguard.controller.store.errors import StoreUnavailable
 
 LOST = "postgresql://trainguard:***@db:5432/tg: connection lost: server closed the connection"
 
@@ -83,17 +83,26 @@ def test_only_the_most_recently_asked_questions_are_kept() -> None:
 
 
 class FlakyStore:
-    """The real store, except that every call raises StoreUnavailable while `down` is set."""
+    """The real store, except that every call (of the store or of one of its repositories)
+    raises StoreUnavailable while `down` is set."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store | object, *, switch: FlakyStore | None = None) -> None:
         self._store = store
+        self._switch = self if switch is None else switch
         self.down = False
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._store, name)
-        if not self.down or not callable(attr):
+        if not callable(attr):
+            if name in _REPOSITORIES:
+                return FlakyStore(attr, switch=self._switch)
+            return attr
+        if not self._switch.down:
             return attr
         return lambda *args, **kwargs: _lost()
+
+
+_REPOSITORIES = frozenset({"nodes", "jobs", "incidents", "actions", "silences", "audit"})
 
 
 def _decision(node: str, rule: str = "gpu_dbe") -> Decision:

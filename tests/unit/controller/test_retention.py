@@ -11,12 +11,13 @@ from typing import Any
 
 import pytest
 
-import trainguard.controller.store as store_mod
 from tests.integration.postgres_proc import BOTH_STORES
 from trainguard.clock import FakeClock
 from trainguard.controller.config import RetentionConfig
 from trainguard.controller.maintenance import run_checkpoint, run_retention, run_vacuum
-from trainguard.controller.store import FreshNode, NewAction, Store
+from trainguard.controller.records import FreshNode, NewAction
+from trainguard.controller.store import Store
+from trainguard.controller.store import schema as store_schema
 
 DAY_S = 86400.0
 
@@ -38,16 +39,16 @@ def _policy(**days: Any) -> RetentionConfig:
 
 
 def _event(store: Store, node: str, eid: int, *, instance: str = "i1") -> None:
-    store.insert_events(node, instance, [(eid, "xid", store._now(), {"xid": 79})])
+    store.events.insert(node, instance, [(eid, "xid", store.db.now(), {"xid": 79})])
 
 
 def _event_ids(store: Store, node: str) -> list[int]:
-    rows = store._query("SELECT event_id FROM events WHERE node = ? ORDER BY event_id", (node,))
+    rows = store.db.query("SELECT event_id FROM events WHERE node = ? ORDER BY event_id", (node,))
     return [int(r[0]) for r in rows]
 
 
 def _incident(store: Store, *, node: str, rule: str = "gpu_dbe", ts: float) -> int:
-    return store.create_incident(
+    return store.incidents.create(
         rule=rule,
         target_key=f"node:{node}",
         target={"scope": "node", "node": node},
@@ -62,7 +63,7 @@ def _incident(store: Store, *, node: str, rule: str = "gpu_dbe", ts: float) -> i
 
 
 def _count(store: Store, table: str) -> int:
-    return int(store._query(f"SELECT COUNT(*) FROM {table}")[0][0])
+    return int(store.db.query(f"SELECT COUNT(*) FROM {table}")[0][0])
 
 
 # --- events -------------------------------------------------------------------------------
@@ -70,7 +71,7 @@ def _count(store: Store, table: str) -> int:
 
 @BOTH_STORES
 def test_events_older_than_the_limit_go_and_newer_ones_stay(store, clock):
-    store.add_node("n1", role="active", labels={})
+    store.nodes.add("n1", role="active", labels={})
     for eid in range(1, 4):
         _event(store, "n1", eid)  # day 0
     clock.advance(10 * DAY_S)
@@ -84,7 +85,7 @@ def test_events_older_than_the_limit_go_and_newer_ones_stay(store, clock):
 @BOTH_STORES
 def test_an_open_incidents_node_keeps_its_evidence(store, clock):
     for node in ("sick", "healthy"):
-        store.add_node(node, role="active", labels={})
+        store.nodes.add(node, role="active", labels={})
         _event(store, node, 1)  # evidence: a day before the incident
     clock.advance(DAY_S)
     _incident(store, node="sick", ts=clock.now())
@@ -100,11 +101,11 @@ def test_an_open_incidents_node_keeps_its_evidence(store, clock):
 
 @BOTH_STORES
 def test_a_resolved_incident_no_longer_holds_its_nodes_events(store, clock):
-    store.add_node("n1", role="active", labels={})
+    store.nodes.add("n1", role="active", labels={})
     _event(store, "n1", 1)
     incident = _incident(store, node="n1", ts=clock.now())
     clock.advance(30 * DAY_S)
-    store.set_incident_state(incident, "resolved", ts=clock.now(), kind="resolved", message="ok")
+    store.incidents.set_state(incident, "resolved", ts=clock.now(), kind="resolved", message="ok")
     _event(store, "n1", 2)
     run_retention(store, now=clock.now(), policy=_policy(events_days=14))
     assert _event_ids(store, "n1") == [2]
@@ -113,12 +114,12 @@ def test_a_resolved_incident_no_longer_holds_its_nodes_events(store, clock):
 @BOTH_STORES
 def test_the_newest_event_of_a_nodes_current_agent_instance_stays(store, clock):
     """It is the high-water mark a restarted controller acknowledges from."""
-    store.add_node("n1", role="active", labels={})
+    store.nodes.add("n1", role="active", labels={})
     for eid in (1, 2, 3):
         _event(store, "n1", eid, instance="old")
     for eid in (7, 8):
         _event(store, "n1", eid, instance="current")
-    store.flush_freshness(
+    store.nodes.flush_freshness(
         [
             FreshNode(
                 name="n1",
@@ -132,8 +133,8 @@ def test_the_newest_event_of_a_nodes_current_agent_instance_stays(store, clock):
     clock.advance(100 * DAY_S)
     run_retention(store, now=clock.now(), policy=_policy(events_days=14))
     assert _event_ids(store, "n1") == [8]
-    assert store.max_event_id("n1", "current") == 8
-    assert store.max_event_id("n1", "old") == 0
+    assert store.events.max_event_id("n1", "current") == 8
+    assert store.events.max_event_id("n1", "old") == 0
 
 
 # --- commands -----------------------------------------------------------------------------
@@ -141,34 +142,34 @@ def test_the_newest_event_of_a_nodes_current_agent_instance_stays(store, clock):
 
 @BOTH_STORES
 def test_finished_commands_go_after_the_limit_and_waiting_ones_never(store, clock):
-    store.add_command("done-old", node="n1", kind="stop_job", args={})
-    store.add_command("waiting-old", node="n1", kind="stop_job", args={})
-    store.finish_command("done-old", ok=True, result="stopped")
+    store.commands.add("done-old", node="n1", kind="stop_job", args={})
+    store.commands.add("waiting-old", node="n1", kind="stop_job", args={})
+    store.commands.finish("done-old", ok=True, result="stopped")
     clock.advance(10 * DAY_S)
-    store.add_command("done-new", node="n1", kind="stop_job", args={})
-    store.finish_command("done-new", ok=False, result="no such job")
+    store.commands.add("done-new", node="n1", kind="stop_job", args={})
+    store.commands.finish("done-new", ok=False, result="no such job")
     clock.advance(10 * DAY_S)
     result = run_retention(store, now=clock.now(), policy=_policy(commands_days=14))
     assert result.deleted["commands"] == 1
-    assert store.get_command("done-old") is None
-    assert store.get_command("waiting-old") is not None
-    assert store.get_command("done-new") is not None
+    assert store.commands.get("done-old") is None
+    assert store.commands.get("waiting-old") is not None
+    assert store.commands.get("done-new") is not None
 
 
 # --- incidents, timelines, actions --------------------------------------------------------
 
 
 def _resolve(store: Store, incident: int, ts: float) -> None:
-    store.set_incident_state(incident, "resolved", ts=ts, kind="resolved", message="done")
+    store.incidents.set_state(incident, "resolved", ts=ts, kind="resolved", message="done")
 
 
 @BOTH_STORES
 def test_resolved_incidents_go_with_their_timelines_and_actions(store, clock):
     old = _incident(store, node="n1", ts=clock.now())
-    store.add_actions(
+    store.actions.add(
         old, [NewAction(kind="notify", target="n1", idempotency_key=f"{old}:0")], ts=clock.now()
     )
-    store.update_action(store.actions_for_incident(old)[0].id, state="succeeded", ts=clock.now())
+    store.actions.update(store.actions.for_incident(old)[0].id, state="succeeded", ts=clock.now())
     _resolve(store, old, clock.now())
     clock.advance(100 * DAY_S)
     recent = _incident(store, node="n2", ts=clock.now())
@@ -177,9 +178,9 @@ def test_resolved_incidents_go_with_their_timelines_and_actions(store, clock):
     assert result.deleted["incidents"] == 1
     assert result.deleted["incident_timeline"] == 3  # opened, note, resolved
     assert result.deleted["actions"] == 1
-    assert store.get_incident(old) is None
-    assert store.timeline(old) == [] and store.actions_for_incident(old) == []
-    assert store.get_incident(recent) is not None
+    assert store.incidents.get(old) is None
+    assert store.incidents.timeline(old) == [] and store.actions.for_incident(old) == []
+    assert store.incidents.get(recent) is not None
 
 
 @BOTH_STORES
@@ -188,20 +189,20 @@ def test_open_incidents_are_never_deleted(store, clock):
     for state in ("open", "acting", "mitigated", "suppressed"):
         incidents[state] = _incident(store, node=f"n-{state}", ts=clock.now())
         if state != "open":
-            store.set_incident_state(
+            store.incidents.set_state(
                 incidents[state], state, ts=clock.now(), kind=state, message=state
             )
     clock.advance(1000 * DAY_S)
     result = run_retention(store, now=clock.now(), policy=_policy(incidents_days=1))
     assert result.deleted["incidents"] == 0
-    assert all(store.get_incident(i) is not None for i in incidents.values())
+    assert all(store.incidents.get(i) is not None for i in incidents.values())
 
 
 @BOTH_STORES
 @pytest.mark.parametrize("state", ["pending", "running"])
 def test_a_resolved_incident_with_an_unfinished_step_is_kept_whole(store, clock, state):
     incident = _incident(store, node="n1", ts=clock.now())
-    (action,) = store.add_actions(
+    (action,) = store.actions.add(
         incident,
         [NewAction(kind="drain", target="n1", idempotency_key="k", state=state)],
         ts=clock.now(),
@@ -209,21 +210,21 @@ def test_a_resolved_incident_with_an_unfinished_step_is_kept_whole(store, clock,
     _resolve(store, incident, clock.now())
     clock.advance(1000 * DAY_S)
     run_retention(store, now=clock.now(), policy=_policy(incidents_days=1))
-    assert store.get_incident(incident) is not None
-    assert len(store.timeline(incident)) == 3
-    assert store.get_action(action) is not None
+    assert store.incidents.get(incident) is not None
+    assert len(store.incidents.timeline(incident)) == 3
+    assert store.actions.get(action) is not None
 
 
 @BOTH_STORES
 def test_the_incident_that_began_a_jobs_current_attempt_is_kept(store, clock):
     incident = _incident(store, node="n1", ts=clock.now())
-    store.add_actions(
+    store.actions.add(
         incident,
         [NewAction(kind="restart", target="job-a", idempotency_key="restart-key")],
         ts=clock.now(),
     )
-    store.update_action(store.action_by_key("restart-key").id, state="succeeded", ts=clock.now())
-    store.submit_job(
+    store.actions.update(store.actions.by_key("restart-key").id, state="succeeded", ts=clock.now())
+    store.jobs.submit(
         "job-a",
         spec={},
         nodes=["n1"],
@@ -232,17 +233,17 @@ def test_the_incident_that_began_a_jobs_current_attempt_is_kept(store, clock):
         ts=clock.now(),
         replace_states=(),
     )
-    store.begin_attempt("job-a", key="restart-key", rdzv_port=lambda n: 29500, ts=clock.now())
+    store.jobs.begin_attempt("job-a", key="restart-key", rdzv_port=lambda n: 29500, ts=clock.now())
     _resolve(store, incident, clock.now())
     clock.advance(1000 * DAY_S)
     run_retention(store, now=clock.now(), policy=_policy(incidents_days=1))
-    assert store.get_incident(incident) is not None
-    assert store.action_by_key("restart-key") is not None
+    assert store.incidents.get(incident) is not None
+    assert store.actions.by_key("restart-key") is not None
 
 
 @BOTH_STORES
 def test_operator_steps_go_when_final_and_old_never_when_unfinished(store, clock):
-    ids = store.add_actions(
+    ids = store.actions.add(
         None,
         [
             NewAction(kind="drain", target="n1", idempotency_key="op:1", state="succeeded"),
@@ -251,12 +252,12 @@ def test_operator_steps_go_when_final_and_old_never_when_unfinished(store, clock
         ],
         ts=clock.now(),
     )
-    store.add_node("n2", role="active", labels={})
-    store.update_node("n2", state="drained")  # n2's drain is what keeps it out: kept
+    store.nodes.add("n2", role="active", labels={})
+    store.nodes.update("n2", state="drained")  # n2's drain is what keeps it out: kept
     clock.advance(100 * DAY_S)
     result = run_retention(store, now=clock.now(), policy=_policy(operator_actions_days=90))
     assert result.deleted["actions"] == 1
-    assert [store.get_action(i) is not None for i in ids] == [False, True, True]
+    assert [store.actions.get(i) is not None for i in ids] == [False, True, True]
 
 
 # --- audit ----------------------------------------------------------------------------------
@@ -265,24 +266,26 @@ def test_operator_steps_go_when_final_and_old_never_when_unfinished(store, clock
 @BOTH_STORES
 def test_the_audit_log_keeps_180_days_by_default(store, clock):
     start = clock.now()
-    store.audit(ts=start, actor="ops", action="drain", target="n1", detail={})
-    store.audit(ts=start + 100 * DAY_S, actor="ops", action="undrain", target="n1", detail={})
+    store.audit.record(ts=start, actor="ops", action="drain", target="n1", detail={})
+    store.audit.record(
+        ts=start + 100 * DAY_S, actor="ops", action="undrain", target="n1", detail={}
+    )
     clock.advance(200 * DAY_S)
     result = run_retention(store, now=clock.now(), policy=RetentionConfig())
     assert result.deleted["audit_log"] == 1
-    assert [e.action for e in store.audit_log()] == ["undrain"]
+    assert [e.action for e in store.audit.recent()] == ["undrain"]
 
 
 @BOTH_STORES
 def test_zero_days_keeps_a_table_forever(store, clock):
-    store.audit(ts=clock.now(), actor="ops", action="drain", target="n1", detail={})
-    store.add_node("n1", role="active", labels={})
+    store.audit.record(ts=clock.now(), actor="ops", action="drain", target="n1", detail={})
+    store.nodes.add("n1", role="active", labels={})
     _event(store, "n1", 1)
     _event(store, "n1", 2)
     clock.advance(10_000 * DAY_S)
     result = run_retention(store, now=clock.now(), policy=_policy(audit_days=0, events_days=0))
     assert "audit_log" not in result.deleted and "events" not in result.deleted
-    assert len(store.audit_log()) == 1 and _event_ids(store, "n1") == [1, 2]
+    assert len(store.audit.recent()) == 1 and _event_ids(store, "n1") == [1, 2]
 
 
 # --- bounded batches ------------------------------------------------------------------------
@@ -290,12 +293,15 @@ def test_zero_days_keeps_a_table_forever(store, clock):
 
 @BOTH_STORES
 def test_rows_are_deleted_in_transactions_of_at_most_batch_rows(store, clock, monkeypatch):
-    store.insert_events("n1", "i", [(i, "xid", 0.0, {}) for i in range(1, 1051)])
+    store.events.insert("n1", "i", [(i, "xid", 0.0, {}) for i in range(1, 1051)])
     for i in range(12):  # 12 incidents of 4 rows each (incident, 3 timeline entries)
         _resolve(store, _incident(store, node=f"n{i}", ts=clock.now()), clock.now())
     clock.advance(365 * DAY_S)
     sizes: list[int] = []
-    expire_events, expire_incidents = store.expire_events, store.expire_incidents
+    expire_events, expire_incidents = (
+        store.retention.expire_events,
+        store.retention.expire_incidents,
+    )
 
     def events_batch(**kw: Any) -> int:
         n = expire_events(**kw)
@@ -307,8 +313,8 @@ def test_rows_are_deleted_in_transactions_of_at_most_batch_rows(store, clock, mo
         sizes.append(sum(got.values()))
         return got
 
-    monkeypatch.setattr(store, "expire_events", events_batch)
-    monkeypatch.setattr(store, "expire_incidents", incidents_batch)
+    monkeypatch.setattr(store.retention, "expire_events", events_batch)
+    monkeypatch.setattr(store.retention, "expire_incidents", incidents_batch)
     result = run_retention(store, now=clock.now(), policy=_policy(batch_rows=10, events_days=1))
     assert result.deleted["events"] == 1050  # n1 has no node row: no high-water mark to keep
     assert result.deleted["incidents"] == 12
@@ -320,7 +326,7 @@ def test_rows_are_deleted_in_transactions_of_at_most_batch_rows(store, clock, mo
 
 @BOTH_STORES
 def test_a_cancelled_run_stops_between_batches(store, clock):
-    store.insert_events("n1", "i", [(i, "xid", 0.0, {}) for i in range(1, 101)])
+    store.events.insert("n1", "i", [(i, "xid", 0.0, {}) for i in range(1, 101)])
     clock.advance(365 * DAY_S)
     calls = iter([False, False, True])
     result = run_retention(
@@ -335,46 +341,46 @@ def test_a_cancelled_run_stops_between_batches(store, clock):
 
 @pytest.mark.parametrize("store_backend", ["postgres"])
 def test_on_postgres_vacuum_and_checkpoint_are_no_ops(store, clock):
-    store.insert_events("n1", "i", [(i, "xid", 0.0, {}) for i in range(1, 101)])
+    store.events.insert("n1", "i", [(i, "xid", 0.0, {}) for i in range(1, 101)])
     clock.advance(365 * DAY_S)
     run_retention(store, now=clock.now(), policy=_policy(batch_rows=1000))
-    assert store.count_events("n1") == 0
+    assert store.events.count("n1") == 0
     assert run_vacuum(store, max_pages=1000) == 0
     result = run_checkpoint(store)
     assert (result.busy, result.wal_frames, result.wal_bytes_after) == (False, 0, 0)
-    db_bytes, wal_bytes = store.file_sizes()
+    db_bytes, wal_bytes = store.space.file_sizes()
     assert db_bytes > 0 and wal_bytes == 0
 
 
 def _fill(store: Store, n: int) -> None:
-    store.insert_events("n1", "i", [(i, "xid", 0.0, {"pad": "x" * 500}) for i in range(1, n + 1)])
+    store.events.insert("n1", "i", [(i, "xid", 0.0, {"pad": "x" * 500}) for i in range(1, n + 1)])
 
 
 def test_a_checkpoint_truncates_the_wal_file(store):
     _fill(store, 3000)
-    _, wal_before = store.file_sizes()
+    _, wal_before = store.space.file_sizes()
     assert wal_before > 1_000_000
     result = run_checkpoint(store)
     assert not result.busy
     assert result.wal_bytes_before == wal_before and result.wal_bytes_after == 0
-    assert store.file_sizes()[1] == 0
-    assert store.count_events("n1") == 3000  # nothing lost: it is in the file now
+    assert store.space.file_sizes()[1] == 0
+    assert store.events.count("n1") == 3000  # nothing lost: it is in the file now
 
 
 def test_incremental_vacuum_gives_freed_pages_back_and_the_file_shrinks(store, clock):
     _fill(store, 5000)
     run_checkpoint(store)
-    full_bytes, _ = store.file_sizes()
+    full_bytes, _ = store.space.file_sizes()
     clock.advance(365 * DAY_S)
     run_retention(store, now=clock.now(), policy=_policy(events_days=1))
-    _, free = store.page_counts()
+    _, free = store.space.page_counts()
     assert free > 500  # deleted rows leave free pages; the file keeps its size
     freed = run_vacuum(store, max_pages=100)
-    assert freed == 100 and store.page_counts()[1] == free - 100  # bounded by max_pages
+    assert freed == 100 and store.space.page_counts()[1] == free - 100  # bounded by max_pages
     freed += run_vacuum(store, max_pages=1_000_000)
-    assert freed == free and store.page_counts()[1] == 0
+    assert freed == free and store.space.page_counts()[1] == 0
     run_checkpoint(store)
-    db_bytes, _ = store.file_sizes()
+    db_bytes, _ = store.space.file_sizes()
     assert db_bytes < full_bytes / 4
 
 
@@ -383,11 +389,11 @@ def test_incremental_vacuum_gives_freed_pages_back_and_the_file_shrinks(store, c
 
 def test_an_older_file_is_switched_to_incremental_vacuum_and_migrated(tmp_path, monkeypatch):
     path = tmp_path / "c.db"
-    monkeypatch.setattr(store_mod, "MIGRATIONS", store_mod.MIGRATIONS[:3])
-    monkeypatch.setattr(store_mod, "SCHEMA_VERSION", 3)
+    monkeypatch.setattr(store_schema, "MIGRATIONS", store_schema.MIGRATIONS[:3])
+    monkeypatch.setattr(store_schema, "SCHEMA_VERSION", 3)
     old = Store(path, now=lambda: 1000.0)
-    old.add_node("n1", role="spare", labels={"rack": "r1"})
-    old.insert_events("n1", "i", [(1, "xid", 1.0, {"xid": 79})])
+    old.nodes.add("n1", role="spare", labels={"rack": "r1"})
+    old.events.insert("n1", "i", [(1, "xid", 1.0, {"xid": 79})])
     old.close()
     # a file as controllers before version 4 made it: no auto_vacuum
     conn = sqlite3.connect(path)
@@ -398,11 +404,11 @@ def test_an_older_file_is_switched_to_incremental_vacuum_and_migrated(tmp_path, 
     monkeypatch.undo()
 
     s = Store(path, now=lambda: 1000.0)
-    assert s.schema_version() == store_mod.SCHEMA_VERSION
-    assert s.auto_vacuum_mode() == store_mod.AUTO_VACUUM_INCREMENTAL
-    indexes = {r[0] for r in s._query("SELECT name FROM sqlite_master WHERE type = 'index'")}
+    assert s.schema_version() == store_schema.SCHEMA_VERSION
+    assert s.space.auto_vacuum_mode() == store_schema.AUTO_VACUUM_INCREMENTAL
+    indexes = {r[0] for r in s.db.query("SELECT name FROM sqlite_master WHERE type = 'index'")}
     assert {"events_by_received", "commands_done", "audit_by_ts"} <= indexes
-    assert s.get_node("n1").role == "spare" and s.count_events("n1") == 1
+    assert s.nodes.get("n1").role == "spare" and s.events.count("n1") == 1
     s.close()
 
 
@@ -432,14 +438,14 @@ def test_a_failed_switch_leaves_the_store_usable(tmp_path, monkeypatch, caplog):
     conn.execute("VACUUM")
     conn.close()
     connect = sqlite3.connect
-    monkeypatch.setattr(store_mod.sqlite3, "connect", lambda *a, **kw: _NoVacuum(connect(*a, **kw)))
+    monkeypatch.setattr(sqlite3, "connect", lambda *a, **kw: _NoVacuum(connect(*a, **kw)))
     s = Store(path, now=lambda: 1000.0)
     monkeypatch.undo()
-    assert s.auto_vacuum_mode() == 0
+    assert s.space.auto_vacuum_mode() == 0
     assert "event=store_vacuum_switch_failed" in caplog.text
-    s.add_node("n1", role="active", labels={})
+    s.nodes.add("n1", role="active", labels={})
     s.close()
     again = Store(path, now=lambda: 1000.0)  # switched at the next start
-    assert again.auto_vacuum_mode() == store_mod.AUTO_VACUUM_INCREMENTAL
-    assert again.get_node("n1") is not None
+    assert again.space.auto_vacuum_mode() == store_schema.AUTO_VACUUM_INCREMENTAL
+    assert again.nodes.get("n1") is not None
     again.close()

@@ -6,6 +6,7 @@ import pytest
 
 from trainguard.clock import FakeClock
 from trainguard.controller.config import SafetyConfig
+from trainguard.controller.records import NewAction
 from trainguard.controller.safety import (
     Safety,
     backoff_s,
@@ -14,7 +15,7 @@ from trainguard.controller.safety import (
     matching_silence,
     stale_drain_reason,
 )
-from trainguard.controller.store import NewAction, Store
+from trainguard.controller.store import Store
 from trainguard.controller.views import SilenceView
 
 
@@ -98,7 +99,7 @@ def test_budget_window_slides_with_the_clock(tmp_path):
     clock = FakeClock()
     store = Store(tmp_path / "c.db", now=clock.now)
     safety = Safety(store, SafetyConfig(drain_budget=1, drain_budget_window_s=3600))
-    incident = store.create_incident(
+    incident = store.incidents.create(
         rule="r",
         target_key="node:n1",
         target={"scope": "node", "node": "n1"},
@@ -110,7 +111,7 @@ def test_budget_window_slides_with_the_clock(tmp_path):
         ts=clock.now(),
         timeline=[],
     )
-    store.add_actions(
+    store.actions.add(
         incident, [NewAction(kind="drain", target="n1", idempotency_key="k")], ts=clock.now()
     )
     assert not safety.budget(now=clock.now()).allowed

@@ -9,16 +9,12 @@ import sqlite3
 
 import pytest
 
-import trainguard.controller.store as store_mod
 from tests.integration.postgres_proc import BOTH_STORES
-from trainguard.controller.store import (
-    SCHEMA_VERSION,
-    CommandResultRow,
-    FreshNode,
-    NewAction,
-    Store,
-    StoreError,
-)
+from trainguard.controller.records import CommandResultRow, FreshNode, NewAction
+from trainguard.controller.store import Store
+from trainguard.controller.store import schema as store_schema
+from trainguard.controller.store.errors import StoreError
+from trainguard.controller.store.schema import SCHEMA_VERSION
 
 
 def _now() -> float:
@@ -27,11 +23,11 @@ def _now() -> float:
 
 def _columns(s: Store, table: str) -> list[str]:
     if s.dialect.postgres:
-        rows = s._query(
+        rows = s.db.query(
             "SELECT column_name FROM information_schema.columns WHERE table_name = ?", (table,)
         )
         return [r[0] for r in rows]
-    return [r[1] for r in s._query(f"PRAGMA table_info({table})")]
+    return [r[1] for r in s.db.query(f"PRAGMA table_info({table})")]
 
 
 def _integrity_errors(s: Store) -> tuple[type[Exception], ...]:
@@ -53,10 +49,10 @@ def test_new_store_is_at_current_schema_in_wal_mode(tmp_path):
 def test_reopening_keeps_data(store_location):
     s = Store(store_location, now=_now)
     assert s.schema_version() == SCHEMA_VERSION
-    s.add_node("n1", role="spare", labels={"rack": "r1"})
+    s.nodes.add("n1", role="spare", labels={"rack": "r1"})
     s.close()
     again = Store(store_location, now=_now)
-    node = again.get_node("n1")
+    node = again.nodes.get("n1")
     assert (node.role, node.labels) == ("spare", {"rack": "r1"})
 
 
@@ -64,18 +60,18 @@ def test_reopening_keeps_data(store_location):
 def test_older_file_is_migrated_forward_in_order(store_location, monkeypatch):
     path = store_location
     Store(path, now=_now).close()  # the current version
-    base = store_mod.SCHEMA_VERSION
+    base = store_schema.SCHEMA_VERSION
     applied = []
 
-    def migration_next(c: store_mod.Connection) -> None:
+    def migration_next(c: store_schema.Connection) -> None:
         applied.append(base + 1)
         c.execute("ALTER TABLE jobs ADD COLUMN next_test INTEGER NOT NULL DEFAULT 1")
 
-    monkeypatch.setattr(store_mod, "MIGRATIONS", (*store_mod.MIGRATIONS, migration_next))
-    monkeypatch.setattr(store_mod, "SCHEMA_VERSION", base + 1)
+    monkeypatch.setattr(store_schema, "MIGRATIONS", (*store_schema.MIGRATIONS, migration_next))
+    monkeypatch.setattr(store_schema, "SCHEMA_VERSION", base + 1)
     s = Store(path, now=_now)
     assert applied == [base + 1] and s.schema_version() == base + 1
-    s.upsert_job("job-a", state="running", nodes=["n1"])
+    s.jobs.upsert("job-a", state="running", nodes=["n1"])
     s.close()
     assert applied == [base + 1]  # not applied twice
     assert Store(path, now=_now).schema_version() == base + 1
@@ -86,13 +82,13 @@ def test_failed_migration_leaves_the_file_at_its_old_version(store_location, mon
     path = store_location
     Store(path, now=_now).close()
 
-    def broken(c: store_mod.Connection) -> None:
+    def broken(c: store_schema.Connection) -> None:
         c.execute("ALTER TABLE jobs ADD COLUMN x INTEGER")
         c.execute("THIS IS NOT SQL")
 
-    base = store_mod.SCHEMA_VERSION
-    monkeypatch.setattr(store_mod, "MIGRATIONS", (*store_mod.MIGRATIONS, broken))
-    monkeypatch.setattr(store_mod, "SCHEMA_VERSION", base + 1)
+    base = store_schema.SCHEMA_VERSION
+    monkeypatch.setattr(store_schema, "MIGRATIONS", (*store_schema.MIGRATIONS, broken))
+    monkeypatch.setattr(store_schema, "SCHEMA_VERSION", base + 1)
     with pytest.raises(StoreError):
         Store(path, now=_now)
     monkeypatch.undo()
@@ -105,7 +101,7 @@ def test_failed_migration_leaves_the_file_at_its_old_version(store_location, mon
 def test_newer_schema_than_known_is_a_clear_error(store_location):
     path = store_location
     s = Store(path, now=_now)
-    with s.transaction() as c:
+    with s.db.transaction() as c:
         c.execute("UPDATE schema_version SET version = 99")
     s.close()
     with pytest.raises(StoreError, match="schema version 99 is newer"):
@@ -133,7 +129,7 @@ def test_a_damaged_page_fails_quick_check(tmp_path):
     path = tmp_path / "c.db"
     s = Store(path, now=_now)
     for i in range(300):
-        s.add_node(f"node-{i}", role="active", labels={"rack": "r" * 200})
+        s.nodes.add(f"node-{i}", role="active", labels={"rack": "r" * 200})
     s.close()
     # checkpoint the WAL into the main file, then overwrite a page in its middle
     c = sqlite3.connect(path)
@@ -174,75 +170,75 @@ def test_only_one_unresolved_incident_per_rule_and_target(store_location):
         ts=1.0,
         timeline=[],
     )
-    first = s.create_incident(**kw)
+    first = s.incidents.create(**kw)
     with pytest.raises(_integrity_errors(s)):
-        s.create_incident(**kw)
-    s.set_incident_state(first, "resolved", ts=2.0, kind="resolved", message="ok")
-    assert s.create_incident(**kw) != first
+        s.incidents.create(**kw)
+    s.incidents.set_state(first, "resolved", ts=2.0, kind="resolved", message="ok")
+    assert s.incidents.create(**kw) != first
 
 
 @BOTH_STORES
 def test_action_idempotency_key_is_unique(store_location):
     s = Store(store_location, now=_now)
     a = NewAction(kind="drain", target="n1", idempotency_key="k1")
-    (first,) = s.add_actions(None, [a], ts=1.0)
-    (second,) = s.add_actions(None, [a], ts=2.0)
+    (first,) = s.actions.add(None, [a], ts=1.0)
+    (second,) = s.actions.add(None, [a], ts=2.0)
     assert first == second
-    assert len(s.open_actions()) == 1
+    assert len(s.actions.open()) == 1
 
 
 @BOTH_STORES
 def test_duplicate_events_are_ignored_by_the_unique_constraint(store_location):
     s = Store(store_location, now=_now)
     rows = [(1, "xid", 1.0, {"id": 1}), (2, "xid", 2.0, {"id": 2})]
-    s.insert_events("n1", "i", rows)
-    s.insert_events("n1", "i", rows)
-    assert s.count_events("n1") == 2 and s.max_event_id("n1", "i") == 2
+    s.events.insert("n1", "i", rows)
+    s.events.insert("n1", "i", rows)
+    assert s.events.count("n1") == 2 and s.events.max_event_id("n1", "i") == 2
 
 
 @BOTH_STORES
 def test_silences_expire_and_delete(store_location):
     s = Store(store_location, now=_now)
-    silence = s.add_silence(
+    silence = s.silences.add(
         rule="r", node=None, created_by="op", created_at=0.0, expires_at=10.0, comment="c"
     )
-    assert [x.id for x in s.list_silences(now=5.0, include_expired=False)] == [silence.id]
-    assert s.list_silences(now=11.0, include_expired=False) == []
-    assert s.delete_silence(silence.id, now=5.0) is True
-    assert s.delete_silence(silence.id, now=5.0) is False
-    assert s.list_silences(now=5.0, include_expired=False) == []
+    assert [x.id for x in s.silences.find(now=5.0, include_expired=False)] == [silence.id]
+    assert s.silences.find(now=11.0, include_expired=False) == []
+    assert s.silences.delete(silence.id, now=5.0) is True
+    assert s.silences.delete(silence.id, now=5.0) is False
+    assert s.silences.find(now=5.0, include_expired=False) == []
 
 
 @BOTH_STORES
 def test_audit_log_is_newest_first(store_location):
     s = Store(store_location, now=_now)
-    s.audit(ts=1.0, actor="alice", action="drain", target="n1", detail={"reason": "x"})
-    s.audit(ts=2.0, actor="bob", action="undrain", target="n1", detail={})
-    assert [e.actor for e in s.audit_log(limit=10)] == ["bob", "alice"]
+    s.audit.record(ts=1.0, actor="alice", action="drain", target="n1", detail={"reason": "x"})
+    s.audit.record(ts=2.0, actor="bob", action="undrain", target="n1", detail={})
+    assert [e.actor for e in s.audit.recent(limit=10)] == ["bob", "alice"]
 
 
 @BOTH_STORES
 def test_command_result_data_is_kept_with_the_command(store_location):
     s = Store(store_location, now=_now)
-    s.add_command("stacks-1-n1", node="n1", kind="collect_stacks", args={"job": "j"})
+    s.commands.add("stacks-1-n1", node="n1", kind="collect_stacks", args={"job": "j"})
     result = CommandResultRow(
         command_id="stacks-1-n1",
         ok=True,
         message="stacks of 1 of 1 rank(s)",
         data={"stacks": "--- rank 0 ---\n  File x", "log_path": "/l"},
     )
-    s.insert_events("n1", "i", [], command_results=[result])
-    cmd = s.get_command("stacks-1-n1")
+    s.events.insert("n1", "i", [], command_results=[result])
+    cmd = s.commands.get("stacks-1-n1")
     assert (cmd.ok, cmd.result, cmd.data) == (True, result.message, result.data)
 
 
 @BOTH_STORES
 def test_version_2_file_gains_command_data_and_keeps_its_commands(store_location, monkeypatch):
     path = store_location
-    monkeypatch.setattr(store_mod, "MIGRATIONS", store_mod.MIGRATIONS[:2])
-    monkeypatch.setattr(store_mod, "SCHEMA_VERSION", 2)
+    monkeypatch.setattr(store_schema, "MIGRATIONS", store_schema.MIGRATIONS[:2])
+    monkeypatch.setattr(store_schema, "SCHEMA_VERSION", 2)
     old = Store(path, now=_now)
-    with old.transaction() as c:
+    with old.db.transaction() as c:
         c.execute(
             "INSERT INTO commands (id, node, kind, args, created_at) VALUES (?, ?, ?, ?, ?)",
             ("c1", "n1", "stop_job", "{}", 1.0),
@@ -251,15 +247,15 @@ def test_version_2_file_gains_command_data_and_keeps_its_commands(store_location
     monkeypatch.undo()
     s = Store(path, now=_now)
     assert s.schema_version() == SCHEMA_VERSION  # migrated to the newest
-    assert s.get_command("c1").data == {}
+    assert s.commands.get("c1").data == {}
 
 
 @BOTH_STORES
 def test_a_freshness_flush_updates_each_reporting_node_and_no_other(store_location):
     s = Store(store_location, now=_now)
     for name in ("n1", "n2", "n3"):
-        s.add_node(name, role="active", labels={"rack": "r0"})
-    written = s.flush_freshness(
+        s.nodes.add(name, role="active", labels={"rack": "r0"})
+    written = s.nodes.flush_freshness(
         [
             FreshNode("n1", 1234.5, "inst-a", "1.2.3", {"rack": "r1", "zone": "z'1%"}),
             FreshNode("n3", 1236.25, "", "", {}),
@@ -267,12 +263,12 @@ def test_a_freshness_flush_updates_each_reporting_node_and_no_other(store_locati
         ]
     )
     assert written == 3
-    nodes = {n.name: n for n in s.list_nodes()}
+    nodes = {n.name: n for n in s.nodes.all()}
     assert set(nodes) == {"n1", "n2", "n3"}
     n1, n2, n3 = nodes["n1"], nodes["n2"], nodes["n3"]
     assert (n1.last_report_at, n1.agent_version) == (1234.5, "1.2.3")
     assert n1.labels == {"rack": "r1", "zone": "z'1%"}
     assert n2.last_report_at is None and n2.labels == {"rack": "r0"}
     assert (n3.last_report_at, n3.labels) == (1236.25, {})
-    assert s.flush_freshness([]) == 0
+    assert s.nodes.flush_freshness([]) == 0
     s.close()

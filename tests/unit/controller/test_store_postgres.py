@@ -12,8 +12,11 @@ import pytest
 
 from tests.integration.postgres_proc import PASSWORD, PgServer
 from trainguard.controller.config import ControllerConfig
-from trainguard.controller.dialect import postgres_sql, redact_url, tcp_liveness
-from trainguard.controller.store import NewAction, Store, StoreError
+from trainguard.controller.records import NewAction
+from trainguard.controller.store import Store
+from trainguard.controller.store.connection import redact_url, tcp_liveness
+from trainguard.controller.store.dialect import postgres_sql
+from trainguard.controller.store.errors import StoreError
 from trainguard.strict import ConfigError, build
 
 
@@ -143,7 +146,7 @@ def _race(n: int, body) -> list:
 
 def test_two_controllers_beginning_the_same_step_start_one_attempt(pg_url: str) -> None:
     stores = [Store(pg_url, now=_now) for _ in range(4)]
-    stores[0].submit_job(
+    stores[0].jobs.submit(
         "j", spec={}, nodes=["n1"], nproc_per_node=1, min_nodes=1, ts=1.0, replace_states=()
     )
     # rdzv_port is called between the read of the job row and its update: each caller waits
@@ -160,25 +163,25 @@ def test_two_controllers_beginning_the_same_step_start_one_attempt(pg_url: str) 
         return 100 + attempt
 
     results = _race(
-        4, lambda i: stores[i].begin_attempt("j", key="restart-7", rdzv_port=port, ts=2.0)
+        4, lambda i: stores[i].jobs.begin_attempt("j", key="restart-7", rdzv_port=port, ts=2.0)
     )
     assert sorted(began for _, began in results) == [False, False, False, True]
     assert {job.attempt for job, _ in results} == {1}
-    assert stores[0].get_job("j").attempt == 1
+    assert stores[0].jobs.get("j").attempt == 1
 
 
 def test_two_controllers_recording_the_same_step_make_one_row(pg_url: str) -> None:
     stores = [Store(pg_url, now=_now) for _ in range(4)]
     action = NewAction(kind="drain", target="n1", idempotency_key="incident-1-drain")
-    ids = _race(4, lambda i: stores[i].add_actions(None, [action], ts=float(i)))
+    ids = _race(4, lambda i: stores[i].actions.add(None, [action], ts=float(i)))
     assert len({tuple(x) for x in ids}) == 1
-    assert len(stores[0].open_actions()) == 1
+    assert len(stores[0].actions.open()) == 1
 
 
 def test_two_controllers_starting_at_once_migrate_once(pg_url: str) -> None:
     stores = _race(3, lambda i: Store(pg_url, now=_now))
     assert {s.schema_version() for s in stores} == {stores[0].schema_version()}
-    rows = stores[0]._query("SELECT COUNT(*) FROM schema_version")
+    rows = stores[0].db.query("SELECT COUNT(*) FROM schema_version")
     assert int(rows[0][0]) == 1
 
 

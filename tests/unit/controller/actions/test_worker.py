@@ -18,9 +18,8 @@ from trainguard.controller.actions.base import (
     TransientError,
 )
 from trainguard.controller.actions.notify import RecordingNotifier
-from trainguard.controller.dialect import StoreUnavailable
-from trainguard.controller.errors import NotLeader
 from trainguard.controller.model import Decision, Target
+from trainguard.controller.store.errors import LeaseLost, StoreUnavailable
 
 pytestmark = BOTH_STORES
 
@@ -72,11 +71,11 @@ def test_transient_failures_retry_with_doubling_backoff_then_succeed(make_core, 
     c.run_actions(now=start)
     (action,) = c.get_incident(1).actions
     assert (action.state, action.attempts) == ("pending", 1)
-    assert c.store.next_attempt_at(action.id) == start + 2.0
+    assert c.store.actions.next_attempt_at(action.id) == start + 2.0
     c.run_actions(now=start + 1.9)  # not yet due
     assert len(step.seen) == 1
     c.run_actions(now=start + 2.0)
-    assert c.store.next_attempt_at(action.id) == start + 2.0 + 4.0
+    assert c.store.actions.next_attempt_at(action.id) == start + 2.0 + 4.0
     c.run_actions(now=start + 6.0)
     (action,) = c.get_incident(1).actions
     assert (action.state, action.attempts) == ("succeeded", 3)
@@ -151,7 +150,7 @@ def test_after_restart_running_idempotent_step_is_resumed(make_core, core_clock)
     c.apply_decisions([_decision(("checkpoint",))], now=core_clock.now())
     (action,) = c.get_incident(1).actions
     # as if the process died after marking the row running
-    c.store.update_action(action.id, state="running", ts=core_clock.now(), attempts_delta=1)
+    c.store.actions.update(action.id, state="running", ts=core_clock.now(), attempts_delta=1)
     c.stop()
     c2 = make_core()
     c2.registry.register(step)
@@ -168,11 +167,11 @@ def test_after_restart_running_non_idempotent_step_is_not_repeated(make_core, co
     c = _core_with(make_core, core_clock, notifiers=[slack, pager])
     c.apply_decisions([_decision(("notify",))], now=core_clock.now())
     slack_row = next(a for a in c.get_incident(1).actions if a.params["channel"] == "slack")
-    c.store.update_action(slack_row.id, state="running", ts=core_clock.now(), attempts_delta=1)
+    c.store.actions.update(slack_row.id, state="running", ts=core_clock.now(), attempts_delta=1)
     c.stop()
     c2 = make_core(notifiers=[slack, pager])  # recover() runs in the constructor
     c2.run_actions(now=core_clock.now())
-    row = c2.store.get_action(slack_row.id)
+    row = c2.store.actions.get(slack_row.id)
     assert row.state == "failed" and "at most once" in row.result
     assert slack.sent == []
     assert [n.page for n in pager.sent] == [False, True]
@@ -192,7 +191,7 @@ def test_succeeded_rows_are_never_run_again_after_restart(make_core, core_clock,
     "error",
     [
         pytest.param(StoreUnavailable("postgresql://db/x: connection lost: EOF"), id="store"),
-        pytest.param(NotLeader("the lease is no longer this controller's"), id="not-leader"),
+        pytest.param(LeaseLost("the lease is no longer this controller's"), id="lease-lost"),
     ],
 )
 def test_a_step_that_loses_the_store_or_the_lease_is_not_failed_and_runs_again(

@@ -1,18 +1,19 @@
 """The leader lease of controllers sharing one store, and the fence it puts on the store.
 
-One row (`controller_lease`, store migration 5) says who leads: holder, advertise URL, epoch
-and expiry. `Lease` takes it when it is free or expired (epoch + 1) and renews it while held,
-each in one conditional UPDATE, on a connection of its own (a long store transaction never
-delays a renewal). On PostgreSQL every time in the row is the DATABASE's clock
-(clock_timestamp()), so the controllers' clocks may disagree; only the lease's length is
+One row (`controller_lease`, store/schema.py migration 5) says who leads: holder, advertise
+URL, epoch and expiry. `Lease` takes it when it is free or expired (epoch + 1) and renews it
+while held, each in one conditional UPDATE, on a connection of its own (a long store
+transaction never delays a renewal). On PostgreSQL every time in the row is the DATABASE's
+clock (clock_timestamp()), so the controllers' clocks may disagree; only the lease's length is
 measured locally, on the monotonic clock, from before the request that set it.
 
-`LeaseFence` is what the store checks first in every write transaction (Store.fence): the
-local deadline has not passed AND the row still names this holder and epoch, unexpired; on
-PostgreSQL the row is read FOR SHARE, so a takeover's UPDATE waits for the transaction to
-commit and a write can never land under an epoch that has been replaced. A controller whose
-lease lapsed (stopped, partitioned, or its store gone) therefore writes nothing, and as every
-side effect outside the store follows a fenced write of its step, it does nothing either.
+`LeaseFence` is what the store checks first in every write transaction (Store.fence; a refused
+write raises LeaseLost): the local deadline has not passed AND the row still names this holder
+and epoch, unexpired; on PostgreSQL the row is read FOR SHARE, so a takeover's UPDATE waits for
+the transaction to commit and a write can never land under an epoch that has been replaced. A
+controller whose lease lapsed (stopped, partitioned, or its store gone) therefore writes
+nothing, and as every side effect outside the store follows a fenced write of its step, it
+does nothing either.
 Why not a PostgreSQL advisory lock: it belongs to a session, and a stopped process (SIGSTOP,
 a VM paused, a GC pause) keeps its session and so its lock while it cannot act, and when it
 resumes nothing tells it another leader would have been right; there is no epoch to fence.
@@ -28,8 +29,9 @@ from typing import Any
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 from trainguard.clock import Clock
-from trainguard.controller.dialect import Connection, Dialect, connect_postgres
-from trainguard.controller.errors import NotLeader
+from trainguard.controller.store.connection import Connection, connect_postgres
+from trainguard.controller.store.dialect import Dialect
+from trainguard.controller.store.errors import LeaseLost
 
 __all__ = ["Lease", "LeaseFence", "LeaseState", "lease_connection"]
 
@@ -189,16 +191,16 @@ class LeaseFence:
     def check(self, c: Connection) -> None:
         epoch = self._epoch
         if epoch is None:
-            raise NotLeader("this controller is a standby: it does not write")
+            raise LeaseLost("this controller is a standby: it does not write")
         if self._clock.monotonic() >= self._deadline:
-            raise NotLeader(f"the lease of epoch {epoch} ran out before it was renewed")
+            raise LeaseLost(f"the lease of epoch {epoch} ran out before it was renewed")
         params = {
             "holder": self.holder,
             "epoch": epoch,
             "now": self._now() if self._now is not None else 0.0,
         }
         if c.execute(self._sql, params).fetchone() is None:
-            raise NotLeader(f"the lease of epoch {epoch} is no longer this controller's")
+            raise LeaseLost(f"the lease of epoch {epoch} is no longer this controller's")
 
 
 def lease_connection(url: str, *, password: str | None, timeout_s: float) -> Any:

@@ -1,0 +1,165 @@
+"""The action table: every remediation step, written as intent before it runs (idempotent by
+key), moved through pending, running and a final state. A step's row and the timeline entry of
+its incident are written in one transaction."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from trainguard.controller.records import NewAction
+from trainguard.controller.store.connection import Row
+from trainguard.controller.store.database import Database
+from trainguard.controller.store.rows import TIMELINE_INSERT, add_note, from_row, to_json
+from trainguard.controller.views import ActionView
+
+
+class ActionRepository:
+    """The action rows."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    @staticmethod
+    def _action(row: Row) -> ActionView:
+        return from_row(ActionView, row, params=json.loads(row["params"]))
+
+    def add(
+        self,
+        incident_id: int | None,
+        actions: Sequence[NewAction],
+        *,
+        ts: float,
+        timeline: Sequence[tuple[str, str, dict[str, Any]]] = (),
+    ) -> list[int]:
+        """Insert the intent rows (duplicates by idempotency key are ignored) plus timeline
+        notes, in one transaction. Returns the ids of the rows for these keys."""
+        ids: list[int] = []
+        with self._db.transaction() as c:
+            for a in actions:
+                c.execute(
+                    "INSERT INTO actions (incident_id, seq, kind, target, params, state,"
+                    " idempotency_key, next_attempt_at, result, created_at, updated_at)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                    (
+                        incident_id,
+                        a.seq,
+                        a.kind,
+                        a.target,
+                        to_json(a.params),
+                        a.state,
+                        a.idempotency_key,
+                        ts,
+                        a.result,
+                        ts,
+                        ts,
+                    ),
+                )
+                row = c.execute(
+                    "SELECT id FROM actions WHERE idempotency_key = ?", (a.idempotency_key,)
+                ).fetchone()
+                ids.append(int(row[0]))
+            if incident_id is not None:
+                c.executemany(
+                    TIMELINE_INSERT, [(incident_id, ts, k, m, to_json(d)) for k, m, d in timeline]
+                )
+        return ids
+
+    def get(self, action_id: int) -> ActionView | None:
+        rows = self._db.query("SELECT * FROM actions WHERE id = ?", (action_id,))
+        return self._action(rows[0]) if rows else None
+
+    def by_key(self, idempotency_key: str) -> ActionView | None:
+        rows = self._db.query("SELECT * FROM actions WHERE idempotency_key = ?", (idempotency_key,))
+        return self._action(rows[0]) if rows else None
+
+    def last_shrink_incident(self, job: str) -> int | None:
+        """The incident whose replace or restart step last shrank `job`'s world size (output
+        mode "shrink_world"), or None."""
+        field = self._db.dialect.json_text
+        rows = self._db.query(
+            "SELECT incident_id FROM actions WHERE incident_id IS NOT NULL"  # noqa: S608
+            f" AND kind IN ('replace', 'restart') AND {field('output', 'job')} = ?"
+            f" AND ({field('output', 'mode')} = 'shrink_world'"
+            f" OR {field('output', 'replaced', 'mode')} = 'shrink_world')"
+            " ORDER BY id DESC LIMIT 1",
+            (job,),
+        )
+        return int(rows[0][0]) if rows else None
+
+    def last_drain(self, node: str) -> ActionView | None:
+        """The newest drain row of `node` that was not skipped or failed (an incident's or an
+        operator's)."""
+        rows = self._db.query(
+            "SELECT * FROM actions WHERE kind = 'drain' AND target = ?"
+            " AND state IN ('pending', 'running', 'succeeded') ORDER BY id DESC LIMIT 1",
+            (node,),
+        )
+        return self._action(rows[0]) if rows else None
+
+    def output(self, action_id: int) -> dict[str, Any]:
+        rows = self._db.query("SELECT output FROM actions WHERE id = ?", (action_id,))
+        return json.loads(rows[0][0]) if rows else {}
+
+    def for_incident(self, incident_id: int) -> list[ActionView]:
+        rows = self._db.query(
+            "SELECT * FROM actions WHERE incident_id = ? ORDER BY seq, id", (incident_id,)
+        )
+        return [self._action(r) for r in rows]
+
+    def open(self) -> list[tuple[ActionView, float]]:
+        """Pending and running rows with their next_attempt_at, oldest first."""
+        rows = self._db.query(
+            "SELECT * FROM actions WHERE state IN ('pending', 'running') ORDER BY id"
+        )
+        return [(self._action(r), float(r["next_attempt_at"])) for r in rows]
+
+    def next_attempt_at(self, action_id: int) -> float:
+        rows = self._db.query("SELECT next_attempt_at FROM actions WHERE id = ?", (action_id,))
+        return float(rows[0][0])
+
+    def update(
+        self,
+        action_id: int,
+        *,
+        state: str,
+        ts: float,
+        result: str | None = None,
+        output: dict[str, Any] | None = None,
+        attempts_delta: int = 0,
+        next_attempt_at: float | None = None,
+        timeline: tuple[int, str, str, dict[str, Any]] | None = None,
+    ) -> None:
+        """Move one action row (and optionally add an incident timeline entry), atomically."""
+        sets = ["state = ?", "updated_at = ?", "attempts = attempts + ?"]
+        args: list[Any] = [state, ts, attempts_delta]
+        if result is not None:
+            sets.append("result = ?")
+            args.append(result)
+        if output is not None:
+            sets.append("output = ?")
+            args.append(to_json(output))
+        if next_attempt_at is not None:
+            sets.append("next_attempt_at = ?")
+            args.append(next_attempt_at)
+        with self._db.transaction() as c:
+            c.execute(
+                f"UPDATE actions SET {', '.join(sets)} WHERE id = ?",  # noqa: S608
+                (*args, action_id),
+            )
+            if timeline is not None:
+                incident_id, kind, message, data = timeline
+                add_note(c, incident_id, ts=ts, kind=kind, message=message, data=data, touch=True)
+
+    def count_auto_drains(self, *, since: float) -> int:
+        """Automatic (incident-driven) drains that were not skipped/failed since `since`."""
+        rows = self._db.query(
+            "SELECT COUNT(*) FROM actions WHERE kind = 'drain' AND incident_id IS NOT NULL"
+            " AND state IN ('pending', 'running', 'succeeded') AND created_at >= ?",
+            (since,),
+        )
+        return int(rows[0][0])
+
+
+__all__ = ["ActionRepository"]
