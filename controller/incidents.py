@@ -28,8 +28,10 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
-from trainguard.controller.actions.base import DISRUPTIVE_KINDS, ActionHandler, HandlerRegistry
+from trainguard.controller.actions.base import ActionHandler, HandlerRegistry
+from trainguard.controller.actions.kinds import ActionKind
 from trainguard.controller.actions.worker import step_label
+from trainguard.controller.jobstate import JobState
 from trainguard.controller.model import Decision
 from trainguard.controller.safety import Safety, silence_matches
 from trainguard.controller.store import JobRecord, NewAction, Store
@@ -49,9 +51,6 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 # Plan positions for rows added after the rule's own steps, so they sort after them.
 SEQ_CORRELATED = 500
 SEQ_ESCALATION = 1000
-# Actions that take a node out of a job: a correlated decision asking for one gets a drain.
-_NODE_REMOVING = frozenset({"drain", "replace"})
-_JOB_ACTIVE_STATES = ("starting", "running", "restarting", "crashed", "waiting")
 SEQ_RESOLVE = 2000
 
 
@@ -69,6 +68,24 @@ class JobLookup(Protocol):
     def job_of_node(self, node: str) -> JobRecord | None: ...
 
     def ranks(self, job: str) -> list[tuple[str, RankState]]: ...
+
+
+def _disruptive(kind: str) -> bool:
+    """A planned or stored kind that takes capacity from a job (ActionKind.disruptive)."""
+    member = ActionKind.parse(kind)
+    return member is not None and member.disruptive
+
+
+def _removes_node(kind: str) -> bool:
+    """A kind that takes a node out of its job (ActionKind.removes_node)."""
+    member = ActionKind.parse(kind)
+    return member is not None and member.removes_node
+
+
+def _job_active(state: str) -> bool:
+    """A stored job state in which the job holds its nodes (JobState.active)."""
+    member = JobState.parse(state)
+    return member is not None and member.active
 
 
 def _is_trigger(action: ActionView) -> bool:
@@ -282,7 +299,7 @@ class IncidentManager:
         blocked: str | None = None
         page_reason: str | None = None
         page_tag = ""
-        disruptive = [k for k in d.actions if k in DISRUPTIVE_KINDS]
+        disruptive = [k for k in d.actions if _disruptive(k)]
         if hold is not None:
             notes.append(("safety", hold, {"rule": d.rule, "node": node}))
         elif disruptive and node is not None:
@@ -309,8 +326,8 @@ class IncidentManager:
             if blocked is not None:
                 notes.append(("safety", blocked, {"rule": d.rule, "node": node}))
         for index, kind in enumerate(d.actions):
-            if kind in ("notify", "page"):
-                page = kind == "page"
+            if kind in (ActionKind.NOTIFY, ActionKind.PAGE):
+                page = kind == ActionKind.PAGE
                 channels = self._channels(d.severity, page) or [""]
                 for channel in channels:
                     rows.append(
@@ -330,12 +347,12 @@ class IncidentManager:
                 params["node"] = node
             if d.target.job is not None:
                 params["job"] = d.target.job
-            if kind == "drain":
+            if kind == ActionKind.DRAIN:
                 params["reason"] = f"incident {incident_id}: {d.summary or d.rule}"
             state, result = "pending", ""
             if hold is not None:
                 state, result = "skipped", f"skipped: {hold}"
-            elif blocked is not None and kind in DISRUPTIVE_KINDS:
+            elif blocked is not None and _disruptive(kind):
                 state, result = "skipped", f"skipped: {blocked}"
             rows.append(
                 NewAction(
@@ -389,7 +406,7 @@ class IncidentManager:
 
     def _job_of_node(self, node: str) -> str | None:
         for job in self._store.job_records():
-            if job.state in _JOB_ACTIVE_STATES and (node in job.nodes or node in job.attempt_nodes):
+            if _job_active(job.state) and (node in job.nodes or node in job.attempt_nodes):
                 return job.name
         return None
 
@@ -409,7 +426,7 @@ class IncidentManager:
             steps = [
                 a
                 for a in self._store.actions_for_incident(incident_id)
-                if a.kind in DISRUPTIVE_KINDS and a.state in ("pending", "running")
+                if _disruptive(a.kind) and a.state in ("pending", "running")
             ]
             if not steps:
                 continue
@@ -430,7 +447,7 @@ class IncidentManager:
         target = d.target
         if target.scope in ("rank", "job"):
             job = self._store.get_job(target.job) if target.job else None
-            if job is None or job.state not in _JOB_ACTIVE_STATES or job.attempt < 1:
+            if job is None or not _job_active(job.state) or job.attempt < 1:
                 return None
             why = self._old_attempt(d, job)
             return None if why is None else (self._attempt_incident(job), why)
@@ -447,7 +464,7 @@ class IncidentManager:
         job = self._jobs.job_of_node(node) if self._jobs is not None else None
         if (
             job is not None
-            and job.state in _JOB_ACTIVE_STATES
+            and _job_active(job.state)
             and node not in job.nodes
             and node not in job.attempt_nodes
         ):
@@ -475,7 +492,7 @@ class IncidentManager:
                 if node == target.node and rank.rank == target.rank and rank.pid in old_pids:
                     return f"rank {target.rank} (pid {rank.pid}) is a process of an earlier attempt"
         started = job.attempt_started_at
-        disruptive = any(k in DISRUPTIVE_KINDS for k in d.actions)
+        disruptive = any(_disruptive(k) for k in d.actions)
         if disruptive and d.since is not None and started is not None and d.since < started:
             # a notify-only rule (throughput_drop) that outlasts a restart still tells someone
             return f"its condition began before {current} started"
@@ -513,7 +530,7 @@ class IncidentManager:
                 },
             )
         ]
-        wants_out = node is not None and bool(_NODE_REMOVING & set(d.actions))
+        wants_out = node is not None and any(_removes_node(k) for k in d.actions)
         actions = self._store.actions_for_incident(host_id)
         host = self._store.get_incident(host_id)
         drained = any(a.kind == "drain" and a.params.get("node") == node for a in actions)

@@ -14,18 +14,11 @@ from typing import Any, Protocol
 
 from trainguard.controller.actions.base import ActionContext, Outcome
 from trainguard.controller.actions.drain import DrainState
+from trainguard.controller.actions.kinds import job_step_kinds
 from trainguard.controller.views import JobView
 
-# The job steps a backend performs (the action kinds of the same names).
-JOB_STEP_KINDS = (
-    "checkpoint",
-    "replace",
-    "restart",
-    "rollback",
-    "stop",
-    "collect_stacks",
-    "grow",
-)
+# The job steps a backend performs: the action kinds the table marks `job_step`.
+JOB_STEP_KINDS = job_step_kinds()
 
 
 class SchedulerBackend(Protocol):
