@@ -314,7 +314,7 @@ class IncidentManager:
                 else:
                     first_id = self._safety.breaker_incident(d.rule)
                     blocked += f" (paged on incident {first_id})"
-            elif "drain" in disruptive:
+            elif ActionKind.DRAIN in disruptive:
                 budget = self._safety.budget(now=now)
                 floor = self._safety.drain_floor(node)
                 if not budget.allowed:
@@ -332,7 +332,7 @@ class IncidentManager:
                 for channel in channels:
                     rows.append(
                         NewAction(
-                            kind="notify",
+                            kind=ActionKind.NOTIFY.value,
                             target=d.target.key,
                             idempotency_key=f"{incident_id}:{index}:notify:{channel}",
                             seq=index,
@@ -393,7 +393,7 @@ class IncidentManager:
     ) -> list[NewAction]:
         return [
             NewAction(
-                kind="notify",
+                kind=ActionKind.NOTIFY.value,
                 target=target,
                 idempotency_key=f"{incident_id}:page:{tag}:notify:{channel}",
                 seq=SEQ_ESCALATION,
@@ -533,7 +533,7 @@ class IncidentManager:
         wants_out = node is not None and any(_removes_node(k) for k in d.actions)
         actions = self._store.actions_for_incident(host_id)
         host = self._store.get_incident(host_id)
-        drained = any(a.kind == "drain" and a.params.get("node") == node for a in actions)
+        drained = any(a.kind == ActionKind.DRAIN and a.params.get("node") == node for a in actions)
         if node is not None and why is not None:
             rec = self._store.get_node(node)
             drained = drained or rec is None or rec.state != "active"
@@ -546,7 +546,7 @@ class IncidentManager:
                 state, result = "skipped", "skipped: dry-run (would run)"
             rows.append(
                 NewAction(
-                    kind="drain",
+                    kind=ActionKind.DRAIN.value,
                     target=node,
                     idempotency_key=f"{host_id}:correlated:drain:{node}",
                     seq=SEQ_CORRELATED,
@@ -628,7 +628,7 @@ class IncidentManager:
             {
                 str(a.params.get("channel"))
                 for a in actions
-                if a.kind == "notify"
+                if a.kind == ActionKind.NOTIFY
                 and a.params.get("event") == "trigger"
                 and a.params.get("channel")
                 and a.state in ("succeeded", "running")
@@ -638,7 +638,7 @@ class IncidentManager:
             return False
         rows = [
             NewAction(
-                kind="notify",
+                kind=ActionKind.NOTIFY.value,
                 target=d.target.key,
                 idempotency_key=f"{incident_id}:resolve:notify:{channel}",
                 seq=SEQ_RESOLVE,
@@ -671,7 +671,7 @@ class IncidentManager:
                 actions = self._store.actions_for_incident(incident_id)
                 skipped = 0
                 for a in actions:
-                    if a.kind == "notify" and a.state == "pending" and _is_trigger(a):
+                    if a.kind == ActionKind.NOTIFY and a.state == "pending" and _is_trigger(a):
                         skipped += 1
                         self._store.update_action(
                             a.id,
@@ -721,7 +721,11 @@ class IncidentManager:
     def notification_gate(self, action: ActionView, *, now: float) -> str | None:
         """Why a notification step must not run now (a silence matches its incident), else
         None. Resolves still go out: they close what the channel was already told."""
-        if action.kind != "notify" or action.incident_id is None or not _is_trigger(action):
+        if (
+            action.kind != ActionKind.NOTIFY
+            or action.incident_id is None
+            or not _is_trigger(action)
+        ):
             return None
         incident = self._store.get_incident(action.incident_id)
         if incident is None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainguard.controller.actions.base import ActionContext, Outcome, PermanentError
+from trainguard.controller.actions.kinds import ActionKind
 from trainguard.controller.actions.restartphase import RestartPhase, advance
 from trainguard.controller.jobs import RESUME_SKIP_ENV, JobManager, JobSpec, shrink_plan
 from trainguard.controller.jobstate import JobState
@@ -536,7 +537,7 @@ class RestartHandler(JobStep):
         draining = {
             a.params.get("node")
             for a, _ in self.jobs.store.open_actions()
-            if a.kind == "drain" and a.state == "pending"
+            if a.kind == ActionKind.DRAIN and a.state == "pending"
         }
         return [
             n
