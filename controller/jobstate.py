@@ -58,6 +58,8 @@ _S = JobState
 #   agent exit events: starting/running -> crashed (non-zero, unasked) / completed (all 0)
 #   replace step: running/starting/crashed -> restarting; no spare -> waiting
 #   stop step: -> stopping -> stopped
+# A stop ends in stopped even when another step moved the job while it ran (a restart that
+# began an attempt meanwhile): the operator's stop wins, so every active state may go there.
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     _S.PENDING: frozenset({_S.STARTING, _S.RESTARTING, _S.WAITING, _S.STOPPING, _S.FAILED}),
     _S.STARTING: frozenset(
@@ -67,19 +69,22 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
             _S.CRASHED,
             _S.WAITING,
             _S.STOPPING,
+            _S.STOPPED,
             _S.COMPLETED,
             _S.FAILED,
         }
     ),
     _S.RUNNING: frozenset(
-        {_S.RESTARTING, _S.CRASHED, _S.WAITING, _S.STOPPING, _S.COMPLETED, _S.FAILED}
+        {_S.RESTARTING, _S.CRASHED, _S.WAITING, _S.STOPPING, _S.STOPPED, _S.COMPLETED, _S.FAILED}
     ),
     _S.RESTARTING: frozenset(
-        {_S.STARTING, _S.RUNNING, _S.CRASHED, _S.WAITING, _S.STOPPING, _S.FAILED}
+        {_S.STARTING, _S.RUNNING, _S.CRASHED, _S.WAITING, _S.STOPPING, _S.STOPPED, _S.FAILED}
     ),
-    _S.CRASHED: frozenset({_S.RESTARTING, _S.WAITING, _S.STOPPING, _S.FAILED}),
+    _S.CRASHED: frozenset({_S.RESTARTING, _S.WAITING, _S.STOPPING, _S.STOPPED, _S.FAILED}),
     # the first attempt of a job that waited for a spare starts without a restart
-    _S.WAITING: frozenset({_S.PENDING, _S.STARTING, _S.RESTARTING, _S.STOPPING, _S.FAILED}),
+    _S.WAITING: frozenset(
+        {_S.PENDING, _S.STARTING, _S.RESTARTING, _S.STOPPING, _S.STOPPED, _S.FAILED}
+    ),
     # an operator may restart a job while its stop is under way
     _S.STOPPING: frozenset({_S.STOPPED, _S.PENDING, _S.STARTING, _S.RESTARTING, _S.FAILED}),
     # a finished job comes back by a resubmit (pending) or an operator's restart; a job

@@ -94,8 +94,8 @@ ILLEGAL = [
     (S.STOPPED, S.COMPLETED, "a stopped job did not complete"),
     (S.FAILED, S.COMPLETED, "a failed job did not complete"),
     (S.PENDING, S.STOPPED, "a stop passes through stopping"),
-    (S.RUNNING, S.STOPPED, "a stop passes through stopping"),
     (S.COMPLETED, S.STOPPED, "a finished job is not stopped again"),
+    (S.FAILED, S.STOPPED, "a finished job is not stopped again"),
     (S.STOPPED, S.WAITING, "a stopped job waits for no spare"),
     (S.COMPLETED, S.WAITING, "a finished job waits for no spare"),
     (S.FAILED, S.WAITING, "a failed job waits for no spare"),
@@ -140,6 +140,13 @@ def test_a_new_attempt_of_a_running_job_must_pass_through_restarting(sim: Sim) -
     # the step that began the attempt finds it again (a re-run after a crash): no move at all
     again, began = sim.c.jobs.begin_attempt("job", key="k0")
     assert (again.attempt, began) == (1, False)
+
+
+def test_a_stop_ends_in_stopped_even_when_a_restart_began_an_attempt_meanwhile(sim: Sim) -> None:
+    _job_in(sim, S.STOPPING)
+    sim.c.jobs.begin_attempt("job", key="a-restart-racing-the-stop")
+    rec = sim.c.jobs.set_state("job", JobState.STOPPED, reason="stopped on request")
+    assert (rec.state, rec.attempt) == ("stopped", 1)
 
 
 def test_setting_the_state_a_job_is_in_only_updates_the_reason(sim: Sim) -> None:
