@@ -74,7 +74,9 @@ class ActionKind(str, Enum):
 
     @property
     def capability(self) -> str | None:
-        """The backend capability performing it needs (None: no backend is asked)."""
+        """The value of the backend capability a job step needs (a backend without it answers
+        the step `skipped`); None for a kind every backend performs (drain) or none is asked
+        for (notify)."""
         return self._info.capability
 
 
@@ -116,7 +118,7 @@ _ROWS: dict[ActionKind, _KindRow] = {
     # a rule's `page` is planned as a notify row with page=True; no row has this kind
     _K.PAGE: _row(remediation=False),
     _K.CHECKPOINT: _row(stops_job=True, job_step=True, capability="checkpoint"),
-    _K.DRAIN: _row(disruptive=True, stops_job=True, removes_node=True, capability="drain"),
+    _K.DRAIN: _row(disruptive=True, stops_job=True, removes_node=True),
     _K.REPLACE: _row(
         disruptive=True, stops_job=True, removes_node=True, job_step=True, capability="replace"
     ),
@@ -124,7 +126,7 @@ _ROWS: dict[ActionKind, _KindRow] = {
     _K.ROLLBACK: _row(disruptive=True, stops_job=True, job_step=True, capability="rollback"),
     _K.STOP: _row(disruptive=True, stops_job=True, job_step=True, capability="stop"),
     _K.COLLECT_STACKS: _row(job_step=True, capability="collect_stacks"),
-    _K.UNDRAIN: _row(in_rules=False, capability="drain"),
+    _K.UNDRAIN: _row(in_rules=False),
     _K.GROW: _row(in_rules=False, stops_job=True, job_step=True, capability="grow"),
 }
 
