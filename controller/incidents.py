@@ -28,8 +28,10 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
-from trainguard.controller.actions.base import DISRUPTIVE_KINDS, ActionHandler, HandlerRegistry
+from trainguard.controller.actions.base import ActionHandler, HandlerRegistry
+from trainguard.controller.actions.kinds import ActionKind
 from trainguard.controller.actions.worker import step_label
+from trainguard.controller.jobstate import JobState
 from trainguard.controller.model import Decision
 from trainguard.controller.records import JobRecord, NewAction
 from trainguard.controller.safety import Safety, silence_matches
@@ -50,9 +52,6 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 # Plan positions for rows added after the rule's own steps, so they sort after them.
 SEQ_CORRELATED = 500
 SEQ_ESCALATION = 1000
-# Actions that take a node out of a job: a correlated decision asking for one gets a drain.
-_NODE_REMOVING = frozenset({"drain", "replace"})
-_JOB_ACTIVE_STATES = ("starting", "running", "restarting", "crashed", "waiting")
 SEQ_RESOLVE = 2000
 
 
@@ -70,6 +69,24 @@ class JobLookup(Protocol):
     def job_of_node(self, node: str) -> JobRecord | None: ...
 
     def ranks(self, job: str) -> list[tuple[str, RankState]]: ...
+
+
+def _disruptive(kind: str) -> bool:
+    """A planned or stored kind that takes capacity from a job (ActionKind.disruptive)."""
+    member = ActionKind.parse(kind)
+    return member is not None and member.disruptive
+
+
+def _removes_node(kind: str) -> bool:
+    """A kind that takes a node out of its job (ActionKind.removes_node)."""
+    member = ActionKind.parse(kind)
+    return member is not None and member.removes_node
+
+
+def _job_active(state: str) -> bool:
+    """A stored job state in which the job holds its nodes (JobState.active)."""
+    member = JobState.parse(state)
+    return member is not None and member.active
 
 
 def _is_trigger(action: ActionView) -> bool:
@@ -283,7 +300,7 @@ class IncidentManager:
         blocked: str | None = None
         page_reason: str | None = None
         page_tag = ""
-        disruptive = [k for k in d.actions if k in DISRUPTIVE_KINDS]
+        disruptive = [k for k in d.actions if _disruptive(k)]
         if hold is not None:
             notes.append(("safety", hold, {"rule": d.rule, "node": node}))
         elif disruptive and node is not None:
@@ -298,7 +315,7 @@ class IncidentManager:
                 else:
                     first_id = self._safety.breaker_incident(d.rule)
                     blocked += f" (paged on incident {first_id})"
-            elif "drain" in disruptive:
+            elif ActionKind.DRAIN in disruptive:
                 budget = self._safety.budget(now=now)
                 floor = self._safety.drain_floor(node)
                 if not budget.allowed:
@@ -310,13 +327,13 @@ class IncidentManager:
             if blocked is not None:
                 notes.append(("safety", blocked, {"rule": d.rule, "node": node}))
         for index, kind in enumerate(d.actions):
-            if kind in ("notify", "page"):
-                page = kind == "page"
+            if kind in (ActionKind.NOTIFY, ActionKind.PAGE):
+                page = kind == ActionKind.PAGE
                 channels = self._channels(d.severity, page) or [""]
                 for channel in channels:
                     rows.append(
                         NewAction(
-                            kind="notify",
+                            kind=ActionKind.NOTIFY.value,
                             target=d.target.key,
                             idempotency_key=f"{incident_id}:{index}:notify:{channel}",
                             seq=index,
@@ -331,12 +348,12 @@ class IncidentManager:
                 params["node"] = node
             if d.target.job is not None:
                 params["job"] = d.target.job
-            if kind == "drain":
+            if kind == ActionKind.DRAIN:
                 params["reason"] = f"incident {incident_id}: {d.summary or d.rule}"
             state, result = "pending", ""
             if hold is not None:
                 state, result = "skipped", f"skipped: {hold}"
-            elif blocked is not None and kind in DISRUPTIVE_KINDS:
+            elif blocked is not None and _disruptive(kind):
                 state, result = "skipped", f"skipped: {blocked}"
             rows.append(
                 NewAction(
@@ -377,7 +394,7 @@ class IncidentManager:
     ) -> list[NewAction]:
         return [
             NewAction(
-                kind="notify",
+                kind=ActionKind.NOTIFY.value,
                 target=target,
                 idempotency_key=f"{incident_id}:page:{tag}:notify:{channel}",
                 seq=SEQ_ESCALATION,
@@ -390,7 +407,7 @@ class IncidentManager:
 
     def _job_of_node(self, node: str) -> str | None:
         for job in self._store.jobs.all():
-            if job.state in _JOB_ACTIVE_STATES and (node in job.nodes or node in job.attempt_nodes):
+            if _job_active(job.state) and (node in job.nodes or node in job.attempt_nodes):
                 return job.name
         return None
 
@@ -410,7 +427,7 @@ class IncidentManager:
             steps = [
                 a
                 for a in self._store.actions.for_incident(incident_id)
-                if a.kind in DISRUPTIVE_KINDS and a.state in ("pending", "running")
+                if _disruptive(a.kind) and a.state in ("pending", "running")
             ]
             if not steps:
                 continue
@@ -431,7 +448,7 @@ class IncidentManager:
         target = d.target
         if target.scope in ("rank", "job"):
             job = self._store.jobs.get(target.job) if target.job else None
-            if job is None or job.state not in _JOB_ACTIVE_STATES or job.attempt < 1:
+            if job is None or not _job_active(job.state) or job.attempt < 1:
                 return None
             why = self._old_attempt(d, job)
             return None if why is None else (self._attempt_incident(job), why)
@@ -448,7 +465,7 @@ class IncidentManager:
         job = self._jobs.job_of_node(node) if self._jobs is not None else None
         if (
             job is not None
-            and job.state in _JOB_ACTIVE_STATES
+            and _job_active(job.state)
             and node not in job.nodes
             and node not in job.attempt_nodes
         ):
@@ -476,7 +493,7 @@ class IncidentManager:
                 if node == target.node and rank.rank == target.rank and rank.pid in old_pids:
                     return f"rank {target.rank} (pid {rank.pid}) is a process of an earlier attempt"
         started = job.attempt_started_at
-        disruptive = any(k in DISRUPTIVE_KINDS for k in d.actions)
+        disruptive = any(_disruptive(k) for k in d.actions)
         if disruptive and d.since is not None and started is not None and d.since < started:
             # a notify-only rule (throughput_drop) that outlasts a restart still tells someone
             return f"its condition began before {current} started"
@@ -514,10 +531,10 @@ class IncidentManager:
                 },
             )
         ]
-        wants_out = node is not None and bool(_NODE_REMOVING & set(d.actions))
+        wants_out = node is not None and any(_removes_node(k) for k in d.actions)
         actions = self._store.actions.for_incident(host_id)
         host = self._store.incidents.get(host_id)
-        drained = any(a.kind == "drain" and a.params.get("node") == node for a in actions)
+        drained = any(a.kind == ActionKind.DRAIN and a.params.get("node") == node for a in actions)
         if node is not None and why is not None:
             rec = self._store.nodes.get(node)
             drained = drained or rec is None or rec.state != "active"
@@ -530,7 +547,7 @@ class IncidentManager:
                 state, result = "skipped", "skipped: dry-run (would run)"
             rows.append(
                 NewAction(
-                    kind="drain",
+                    kind=ActionKind.DRAIN.value,
                     target=node,
                     idempotency_key=f"{host_id}:correlated:drain:{node}",
                     seq=SEQ_CORRELATED,
@@ -612,7 +629,7 @@ class IncidentManager:
             {
                 str(a.params.get("channel"))
                 for a in actions
-                if a.kind == "notify"
+                if a.kind == ActionKind.NOTIFY
                 and a.params.get("event") == "trigger"
                 and a.params.get("channel")
                 and a.state in ("succeeded", "running")
@@ -622,7 +639,7 @@ class IncidentManager:
             return False
         rows = [
             NewAction(
-                kind="notify",
+                kind=ActionKind.NOTIFY.value,
                 target=d.target.key,
                 idempotency_key=f"{incident_id}:resolve:notify:{channel}",
                 seq=SEQ_RESOLVE,
@@ -655,7 +672,7 @@ class IncidentManager:
                 actions = self._store.actions.for_incident(incident_id)
                 skipped = 0
                 for a in actions:
-                    if a.kind == "notify" and a.state == "pending" and _is_trigger(a):
+                    if a.kind == ActionKind.NOTIFY and a.state == "pending" and _is_trigger(a):
                         skipped += 1
                         self._store.actions.update(
                             a.id,
@@ -705,7 +722,11 @@ class IncidentManager:
     def notification_gate(self, action: ActionView, *, now: float) -> str | None:
         """Why a notification step must not run now (a silence matches its incident), else
         None. Resolves still go out: they close what the channel was already told."""
-        if action.kind != "notify" or action.incident_id is None or not _is_trigger(action):
+        if (
+            action.kind != ActionKind.NOTIFY
+            or action.incident_id is None
+            or not _is_trigger(action)
+        ):
             return None
         incident = self._store.incidents.get(action.incident_id)
         if incident is None:

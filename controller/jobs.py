@@ -2,8 +2,9 @@
 processes (from agent reports), ETTR accounting, and the operations the remediation steps
 (controller.actions.jobsteps) use: spare selection, placement, attempts and commands.
 
-States: pending (submitted) -> starting (start_job sent for an attempt) -> running (a rank of
-the attempt reports) -> restarting (a remediation or operator restart is under way) ->
+States (controller.jobstate.JobState; every change is checked against its TRANSITIONS):
+pending (submitted) -> starting (start_job sent for an attempt) -> running (a rank of the
+attempt reports) -> restarting (a remediation or operator restart is under way) ->
 starting ...; crashed (a process exited non-zero without being asked: the
 `job_process_failed` rule restarts it); waiting (no spare yet); stopping -> stopped;
 completed (every node's processes exited 0 unasked); failed (gave up: max_restarts, no spare,
@@ -33,7 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from trainguard.bounds import MAX_RANKS_PER_REPORT, bad_name_reason
+from trainguard.controller.actions.kinds import ActionKind
 from trainguard.controller.config import JobsConfig
+from trainguard.controller.jobstate import JobState, check_job_transition
 from trainguard.controller.records import CommandRecord, JobRecord, NodeRecord
 from trainguard.controller.store import Store
 from trainguard.controller.views import JobView
@@ -58,8 +61,6 @@ _RESERVED_ENV = frozenset(
         RESUME_SKIP_ENV,
     }
 )
-ACTIVE_STATES = ("starting", "running", "restarting", "crashed", "waiting")
-FINISHED_STATES = ("stopped", "completed", "failed")
 # A sample gap longer than this is not counted as productive even if steps advanced (the
 # controller was down or the job was not observed).
 _MAX_PRODUCTIVE_GAP_S = 10.0
@@ -258,10 +259,19 @@ class Fence:
 
 
 _KEEP_EVENTS = 64
-# Steps whose work makes a job's processes exit (so an exit during them is no crash).
-_STOPPING_KINDS = frozenset(
-    {"checkpoint", "drain", "grow", "replace", "restart", "rollback", "stop"}
-)
+
+
+def stored_state(job: JobRecord) -> JobState:
+    """A job-table record's state as the enum (every state the table stores is one)."""
+    state = JobState.parse(job.state)
+    if state is None:
+        raise ValueError(f"job {job.name}: stored state {job.state!r} is not a job state")
+    return state
+
+
+def _active(job: JobRecord) -> bool:
+    state = JobState.parse(job.state)
+    return state is not None and state.active
 
 
 class JobManager:
@@ -319,7 +329,7 @@ class JobManager:
             nproc_per_node=spec.nproc_per_node,
             min_nodes=spec.floor,
             ts=now,
-            replace_states=FINISHED_STATES,
+            replace_states=tuple(s.value for s in JobState if s.finished),
         )
         if rec is not None:
             self._remember(rec)
@@ -333,21 +343,26 @@ class JobManager:
             self._on_state(rec.name, rec.nodes, rec.state)
         return rec
 
-    def set_state(self, name: str, state: str, *, reason: str = "") -> JobRecord:
+    def set_state(self, name: str, state: JobState, *, reason: str = "") -> JobRecord:
+        """Move the job to `state` (InvalidJobTransition when the table does not allow the
+        move from its current state; KeyError for an unknown job)."""
+        wanted = JobState(state)
+        current = self.get(name)
+        if current is None:
+            raise KeyError(name)
+        check_job_transition(name, stored_state(current), wanted)
         now = self._now()
-        changes: dict[str, Any] = {"state": state, "state_reason": reason}
-        if state in FINISHED_STATES:
+        changes: dict[str, Any] = {"state": wanted.value, "state_reason": reason}
+        if wanted.finished:
             changes["ended_at"] = now
-        if state == "running":
-            current = self.get(name)
-            if current is not None and current.started_at is None:
-                # the restart step can see the first attempt train before the tick does
-                changes["started_at"] = now
+        if wanted is JobState.RUNNING and current.started_at is None:
+            # the restart step can see the first attempt train before the tick does
+            changes["started_at"] = now
         rec = self._remember(self.store.jobs.update(name, **changes))
         log.info(
             "event=job_state job=%s state=%s attempt=%d reason=%s",
             name,
-            state,
+            wanted.value,
             rec.attempt,
             reason or "-",
         )
@@ -358,6 +373,9 @@ class JobManager:
     ) -> tuple[JobRecord, bool]:
         job = self.get(name)
         spec_port = job.spec.get("rdzv_port") if job is not None else None
+        if job is not None and job.attempt_key != key:
+            # the store moves the job to starting when this key begins a new attempt
+            check_job_transition(name, stored_state(job), JobState.STARTING)
 
         def port(attempt: int) -> int:
             if isinstance(spec_port, int):
@@ -398,11 +416,11 @@ class JobManager:
         """The active job placed on (or still running on) `node`."""
         with self._lock:
             for j in self._jobs.values():
-                if j.state in ACTIVE_STATES and (node in j.nodes or node in j.attempt_nodes):
+                if _active(j) and (node in j.nodes or node in j.attempt_nodes):
                     return j
             for name in self._node_job_ranks.get(node, ()):
                 found = self._jobs.get(name)
-                if found is not None and found.state in ACTIVE_STATES:
+                if found is not None and _active(found):
                     return found
         return None
 
@@ -627,27 +645,29 @@ class JobManager:
         job = self.get(e.job)
         if job is None or attempt != job.attempt or stopped:
             return
-        if job.state in ("starting", "running") and code != 0:
+        live = job.state in (JobState.STARTING, JobState.RUNNING)
+        if live and code != 0:
             if self._remediation_open(job):
                 return  # a drain or restart of the job is stopping its processes
             self.set_state(
-                job.name, "crashed", reason=f"{node}: attempt {attempt} {e.message or code}"
+                job.name, JobState.CRASHED, reason=f"{node}: attempt {attempt} {e.message or code}"
             )
-        elif job.state in ("starting", "running") and code == 0:
+        elif live and code == 0:
             done = {
                 x["node"]
                 for x in self.exits(job.name)
                 if x["attempt"] == job.attempt and x["code"] == 0 and not x["stopped"]
             }
             if set(job.attempt_nodes) <= done:
-                self.set_state(job.name, "completed", reason="every node exited 0")
+                self.set_state(job.name, JobState.COMPLETED, reason="every node exited 0")
 
     def _remediation_open(self, job: JobRecord) -> bool:
         """A pending or running step that may stop this job's processes (read from the store,
         so it holds across a controller restart)."""
         nodes = {*job.nodes, *job.attempt_nodes}
         for action, _ in self.store.actions.open():
-            if action.kind not in _STOPPING_KINDS:
+            kind = ActionKind.parse(action.kind)
+            if kind is None or not kind.stops_job:
                 continue
             if action.params.get("job") == job.name or action.params.get("node") in nodes:
                 return True
@@ -780,13 +800,15 @@ class JobManager:
     def tick(self, *, now: float) -> None:
         """Move starting jobs to running, account ETTR, persist steps (few jobs: cheap)."""
         for job in self.records():
-            if job.state not in ("starting", "running"):
+            state = JobState.parse(job.state)
+            if state is not JobState.STARTING and state is not JobState.RUNNING:
                 continue
             step, ckpt = self.latest_steps(job.name)
             changes: dict[str, Any] = {}
-            if job.state == "starting" and self._attempt_running(job):
-                changes["state"] = "running"
-            running = job.state == "running" or "state" in changes
+            if state is JobState.STARTING and self._attempt_running(job):
+                check_job_transition(job.name, state, JobState.RUNNING)
+                changes["state"] = JobState.RUNNING.value
+            running = state is JobState.RUNNING or "state" in changes
             if running and job.started_at is None:
                 # ETTR's wall clock starts with the first productive sample, whichever path
                 # marked the job running; productive time before it would push ETTR past 1
@@ -854,8 +876,6 @@ class JobManager:
 
 
 __all__ = [
-    "ACTIVE_STATES",
-    "FINISHED_STATES",
     "RESUME_SKIP_ENV",
     "SHRINK_MODES",
     "Fence",
@@ -864,4 +884,5 @@ __all__ = [
     "NodeAccess",
     "Presence",
     "shrink_plan",
+    "stored_state",
 ]

@@ -15,6 +15,7 @@ from trainguard.controller.actions.worker import ActionRunner
 from trainguard.controller.errors import BadRequest, Conflict, NotFound
 from trainguard.controller.incidents import IncidentManager
 from trainguard.controller.jobs import JobManager, JobSpec
+from trainguard.controller.jobstate import JobState
 from trainguard.controller.livestate import LiveState
 from trainguard.controller.queries import QueryService
 from trainguard.controller.records import NewAction
@@ -171,9 +172,10 @@ class OperatorService:
         rec = self._jobs.get(name)
         if rec is None:
             raise NotFound(f"job {name!r} not found")
-        if kind == "checkpoint" and rec.state not in ("running", "starting"):
+        if kind == "checkpoint" and rec.state not in (JobState.RUNNING, JobState.STARTING):
             raise Conflict(f"job {name} is {rec.state}; only a running job can checkpoint")
-        if kind == "stop" and rec.state in ("stopped", "completed", "failed"):
+        state = JobState.parse(rec.state)
+        if kind == "stop" and state is not None and state.finished:
             raise Conflict(f"job {name} is already {rec.state}")
         return self._job_step(kind, name, actor=actor, detail={})
 

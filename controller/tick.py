@@ -31,6 +31,7 @@ from trainguard.controller.growplan import (
 )
 from trainguard.controller.incidents import IncidentManager
 from trainguard.controller.jobs import JobManager
+from trainguard.controller.jobstate import JobState
 from trainguard.controller.livestate import LiveState
 from trainguard.controller.metrics import DEFAULT_SPARE_POOL, ControllerMetrics
 from trainguard.controller.model import Decision, Target
@@ -343,7 +344,7 @@ class TickService:
         controller.growplan.plan_grows picks; returns the keys written."""
         jobs: list[GrowJob] = []
         for rec in self._jobs.records():
-            if rec.state != "running":
+            if rec.state != JobState.RUNNING:
                 continue
             spec = self._jobs.spec(rec)
             if spec.shrink != "world" or len(rec.nodes) * rec.nproc_per_node >= spec.world_size:

@@ -1,9 +1,7 @@
-"""Action steps the controller takes for incidents and operators: the framework (base,
-worker), notifications (Slack, PagerDuty, webhooks) and node draining."""
+"""Action steps the controller takes for incidents and operators: the framework (kinds,
+base, worker), notifications (Slack, PagerDuty, webhooks) and node draining."""
 
 from trainguard.controller.actions.base import (
-    DISRUPTIVE_KINDS,
-    KNOWN_KINDS,
     ActionContext,
     ActionError,
     ActionHandler,
@@ -13,13 +11,13 @@ from trainguard.controller.actions.base import (
     TransientError,
     UnavailableHandler,
 )
+from trainguard.controller.actions.kinds import ActionKind
 
 __all__ = [
-    "DISRUPTIVE_KINDS",
-    "KNOWN_KINDS",
     "ActionContext",
     "ActionError",
     "ActionHandler",
+    "ActionKind",
     "HandlerRegistry",
     "Outcome",
     "PermanentError",

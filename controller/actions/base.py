@@ -1,9 +1,9 @@
 """The action framework's contracts: errors, the handler Protocol, its context and outcome,
 and the registry that maps an action kind to its handler.
 
-A handler does one step of a remediation plan (notify, drain, checkpoint, ...). It may finish
-at once, ask to be polled again (`Outcome(done=False)`, e.g. a drain waiting for the job to
-stop), or raise TransientError (retried with backoff) / PermanentError (fail + escalate).
+A handler does one step of a remediation plan (an ActionKind: notify, drain, checkpoint, ...).
+It may finish at once, ask to be polled again (`Outcome(done=False)`, e.g. a drain waiting for
+the job to stop), or raise TransientError (retried with backoff) / PermanentError (fail + escalate).
 Kinds without an implementation are registered as unavailable: their steps end `skipped`
 with a timeline entry saying so, and a later implementation registers through the same
 registry without changing the plan or the store.
@@ -14,23 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from trainguard.controller.actions.kinds import ActionKind
 from trainguard.controller.views import ActionView, IncidentView
-
-# Kinds the remediation flow knows about; the ones without a handler yet are unavailable.
-KNOWN_KINDS = (
-    "notify",
-    "page",
-    "drain",
-    "undrain",
-    "checkpoint",
-    "replace",
-    "restart",
-    "rollback",
-    "stop",
-    "collect_stacks",
-)
-# Steps that take capacity away from a job: gated by the budget, breaker and stale checks.
-DISRUPTIVE_KINDS = frozenset({"drain", "replace", "restart", "rollback", "stop"})
 
 
 class ActionError(Exception):
@@ -106,14 +91,23 @@ class UnavailableHandler:
 
 
 class HandlerRegistry:
-    """Action kind -> handler. Unknown kinds resolve to an UnavailableHandler."""
+    """Action kind -> handler. Every ActionKind starts unavailable until a handler registers;
+    kinds outside the table resolve to an UnavailableHandler too."""
 
     def __init__(self) -> None:
         self._handlers: dict[str, ActionHandler] = {}
-        for kind in KNOWN_KINDS:
-            self._handlers[kind] = UnavailableHandler(kind)
+        for kind in ActionKind:
+            self._handlers[kind.value] = UnavailableHandler(kind.value)
 
     def register(self, handler: ActionHandler) -> None:
+        """Make `handler` the one for its kind; a kind of the table must keep the table's
+        `remediation` (the worker and the incidents read it from the handler)."""
+        kind = ActionKind.parse(handler.kind)
+        if kind is not None and handler.remediation != kind.remediation:
+            raise ValueError(
+                f"handler for {kind.value!r}: remediation={handler.remediation},"
+                f" the action kind table says {kind.remediation}"
+            )
         self._handlers[handler.kind] = handler
 
     def get(self, kind: str) -> ActionHandler:
@@ -130,8 +124,6 @@ class HandlerRegistry:
 
 
 __all__ = [
-    "DISRUPTIVE_KINDS",
-    "KNOWN_KINDS",
     "ActionContext",
     "ActionError",
     "ActionHandler",

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainguard.controller.actions.base import ActionContext, Outcome, PermanentError
+from trainguard.controller.actions.kinds import ActionKind
 from trainguard.controller.actions.recovery import (
     PhaseObserver,
     ckpt_floor,
@@ -31,7 +32,9 @@ from trainguard.controller.actions.recovery import (
     restart_confirmed,
     rolled_back_in_process,
 )
+from trainguard.controller.actions.restartphase import RestartPhase, advance
 from trainguard.controller.jobs import RESUME_SKIP_ENV, JobManager, JobSpec, shrink_plan
+from trainguard.controller.jobstate import JobState
 from trainguard.controller.records import CommandRecord, JobRecord
 
 log = logging.getLogger("trainguard.controller.jobsteps")
@@ -132,7 +135,7 @@ class CheckpointHandler(JobStep):
                 "last_step": step,
                 "prior_ckpt": ckpt,
             }
-            if job.state not in ("running", "starting"):
+            if job.state not in (JobState.RUNNING, JobState.STARTING):
                 return self._fallback(progress, ctx, why=f"job {job.name} is {job.state}")
             if sick is not None and not self.jobs.reporting(sick):
                 return self._fallback(
@@ -316,8 +319,8 @@ class ReplaceHandler(JobStep):
                 message=f"job {job.name} needs no replacement: {', '.join(job.nodes)}",
                 output={**base, "nodes": list(job.nodes), "mode": "none"},
             )
-        if job.state in ("running", "starting", "crashed"):
-            self.jobs.set_state(job.name, "restarting", reason=f"replacing {', '.join(bad)}")
+        if job.state in (JobState.RUNNING, JobState.STARTING, JobState.CRASHED):
+            self.jobs.set_state(job.name, JobState.RESTARTING, reason=f"replacing {', '.join(bad)}")
         placed = swap_or_shrink(
             self.jobs, job, spec, bad=bad, open_nodes=self.open_incident_nodes()
         )
@@ -335,12 +338,12 @@ class ReplaceHandler(JobStep):
         )
         waited_since = float(ctx.progress.get("wait_since", ctx.now))
         if ctx.now - waited_since >= wait_s:
-            self.jobs.set_state(job.name, "waiting", reason="no spare; paged")
+            self.jobs.set_state(job.name, JobState.WAITING, reason="no spare; paged")
             raise PermanentError(
                 f"no spare for {', '.join(bad)} within {wait_s:g} s and no shrink ({why});"
                 " a person must add capacity"
             )
-        self.jobs.set_state(job.name, "waiting", reason=f"no spare for {', '.join(bad)}")
+        self.jobs.set_state(job.name, JobState.WAITING, reason=f"no spare for {', '.join(bad)}")
         return Outcome(
             message=(
                 f"no spare for {', '.join(bad)} (selector {spec.spare_selector or 'any'}) and no"
@@ -389,10 +392,11 @@ class RestartHandler(JobStep):
 
     def run_job(self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]) -> Outcome:
         key = ctx.action.idempotency_key
-        phase = progress.get("phase", "stop")
-        if job.attempt_key == key and phase == "stop":
-            phase = "start"  # this step began its attempt before a controller restart
-        if phase == "stop" and "stop_sent_at" not in progress:
+        phase = RestartPhase.stored(progress)
+        if job.attempt_key == key and phase is RestartPhase.STOP:
+            # this step began its attempt before a controller restart
+            phase = advance(phase, RestartPhase.START)
+        if phase is RestartPhase.STOP and "stop_sent_at" not in progress:
             wait = _await_unknown(
                 self.jobs,
                 (*job.attempt_nodes, *job.nodes),
@@ -400,11 +404,12 @@ class RestartHandler(JobStep):
                 poll_after_s=self.poll_interval_s,
             )
             return wait or self._begin(ctx, job, progress)
-        if phase == "stop":
+        if phase is RestartPhase.STOP:
             fenced = self._fence(ctx, job, progress)
             if fenced is not None:
                 return fenced
-        if phase in ("stop", "start"):
+            phase = advance(phase, RestartPhase.START)
+        if phase is RestartPhase.START:
             return self._start(ctx, job, progress)
         return self._confirm(ctx, job, progress)
 
@@ -443,7 +448,7 @@ class RestartHandler(JobStep):
             )
             self.jobs.set_state(
                 job.name,
-                "failed",
+                JobState.FAILED,
                 reason=f"attempt {attempt} did not stop on {where}; not starting another",
             )
             raise PermanentError(
@@ -463,13 +468,17 @@ class RestartHandler(JobStep):
         spec = self.jobs.spec(job)
         first = job.attempt == 0
         if not first and self.counts_restart and job.restarts >= spec.max_restarts:
-            self.jobs.set_state(job.name, "failed", reason=f"max_restarts {spec.max_restarts}")
+            self.jobs.set_state(
+                job.name, JobState.FAILED, reason=f"max_restarts {spec.max_restarts}"
+            )
             raise PermanentError(
                 f"job {job.name} reached max_restarts ({spec.max_restarts}); not restarting"
             )
         baseline = restart_baseline(self.jobs, job.name, ctx)
         ckpt = baseline["ckpt_step"]
-        progress.update(phase="stop", job=job.name, **baseline, stop_sent_at=ctx.now)
+        progress.update(
+            phase=RestartPhase.STOP.value, job=job.name, **baseline, stop_sent_at=ctx.now
+        )
         if self.kind == "rollback":
             rolled = rolled_back_in_process(self.jobs, job.name, ctx)
             if rolled is not None:
@@ -484,7 +493,7 @@ class RestartHandler(JobStep):
                 if isinstance(why, str) and why
                 else "operator"
             )
-            self.jobs.set_state(job.name, "restarting", reason=f"{self.kind} ({reason})")
+            self.jobs.set_state(job.name, JobState.RESTARTING, reason=f"{self.kind} ({reason})")
         # every node that may run the attempt gets stop_job: a node not reporting now reads
         # it with the response to its next report
         stopping = [
@@ -503,7 +512,7 @@ class RestartHandler(JobStep):
         progress["stopping"] = stopping
         progress["stop_nodes"] = list(job.attempt_nodes)
         progress["stop_attempt"] = job.attempt
-        if not stopping:
+        if not stopping:  # nothing runs the old attempt: start the next one now
             return self._start(ctx, job, progress)
         return Outcome(
             message=f"stopping attempt {job.attempt} on {', '.join(stopping)}",
@@ -518,7 +527,7 @@ class RestartHandler(JobStep):
         draining = {
             a.params.get("node")
             for a, _ in self.jobs.store.actions.open()
-            if a.kind == "drain" and a.state == "pending"
+            if a.kind == ActionKind.DRAIN and a.state == "pending"
         }
         return [
             n
@@ -572,7 +581,7 @@ class RestartHandler(JobStep):
         if unusable:
             self.jobs.set_state(
                 job.name,
-                "crashed" if job.attempt else "pending",
+                JobState.CRASHED if job.attempt else JobState.PENDING,
                 reason=f"cannot start on {', '.join(unusable)}",
             )
             raise PermanentError(
@@ -609,7 +618,12 @@ class RestartHandler(JobStep):
             self.jobs.nodes.queue_command(
                 node, "start_job", args, command_id=f"start-{job.name}-{job.attempt}-{node}"
             )
-        progress.update(phase="confirm", attempt=job.attempt, nodes=nodes, started_at=ctx.now)
+        progress.update(
+            phase=advance(RestartPhase.START, RestartPhase.CONFIRM).value,
+            attempt=job.attempt,
+            nodes=nodes,
+            started_at=ctx.now,
+        )
         progress.setdefault("stop_sent_at", ctx.now)
         lapsed = progress.get("stop_lapsed")
         note = (
@@ -636,7 +650,9 @@ class RestartHandler(JobStep):
         for node in nodes:
             cmd = self.jobs.nodes.command_status(f"start-{job.name}-{attempt}-{node}")
             if cmd is not None and cmd.ok is False and "already" not in cmd.result:
-                self.jobs.set_state(job.name, "crashed", reason=f"start_job failed on {node}")
+                self.jobs.set_state(
+                    job.name, JobState.CRASHED, reason=f"start_job failed on {node}"
+                )
                 raise PermanentError(f"start_job on {node} failed: {cmd.result or 'no detail'}")
         for x in self.jobs.exits(job.name):
             if x["attempt"] == attempt and x["code"] != 0 and not x["stopped"]:
@@ -661,7 +677,7 @@ class RestartHandler(JobStep):
         if first is None:
             timeout_s = self.jobs.config.progress_timeout_s
             if ctx.now - float(progress["started_at"]) > timeout_s:
-                self.jobs.set_state(job.name, "crashed", reason="no progress after restart")
+                self.jobs.set_state(job.name, JobState.CRASHED, reason="no progress after restart")
                 raise PermanentError(
                     f"attempt {attempt} showed no step past {floor} within {timeout_s:g} s"
                 )
@@ -672,8 +688,8 @@ class RestartHandler(JobStep):
                 poll_after_s=self.poll_interval_s,
             )
         current = self.jobs.get(job.name)
-        if current is not None and current.state != "running":
-            self.jobs.set_state(job.name, "running")
+        if current is not None and current.state != JobState.RUNNING:
+            self.jobs.set_state(job.name, JobState.RUNNING)
         phases = self._phases(ctx, progress, now=ctx.now)
         return restart_confirmed(
             ctx,
@@ -806,7 +822,7 @@ class GrowHandler(JobStep):
         attempt = ctx.params.get("attempt")
         if job.attempt != attempt:
             return f"job {job.name} is at attempt {job.attempt}, the grow was for {attempt}"
-        if job.state != "running":
+        if job.state != JobState.RUNNING:
             return f"job {job.name} is {job.state}"
         if not spares:
             return "no spare named"
@@ -853,7 +869,9 @@ class StopHandler(JobStep):
 
     def run_job(self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]) -> Outcome:
         if "sent_at" not in progress:
-            self.jobs.set_state(job.name, "stopping", reason=str(ctx.params.get("actor", "")))
+            self.jobs.set_state(
+                job.name, JobState.STOPPING, reason=str(ctx.params.get("actor", ""))
+            )
             nodes = [
                 n
                 for n in dict.fromkeys((*job.attempt_nodes, *job.nodes))
@@ -882,7 +900,7 @@ class StopHandler(JobStep):
                 done=False,
                 poll_after_s=self.poll_interval_s,
             )
-        self.jobs.set_state(job.name, "stopped", reason="stopped on request")
+        self.jobs.set_state(job.name, JobState.STOPPED, reason="stopped on request")
         self.jobs.place(
             job.name,
             nodes=job.nodes,

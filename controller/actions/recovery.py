@@ -10,6 +10,7 @@ from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
 from trainguard.controller.actions.base import ActionContext, Outcome
+from trainguard.controller.actions.restartphase import RestartPhase
 
 if TYPE_CHECKING:  # types only: the job manager imports the store and the live state
     from trainguard.controller.jobs import JobManager
@@ -132,7 +133,7 @@ def restart_confirmed(
         f" (step {first}); {text}{lost_text}",
         output={
             **progress,
-            "phase": "done",
+            "phase": RestartPhase.DONE.value,
             "first_step": first,
             "restarted_at": ctx.now,
             "phases_s": phases,

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from trainguard.controller.actions.base import ActionContext, Outcome
 from trainguard.controller.actions.drain import DrainState
+from trainguard.controller.actions.kinds import ActionKind, job_step_kinds
 from trainguard.controller.views import JobView
 
 if TYPE_CHECKING:  # types only: the factories' inputs import the controller's core modules
@@ -29,16 +30,8 @@ if TYPE_CHECKING:  # types only: the factories' inputs import the controller's c
     from trainguard.controller.jobs import JobManager
     from trainguard.controller.livestate import LiveState
 
-# The job steps a backend performs (the action kinds of the same names).
-JOB_STEP_KINDS = (
-    "checkpoint",
-    "replace",
-    "restart",
-    "rollback",
-    "stop",
-    "collect_stacks",
-    "grow",
-)
+# The job steps a backend performs: the action kinds the table marks `job_step`.
+JOB_STEP_KINDS = job_step_kinds()
 
 
 class Capability(enum.Enum):
@@ -65,13 +58,9 @@ class Capability(enum.Enum):
 
 # Job step kind -> the capability it needs.
 STEP_CAPABILITY: dict[str, Capability] = {
-    "checkpoint": Capability.CHECKPOINT,
-    "replace": Capability.REPLACE,
-    "restart": Capability.RESTART,
-    "rollback": Capability.ROLLBACK,
-    "stop": Capability.STOP,
-    "collect_stacks": Capability.COLLECT_STACKS,
-    "grow": Capability.GROW,
+    kind.value: Capability(kind.capability)
+    for kind in ActionKind
+    if kind.job_step and kind.capability is not None
 }
 
 

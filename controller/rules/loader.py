@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from trainguard.controller.actions.kinds import rule_actions
 from trainguard.controller.rules.lang import (
     MAX_DURATION_S,
     Call,
@@ -45,17 +46,8 @@ __all__ = [
     "parse_rules",
 ]
 
-ACTIONS: tuple[str, ...] = (
-    "notify",
-    "page",
-    "checkpoint",
-    "drain",
-    "replace",
-    "restart",
-    "rollback",
-    "stop",
-    "collect_stacks",
-)
+# The actions a rule may list: the action kinds the table marks `in_rules`, in its order.
+ACTIONS: tuple[str, ...] = rule_actions()
 SEVERITIES: tuple[str, ...] = ("info", "warning", "critical")
 # Files in a rules directory that hold other tables, not rules.
 NON_RULE_FILES = frozenset({"xid_catalog.yaml", "xid_catalog.yml"})

@@ -14,6 +14,7 @@ from tests.integration.postgres_proc import BOTH_STORES
 from tests.unit.controller.job_sim import Sim, running
 from trainguard.controller.errors import Conflict
 from trainguard.controller.jobs import JobSpec, shrink_plan
+from trainguard.controller.jobstate import JobState
 from trainguard.strict import ConfigError, build
 
 
@@ -333,7 +334,7 @@ def test_ettr_starts_when_the_job_first_runs_even_if_a_step_marked_it_running(si
     sim.submit(nodes=["n1", "n2"])
     assert sim.c.get_job("job").state == "starting"
     marked_at = sim.clock.now()
-    sim.c.jobs.set_state("job", "running")
+    sim.c.jobs.set_state("job", JobState.RUNNING)
     assert ettr_and_start(sim)[1] == marked_at
     sim.second(30)
     ettr, started = ettr_and_start(sim)
