@@ -119,7 +119,7 @@ def test_set_state_refuses_a_move_outside_the_table(
     assert f"job job: cannot go from {current.value} to {wanted.value}" in str(exc.value)
     assert (exc.value.current, exc.value.wanted) == (current, wanted)
     assert sim.c.jobs.get("job") == before
-    assert sim.c.store.get_job("job").state == current.value  # type: ignore[union-attr]
+    assert sim.c.store.jobs.get("job").state == current.value  # type: ignore[union-attr]
 
 
 def test_the_error_says_where_the_job_may_go() -> None:

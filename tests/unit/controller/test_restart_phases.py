@@ -76,7 +76,7 @@ def test_a_restart_saved_by_the_previous_version_resumes_after_an_upgrade(
     action = sim.c.job_action("job", "restart", actor="ops")
 
     def saved() -> dict[str, object]:
-        return sim.c.store.action_output(action.id)
+        return sim.c.store.actions.output(action.id)
 
     sim.until(lambda: saved().get("phase") == phase, max_s=10, what=f"restart in {phase}")
     # what is on disk is what the previous version wrote in this phase: plain strings
@@ -88,7 +88,7 @@ def test_a_restart_saved_by_the_previous_version_resumes_after_an_upgrade(
     sim.c = sim.new_controller()
     sim.until(running(sim, attempt=2), max_s=20, what="restart confirmed after the upgrade")
     sim.until(
-        lambda: sim.c.store.get_action(action.id).state == "succeeded",
+        lambda: sim.c.store.actions.get(action.id).state == "succeeded",
         max_s=5,
         what="restart step succeeded",
     )
