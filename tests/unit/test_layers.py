@@ -474,7 +474,9 @@ def check_layering(
 ) -> Layering:
     """`modules`: each module's name below `package` ("" for the package itself) and its
     imports. Every import of a module of `package` (absolute or relative, at any depth, a
-    function-level one too) must go to the same layer or a lower one."""
+    function-level one too) must go to the same layer or a lower one. Importing a module runs
+    the `__init__` of every package above it first, so those imports count as the module's
+    own: a low module kept in a higher package needs that package's `__init__` to stay low."""
     rank = {layer: n for n, layer in enumerate(layers)}
     assert set(layer_of.values()) <= set(rank), set(layer_of.values()) - set(rank)
     out = Layering()
@@ -498,34 +500,38 @@ def check_layering(
     for name in sorted(modules):
         if layer(name) is None:
             out.unmapped.append(f"{package}.{name}" if name else package)
-    for name, imports in sorted(modules.items()):
+    for name in sorted(modules):
         own = layer(name)
         if own is None:
             continue
-        for i in imports:
-            # `from package.x import y` imports the module package.x.y when there is one
-            targets = [local(c) for c in i.candidates[1:] if local(c) in modules] or [
-                local(i.module)
-            ]
-            for target in targets:
-                if target is None or (there := layer(target)) is None:
-                    continue
-                if rank[there] <= rank[own]:
-                    continue
-                what = f"{i.file}:{i.line} ({own}) imports {package}.{target} ({there})"
-                key = next(
-                    (
-                        k
-                        for k in exceptions
-                        if _component_prefix(k[0], name) and _component_prefix(k[1], target)
-                    ),
-                    None,
-                )
-                if key is None:
-                    out.violations.append(what)
-                else:
-                    used_exceptions.add(key)
-                    out.excepted.append(f"{what}: {exceptions[key]}")
+        parts = name.split(".") if name else []
+        packages = [".".join(parts[:n]) for n in range(len(parts))]  # "", "a", "a.b", ...
+        for source in (*[p for p in packages if p in modules], name):
+            via = "" if source == name else f" on importing {package}.{name}"
+            for i in modules[source]:
+                # `from package.x import y` imports the module package.x.y when there is one
+                targets = [local(c) for c in i.candidates[1:] if local(c) in modules] or [
+                    local(i.module)
+                ]
+                for target in targets:
+                    if target is None or (there := layer(target)) is None:
+                        continue
+                    if rank[there] <= rank[own]:
+                        continue
+                    what = f"{i.file}:{i.line} ({own}{via}) imports {package}.{target} ({there})"
+                    key = next(
+                        (
+                            k
+                            for k in exceptions
+                            if _component_prefix(k[0], name) and _component_prefix(k[1], target)
+                        ),
+                        None,
+                    )
+                    if key is None:
+                        out.violations.append(what)
+                    else:
+                        used_exceptions.add(key)
+                        out.excepted.append(f"{what}: {exceptions[key]}")
     out.unused_exceptions = [k for k in exceptions if k not in used_exceptions]
     out.unused_prefixes = [p for p in layer_of if p not in used_prefixes]
     return out
@@ -588,8 +594,9 @@ def test_the_layering_checker_catches_upward_imports_and_unmapped_modules(
         "low2": "def f():\n    from pkg import high\n",  # up, function-level, as a name
         "low3": "import pkg.high.sub\n",  # up, plain import
         "low4": "from pkg.high import sub\n",  # up, excepted
-        "high": "from .. import low\nfrom pkg.low import x\n",  # down: fine
+        "high": "from .. import low\nfrom . import sub\n",  # down, and its own layer: fine
         "high.sub": "from ..low import x\n",  # down from a subpackage: fine
+        "high.base": "",  # a low module in a high package: runs high's __init__ (up)
         "stray": "from .low import x\n",  # in no layer
     }
     modules: dict[str, list[Import]] = {}
@@ -605,15 +612,17 @@ def test_the_layering_checker_catches_upward_imports_and_unmapped_modules(
         package="pkg",
         layers=("lower", "upper"),
         layer_of={"": "lower", "low": "lower", "low2": "lower", "low3": "lower",
-                  "low4": "lower", "high": "upper", "gone": "upper"},
+                  "low4": "lower", "high": "upper", "high.base": "lower", "gone": "upper"},
         exceptions={("low4", "high"): "on purpose", ("low", "nothing"): "fixed long ago"},
     )  # fmt: skip
     assert [v.split(" ", 1)[1] for v in result.violations] == [
+        "(lower on importing pkg.high.base) imports pkg.high.sub (upper)",
         "(lower) imports pkg.high (upper)",
         "(lower) imports pkg.high (upper)",
         "(lower) imports pkg.high.sub (upper)",
     ]
     assert [v.split(":")[0] for v in result.violations] == [
+        str(tmp_path / "high" / "__init__.py"),
         str(tmp_path / "low.py"),
         str(tmp_path / "low2.py"),
         str(tmp_path / "low3.py"),
