@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from trainguard.clock import SYSTEM_CLOCK, Clock
 from trainguard.controller.config import load_config
 from trainguard.controller.store.connection import redact_url
 from trainguard.controller.store.errors import StoreError
@@ -84,7 +85,7 @@ def backup(*, store_path: Path, dest: Path) -> None:
     _verified(dest).close()
 
 
-def restore(*, backup_path: Path, store_path: Path) -> Path | None:
+def restore(*, backup_path: Path, store_path: Path, clock: Clock = SYSTEM_CLOCK) -> Path | None:
     """Install `backup_path` as the store; the file it replaces is kept beside it, renamed.
     Returns where the old file went (None if there was none). The controller must be stopped."""
     src = _verified(backup_path)
@@ -98,7 +99,8 @@ def restore(*, backup_path: Path, store_path: Path) -> Path | None:
         src.close()
     _verified(staged).close()
     if store_path.exists():
-        aside = store_path.with_name(f"{store_path.name}.replaced-{time.strftime('%Y%m%dT%H%M%S')}")
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.localtime(clock.now()))
+        aside = store_path.with_name(f"{store_path.name}.replaced-{stamp}")
         os.replace(store_path, aside)
         for suffix in ("-wal", "-shm"):  # the old file's journal must not be applied to the new
             side = Path(f"{store_path}{suffix}")

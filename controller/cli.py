@@ -34,6 +34,7 @@ import httpx
 import yaml
 
 from trainguard import __version__
+from trainguard.clock import SYSTEM_CLOCK
 from trainguard.controller.auth import hash_token
 from trainguard.controller.completion import SHELLS, completion_script
 from trainguard.controller.tokenissue import (
@@ -841,9 +842,9 @@ def _print(out: IO[str], args: argparse.Namespace, kind: str, data: Any) -> None
     elif args.output == "yaml":
         out.write(yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
     elif kind in _COLUMNS:
-        _table(out, _COLUMNS[kind], data, time.time(), wide=args.output == "wide")
+        _table(out, _COLUMNS[kind], data, SYSTEM_CLOCK.now(), wide=args.output == "wide")
     else:
-        _describe(out, data, time.time())
+        _describe(out, data, SYSTEM_CLOCK.now())
 
 
 def _get(api: Api, args: argparse.Namespace, out: IO[str]) -> None:

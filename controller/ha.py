@@ -20,7 +20,6 @@ import os
 import secrets
 import socket
 import threading
-import time
 from typing import Any
 
 from prometheus_client import Counter, Gauge
@@ -242,7 +241,7 @@ class HaController:
             return self._current.ticking(within_s=within_s)
         beat = self._beat
         limit_s = max(10.0, 3 * self._renew_s) if within_s is None else within_s
-        return beat is not None and time.monotonic() - beat <= limit_s
+        return beat is not None and self.clock.monotonic() - beat <= limit_s
 
     @property
     def rule_count(self) -> int:
@@ -271,7 +270,7 @@ class HaController:
                 self._contend()
         except Exception:
             log.exception("event=lease_round_error role=%s", self._role)
-        self._beat = time.monotonic()
+        self._beat = self.clock.monotonic()
 
     def _deadline_from(self, sent_at: float) -> float:
         return sent_at + self._lease_s - safety_margin_s(self._lease_s)
@@ -322,7 +321,7 @@ class HaController:
     def _take_over(self, epoch: int, *, deadline: float) -> None:
         """Lead under `epoch`: build a Controller the way a restarted one starts, then let it
         act. Writes made while building (recovering rows left running) are fenced already."""
-        started = time.monotonic()
+        started = self.clock.monotonic()
         log.info("event=lease_acquired epoch=%d holder=%s", epoch, self.holder)
         fence = self._new_fence()
         fence.grant(epoch, deadline=deadline)
@@ -364,7 +363,7 @@ class HaController:
             epoch,
             self.holder,
             self.advertise_url,
-            time.monotonic() - started,
+            self.clock.monotonic() - started,
         )
 
     def step_down(self, *, reason: str) -> None:

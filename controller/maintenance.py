@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -228,7 +227,7 @@ class MaintenanceScheduler:
         self._metrics.maintenance_last_run_timestamp_seconds.labels(job=job).set(self._clock.now())
 
     def _retention(self) -> None:
-        started = time.monotonic()
+        started = self._clock.monotonic()
         result = run_retention(
             self._store,
             now=self._clock.now(),
@@ -249,7 +248,7 @@ class MaintenanceScheduler:
             result.batches,
             pages,
             result.complete,
-            time.monotonic() - started,
+            self._clock.monotonic() - started,
             " ".join(f"{t}={n}" for t, n in sorted(result.deleted.items())),
         )
 

@@ -165,12 +165,12 @@ class StoreWatch:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            started = time.monotonic()
+            started = self._clock.monotonic()
             try:
                 self.round()
             except Exception:  # never let the watch die: it is what tells a person
                 log.exception("event=storewatch_error")
-            self._stop.wait(max(0.0, self._interval_s - (time.monotonic() - started)))
+            self._stop.wait(max(0.0, self._interval_s - (self._clock.monotonic() - started)))
 
     # --- one round ----------------------------------------------------------------------------
 
@@ -191,7 +191,7 @@ class StoreWatch:
         hung = self._hung
         if hung is not None:
             if hung.is_alive():
-                waited_s = time.monotonic() - self._hung_since
+                waited_s = self._clock.monotonic() - self._hung_since
                 return f"the store has not answered a probe for {waited_s:.0f} s"
             self._hung = None
         outcome: list[BaseException | None] = []
@@ -208,7 +208,7 @@ class StoreWatch:
         thread.start()
         thread.join(self._probe_timeout_s)
         if thread.is_alive():
-            self._hung, self._hung_since = thread, time.monotonic()
+            self._hung, self._hung_since = thread, self._clock.monotonic()
             return f"no answer to a probe within {self._probe_timeout_s:g} s"
         error = outcome[0] if outcome else None
         if error is None:

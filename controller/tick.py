@@ -225,7 +225,7 @@ class TickService:
     def start(self) -> None:
         """Start the tick thread and the action worker thread."""
         self._stop.clear()
-        self._tick_beat = time.monotonic()
+        self._tick_beat = self._clock.monotonic()
         self._threads = [
             threading.Thread(target=self._tick_loop, name="trainguard-tick", daemon=True),
             threading.Thread(target=self._worker_loop, name="trainguard-actions", daemon=True),
@@ -252,12 +252,12 @@ class TickService:
         if not self._threads or beat is None:
             return False
         limit_s = max(10.0, 10 * self._config.tick_interval_s) if within_s is None else within_s
-        return time.monotonic() - beat <= limit_s
+        return self._clock.monotonic() - beat <= limit_s
 
     def _tick_loop(self) -> None:
         interval_s = self._config.tick_interval_s
         while not self._stop.is_set():
-            started = time.monotonic()
+            started = self._clock.monotonic()
             try:
                 self.tick()
             except (StoreUnavailable, LeaseLost) as e:
@@ -266,8 +266,8 @@ class TickService:
                 log.debug("event=tick_skipped reason=%s", type(e).__name__)
             except Exception:
                 log.exception("event=tick_error")
-            self._tick_beat = time.monotonic()
-            self._stop.wait(max(0.0, interval_s - (time.monotonic() - started)))
+            self._tick_beat = self._clock.monotonic()
+            self._stop.wait(max(0.0, interval_s - (self._clock.monotonic() - started)))
 
     def _worker_loop(self) -> None:
         while not self._stop.is_set():

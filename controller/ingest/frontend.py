@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainguard.clock import SYSTEM_CLOCK, Clock
 from trainguard.controller.ingest.frames import (
     HEADER,
     JSON_BODY,
@@ -153,6 +154,7 @@ class IngestFrontend:
         log_level: str = "info",
         ready_timeout_s: float = 60.0,
         stop_grace_s: float = 10.0,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -169,6 +171,7 @@ class IngestFrontend:
         self._log_level = log_level
         self._ready_timeout_s = ready_timeout_s
         self._stop_grace_s = stop_grace_s
+        self._clock = clock
         self._slots = [_Slot(index=i) for i in range(workers)]
         self._stopping = False
         self._sock: socket.socket | None = None
@@ -191,12 +194,12 @@ class IngestFrontend:
     async def serve(self, sockets: Sequence[socket.socket]) -> None:
         (self._sock,) = sockets
         runners = [asyncio.create_task(self._run_slot(slot)) for slot in self._slots]
-        deadline = time.monotonic() + self._ready_timeout_s
+        deadline = self._clock.monotonic() + self._ready_timeout_s
         try:
             while not self.should_exit:
                 if not self.started and all(s.ready for s in self._slots):
                     self.started = True
-                elif not self.started and time.monotonic() > deadline:
+                elif not self.started and self._clock.monotonic() > deadline:
                     log.error("event=ingest_workers_not_ready timeout_s=%s", self._ready_timeout_s)
                     break
                 await asyncio.sleep(0.05)
@@ -266,7 +269,7 @@ class IngestFrontend:
             popen = self._spawn(slot, child)
         finally:
             child.close()
-        slot.popen, slot.ready, slot.started_at = popen, False, time.monotonic()
+        slot.popen, slot.ready, slot.started_at = popen, False, self._clock.monotonic()
         log.info("event=ingest_worker_started worker=%d pid=%d", slot.index, popen.pid)
         loop = asyncio.get_running_loop()
         max_frame_bytes = self._max_frame_bytes
@@ -288,7 +291,7 @@ class IngestFrontend:
             code = await self._reap(popen)
             for task in list(slot.tasks):
                 task.cancel()
-        lived_s = time.monotonic() - slot.started_at
+        lived_s = self._clock.monotonic() - slot.started_at
         level = logging.INFO if self._stopping else logging.WARNING
         log.log(
             level,
@@ -371,10 +374,10 @@ class IngestFrontend:
     async def _reap(self, popen: subprocess.Popen[bytes]) -> int | None:
         """Wait for a worker whose channel closed to exit: it should at once; SIGTERM after
         a second, SIGKILL after the grace period."""
-        started = time.monotonic()
+        started = self._clock.monotonic()
         termed = False
         while popen.poll() is None:
-            waited_s = time.monotonic() - started
+            waited_s = self._clock.monotonic() - started
             if waited_s > self._stop_grace_s:
                 log.warning("event=ingest_worker_kill pid=%d", popen.pid)
                 popen.kill()
@@ -394,9 +397,9 @@ class IngestFrontend:
             if slot.popen is not None and slot.popen.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     slot.popen.terminate()
-        deadline = time.monotonic() + self._stop_grace_s + 2.0
+        deadline = self._clock.monotonic() + self._stop_grace_s + 2.0
         while any(s.popen is not None and s.popen.poll() is None for s in self._slots):
-            if time.monotonic() > deadline:
+            if self._clock.monotonic() > deadline:
                 for s in self._slots:
                     if s.popen is not None and s.popen.poll() is None:
                         log.warning("event=ingest_worker_kill pid=%d", s.popen.pid)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 
+from trainguard.clock import FakeClock
 from trainguard.controller.backup import backup, main, restore
 from trainguard.controller.store import Store
 from trainguard.controller.store.errors import StoreError
@@ -54,6 +56,17 @@ def test_restore_installs_the_backup_and_keeps_the_old_file(tmp_path: Path) -> N
     kept = Store(aside, now=_now)
     assert [n.name for n in kept.nodes.all()] == ["node-1", "node-2"]
     kept.close()
+
+
+def test_the_replaced_store_is_named_for_the_local_time_on_the_injected_clock(
+    tmp_path: Path,
+) -> None:
+    _store_with_nodes(tmp_path / "c.db", ["node-1"]).close()
+    backup(store_path=tmp_path / "c.db", dest=tmp_path / "b.db")
+    clock = FakeClock(start=1_700_000_000.0)
+    aside = restore(backup_path=tmp_path / "b.db", store_path=tmp_path / "c.db", clock=clock)
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.localtime(1_700_000_000.0))
+    assert aside == tmp_path / f"c.db.replaced-{stamp}"
 
 
 def test_restore_refuses_a_damaged_backup_and_leaves_the_store(tmp_path: Path) -> None:

@@ -3,6 +3,9 @@ from decisions to incidents and actions, safety rails end to end, restart and th
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import pytest
 
 from tests.builders import Reporter
@@ -11,6 +14,7 @@ from tests.integration.postgres_proc import BOTH_STORES
 from trainguard.controller.actions.notify import RecordingNotifier
 from trainguard.controller.errors import BadRequest, NotFound
 from trainguard.controller.model import Decision, Target
+from trainguard.controller.rules import engine
 from trainguard.protocol import Event, FaultSpec, RankState, Report
 from trainguard.strict import ConfigError
 
@@ -431,6 +435,32 @@ def test_start_and_stop_run_ticks_in_the_background(make_core, core_clock):
     )
     c.stop()
     assert not c.running
+
+
+def test_a_wedged_tick_stops_counting_as_ticking_on_the_injected_clock(
+    make_core, core_clock, monkeypatch
+):
+    """The systemd watchdog's liveness is measured on the controller's clock: a tick round
+    that hangs is no longer ticking once that clock has passed the limit."""
+    entered, release = threading.Event(), threading.Event()
+    evaluate = engine.evaluate
+
+    def wedged(**kwargs: Any) -> Any:
+        entered.set()
+        release.wait(30)
+        return evaluate(**kwargs)
+
+    monkeypatch.setattr(engine, "evaluate", wedged)
+    c = make_core(tick_interval_s=0.05)
+    c.start()
+    try:
+        wait_for(entered.is_set, timeout_s=10, what="the tick thread to start a round")
+        assert c.ticking(within_s=30)
+        core_clock.advance(31)
+        assert not c.ticking(within_s=30)
+    finally:
+        release.set()
+        c.stop()
 
 
 def test_open_incident_is_not_resolved_after_restart_before_its_node_reports(make_core, core_clock):

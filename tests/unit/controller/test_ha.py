@@ -106,6 +106,22 @@ def test_the_first_controller_leads_and_the_second_is_a_standby_naming_it(
     assert [n.name for n in b.list_nodes()] == ["n1"]
 
 
+def test_a_standby_is_alive_while_its_lease_rounds_come_on_the_injected_clock(
+    make_ha: Callable[..., tuple[HaController, RecordingNotifier]], core_clock: FakeClock
+) -> None:
+    """A standby's liveness for the systemd watchdog: its lease rounds, measured on the
+    controller's clock."""
+    a, _ = make_ha("a")
+    b, _ = make_ha("b")
+    a.lease_round()
+    b.lease_round()
+    assert b.role == "standby" and b.ticking(within_s=5)
+    core_clock.advance(6)  # no round for longer than the limit: a wedged lease thread
+    assert not b.ticking(within_s=5)
+    b.lease_round()  # the lease (LEASE_S) has not lapsed: still a standby
+    assert b.role == "standby" and b.ticking(within_s=5)
+
+
 def test_a_standby_takes_over_a_lapsed_lease_and_the_woken_leader_acts_on_nothing(
     make_ha: Callable[..., tuple[HaController, RecordingNotifier]], core_clock: FakeClock
 ) -> None:

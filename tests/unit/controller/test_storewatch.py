@@ -399,7 +399,7 @@ def test_a_probe_that_never_answers_counts_as_down_and_is_not_started_again_unti
     clock.advance(1)
     watch.round()  # still hanging: counted down again, no second probe started
     assert len(calls) == 1
-    assert "has not answered a probe" in watch.status()["error"]
+    assert "has not answered a probe for 1 s" in watch.status()["error"]  # on the clock
     release.set()
     wait_for(lambda: watch._hung is None or not watch._hung.is_alive(), timeout_s=10, what="probe")
     clock.advance(1)
