@@ -19,10 +19,10 @@ from pathlib import Path
 
 from trainguard.clock import SYSTEM_CLOCK, Clock
 from trainguard.controller.config import load_config
-from trainguard.controller.store.connection import redact_url
 from trainguard.controller.store.errors import StoreError
 from trainguard.controller.store.schema import SCHEMA_VERSION
 from trainguard.controller.store.sqlitefile import check_existing_file, verify_connection
+from trainguard.controller.storeurl import redact_url
 from trainguard.strict import ConfigError
 
 PROG = "trainguard-controller"

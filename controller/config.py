@@ -17,7 +17,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from trainguard.controller.backends.config import BackendConfig, SlurmBackendConfig
-from trainguard.controller.store.connection import POSTGRES_SCHEMES, url_password_problem
+from trainguard.controller.storeurl import POSTGRES_SCHEMES, url_password_problem
 from trainguard.rules import shipped_dir
 from trainguard.strict import ConfigError, Invalid, apply_overrides, build, load_file
 

@@ -28,8 +28,8 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
+from trainguard.controller.actionkinds import ActionKind
 from trainguard.controller.actions.base import ActionHandler, HandlerRegistry
-from trainguard.controller.actions.kinds import ActionKind
 from trainguard.controller.actions.worker import step_label
 from trainguard.controller.jobstate import JobState
 from trainguard.controller.model import Decision

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from trainguard.bounds import MAX_RANKS_PER_REPORT, bad_name_reason
-from trainguard.controller.actions.kinds import ActionKind
+from trainguard.controller.actionkinds import ActionKind
 from trainguard.controller.config import JobsConfig
 from trainguard.controller.jobstate import JobState, check_job_transition
 from trainguard.controller.records import CommandRecord, JobRecord, NodeRecord

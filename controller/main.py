@@ -31,8 +31,8 @@ from trainguard.controller.errors import ServiceError
 from trainguard.controller.ha import HaController
 from trainguard.controller.ingest.frontend import IngestFrontend
 from trainguard.controller.runtime import new_event_loop, setup_logging
-from trainguard.controller.store.connection import redact_url
 from trainguard.controller.store.errors import LeaseLost
+from trainguard.controller.storeurl import redact_url
 from trainguard.controller.storewatch import StoreWatch, postgres_probe
 from trainguard.controller.tlsauth import uvicorn_tls_options
 from trainguard.controller.watchdog import watchdog_running

@@ -1,6 +1,7 @@
 """Action steps the controller takes for incidents and operators: the framework (kinds,
 base, worker), notifications (Slack, PagerDuty, webhooks) and node draining."""
 
+from trainguard.controller.actionkinds import ActionKind
 from trainguard.controller.actions.base import (
     ActionContext,
     ActionError,
@@ -11,7 +12,6 @@ from trainguard.controller.actions.base import (
     TransientError,
     UnavailableHandler,
 )
-from trainguard.controller.actions.kinds import ActionKind
 
 __all__ = [
     "ActionContext",

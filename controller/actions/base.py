@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from trainguard.controller.actions.kinds import ActionKind
+from trainguard.controller.actionkinds import ActionKind
 from trainguard.controller.views import ActionView, IncidentView
 
 

@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from trainguard.controller.actionkinds import ActionKind
 from trainguard.controller.actions.base import ActionContext, Outcome, PermanentError
-from trainguard.controller.actions.kinds import ActionKind
 from trainguard.controller.actions.recovery import (
     PhaseObserver,
     ckpt_floor,

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from trainguard.controller.actionkinds import ActionKind, job_step_kinds
 from trainguard.controller.actions.base import ActionContext, Outcome
 from trainguard.controller.actions.drain import DrainState
-from trainguard.controller.actions.kinds import ActionKind, job_step_kinds
 from trainguard.controller.views import JobView
 
 if TYPE_CHECKING:  # types only: the factories' inputs import the controller's core modules

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from trainguard.controller.actions.kinds import rule_actions
+from trainguard.controller.actionkinds import rule_actions
 from trainguard.controller.rules.lang import (
     MAX_DURATION_S,
     Call,

@@ -1,5 +1,4 @@
-"""The store's connections: what it uses of one (`Connection`, `Row`), the URL of a
-PostgreSQL store (`store.url`: scheme, password checks, redaction), and `PgConnection`, one
+"""The store's connections: what it uses of one (`Connection`, `Row`), and `PgConnection`, one
 psycopg connection used the way the store uses sqlite3's (SQLite's spelling rewritten by
 store/dialect.py; a lost server raises StoreUnavailable). psycopg (the `postgres` extra) is
 imported only when a PostgreSQL store is opened.
@@ -11,12 +10,12 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
-from urllib.parse import SplitResult, parse_qsl, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from trainguard.controller.store.dialect import postgres_sql
 from trainguard.controller.store.errors import StoreConnectError, StoreUnavailable
+from trainguard.controller.storeurl import redact_url
 
-POSTGRES_SCHEMES = ("postgresql", "postgres")
 POSTGRES_EXTRA_HINT = "pip install 'trainguard[postgres]'"
 
 
@@ -46,35 +45,6 @@ class Connection(Protocol):
     def execute(self, sql: str, parameters: Any = ..., /) -> Any: ...
 
     def executemany(self, sql: str, parameters: Any, /) -> Any: ...
-
-
-def is_postgres_url(location: str) -> bool:
-    return urlsplit(location).scheme in POSTGRES_SCHEMES
-
-
-def url_password_problem(url: str) -> str | None:
-    """Why `url` must not be used as it is (it carries a password), or None."""
-    parts = urlsplit(url)
-    if parts.password is not None:
-        return "carries a password"
-    if any(k == "password" for k, _ in parse_qsl(parts.query)):
-        return "carries a password= parameter"
-    return None
-
-
-def redact_url(url: str) -> str:
-    """`url` with any password replaced by `***` (for messages and logs)."""
-    parts = urlsplit(url)
-    netloc = parts.netloc
-    if parts.password is not None:
-        userinfo, _, hostport = netloc.rpartition("@")
-        user = userinfo.split(":", 1)[0]
-        netloc = f"{user}:***@{hostport}"
-    query = "&".join(
-        f"{k}=***" if k == "password" else f"{k}={v}"
-        for k, v in parse_qsl(parts.query, keep_blank_values=True)
-    )
-    return urlunsplit(SplitResult(parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
 # --- PostgreSQL connections ---------------------------------------------------------------------
@@ -294,15 +264,11 @@ def connect_postgres(
 __all__ = [
     "DEFAULT_TCP_TIMEOUT_S",
     "POSTGRES_EXTRA_HINT",
-    "POSTGRES_SCHEMES",
     "Connection",
     "Cursor",
     "PgConnection",
     "PgRow",
     "Row",
     "connect_postgres",
-    "is_postgres_url",
-    "redact_url",
     "tcp_liveness",
-    "url_password_problem",
 ]

@@ -32,7 +32,6 @@ from trainguard.controller.store.connection import (
     PgConnection,
     Row,
     connect_postgres,
-    is_postgres_url,
 )
 from trainguard.controller.store.dialect import POSTGRES, SQLITE, Dialect
 from trainguard.controller.store.errors import StoreConnectError, StoreError
@@ -41,6 +40,7 @@ from trainguard.controller.store.sqlitefile import (
     check_existing_file,
     verify_connection,
 )
+from trainguard.controller.storeurl import is_postgres_url
 
 
 class WriteFence(Protocol):

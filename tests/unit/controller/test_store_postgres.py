@@ -14,9 +14,10 @@ from tests.integration.postgres_proc import PASSWORD, PgServer
 from trainguard.controller.config import ControllerConfig
 from trainguard.controller.records import NewAction
 from trainguard.controller.store import Store
-from trainguard.controller.store.connection import redact_url, tcp_liveness
+from trainguard.controller.store.connection import tcp_liveness
 from trainguard.controller.store.dialect import postgres_sql
 from trainguard.controller.store.errors import StoreError
+from trainguard.controller.storeurl import redact_url
 from trainguard.strict import ConfigError, build
 
 

@@ -16,7 +16,7 @@ from tests.helpers import wait_for
 from trainguard.clock import FakeClock
 from trainguard.controller.actions.base import PermanentError, TransientError
 from trainguard.controller.actions.notify import Notification, Notifier, RecordingNotifier
-from trainguard.controller.store.connection import redact_url
+from trainguard.controller.storeurl import redact_url
 from trainguard.controller.storewatch import PAGE_RULE, RESOLVE_TRIES, StoreWatch, store_page
 
 INSTANCE = "ctl-a:8800"

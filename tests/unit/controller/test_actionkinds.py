@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from trainguard.controller.actionkinds import ActionKind, job_step_kinds, rule_actions
 from trainguard.controller.actions.base import HandlerRegistry, UnavailableHandler
-from trainguard.controller.actions.kinds import ActionKind, job_step_kinds, rule_actions
 from trainguard.controller.backends.base import JOB_STEP_KINDS
 from trainguard.controller.rules.loader import RuleError, load_rules
 
