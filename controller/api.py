@@ -37,7 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from trainguard.bounds import INT64_MAX
+from trainguard.bounds import INT64_MAX, DrainReason
 from trainguard.controller.auth import Permission, Principal, TokenStore
 from trainguard.controller.dialect import StoreUnavailable
 from trainguard.controller.errors import NotLeader, ServiceError
@@ -76,6 +76,8 @@ log = logging.getLogger("trainguard.controller.api")
 # reason filled in by the API. A short token; anything else counts as no client named.
 CLIENT_HEADER = "X-Trainguard-Client"
 _CLIENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,31}")
+# On a full page of GET /v1/silences: the `continue` value that fetches the next page.
+CONTINUE_HEADER = "X-Trainguard-Continue"
 
 # On a 503 from a controller that does not lead (HA): the leader's URL, empty while none is
 # known. Agents and agentctl switch to it (docs/controller.md, "High availability").
@@ -100,7 +102,7 @@ class Leadership(Protocol):
 @dataclass(frozen=True)
 class DrainRequest:
     # absent or blank: "drained by <token name> (<role>) via <client>", see _drain_reason
-    reason: str | None = None
+    reason: DrainReason | None = None
 
 
 @dataclass(frozen=True)
@@ -706,11 +708,20 @@ def create_app(
         answer("Silences", schemas.array(SilenceView), (401, 403, 422)),
     )
     async def list_silences(
-        include_expired: bool = False, _: Principal = Depends(reader)
+        include_expired: bool = False,
+        limit: int = Query(1000, ge=1, le=10_000),
+        after_id: int = Query(0, alias="continue", ge=0, le=INT64_MAX),
+        _: Principal = Depends(reader),
     ) -> Response:
-        return _ok(
-            await run_in_threadpool(call, service.list_silences, include_expired=include_expired)
+        # by id; a full page names where the next starts (X-Trainguard-Continue: ?continue=)
+        views = await run_in_threadpool(
+            call, service.list_silences, include_expired=include_expired
         )
+        page = [v for v in views if v.id > after_id][: limit + 1]
+        reply = _ok(page[:limit])
+        if len(page) > limit:
+            reply.headers[CONTINUE_HEADER] = str(page[limit - 1].id)
+        return reply
 
     @route(
         "POST",

@@ -221,6 +221,7 @@ class Controller:
             store=self.store,
             clock=clock,
             wake=wake,
+            max_silences=config.api.max_silences,
         )
         self.ticker = TickService(
             config=config,

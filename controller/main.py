@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import signal
 import socket
 import sys
@@ -26,6 +27,12 @@ from trainguard.controller.actions.notify import build_notifiers
 from trainguard.controller.auth import load_tokens
 from trainguard.controller.backup import main as backup_main
 from trainguard.controller.config import load_config
+from trainguard.controller.connlimits import (
+    CredentialLimits,
+    conn_limits,
+    guarded_protocol,
+    tune_malloc,
+)
 from trainguard.controller.core import Controller
 from trainguard.controller.dialect import redact_url
 from trainguard.controller.errors import ServiceError
@@ -216,12 +223,15 @@ def _serve(
         ingest_in_threadpool=threadpool,
         leadership=controller if isinstance(controller, HaController) else None,
     )
+    limits = conn_limits(config.api.connections)
+    tune_malloc()  # large bodies unmapped when freed: a burst's memory goes back
     uv_config = uvicorn.Config(
-        app,
+        CredentialLimits(app, limits=limits),
         log_level="warning",
         access_log=False,
         lifespan="off",
-        timeout_keep_alive=75,  # agents keep one connection and post every second
+        http=guarded_protocol(limits),
+        timeout_keep_alive=math.ceil(limits.idle_timeout_s),
         **uvicorn_tls_options(
             cert_file=config.api.tls_cert_file,
             key_file=config.api.tls_key_file,
