@@ -37,6 +37,7 @@ __all__ = [
     "ConnectionTable",
     "CredentialLimits",
     "InFlight",
+    "bounded",
     "conn_limits",
     "guarded_protocol",
     "open_connection_cap",
@@ -332,38 +333,48 @@ def return_memory() -> bool:
 
 
 class ConnectionTable:
-    """The open connections, each busy (None) or idle since a monotonic time."""
+    """The open connections: each busy, or idle since a monotonic time, and whether it has
+    been answered a request yet."""
 
     def __init__(self, *, max_open: int) -> None:
         self.max_open = max_open
-        self._conns: dict[Any, float | None] = {}
+        self._idle_since: dict[Any, float | None] = {}  # None: busy
+        self._served: set[Any] = set()
 
     def __len__(self) -> int:
-        return len(self._conns)
+        return len(self._idle_since)
 
     def admit(self, conn: Any, *, now: float, close: Callable[[Any], None]) -> bool:
-        """Register `conn` (idle from now); when full, close the connection idle longest to
-        make room, or refuse (False) when every connection is busy."""
-        if len(self._conns) >= self.max_open:
-            idle = [(since, id(c), c) for c, since in self._conns.items() if since is not None]
+        """Register `conn` (idle from now). When full, close an idle connection to make room:
+        one that never completed a request first (an established agent's connection is the
+        last to go), the idle longest among them; refuse (False) when every one is busy."""
+        if len(self._idle_since) >= self.max_open:
+            idle = [
+                (c in self._served, since, id(c), c)
+                for c, since in self._idle_since.items()
+                if since is not None
+            ]
             if not idle:
                 return False
-            _, _, oldest = min(idle, key=lambda t: (t[0], t[1]))
-            self._conns.pop(oldest, None)
-            close(oldest)
-        self._conns[conn] = now
+            victim = min(idle, key=lambda t: t[:3])[3]
+            self.remove(victim)
+            close(victim)
+        self._idle_since[conn] = now
         return True
 
     def busy(self, conn: Any) -> None:
-        if conn in self._conns:
-            self._conns[conn] = None
+        if conn in self._idle_since:
+            self._idle_since[conn] = None
 
     def idle(self, conn: Any, *, now: float) -> None:
-        if conn in self._conns:
-            self._conns[conn] = now
+        """`conn` answered a request and waits for the next."""
+        if conn in self._idle_since:
+            self._idle_since[conn] = now
+            self._served.add(conn)
 
     def remove(self, conn: Any) -> None:
-        self._conns.pop(conn, None)
+        self._idle_since.pop(conn, None)
+        self._served.discard(conn)
 
 
 _TIMEOUT_408 = (
@@ -376,26 +387,37 @@ _FULL_503 = (
 )
 
 
+def bounded(options: dict[str, Any], limits: ConnLimits) -> dict[str, Any]:
+    """uvicorn.Config keyword arguments (`options`, e.g. the TLS ones) with their HTTP
+    protocol bounded by `limits`."""
+    return {**options, "http": guarded_protocol(limits, base=options.get("http", "auto"))}
+
+
 def guarded_protocol(
     limits: ConnLimits,
     *,
+    base: type | str = "auto",
     table: ConnectionTable | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> type:
-    """The uvicorn HTTP protocol class (httptools) bounded by `limits` (uvicorn.Config(http=
-    this, timeout_keep_alive=limits.idle_timeout_s)): the connection cap over `table`, and
-    the header and body deadlines."""
+    """The uvicorn HTTP protocol class bounded by `limits` (uvicorn.Config(http=this,
+    timeout_keep_alive=limits.idle_timeout_s)): the connection cap over `table`, and the
+    header and body deadlines. `base`: the httptools protocol or a subclass of it (the
+    mutual-TLS one, controller/tlsauth.py); "auto" is httptools (a declared dependency)."""
     # deferred: uvicorn is heavy and only the serving process needs it
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol  # noqa: PLC0415
 
+    parent = HttpToolsProtocol if base == "auto" else base
+    if not (isinstance(parent, type) and issubclass(parent, HttpToolsProtocol)):
+        raise TypeError(f"guarded_protocol needs uvicorn's httptools protocol, got {base!r}")
     conns = ConnectionTable(max_open=limits.max_open) if table is None else table
 
     def close(proto: Any) -> None:
-        log.info("event=connection_closed reason=idle_oldest open=%d", len(conns))
+        log.info("event=connection_closed reason=connections_full open=%d", len(conns))
         proto.disarm()
         proto.transport.close()
 
-    class GuardedHttpProtocol(HttpToolsProtocol):
+    class GuardedHttpProtocol(parent):  # type: ignore[valid-type,misc]
         """uvicorn's httptools protocol with the connection cap and the deadlines."""
 
         _deadline: asyncio.TimerHandle | None = None

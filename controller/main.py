@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import json
 import logging
 import math
 import signal
@@ -29,8 +31,8 @@ from trainguard.controller.backup import main as backup_main
 from trainguard.controller.config import load_config
 from trainguard.controller.connlimits import (
     CredentialLimits,
+    bounded,
     conn_limits,
-    guarded_protocol,
     tune_malloc,
 )
 from trainguard.controller.core import Controller
@@ -224,19 +226,19 @@ def _serve(
         leadership=controller if isinstance(controller, HaController) else None,
     )
     limits = conn_limits(config.api.connections)
+    tls = uvicorn_tls_options(
+        cert_file=config.api.tls_cert_file,
+        key_file=config.api.tls_key_file,
+        client_ca_file=config.api.tls_client_ca_file,
+    )
     tune_malloc()  # large bodies unmapped when freed: a burst's memory goes back
     uv_config = uvicorn.Config(
         CredentialLimits(app, limits=limits),
         log_level="warning",
         access_log=False,
         lifespan="off",
-        http=guarded_protocol(limits),
         timeout_keep_alive=math.ceil(limits.idle_timeout_s),
-        **uvicorn_tls_options(
-            cert_file=config.api.tls_cert_file,
-            key_file=config.api.tls_key_file,
-            client_ca_file=config.api.tls_client_ca_file,
-        ),
+        **bounded(tls, limits),
     )
     server: Any = uvicorn.Server(uv_config)
     if config.api.ingest_workers > 0:
@@ -249,6 +251,7 @@ def _serve(
             tls_key_file=config.api.tls_key_file,
             tls_client_ca_file=config.api.tls_client_ca_file,
             log_level=logging.getLevelName(logging.getLogger().level).lower(),
+            conn_limits=json.dumps(dataclasses.asdict(limits)),
         )
     notifier = SystemdNotifier()
 
