@@ -12,8 +12,8 @@ import pytest
 from trainguard.controller.config import ConnectionsConfig
 from trainguard.controller.connlimits import (
     FD_RESERVE,
-    ConnLimits,
     ConnectionTable,
+    ConnLimits,
     CredentialLimits,
     InFlight,
     conn_limits,
