@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # the annotation only
 
 __all__ = [
     "ConnLimits",
+    "SMALL_BODY_BYTES",
     "ConnectionTable",
     "CredentialLimits",
     "InFlight",
@@ -56,6 +57,10 @@ App = Callable[[Scope, Receive, Send], Awaitable[None]]
 # File descriptors kept out of the connection cap: the store, log files, the ingest workers'
 # channels, the notify socket, outgoing webhooks.
 FD_RESERVE = 256
+# A body this small (an agent's report is a few KiB) is never refused by the total cap, only
+# by its own credential's: a flood of large bodies from many credentials cannot starve the
+# agents. The memory bound is total_body_bytes plus this much per open connection.
+SMALL_BODY_BYTES = 64 * 1024
 # Memory is handed back once the bodies in flight drop to none after at least this many bytes
 # were held (a few reports' worth is not worth a trim), at most once per TRIM_INTERVAL_S.
 TRIM_AFTER_BYTES = 16 * 1024 * 1024
@@ -132,7 +137,7 @@ class InFlight:
                     "in_flight": held,
                 },
             )
-        if self.total_bytes + body_bytes > lim.total_body_bytes:
+        if body_bytes > SMALL_BODY_BYTES and self.total_bytes + body_bytes > lim.total_body_bytes:
             return (
                 503,
                 "too many body bytes in flight",
@@ -142,13 +147,15 @@ class InFlight:
         self._add_bytes(key, body_bytes)
         return None
 
-    def grow(self, key: str, body_bytes: int) -> bool:
-        """Count more bytes of an admitted request (a body without a declared length);
-        False (nothing counted) when that passes a limit."""
+    def grow(self, key: str, body_bytes: int, *, request_bytes: int) -> bool:
+        """Count `body_bytes` more of an admitted request (a body without a declared length),
+        `request_bytes` its size with them; False (nothing counted) when that passes a limit."""
         lim = self._limits
+        if self._bytes.get(key, 0) + body_bytes > lim.per_credential_body_bytes:
+            return False
         if (
-            self._bytes.get(key, 0) + body_bytes > lim.per_credential_body_bytes
-            or self.total_bytes + body_bytes > lim.total_body_bytes
+            request_bytes > SMALL_BODY_BYTES
+            and self.total_bytes + body_bytes > lim.total_body_bytes
         ):
             return False
         self._add_bytes(key, body_bytes)
@@ -242,7 +249,7 @@ class CredentialLimits:
                 received += len(message.get("body", b""))
                 extra = received - counted
                 if extra > 0:
-                    if not self.in_flight.grow(key, extra):
+                    if not self.in_flight.grow(key, extra, request_bytes=received):
                         raise _OverCap
                     counted += extra
             return message

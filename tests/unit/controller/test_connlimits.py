@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from trainguard.controller import connlimits
 from trainguard.controller.config import ConnectionsConfig
 from trainguard.controller.connlimits import (
     FD_RESERVE,
@@ -65,7 +66,10 @@ def test_the_connection_cap_stays_below_the_fd_limit() -> None:
     assert conn_limits(ConnectionsConfig()).max_open <= open_connection_cap(0)
 
 
-def test_in_flight_counts_requests_and_bytes_per_credential_and_in_total() -> None:
+def test_in_flight_counts_requests_and_bytes_per_credential_and_in_total(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(connlimits, "SMALL_BODY_BYTES", 50)
     f = InFlight(LIMITS)
     assert f.admit("a", 60) is None
     refused = f.admit("a", 60)
@@ -80,6 +84,8 @@ def test_in_flight_counts_requests_and_bytes_per_credential_and_in_total() -> No
         503,
         "api.connections.total_body_bytes",
     )
+    assert f.admit("c", 10) is None  # a small body passes the total cap (its own still holds)
+    f.release("c", 10)
     f.release("a", 60)
     f.release("a", 10)
     assert f.total_bytes == 0 and f.keys() == 0
@@ -145,7 +151,11 @@ def test_the_middleware_answers_before_reading_the_body_and_releases_after() -> 
     asyncio.run(run())
 
 
-def test_a_body_without_a_declared_length_is_counted_as_it_arrives() -> None:
+def test_a_body_without_a_declared_length_is_counted_as_it_arrives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(connlimits, "SMALL_BODY_BYTES", 50)
+
     async def run() -> None:
         async def app(scope: Any, receive: Any, send: Any) -> None:
             while (await receive()).get("more_body"):
