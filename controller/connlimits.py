@@ -3,8 +3,9 @@ credential or without) can exhaust the controller's memory or file descriptors.
 
 Two hooks, both added where the server is built (controller/main.py):
 - `guarded_protocol(...)`: the uvicorn HTTP protocol with a cap on open connections (when
-  full, the connection idle longest is closed to admit a new one; with none idle the new one
-  is answered 503 and closed), a deadline for a request's headers (from the connection's
+  full, an idle connection is closed to admit the new one: one that never completed a
+  request first, so established agents keep theirs; with none idle the new one is answered
+  503 and closed), a deadline for a request's headers (from the connection's
   first byte, or from the connection itself for its first request: a connection that never
   sends a request is closed) and for its body, and idle keep-alive connections closed.
 - `CredentialLimits`: ASGI middleware holding each credential (the Authorization header's
