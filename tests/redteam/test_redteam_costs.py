@@ -276,3 +276,31 @@ def test_past_the_connection_cap_idle_strangers_go_first_and_agents_report_on(
         for s in socks:
             s.close()
     assert "reason=connections_full" in rig.proc.log()
+
+
+def test_ingest_workers_hold_the_same_bounds(
+    tmp_path: Path, controllers: list[ControllerProcess]
+) -> None:
+    config = write_config(tmp_path, rules=dbe_rules(), agent_tokens=AGENTS, max_body_bytes=MAX_BODY)
+    data = yaml.safe_load(config.read_text())
+    data["api"]["connections"] = CONNECTIONS
+    data["api"]["ingest_workers"] = 1
+    config.write_text(yaml.safe_dump(data))
+    proc = start_controller(config, log_path=tmp_path / "controller.log")
+    controllers.append(proc)
+    host, port = proc.url.split("//")[1].split(":")
+    rig = Rig(proc=proc, host=host, port=int(port))
+    agent = Agent(proc.url)
+    assert agent.report() == 200
+    socks = [_unfinished(rig, AGENTS["n1"], length=MAX_BODY, sent=1024) for _ in range(6)]
+    try:
+        answers = [_answer(s, timeout_s=3.0) for s in socks]
+        assert sum(a.startswith(b"HTTP/1.1 429") for a in answers) >= 4, answers
+        assert agent.report() == 200
+    finally:
+        for s in socks:
+            s.close()
+    idle = rig.connect()
+    got = _answer(idle, timeout_s=20.0)
+    assert got.startswith(b"HTTP/1.1 408") or got == b"", got
+    assert agent.report() == 200
