@@ -16,6 +16,7 @@ from typing import Annotated
 from trainguard.decode import INT64_MAX, INT64_MIN, Bound
 
 __all__ = [
+    "DRAIN_REASON_MAX_CHARS",
     "DURATION_MAX_S",
     "IDENT_PATTERN",
     "IDENT_RE",
@@ -36,6 +37,7 @@ __all__ = [
     "TEXT_MAX_CHARS",
     "UNIX_TIME_MAX_S",
     "Count",
+    "DrainReason",
     "Duration",
     "FiniteFloat",
     "Ident",
@@ -44,7 +46,9 @@ __all__ = [
     "NameOrEmpty",
     "Text",
     "UnixTime",
+    "bad_drain_reason",
     "bad_name_reason",
+    "clip_drain_reason",
     "metric_value",
 ]
 
@@ -66,6 +70,12 @@ UNIX_TIME_MAX_S = 4_102_444_800.0
 DURATION_MAX_S = 1e9
 TEXT_MAX_CHARS = 65_536  # free text (messages, output tails): stored, never a label
 LABEL_VALUE_MAX_CHARS = 256
+# A drain reason, characters: what an operator types or a rule's summary names, recorded in
+# the node table and handed to the scheduler (Slurm's `scontrol ... reason=` is one argv
+# string: past the kernel's 128 KiB per argument it fails with "Argument list too long").
+# One bound for every entry point: REST (422), agentctl, rule- and incident-made reasons and
+# the Slurm call (clipped where composed).
+DRAIN_REASON_MAX_CHARS = 1024
 
 # Entries one report may carry. A GPU node has 8 GPUs (16 at most today) with 18 NVLinks each
 # and up to 16 IB ports; an agent sends at most 500 events a report by default and tracks at
@@ -85,6 +95,7 @@ NameOrEmpty = Annotated[str, Bound(pattern=f"(?:{NAME_PATTERN})?")]
 Ident = Annotated[str, Bound(pattern=IDENT_PATTERN)]
 Text = Annotated[str, Bound(max_length=TEXT_MAX_CHARS)]
 LabelValue = Annotated[str, Bound(max_length=LABEL_VALUE_MAX_CHARS)]
+DrainReason = Annotated[str, Bound(max_length=DRAIN_REASON_MAX_CHARS)]
 UnixTime = Annotated[float, Bound(ge=0.0, le=UNIX_TIME_MAX_S, finite=True)]
 Duration = Annotated[float, Bound(ge=0.0, le=DURATION_MAX_S, finite=True)]
 FiniteFloat = Annotated[float, Bound(finite=True)]
@@ -98,6 +109,23 @@ def bad_name_reason(name: str) -> str | None:
         return None
     shown = repr(name) if len(name) <= 40 else f"{name[:20]!r}... ({len(name)} characters)"
     return f"must match {NAME_PATTERN}, got {shown}"
+
+
+def bad_drain_reason(reason: str) -> str | None:
+    """Why `reason` cannot be a drain reason as given (too long), or None when it can; for
+    reasons that do not arrive through the decoder (command-line arguments)."""
+    if len(reason) <= DRAIN_REASON_MAX_CHARS:
+        return None
+    return f"at most {DRAIN_REASON_MAX_CHARS} characters, got {len(reason)}"
+
+
+def clip_drain_reason(reason: str) -> str:
+    """`reason` cut to DRAIN_REASON_MAX_CHARS, marked as cut: for reasons trainguard composes
+    (an incident's summary, a scheduler's reason string), which must never fail the drain."""
+    if len(reason) <= DRAIN_REASON_MAX_CHARS:
+        return reason
+    marker = "... (cut)"
+    return reason[: DRAIN_REASON_MAX_CHARS - len(marker)] + marker
 
 
 def metric_value(value: object) -> float | None:

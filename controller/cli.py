@@ -34,6 +34,7 @@ import httpx
 import yaml
 
 from trainguard import __version__
+from trainguard.bounds import bad_drain_reason
 from trainguard.clock import SYSTEM_CLOCK
 from trainguard.controller.auth import hash_token
 from trainguard.controller.completion import SHELLS, completion_script
@@ -697,6 +698,12 @@ def _add_rules_commands(sub: Any, *, common: argparse.ArgumentParser) -> None:
         "agentctl rules check /etc/trainguard/rules",
     )
     check.add_argument("paths", nargs="*", help="rule files or directories")
+    check.add_argument(
+        "--controller-config",
+        metavar="FILE",
+        help="the controller config whose api.max_nodes and rule_budget size the cost check"
+        " (default: their defaults)",
+    )
     export = _command(
         rsub,
         "export",
@@ -886,6 +893,9 @@ def _run_api(args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
         _describe_cmd(api, args, out)
     elif cmd == "drain":
         # no reason: the controller records who drained it and that agentctl did
+        why = bad_drain_reason(args.reason) if args.reason is not None else None
+        if why is not None:
+            raise CliError(f"error: --reason: {why}", EXIT["usage"])
         body = {"reason": args.reason} if args.reason is not None else {}
         data = api.request("POST", f"/v1/nodes/{_quote(args.node)}/drain", json=body)
         _print(out, args, "node", data)
@@ -949,6 +959,8 @@ def _run_api(args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
 def _rules_offline(args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
     # deferred: the rule language, its signal tables and the engine are a third of agentctl's
     # start-up, and only these two offline commands use them
+    from trainguard.controller.config import ControllerConfig, load_config  # noqa: PLC0415
+    from trainguard.controller.rules.cost import check_costs, limits_of  # noqa: PLC0415
     from trainguard.controller.rules.export import to_prometheus_rules  # noqa: PLC0415
     from trainguard.controller.rules.loader import RuleError, load_rules  # noqa: PLC0415
 
@@ -957,6 +969,10 @@ def _rules_offline(args: argparse.Namespace, out: IO[str], err: IO[str]) -> None
     try:
         ruleset = load_rules(paths)
         if args.rules_command == "check":
+            # the same cost check as the controller's at start and reload, same message
+            given = args.controller_config
+            config = load_config(given) if given is not None else ControllerConfig()
+            check_costs(ruleset, limits_of(config))
             # the XID catalog beside the rules too: the shipped one, or one in a directory given
             catalogs = [
                 XidCatalog.load(p / "xid_catalog.yaml")

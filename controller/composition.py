@@ -218,6 +218,7 @@ class Controller:
             store=self.store,
             clock=clock,
             wake=wake,
+            max_silences=config.api.max_silences,
         )
         self.ticker = TickService(
             config=config,

@@ -160,6 +160,52 @@ class StoreConfig:
 
 
 @dataclass(frozen=True)
+class ConnectionsConfig:
+    """Bounds on the API's connections and request bodies (controller/connlimits.py,
+    docs/security.md "Connections and bodies")."""
+
+    # Connections open at once; when full, the one idle longest is closed for a new one (none
+    # idle: 503). 0 = the open-file limit less 256 (LimitNOFILE=65536 in the systemd unit);
+    # a value above that limit is lowered to it.
+    max_open: int = 0
+    # Seconds a request may take to send its headers (from its first byte; a new connection's
+    # first request from the connect): a slowloris or a connection that never sends a request
+    # is closed (408). 10 s: a report's headers are one packet.
+    header_timeout_s: float = 10.0
+    # Seconds a request may take to send its body after its headers: 30 s moves the 4 MiB
+    # body limit over a 1.1 Mbit/s link.
+    body_timeout_s: float = 30.0
+    # Seconds an idle keep-alive connection stays open. 75 s: agents post every second and
+    # keep their connection; agentctl and scrapers reconnect.
+    idle_timeout_s: float = 75.0
+    # Requests in flight at once per credential (token; the peer address without one): an
+    # agent sends one at a time, agentctl a few. Beyond it: 429.
+    per_credential_requests: int = 16
+    # Body bytes in flight per credential (the declared Content-Length counts from the
+    # headers, before the body is read): two full-size reports. Beyond it: 429.
+    per_credential_body_bytes: int = 8 * 1024 * 1024
+    # Body bytes in flight from every caller together: 256 MiB (64 full-size reports at
+    # once; a 2,000-node cluster's reports are a few KiB each). Beyond it: 503.
+    total_body_bytes: int = 256 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.max_open <= 1_000_000:
+            raise Invalid("max_open", f"must be within 0..1000000, got {self.max_open}")
+        for name in ("header_timeout_s", "body_timeout_s", "idle_timeout_s"):
+            _positive(name, getattr(self, name))
+        if self.per_credential_requests < 1:
+            raise Invalid(
+                "per_credential_requests", f"must be >= 1, got {self.per_credential_requests}"
+            )
+        _positive("per_credential_body_bytes", self.per_credential_body_bytes)
+        if self.total_body_bytes < self.per_credential_body_bytes:
+            raise Invalid(
+                "total_body_bytes",
+                f"must be >= per_credential_body_bytes ({self.per_credential_body_bytes})",
+            )
+
+
+@dataclass(frozen=True)
 class ApiConfig:
     # Loopback by default: exposing the API is a deliberate choice (with TLS below).
     host: str = "127.0.0.1"
@@ -191,6 +237,12 @@ class ApiConfig:
     # (403 naming the limit, nothing stored), so a caller with an agent credential cannot
     # grow the store and the live state without end. 10,000 is 5x a 2,000-node cluster.
     max_nodes: int = 10_000
+    # Most silences active at once: one more is refused (403 naming the limit), so a caller
+    # with a writer credential cannot grow the silence table, and every incident's silence
+    # check, without end. 1,000 is far more than operators keep (a few per maintenance).
+    max_silences: int = 1000
+    # Connections and bodies in flight (see ConnectionsConfig).
+    connections: ConnectionsConfig = field(default_factory=ConnectionsConfig)
 
     def __post_init__(self) -> None:
         for name in ("tokens_file", "tls_cert_file", "tls_key_file", "tls_client_ca_file"):
@@ -202,8 +254,15 @@ class ApiConfig:
         if not 0 <= self.port <= 65535:
             raise Invalid("port", f"must be within 0..65535, got {self.port}")
         _positive("max_body_bytes", self.max_body_bytes)
+        if self.connections.per_credential_body_bytes < self.max_body_bytes:
+            raise Invalid(
+                "connections.per_credential_body_bytes",
+                f"must be >= max_body_bytes ({self.max_body_bytes}): one full body must pass",
+            )
         if not 1 <= self.max_nodes <= 1_000_000:
             raise Invalid("max_nodes", f"must be within 1..1000000, got {self.max_nodes}")
+        if not 1 <= self.max_silences <= 100_000:
+            raise Invalid("max_silences", f"must be within 1..100000, got {self.max_silences}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise Invalid("tls_key_file", "tls_cert_file and tls_key_file go together")
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:
@@ -513,6 +572,69 @@ class HaConfig:
 
 
 @dataclass(frozen=True)
+class RuleBudgetConfig:
+    """What the rules may cost the tick: a cost model checked at load (controller/rules/
+    cost.py, docs/rules.md "Cost") and each rule's evaluation time measured every tick
+    (controller/rules/overrun.py)."""
+
+    # The cluster a rule's cost is sized for (at most api.max_nodes): 2,048 nodes, the size
+    # the tick's benchmark holds to 250 ms (BENCHMARKS.md), each an 8-GPU node with 18 NVLinks
+    # per GPU (H100 SXM), 8 IB ports and 8 ranks (one per GPU). Set it to your cluster's size.
+    nodes: int = 2048
+    gpus_per_node: int = 8
+    nvlinks_per_gpu: int = 18
+    ib_ports_per_node: int = 8
+    ranks_per_node: int = 8
+    # Percent of a counter's series that hold history at once: a counter keeps points only
+    # while it counts (errors, events). 1% of the NVLinks of 2,048 nodes erroring together is
+    # already a fabric-wide incident.
+    moving_counters_percent: float = 1.0
+    # Most history points one rule may scan per tick at that size (docs/rules.md "Cost").
+    # The costliest shipped rule scans about 0.55 M (NVLink error rates); 1.5 M admits it
+    # with room and refuses a 15 min max_over_time over every GPU's temperature (3 M, about
+    # 4 s a tick at 2,048 nodes).
+    max_cost_per_rule: int = 1_500_000
+    # Most for all rules together: the shipped set scans about 1.1 M.
+    max_cost_total: int = 5_000_000
+    # Seconds one rule's evaluation may take in one tick; past it the rule is cut for that
+    # tick (its targets keep their state) and the tick counts an overrun.
+    eval_budget_s: float = 0.5
+    # Consecutive overrunning ticks that disable a rule (evaluation skipped until the next
+    # reload, an incident opened). 3: one slow tick (a GC pause, a burst of reports) is not it.
+    overrun_ticks: int = 3
+    # Seconds all rules may take in one tick; the rules after it wait for the next tick. Well
+    # under the watchdog's 10 s, so rule cost never gets the controller restarted.
+    tick_budget_s: float = 3.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.nodes <= 1_000_000:
+            raise Invalid("nodes", f"must be within 1..1000000, got {self.nodes}")
+        if not 0 <= self.moving_counters_percent <= 100:
+            raise Invalid(
+                "moving_counters_percent",
+                f"must be within 0..100, got {self.moving_counters_percent}",
+            )
+        for name in ("gpus_per_node", "nvlinks_per_gpu", "ib_ports_per_node", "ranks_per_node"):
+            value = getattr(self, name)
+            if not 1 <= value <= 1024:
+                raise Invalid(name, f"must be within 1..1024, got {value}")
+        _positive("max_cost_per_rule", self.max_cost_per_rule)
+        if self.max_cost_total < self.max_cost_per_rule:
+            raise Invalid(
+                "max_cost_total", f"must be >= max_cost_per_rule ({self.max_cost_per_rule})"
+            )
+        _positive("eval_budget_s", self.eval_budget_s)
+        if self.overrun_ticks < 1:
+            raise Invalid("overrun_ticks", f"must be >= 1, got {self.overrun_ticks}")
+        if not self.eval_budget_s <= self.tick_budget_s <= 5.0:
+            raise Invalid(
+                "tick_budget_s",
+                f"must be within eval_budget_s ({self.eval_budget_s})..5 s: the watchdog"
+                " expects a tick within 10 s",
+            )
+
+
+@dataclass(frozen=True)
 class LogConfig:
     level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -546,6 +668,8 @@ class ControllerConfig:
     log: LogConfig = field(default_factory=LogConfig)
     # Leader election between controllers on one PostgreSQL store; off by default.
     ha: HaConfig = field(default_factory=HaConfig)
+    # What rules may cost the tick, at load and at run time.
+    rule_budget: RuleBudgetConfig = field(default_factory=RuleBudgetConfig)
 
     def __post_init__(self) -> None:
         _positive("tick_interval_s", self.tick_interval_s)
@@ -599,6 +723,7 @@ __all__ = [
     "BackendConfig",
     "CREDENTIALS_VAR",
     "ConfigError",
+    "ConnectionsConfig",
     "ControllerConfig",
     "JobsConfig",
     "LogConfig",
@@ -606,6 +731,7 @@ __all__ = [
     "NotifyConfig",
     "PagerDutyConfig",
     "RetentionConfig",
+    "RuleBudgetConfig",
     "SafetyConfig",
     "Secret",
     "SlackConfig",

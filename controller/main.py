@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import json
 import logging
+import math
 import signal
 import socket
 import sys
@@ -27,6 +30,12 @@ from trainguard.controller.auth import load_tokens
 from trainguard.controller.backup import main as backup_main
 from trainguard.controller.composition import Controller
 from trainguard.controller.config import load_config
+from trainguard.controller.connlimits import (
+    CredentialLimits,
+    bounded,
+    conn_limits,
+    tune_malloc,
+)
 from trainguard.controller.errors import ServiceError
 from trainguard.controller.ha import HaController
 from trainguard.controller.ingest.frontend import IngestFrontend
@@ -217,17 +226,20 @@ def _serve(
         ingest_in_threadpool=threadpool,
         leadership=controller if isinstance(controller, HaController) else None,
     )
+    limits = conn_limits(config.api.connections)
+    tls = uvicorn_tls_options(
+        cert_file=config.api.tls_cert_file,
+        key_file=config.api.tls_key_file,
+        client_ca_file=config.api.tls_client_ca_file,
+    )
+    tune_malloc()  # large bodies unmapped when freed: a burst's memory goes back
     uv_config = uvicorn.Config(
-        app,
+        CredentialLimits(app, limits=limits),
         log_level="warning",
         access_log=False,
         lifespan="off",
-        timeout_keep_alive=75,  # agents keep one connection and post every second
-        **uvicorn_tls_options(
-            cert_file=config.api.tls_cert_file,
-            key_file=config.api.tls_key_file,
-            client_ca_file=config.api.tls_client_ca_file,
-        ),
+        timeout_keep_alive=math.ceil(limits.idle_timeout_s),
+        **bounded(tls, limits),
     )
     server: Any = uvicorn.Server(uv_config)
     if config.api.ingest_workers > 0:
@@ -240,6 +252,7 @@ def _serve(
             tls_key_file=config.api.tls_key_file,
             tls_client_ca_file=config.api.tls_client_ca_file,
             log_level=logging.getLevelName(logging.getLogger().level).lower(),
+            conn_limits=json.dumps(dataclasses.asdict(limits)),
         )
     notifier = SystemdNotifier()
 

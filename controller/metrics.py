@@ -47,6 +47,23 @@ class ControllerMetrics:
             buckets=EVAL_BUCKETS_S,
             registry=r,
         )
+        self.rule_overruns_total = Counter(
+            "trainguard_controller_rule_overruns_total",
+            "Rule evaluations cut at rule_budget.eval_budget_s, by rule.",
+            ["rule"],
+            registry=r,
+        )
+        self.rule_disabled = Gauge(
+            "trainguard_controller_rule_disabled",
+            "1 while a rule is disabled for overrunning its budget (until a reload), by rule.",
+            ["rule"],
+            registry=r,
+        )
+        self.rules_deferred_total = Counter(
+            "trainguard_controller_rules_deferred_total",
+            "Rule evaluations left for the next tick: rule_budget.tick_budget_s was spent.",
+            registry=r,
+        )
         self.tick_seconds = Histogram(
             "trainguard_controller_tick_seconds",
             "Time of one whole tick: flush, evaluation, incidents, commands.",

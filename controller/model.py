@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-Scope = Literal["gpu", "nvlink", "ib_port", "node", "rank", "job"]
+# "controller": the controller itself (a rule it disabled for overrunning its budget)
+Scope = Literal["gpu", "nvlink", "ib_port", "node", "rank", "job", "controller"]
 Severity = Literal["info", "warning", "critical"]
 DecisionState = Literal["pending", "firing", "resolved"]
 
@@ -19,7 +20,7 @@ class Target:
     """What a rule instance is about. Unused coordinates are None.
 
     gpu: node+gpu; nvlink: node+gpu+link; ib_port: node+device+port; node: node;
-    rank: job+rank (+ node where the rank runs); job: job.
+    rank: job+rank (+ node where the rank runs); job: job; controller: nothing.
     """
 
     scope: Scope
@@ -39,6 +40,8 @@ class Target:
             parts += [str(self.job), str(self.rank)]
         elif self.scope == "job":
             parts += [str(self.job)]
+        elif self.scope == "controller":
+            pass
         else:
             parts.append(str(self.node))
             if self.scope in ("gpu", "nvlink"):
@@ -62,6 +65,8 @@ class Target:
         if self.scope == "rank":
             where = f" ({self.node})" if self.node else ""
             return f"{self.job} rank {self.rank}{where}"
+        if self.scope == "controller":
+            return "controller"
         return f"job {self.job}"
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from trainguard.clock import Clock
 from trainguard.controller.actions.worker import ActionRunner
-from trainguard.controller.errors import BadRequest, Conflict, NotFound
+from trainguard.controller.errors import BadRequest, Conflict, LimitReached, NotFound
 from trainguard.controller.incidents import IncidentManager
 from trainguard.controller.jobs import JobManager, JobSpec
 from trainguard.controller.jobstate import JobState
@@ -42,7 +42,9 @@ class OperatorService:
         store: Store,
         clock: Clock,
         wake: threading.Event,
+        max_silences: int = 1000,
     ) -> None:
+        self._max_silences = max_silences  # api.max_silences
         self._live = live
         self._queries = queries
         self._jobs = jobs
@@ -200,6 +202,12 @@ class OperatorService:
         if not duration_s > 0:
             raise BadRequest(f"duration_s must be > 0, got {duration_s}")
         now = self._clock.now()
+        active = self._store.silences.find(now=now, include_expired=False)
+        if len(active) >= self._max_silences:
+            raise LimitReached(
+                f"{len(active)} silences are active, the most api.max_silences allows"
+                f" ({self._max_silences}): delete one or let one expire first"
+            )
         silence = self._store.silences.add(
             rule=rule or None,
             node=node or None,

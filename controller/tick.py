@@ -38,15 +38,17 @@ from trainguard.controller.model import Decision, Target
 from trainguard.controller.queries import QueryService
 from trainguard.controller.records import NewAction
 from trainguard.controller.rules import engine
-from trainguard.controller.rules.engine import EngineMemory, MemoryEntry
+from trainguard.controller.rules.cost import check_costs, limits_of
+from trainguard.controller.rules.engine import EngineMemory, EvalTiming, MemoryEntry
 from trainguard.controller.rules.loader import RuleError, RuleSet, load_rules
+from trainguard.controller.rules.overrun import OverrunGuard, disabled_decision
 from trainguard.controller.signals import SIGNAL_EVENT_KINDS
 from trainguard.controller.store import Store
 from trainguard.controller.store.errors import LeaseLost, StoreUnavailable
 from trainguard.protocol import Event, ProtocolError, decoder
 from trainguard.strict import ConfigError
 
-__all__ = ["TickService", "load_rule_set"]
+__all__ = ["TickService", "load_rule_set", "load_rules_within_budget"]
 
 log = logging.getLogger("trainguard.controller")
 
@@ -63,10 +65,18 @@ class _RestoredMemory:
     until: float
 
 
+def load_rules_within_budget(config: ControllerConfig) -> RuleSet:
+    """The configured rules, each and all within rule_budget's cost (raises RuleError)."""
+    rules = load_rules(config.rules)
+    check_costs(rules, limits_of(config))
+    return rules
+
+
 def load_rule_set(config: ControllerConfig) -> RuleSet:
-    """The configured rules; a bad rule file is a configuration error (exit 2)."""
+    """The configured rules; a bad rule file, or rules over their cost budget, is a
+    configuration error (exit 2)."""
     try:
-        return load_rules(config.rules)
+        return load_rules_within_budget(config)
     except RuleError as e:
         raise ConfigError(e.file, f"rule {e.rule}" if e.rule else "rules", e.reason) from None
 
@@ -104,6 +114,7 @@ class TickService:
         self._metrics = metrics
         self._wake = wake
         self._tick_lock = threading.Lock()  # one evaluation at a time
+        self._overruns = OverrunGuard(overrun_ticks=config.rule_budget.overrun_ticks)
         self._started_at = clock.now()
         self._seeded: dict[tuple[str, str], _RestoredMemory] = {}
         self._replay_events()
@@ -309,6 +320,13 @@ class TickService:
                 rules = self._rules
             try:
                 eval_started = time.perf_counter()
+                budget = self._config.rule_budget
+                timing = EvalTiming(
+                    timer=time.perf_counter,
+                    rule_budget_s=budget.eval_budget_s,
+                    tick_budget_s=budget.tick_budget_s,
+                    skip=self._overruns.skip,
+                )
                 # looked up on the module at each tick (tests substitute engine.evaluate)
                 decisions, self._memory = engine.evaluate(
                     rules=rules,
@@ -316,10 +334,12 @@ class TickService:
                     now=now,
                     memory=self._memory,
                     stale_after_s=self._config.stale_after_s,
+                    timing=timing,
                 )
                 self._metrics.rule_eval_seconds.observe(time.perf_counter() - eval_started)
             finally:
                 live.end_evaluation()
+            decisions += self._overrun_decisions(timing, rules=rules, now=now)
             with live.lock:
                 if self._seeded:
                     decisions = self._hold_seeded(decisions, now=now)
@@ -329,6 +349,38 @@ class TickService:
             self._runner.run_due(now=now)
         self.update_gauges(now)
         self._metrics.tick_seconds.observe(time.perf_counter() - started)
+
+    def _overrun_decisions(
+        self, timing: EvalTiming, *, rules: RuleSet, now: float
+    ) -> list[Decision]:
+        """Count this tick's overruns; each disabled rule's incident decision (firing every
+        tick while it stays disabled)."""
+        metrics = self._metrics
+        for name in timing.cut:
+            metrics.rule_overruns_total.labels(rule=name).inc()
+            log.warning(
+                "event=rule_overrun rule=%s spent_s=%.3f budget_s=%g",
+                name,
+                timing.spent_s.get(name, 0.0),
+                timing.rule_budget_s,
+            )
+        if timing.deferred:
+            metrics.rules_deferred_total.inc(len(timing.deferred))
+            log.warning(
+                "event=rules_deferred rules=%s tick_budget_s=%g",
+                ",".join(timing.deferred),
+                timing.tick_budget_s,
+            )
+        for gone in self._overruns.observe(timing, now=now):
+            metrics.rule_disabled.labels(rule=gone.rule).set(1)
+            log.error(
+                "event=rule_disabled rule=%s ticks=%d spent_s=%.3f budget_s=%g",
+                gone.rule,
+                gone.ticks,
+                gone.spent_s,
+                gone.budget_s,
+            )
+        return [disabled_decision(d, rule=rules.get(d.rule)) for d in self._overruns.disabled()]
 
     def apply_decisions(self, decisions: Sequence[Decision], *, now: float) -> list[int]:
         """Feed decisions to the incident layer; returns ids of incidents opened."""
@@ -481,14 +533,26 @@ class TickService:
     def reload_rules(self, *, actor: str) -> int:
         """Load the rule files again; a bad file raises BadRequest and the running rules stay."""
         try:
-            rules = load_rules(self._config.rules)
+            rules = load_rules_within_budget(self._config)
         except RuleError as e:
             log.warning("event=rules_reload_failed actor=%s error=%s", actor, e)
             raise BadRequest(f"rules not reloaded, the running rules stay: {e}") from None
         live = self._live
         with live.lock:
+            old_rules = self._rules
             self._rules = rules
             live.change_signals(live.signals.track, rules.history_needs())
+        with self._tick_lock:  # a reload is the fix: disabled rules run again
+            enabled = self._overruns.reset()
+        for gone in enabled:
+            self._metrics.rule_disabled.labels(rule=gone.rule).set(0)
+            log.info("event=rule_enabled rule=%s actor=%s", gone.rule, actor)
+        if enabled:
+            now = self._clock.now()
+            resolved = [
+                disabled_decision(g, rule=old_rules.get(g.rule), state="resolved") for g in enabled
+            ]
+            self.apply_decisions(resolved, now=now)
         self._metrics.known_rules(rules.names())
         self._store.audit.record(
             ts=self._clock.now(),

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from trainguard.bounds import clip_drain_reason
 from trainguard.controller.actions.base import ActionContext, Outcome, PermanentError
 from trainguard.controller.records import CommandRecord
 from trainguard.controller.safety import stale_drain_reason
@@ -220,7 +221,8 @@ class DrainHandler:
                 done=False,
                 poll_after_s=self.poll_interval_s,
             )
-        reason = str(ctx.params.get("reason", "")) or "drained by trainguard"
+        # an incident's reason carries its rule's summary: cut, never refused, on this path
+        reason = clip_drain_reason(str(ctx.params.get("reason", "")) or "drained by trainguard")
         if ctx.progress.get("phase") == "draining":
             state = self.backend.poll(node, key=ctx.action.idempotency_key, progress=ctx.progress)
             progress = ctx.progress

@@ -11,6 +11,7 @@ from fastapi import Depends, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
+from trainguard.bounds import DrainReason
 from trainguard.controller.api.requests import Bodies, Guards
 from trainguard.controller.api.routing import Routes, ok
 from trainguard.controller.auth import Principal
@@ -31,7 +32,7 @@ _CLIENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,31}")
 @dataclass(frozen=True)
 class DrainRequest:
     # absent or blank: "drained by <token name> (<role>) via <client>", see _drain_reason
-    reason: str | None = None
+    reason: DrainReason | None = None
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends, Path, Request
+from fastapi import Depends, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
@@ -20,7 +20,10 @@ from trainguard.controller.auth import Principal
 from trainguard.controller.service import ControllerService
 from trainguard.controller.views import SilenceView
 
-__all__ = ["SilenceRequest", "add_silence_routes"]
+__all__ = ["CONTINUE_HEADER", "SilenceRequest", "add_silence_routes"]
+
+# On a full page of GET /v1/silences: the `continue` value that fetches the next page.
+CONTINUE_HEADER = "X-Trainguard-Continue"
 
 log = logging.getLogger("trainguard.controller.api")
 
@@ -46,9 +49,18 @@ def add_silence_routes(
         routes.answer("Silences", schemas.array(SilenceView), (401, 403, 422)),
     )
     async def list_silences(
-        include_expired: bool = False, _: Principal = Depends(reader)
+        include_expired: bool = False,
+        limit: int = Query(1000, ge=1, le=10_000),
+        after_id: int = Query(0, alias="continue", ge=0, le=INT64_MAX),
+        _: Principal = Depends(reader),
     ) -> Response:
-        return ok(await run_in_threadpool(service.list_silences, include_expired=include_expired))
+        # by id; a full page names where the next starts (X-Trainguard-Continue: ?continue=)
+        views = await run_in_threadpool(service.list_silences, include_expired=include_expired)
+        page = [v for v in views if v.id > after_id][: limit + 1]
+        reply = ok(page[:limit])
+        if len(page) > limit:
+            reply.headers[CONTINUE_HEADER] = str(page[limit - 1].id)
+        return reply
 
     @routes.add(
         "POST",

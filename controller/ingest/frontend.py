@@ -155,6 +155,7 @@ class IngestFrontend:
         ready_timeout_s: float = 60.0,
         stop_grace_s: float = 10.0,
         clock: Clock = SYSTEM_CLOCK,
+        conn_limits: str | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -169,6 +170,7 @@ class IngestFrontend:
         self._max_frame_bytes = max_body_bytes + _META_ALLOWANCE_BYTES
         self._tls = (tls_cert_file, tls_key_file, tls_client_ca_file)
         self._log_level = log_level
+        self._conn_limits = conn_limits  # connlimits.ConnLimits as JSON, for each worker
         self._ready_timeout_s = ready_timeout_s
         self._stop_grace_s = stop_grace_s
         self._clock = clock
@@ -258,6 +260,8 @@ class IngestFrontend:
             cmd += ["--tls-cert-file", cert, "--tls-key-file", key]
         if client_ca is not None:
             cmd += ["--tls-client-ca-file", client_ca]
+        if self._conn_limits is not None:
+            cmd += ["--conn-limits", self._conn_limits]
         # spawned from the event loop's (main) thread: the parent-death signal fires when the
         # thread that forked exits, and this one lives as long as the core
         return subprocess.Popen(cmd, pass_fds=(listen_fd, channel_fd), stdin=subprocess.DEVNULL)

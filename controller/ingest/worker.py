@@ -13,6 +13,7 @@ import asyncio
 import ctypes
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from trainguard.controller.auth import TokenStore
+from trainguard.controller.connlimits import ConnLimits, CredentialLimits, bounded
 from trainguard.controller.ingest.frames import (
     ANSWER_MAX_BYTES,
     KIND_ANSWER,
@@ -215,18 +217,25 @@ async def _worker(args: argparse.Namespace) -> int:
         log.error("event=ingest_worker_no_tokens worker=%d", args.worker)
         reading.cancel()
         return 1
+    tls = uvicorn_tls_options(
+        cert_file=args.tls_cert_file,
+        key_file=args.tls_key_file,
+        client_ca_file=args.tls_client_ca_file,
+    )
+    app: Any = WorkerApp(channel, max_body_bytes=args.max_body_bytes)
+    keep_alive_s = 75
+    if args.conn_limits is not None:  # the core's api.connections (controller/connlimits.py)
+        limits = ConnLimits(**json.loads(args.conn_limits))
+        app, tls = CredentialLimits(app, limits=limits), bounded(tls, limits)
+        keep_alive_s = math.ceil(limits.idle_timeout_s)
     server = uvicorn.Server(
         uvicorn.Config(
-            WorkerApp(channel, max_body_bytes=args.max_body_bytes),
+            app,
             log_level="warning",
             access_log=False,
             lifespan="off",
-            timeout_keep_alive=75,
-            **uvicorn_tls_options(
-                cert_file=args.tls_cert_file,
-                key_file=args.tls_key_file,
-                client_ca_file=args.tls_client_ca_file,
-            ),
+            timeout_keep_alive=keep_alive_s,
+            **tls,
         )
     )
 
@@ -268,6 +277,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--tls-cert-file", default=None)
     p.add_argument("--tls-key-file", default=None)
     p.add_argument("--tls-client-ca-file", default=None)
+    p.add_argument("--conn-limits", default=None, help="connlimits.ConnLimits as JSON")
     return p.parse_args(argv)
 
 

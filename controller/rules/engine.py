@@ -6,6 +6,12 @@ on every tick once it has held that long, and "resolved" once when a pending or 
 condition stops holding (or its target or rule disappears). Cooldowns, silences and
 deduplication belong to the incident layer.
 
+Timed evaluation (`timing=EvalTiming(...)`, the tick's): each rule's evaluation is measured
+with the injected timer; a rule past `rule_budget_s` is cut for this tick, a rule in `skip`
+(disabled) is not evaluated, and once the whole evaluation has spent `tick_budget_s` the
+remaining rules wait for the next tick. A rule not evaluated to its end decides nothing: its
+targets keep the state they had (a firing one keeps firing, nothing resolves).
+
 No action on stale data: for gpu, nvlink, ib_port and rank scopes, a target on a node whose
 last report is older than `stale_after_s` keeps its state (a pending one stays pending, a firing
 one keeps firing, nothing new starts and nothing resolves); node silence is the node rules' job.
@@ -14,7 +20,7 @@ one keeps firing, nothing new starts and nothing resolves); node silence is the 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -23,7 +29,7 @@ from trainguard.controller.model import Decision, Target
 from trainguard.controller.rules.loader import Rule, RuleSet
 from trainguard.controller.signals import EvalContext, SignalState, target_of
 
-__all__ = ["HELD_SCOPES", "EngineMemory", "MemoryEntry", "evaluate"]
+__all__ = ["HELD_SCOPES", "EngineMemory", "EvalTiming", "MemoryEntry", "evaluate"]
 
 # Scopes whose data comes from one node's report, so a silent node freezes them.
 HELD_SCOPES = frozenset({"gpu", "nvlink", "ib_port", "rank"})
@@ -56,6 +62,21 @@ class EngineMemory:
         return len(self.entries)
 
 
+@dataclass
+class EvalTiming:
+    """The clock and budgets of a timed evaluation, and what it measured (filled in by
+    `evaluate`): seconds spent per rule evaluated, rules cut at `rule_budget_s`, rules left
+    for the next tick once `tick_budget_s` was spent."""
+
+    timer: Callable[[], float]  # monotonic seconds (the tick passes time.perf_counter)
+    rule_budget_s: float
+    tick_budget_s: float
+    skip: frozenset[str] = frozenset()
+    spent_s: dict[str, float] = field(default_factory=dict)
+    cut: set[str] = field(default_factory=set)
+    deferred: list[str] = field(default_factory=list)
+
+
 def evaluate(
     *,
     rules: RuleSet,
@@ -63,44 +84,44 @@ def evaluate(
     now: float,
     memory: EngineMemory,
     stale_after_s: float = 10.0,
+    timing: EvalTiming | None = None,
 ) -> tuple[list[Decision], EngineMemory]:
     """One tick: the Decisions for this instant and the memory for the next tick."""
     decisions: list[Decision] = []
     new: dict[tuple[str, str], MemoryEntry] = {}
     old = memory.entries
     fresh_after = now - stale_after_s
+    started = timing.timer() if timing is not None else 0.0
     for rule in rules.rules:
-        ctx = EvalContext(signals, now=now, stale_after_s=stale_after_s)
-        held = rule.scope in HELD_SCOPES
-        cond = rule.condition
-        memo_key = None if cond.uses_age() else (rule.name, cond.source)
-        for _ in signals.matches(
-            rule.scope,
-            ctx,
-            fresh_after=fresh_after if held else None,
-            test=cond.compiled.test,
-            memo_key=memo_key,
-            reads=cond.signals(),
-        ):
-            target = Target(*target_of(rule.scope, ctx))
-            key = (rule.name, target.key)
-            prev = old.get(key)
-            since = prev.since if prev is not None else now
-            state = "firing" if now - since >= rule.for_s else "pending"
-            value = _number(rule.condition.compiled.value(ctx))
-            entry = MemoryEntry(
-                target=target,
-                since=since,
-                state=state,
-                severity=rule.severity,
-                actions=rule.actions,
-                summary=_summary(rule, target, value),
-                value=value,
-                labels=rule.labels,
-                cooldown_s=rule.cooldown_s,
-            )
+        deadline = None
+        begun = 0.0
+        if timing is not None:
+            begun = timing.timer()
+            if rule.name in timing.skip or begun - started >= timing.tick_budget_s:
+                if rule.name not in timing.skip:
+                    timing.deferred.append(rule.name)
+                _carry(rule.name, old, new, decisions)
+                continue
+            deadline = begun + timing.rule_budget_s
+        found = _evaluate_rule(
+            rule,
+            signals,
+            now=now,
+            stale_after_s=stale_after_s,
+            old=old,
+            deadline=deadline,
+            timer=timing.timer if timing is not None else None,
+        )
+        if timing is not None:
+            timing.spent_s[rule.name] = timing.timer() - begun
+        if found is None:  # cut at its budget: no verdict this tick
+            assert timing is not None
+            timing.cut.add(rule.name)
+            _carry(rule.name, old, new, decisions)
+            continue
+        for key, entry in found.items():
             new[key] = entry
-            decisions.append(_decision(rule.name, entry, state))
+            decisions.append(_decision(rule.name, entry, entry.state))
     for key, entry in old.items():
         if key in new:
             continue
@@ -116,6 +137,83 @@ def evaluate(
             continue
         decisions.append(_decision(rule_name, entry, "resolved"))
     return decisions, EngineMemory(MappingProxyType(new))
+
+
+def _evaluate_rule(
+    rule: Rule,
+    signals: SignalState,
+    *,
+    now: float,
+    stale_after_s: float,
+    old: Mapping[tuple[str, str], MemoryEntry],
+    deadline: float | None,
+    timer: Callable[[], float] | None,
+) -> dict[tuple[str, str], MemoryEntry] | None:
+    """The entries of the targets where `rule` holds; None when it ran past `deadline` (the
+    clock is read before each target's test, so a rule that matches nothing is cut too)."""
+    found: dict[tuple[str, str], MemoryEntry] = {}
+    ctx = EvalContext(signals, now=now, stale_after_s=stale_after_s)
+    cond = rule.condition
+    memo_key = None if cond.uses_age() else (rule.name, cond.source)
+    test = cond.compiled.test
+    if deadline is not None and timer is not None:
+        test = _bounded(test, timer=timer, deadline=deadline)
+    try:
+        for _ in signals.matches(
+            rule.scope,
+            ctx,
+            fresh_after=now - stale_after_s if rule.scope in HELD_SCOPES else None,
+            test=test,
+            memo_key=memo_key,
+            reads=cond.signals(),
+        ):
+            target = Target(*target_of(rule.scope, ctx))
+            key = (rule.name, target.key)
+            prev = old.get(key)
+            since = prev.since if prev is not None else now
+            value = _number(cond.compiled.value(ctx))
+            found[key] = MemoryEntry(
+                target=target,
+                since=since,
+                state="firing" if now - since >= rule.for_s else "pending",
+                severity=rule.severity,
+                actions=rule.actions,
+                summary=_summary(rule, target, value),
+                value=value,
+                labels=rule.labels,
+                cooldown_s=rule.cooldown_s,
+            )
+    except _OverBudget:
+        return None
+    return found
+
+
+class _OverBudget(Exception):
+    """A rule's evaluation passed its deadline (raised from its test, caught by its caller)."""
+
+
+def _bounded(
+    test: Callable[[EvalContext], bool], *, timer: Callable[[], float], deadline: float
+) -> Callable[[EvalContext], bool]:
+    def bounded(ctx: EvalContext) -> bool:
+        if timer() > deadline:
+            raise _OverBudget
+        return test(ctx)
+
+    return bounded
+
+
+def _carry(
+    rule_name: str,
+    old: Mapping[tuple[str, str], MemoryEntry],
+    new: dict[tuple[str, str], MemoryEntry],
+    decisions: list[Decision],
+) -> None:
+    """A rule not evaluated this tick: its targets keep their entries and states."""
+    for key, entry in old.items():
+        if key[0] == rule_name:
+            new[key] = entry
+            decisions.append(_decision(rule_name, entry, entry.state))
 
 
 def _node_silent(signals: SignalState, target: Target, fresh_after: float) -> bool:

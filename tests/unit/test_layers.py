@@ -432,6 +432,7 @@ CONTROLLER_LAYER_OF: dict[str, str] = {
     "cli": "top",
     "completion": "top",
     "composition": "top",  # the composition root
+    "connlimits": "top",  # connection and body limits, around the app and its server
     "ha": "top",
     "main": "top",
 }

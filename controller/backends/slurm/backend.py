@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from trainguard.bounds import clip_drain_reason
 from trainguard.clock import Clock
 from trainguard.controller.actions.base import (
     ActionContext,
@@ -69,10 +70,11 @@ _POLL_S = 0.5
 
 
 def trainguard_reason(*, reason: str, rule: str | None, incident_id: int | None) -> str:
-    """The Slurm drain reason trainguard writes (and later recognises as its own)."""
+    """The Slurm drain reason trainguard writes (and later recognises as its own), cut to the
+    drain reason bound: it is one argument of `scontrol`."""
     if rule and incident_id is not None:
-        return f"{REASON_PREFIX} {rule} incident {incident_id}"
-    return f"{REASON_PREFIX} {reason}"
+        return clip_drain_reason(f"{REASON_PREFIX} {rule} incident {incident_id}")
+    return clip_drain_reason(f"{REASON_PREFIX} {reason}")
 
 
 def node_state_of(node: SlurmNode) -> tuple[str, str | None]:
