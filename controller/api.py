@@ -1,7 +1,7 @@
 """The controller's REST API (`/v1`): routes, bearer auth by role, body limits, error shape.
 
 The API calls only `ControllerService`. Every body is decoded by the wire decoders of
-`trainguard.fastwire` (strict, field paths in errors) and every answer is encoded with
+`trainguard.wire_schemas` (strict, field paths in errors) and every answer is encoded with
 `trainguard.protocol.to_wire` (non-finite floats as strings), so no NaN ever reaches JSON. The
 OpenAPI document at `/v1/openapi.json` is generated from the same wire schemas.
 Errors are always `{"error": "...", "detail": ...}`; bad input gets a 4xx, never a 5xx.
@@ -55,8 +55,8 @@ from trainguard.controller.views import (
     NodeView,
     SilenceView,
 )
-from trainguard.fastwire import decoder, json_schema
 from trainguard.protocol import FaultSpec, ProtocolError, Report, ReportResponse, to_wire
+from trainguard.wire_schemas import decoder, json_schema
 
 __all__ = [
     "CLIENT_HEADER",

@@ -25,7 +25,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trainguard.decode import INT64_MAX, INT64_MIN, NONFINITE, Bound
-from trainguard.fastwire import decoder
 from trainguard.model import GpuSample, IbPortSample, NvLinkSample
 from trainguard.protocol import (
     PROTOCOL_VERSION,
@@ -42,6 +41,7 @@ from trainguard.protocol import (
     from_wire,
     to_wire,
 )
+from trainguard.wire_schemas import decoder
 
 
 class _Reject(Exception):
