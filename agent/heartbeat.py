@@ -21,7 +21,7 @@ import stat
 import struct
 import threading
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,15 @@ KNOWN_EVENTS = {
     "exit": "trainer_exit",
     "stop": "trainer_stop",
 }
+# Heartbeat fields a RankState does not carry: the sender's clock, the rank's socket, the edge
+# event (spooled as an Event of its own) and the protocol version. Every other Heartbeat field
+# reaches RankState under its own name (a test holds the two classes to this).
+HEARTBEAT_ONLY_FIELDS = frozenset({"t", "control_socket", "event", "event_data", "v"})
+# RankState fields the agent computes itself rather than copies
+RANK_STATE_OWN_FIELDS = frozenset({"heartbeat_age_s", "step_age_s"})
+RANK_STATE_FROM_HEARTBEAT: tuple[str, ...] = tuple(
+    f.name for f in fields(Heartbeat) if f.name not in HEARTBEAT_ONLY_FIELDS
+)
 MAX_PENDING_EVENTS = 1000  # between two drains (one collect tick); a flood is capped here
 MAX_SENDERS = 1024  # token buckets kept, least recently used evicted
 STOP_POLL_MS = 500  # the reader notices close() within this
@@ -463,21 +472,7 @@ def _bounded(data: dict[str, Any]) -> dict[str, Any]:
 def _rank_state(t: _Track, now_mono: float) -> RankState:
     hb = t.hb
     return RankState(
-        job=hb.job,
-        rank=hb.rank,
-        step=hb.step,
-        local_rank=hb.local_rank,
-        world_size=hb.world_size,
-        pid=hb.pid,
-        loss=hb.loss,
-        grad_norm=hb.grad_norm,
-        samples_per_s=hb.samples_per_s,
-        tokens_per_s=hb.tokens_per_s,
-        step_time_s=hb.step_time_s,
-        compute_time_s=hb.compute_time_s,
-        phase=hb.phase,
+        **{name: getattr(hb, name) for name in RANK_STATE_FROM_HEARTBEAT},
         heartbeat_age_s=max(0.0, now_mono - t.seen_mono),
         step_age_s=max(0.0, now_mono - t.step_changed_mono),
-        ckpt_step=hb.ckpt_step,
-        ckpt_request_id=hb.ckpt_request_id,
     )
