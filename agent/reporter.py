@@ -24,13 +24,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import random
 import ssl
 import stat
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, cast, get_args
@@ -47,6 +46,7 @@ from trainguard.protocol import (
     ProtocolError,
     Report,
     ReportResponse,
+    encode_json,
     from_wire,
 )
 
@@ -351,7 +351,7 @@ class Reporter:
         self._seq += 1
         events = self._spool.pending(self._max_events)
         full = self._build(self._seq, events)
-        body = encode_report(self.deltas.prepare(full))
+        body = encode_json(self.deltas.prepare(full))
         tried: set[int] = set()
         while True:
             tried.add(self._current)
@@ -474,7 +474,7 @@ class Reporter:
         """The report again, for another controller: full, since the delta base is what the
         previous controller acknowledged, which the next may not hold."""
         self.deltas.reset()
-        return encode_report(self.deltas.prepare(full))
+        return encode_json(self.deltas.prepare(full))
 
     def _succeeded(self, answer: ReportResponse) -> ReportOutcome:
         self.results_total["ok"] += 1
@@ -635,43 +635,6 @@ def decode_response(raw: bytes) -> ReportResponse:
         for i, c in enumerate(answer.commands)
     )
     return dataclasses.replace(answer, commands=fixed)
-
-
-_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
-
-
-def _wire(value: Any) -> Any:
-    """`trainguard.protocol.to_wire` with the field names cached per class: same output (a test
-    compares them), ~3x faster, which matters for a report sent every second forever."""
-    t = type(value)
-    if t is float:
-        if math.isfinite(value):
-            return value
-        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    if t is int or t is str or t is bool or value is None:
-        return value
-    names = _FIELD_NAMES.get(t)
-    if names is None and dataclasses.is_dataclass(value) and not isinstance(value, type):
-        names = _FIELD_NAMES[t] = tuple(f.name for f in dataclasses.fields(value))
-    if names is not None:
-        out = {}
-        for name in names:
-            v = getattr(value, name)
-            if v is not None:
-                out[name] = _wire(v)
-        return out
-    if isinstance(value, float):
-        return _wire(float(value))
-    if isinstance(value, Mapping):
-        return {str(k): _wire(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_wire(v) for v in value]
-    return value
-
-
-def encode_report(report: Report) -> bytes:
-    """The report as compact JSON bytes, exactly as `trainguard.protocol.encode_json` writes it."""
-    return json.dumps(_wire(report), separators=(",", ":"), allow_nan=False).encode()
 
 
 def _refuses_deltas(resp: httpx.Response) -> bool:

@@ -70,6 +70,7 @@ __all__ = [
     "encode_json",
     "from_wire",
     "to_wire",
+    "wire_float",
 ]
 
 PROTOCOL_VERSION = 1
@@ -306,21 +307,38 @@ class FaultSpec:
 # --- encoding ------------------------------------------------------------------------------
 
 
+def wire_float(value: float) -> float | str:
+    """A float as the wire writes it: finite as it is, non-finite as "NaN", "Infinity" or
+    "-Infinity" (JSON has no NaN; the one decoder reads these strings back)."""
+    if math.isfinite(value):
+        return value
+    if math.isnan(value):
+        return "NaN"
+    return "Infinity" if value > 0 else "-Infinity"
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
 def _encode(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    # field names cached per class: a report is encoded every second, forever
+    t = type(value)
+    if t is float:
+        return wire_float(value)
+    if t is int or t is str or t is bool or value is None:
+        return value
+    names = _FIELD_NAMES.get(t)
+    if names is None and dataclasses.is_dataclass(value) and not isinstance(value, type):
+        names = _FIELD_NAMES[t] = tuple(f.name for f in dataclasses.fields(value))
+    if names is not None:
         out = {}
-        for f in dataclasses.fields(value):
-            v = getattr(value, f.name)
-            if v is None:
-                continue  # absent, not zero
-            out[f.name] = _encode(v)
+        for name in names:
+            v = getattr(value, name)
+            if v is not None:  # absent, not zero
+                out[name] = _encode(v)
         return out
     if isinstance(value, float):
-        if math.isnan(value):
-            return "NaN"
-        if math.isinf(value):
-            return "Infinity" if value > 0 else "-Infinity"
-        return value
+        return wire_float(float(value))
     if isinstance(value, Mapping):
         return {str(k): _encode(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
@@ -365,6 +383,7 @@ def from_wire(cls: type[T], data: Any) -> T:
 
 
 def encode_json(msg: Any) -> bytes:
+    """The one JSON wire encoder: `to_wire(msg)` as compact JSON bytes."""
     return json.dumps(to_wire(msg), separators=(",", ":"), allow_nan=False).encode()
 
 
