@@ -12,7 +12,7 @@ import operator
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
-from trainguard.controller.signals.catalogue import _RANK_DOCS, DEFAULT_TRACKED, SCOPES, SIGNALS
+from trainguard.controller.signals.catalogue import DEFAULT_TRACKED, RANK_FIELDS, SCOPES, SIGNALS
 from trainguard.controller.signals.getters import EvalContext, getter
 from trainguard.controller.signals.records import (
     _JOB_NUMERIC,
@@ -111,7 +111,7 @@ class SignalState:
         self._link_sig = _tuple_getter(("link", *self._link_fields))
         self._ib_sig_names = tuple(sorted(t["ib_port"]))
         self._ib_derived = tuple(n for n in ("up", "phys_up", "rate_gbps") if n in t["ib_port"])
-        self._rank_fields = tuple(n for n in _RANK_DOCS if n in t["rank"])
+        self._rank_fields = tuple(n for n in RANK_FIELDS if n in t["rank"])
         self._node_fields = tuple(
             n for n in ("gpus", "gpus_lost", "ib_ports", "ib_ports_down") if n in t["node"]
         )
