@@ -29,9 +29,11 @@ from trainguard.clock import Clock
 from trainguard.protocol import (
     HEARTBEAT_MAX_BYTES,
     Control,
+    EventKind,
     Heartbeat,
     ProtocolError,
     RankState,
+    TrainerEdge,
     decode_json,
     encode_json,
 )
@@ -46,13 +48,13 @@ DROP_REASONS = (
     "rate_limited",
     "too_many_ranks",
 )
-# heartbeat `event` names that map to their own Event kind; others become "trainer_event"
-KNOWN_EVENTS = {
-    "nan_loss": "nan_loss",
-    "checkpoint_committed": "checkpoint_committed",
-    "checkpoint_failed": "checkpoint_failed",
-    "exit": "trainer_exit",
-    "stop": "trainer_stop",
+# heartbeat `event` names that map to their own Event kind; others become TRAINER_EVENT
+KNOWN_EVENTS: dict[str, EventKind] = {
+    TrainerEdge.NAN_LOSS: EventKind.NAN_LOSS,
+    TrainerEdge.CHECKPOINT_COMMITTED: EventKind.CHECKPOINT_COMMITTED,
+    TrainerEdge.CHECKPOINT_FAILED: EventKind.CHECKPOINT_FAILED,
+    TrainerEdge.EXIT: EventKind.TRAINER_EXIT,
+    TrainerEdge.STOP: EventKind.TRAINER_STOP,
 }
 # Heartbeat fields a RankState does not carry: the sender's clock, the rank's socket, the edge
 # event (spooled as an Event of its own) and the protocol version. Every other Heartbeat field
@@ -76,7 +78,7 @@ _CRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 class TrainerEvent:
     """A heartbeat's edge event, waiting to be turned into a spooled Event."""
 
-    kind: str
+    kind: EventKind
     ts: float
     job: str
     rank: int
@@ -367,7 +369,7 @@ class HeartbeatServer:
                 self.events_dropped_total += 1
             self._events.append(
                 TrainerEvent(
-                    kind=KNOWN_EVENTS.get(hb.event, "trainer_event"),
+                    kind=KNOWN_EVENTS.get(hb.event, EventKind.TRAINER_EVENT),
                     ts=self._clock.now(),
                     job=hb.job,
                     rank=hb.rank,

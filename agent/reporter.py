@@ -43,6 +43,7 @@ from trainguard.protocol import (
     Command,
     CommandKind,
     Event,
+    EventKind,
     ProtocolError,
     Report,
     ReportResponse,
@@ -100,7 +101,7 @@ class EventSpool:
     def add(
         self,
         *,
-        kind: str,
+        kind: EventKind,
         ts: float,
         gpu: int | None = None,
         job: str | None = None,
@@ -610,7 +611,7 @@ def _retry_after_s(resp: httpx.Response) -> float:
     return float(min(int(value), 3600))
 
 
-_COMMAND_KINDS = frozenset(get_args(CommandKind))
+_COMMAND_KINDS = frozenset(k.value for k in CommandKind)
 
 
 def decode_response(raw: bytes) -> ReportResponse:
@@ -625,7 +626,7 @@ def decode_response(raw: bytes) -> ReportResponse:
             if isinstance(c, dict) and isinstance(c.get("kind"), str):
                 if c["kind"] not in _COMMAND_KINDS:
                     unknown[i] = c["kind"]
-                    commands[i] = {**c, "kind": "checkpoint"}  # any known kind, to decode
+                    commands[i] = {**c, "kind": CommandKind.CHECKPOINT.value}  # any known kind
         data = {**data, "commands": commands}
     answer = from_wire(ReportResponse, data)
     if not unknown:

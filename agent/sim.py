@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from trainguard.clock import Clock
 from trainguard.model import GpuCollection, GpuSample, HardwareEvent, IbPortSample, NvLinkSample
-from trainguard.protocol import FaultSpec
+from trainguard.protocol import EventKind, FaultSpec
 from trainguard.signals import IB_ERROR_COUNTERS
 
 GPU_NAME = "NVIDIA H100 80GB HBM3"
@@ -214,7 +214,7 @@ class SimHardware:
             gpu.lost = True
             self._events.append(
                 HardwareEvent(
-                    kind="gpu_lost",
+                    kind=EventKind.GPU_LOST,
                     ts=now,
                     gpu=gpu.index,
                     pci_bus_id=gpu.pci_bus_id,
@@ -227,7 +227,7 @@ class SimHardware:
         bus = gpu.pci_bus_id[5:12]  # "18:00.0" -> kernel prints "PCI:0000:18:00"
         self._events.append(
             HardwareEvent(
-                kind="xid",
+                kind=EventKind.XID,
                 ts=now,
                 gpu=gpu.index,
                 pci_bus_id=gpu.pci_bus_id,

@@ -37,7 +37,7 @@ from trainguard.controller.jobs import JobManager
 from trainguard.controller.livestate import JobSeen, LiveState
 from trainguard.controller.metrics import ControllerMetrics
 from trainguard.controller.store import CommandResultRow, FreshNode, Store
-from trainguard.protocol import Command, Report, ReportResponse, to_wire
+from trainguard.protocol import Command, EventKind, Report, ReportResponse, to_wire
 
 __all__ = ["ReportService"]
 
@@ -225,7 +225,7 @@ class ReportService:
     def _store_events(self, node: str, instance: str, events: Sequence[Any]) -> None:
         results: list[CommandResultRow] = []
         for e in events:
-            if e.kind == "command_result":
+            if e.kind == EventKind.COMMAND_RESULT:
                 command_id = e.data.get("command_id")
                 if isinstance(command_id, str):
                     results.append(

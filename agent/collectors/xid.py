@@ -17,6 +17,7 @@ from collections.abc import Callable
 from trainguard.agent.collectors import bus_id_device_prefix, normalize_bus_id
 from trainguard.clock import SYSTEM_CLOCK, Clock
 from trainguard.model import HardwareEvent
+from trainguard.protocol import EventKind
 
 __all__ = ["KmsgXidSource", "parse_kmsg_line"]
 
@@ -71,7 +72,7 @@ def parse_kmsg_line(line: str, *, now: float) -> HardwareEvent | None:
             return None
         rest = m.group("rest") or ""
         return HardwareEvent(
-            kind="xid",
+            kind=EventKind.XID,
             ts=now,
             pci_bus_id=bus,
             code=int(m.group("code")),
@@ -84,7 +85,7 @@ def parse_kmsg_line(line: str, *, now: float) -> HardwareEvent | None:
         except ValueError:
             return None
         return HardwareEvent(
-            kind="fallen_off_bus",
+            kind=EventKind.FALLEN_OFF_BUS,
             ts=now,
             pci_bus_id=bus,
             message="GPU has fallen off the bus",

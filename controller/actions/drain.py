@@ -21,6 +21,7 @@ from typing import Any, Literal, Protocol
 from trainguard.controller.actions.base import ActionContext, Outcome, PermanentError
 from trainguard.controller.safety import stale_drain_reason
 from trainguard.controller.store import CommandRecord
+from trainguard.protocol import CommandKind
 
 log = logging.getLogger("trainguard.controller.drain")
 
@@ -117,7 +118,10 @@ class LocalDrainBackend:
             return "drained", {}
         command_id = f"drain-{key}"
         self._ops.queue_command(
-            node, "stop_job", {"job": job, "grace_s": self._grace_s}, command_id=command_id
+            node,
+            CommandKind.STOP_JOB,
+            {"job": job, "grace_s": self._grace_s},
+            command_id=command_id,
         )
         log.info("event=drain_stop_job node=%s job=%s command=%s", node, job, command_id)
         if self._silent(node):

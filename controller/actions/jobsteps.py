@@ -24,6 +24,7 @@ from typing import Any
 from trainguard.controller.actions.base import ActionContext, Outcome, PermanentError
 from trainguard.controller.jobs import RESUME_SKIP_ENV, JobManager, JobSpec, shrink_plan
 from trainguard.controller.store import CommandRecord, JobRecord
+from trainguard.protocol import CommandKind
 
 log = logging.getLogger("trainguard.controller.jobsteps")
 
@@ -137,7 +138,7 @@ class CheckpointHandler(JobStep):
             for node in targets:
                 self.jobs.nodes.queue_command(
                     node,
-                    "checkpoint",
+                    CommandKind.CHECKPOINT,
                     {"job": job.name, "request_id": progress["request_id"]},
                     command_id=f"ckpt-{ctx.action.idempotency_key}-{node}",
                 )
@@ -508,7 +509,7 @@ class RestartHandler(JobStep):
         for node in stopping:
             self.jobs.nodes.queue_command(
                 node,
-                "stop_job",
+                CommandKind.STOP_JOB,
                 {"job": job.name, "grace_s": self.jobs.config.stop_grace_s},
                 command_id=f"stop-{ctx.action.idempotency_key}-{node}",
             )
@@ -619,7 +620,10 @@ class RestartHandler(JobStep):
             if spec.rdzv_conf:
                 args["rdzv_conf"] = dict(spec.rdzv_conf)
             self.jobs.nodes.queue_command(
-                node, "start_job", args, command_id=f"start-{job.name}-{job.attempt}-{node}"
+                node,
+                CommandKind.START_JOB,
+                args,
+                command_id=f"start-{job.name}-{job.attempt}-{node}",
             )
         progress.update(phase="confirm", attempt=job.attempt, nodes=nodes, started_at=ctx.now)
         progress.setdefault("stop_sent_at", ctx.now)
@@ -910,7 +914,7 @@ class StopHandler(JobStep):
             for node in nodes:
                 self.jobs.nodes.queue_command(
                     node,
-                    "stop_job",
+                    CommandKind.STOP_JOB,
                     {"job": job.name, "grace_s": self.jobs.config.stop_grace_s},
                     command_id=f"stop-{ctx.action.idempotency_key}-{node}",
                 )
@@ -970,7 +974,7 @@ class CollectStacksHandler(JobStep):
             for node in nodes:
                 self.jobs.nodes.queue_command(
                     node,
-                    "collect_stacks",
+                    CommandKind.COLLECT_STACKS,
                     {"job": job.name},
                     command_id=f"stacks-{ctx.action.idempotency_key}-{node}",
                 )
