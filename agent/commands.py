@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from trainguard.protocol import Command, Control, FaultSpec, ProtocolError, from_wire
+from trainguard.protocol import Command, CommandKind, Control, FaultSpec, ProtocolError, from_wire
 
 log = logging.getLogger("trainguard.agent.commands")
 
@@ -111,7 +111,7 @@ def control_handlers(sender: ControlSender) -> dict[str, Handler]:
         )
         return relay(cmd, control)
 
-    return {"checkpoint": checkpoint, "stop_ranks": stop_ranks}
+    return {CommandKind.CHECKPOINT: checkpoint, CommandKind.STOP_RANKS: stop_ranks}
 
 
 def fault_handlers(target: FaultTarget | None) -> dict[str, Handler]:
@@ -124,7 +124,7 @@ def fault_handlers(target: FaultTarget | None) -> dict[str, Handler]:
         target.inject(spec)
         return CommandResult(ok=True, message=f"injected {spec.kind}", data={"fault": spec.kind})
 
-    return {"inject_fault": inject_fault}
+    return {CommandKind.INJECT_FAULT: inject_fault}
 
 
 def unsupported_job_handlers() -> dict[str, Handler]:
@@ -133,7 +133,7 @@ def unsupported_job_handlers() -> dict[str, Handler]:
     def not_supported(cmd: Command) -> CommandResult:
         return CommandResult(ok=False, message=f"{cmd.kind}: not supported yet on this agent")
 
-    return {"start_job": not_supported, "stop_job": not_supported}
+    return {CommandKind.START_JOB: not_supported, CommandKind.STOP_JOB: not_supported}
 
 
 def default_executor(*, sender: ControlSender, fault_target: FaultTarget | None) -> CommandExecutor:

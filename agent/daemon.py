@@ -61,7 +61,7 @@ from trainguard.model import (
     IbCollector,
     IbPortSample,
 )
-from trainguard.protocol import Command, Control, Event, FaultSpec, Report
+from trainguard.protocol import Command, CommandKind, Control, Event, EventKind, FaultSpec, Report
 from trainguard.strict import ConfigError
 from trainguard.systemd import SystemdNotifier
 from trainguard.xid_catalog import XidCatalog
@@ -72,7 +72,7 @@ MAX_XID_SERIES = 1024  # (gpu, xid) pairs counted; a garbled kernel log cannot g
 COMMAND_QUEUE_MAX = 1000
 # Commands that wait on the ranks (seconds): run by a worker thread so the collect loop, the
 # watchdog and /healthz keep going meanwhile. One at a time, in arrival order.
-SLOW_COMMANDS = frozenset({"collect_stacks"})
+SLOW_COMMANDS = frozenset({CommandKind.COLLECT_STACKS})
 # The last report on shutdown carries the stop's own events (job exits); bounded so a dead
 # controller cannot hold up the stop (systemd's TimeoutStopSec is 20 s).
 FINAL_REPORT_TIMEOUT_S = 2.0
@@ -682,7 +682,7 @@ class Agent:
                 message=tev.message,
                 data=tev.data,
             )
-            if tev.kind == "checkpoint_committed":
+            if tev.kind == EventKind.CHECKPOINT_COMMITTED:
                 self._note_checkpoint(tev)
 
     def _spool_job_events(self) -> None:
@@ -734,7 +734,7 @@ class Agent:
             request_id,
         )
         self._spool_event(
-            kind="preemption_notice",
+            kind=EventKind.PREEMPTION_NOTICE,
             ts=self._clock.now(),
             message=f"{notice.provider} {notice.action}",
             data={
@@ -822,7 +822,7 @@ class Agent:
                 t.deadline_s,
             )
             self._spool_event(
-                kind="source_stale",
+                kind=EventKind.SOURCE_STALE,
                 ts=self._clock.now(),
                 message=f"{t.source}: a call has run {t.running_s:.1f} s "
                 f"(deadline {t.deadline_s:g} s)",
@@ -833,14 +833,14 @@ class Agent:
                 "event=source_recovered source=%s stale_for_s=%.1f", t.source, t.stale_for_s
             )
             self._spool_event(
-                kind="source_recovered",
+                kind=EventKind.SOURCE_RECOVERED,
                 ts=self._clock.now(),
                 message=f"{t.source}: on time again after {t.stale_for_s:.1f} s stale",
                 data={"source": t.source, "stale_for_s": t.stale_for_s},
             )
 
     def _on_hardware_event(self, ev: HardwareEvent) -> None:
-        if ev.kind == "xid" and ev.gpu is not None and ev.code is not None:
+        if ev.kind == EventKind.XID and ev.gpu is not None and ev.code is not None:
             key = (ev.gpu, ev.code)
             if key in self._xid_total or len(self._xid_total) < MAX_XID_SERIES:
                 self._xid_total[key] = self._xid_total.get(key, 0) + 1
@@ -860,7 +860,7 @@ class Agent:
             data={"pci_bus_id": ev.pci_bus_id} if ev.pci_bus_id else {},
         )
 
-    def _spool_event(self, *, kind: str, ts: float, **kwargs: Any) -> Event | None:
+    def _spool_event(self, *, kind: EventKind, ts: float, **kwargs: Any) -> Event | None:
         """Count the event; spool it only when a controller will ever read the spool."""
         with self._count_lock:
             self._events_total[kind] = self._events_total.get(kind, 0) + 1
@@ -926,7 +926,7 @@ class Agent:
         with self._count_lock:
             self._commands_total[key] = self._commands_total.get(key, 0) + 1
         self._spool_event(
-            kind="command_result",
+            kind=EventKind.COMMAND_RESULT,
             ts=self._clock.now(),
             job=cmd.args.get("job") if isinstance(cmd.args.get("job"), str) else None,
             message=result.message,
@@ -956,7 +956,7 @@ class Agent:
             spec.duration_s,
         )
         ev = self._spool_event(
-            kind="fault_injected",
+            kind=EventKind.FAULT_INJECTED,
             ts=self._clock.now(),
             gpu=spec.gpu,
             message=spec.kind,

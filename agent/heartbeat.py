@@ -25,7 +25,7 @@ import struct
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +34,11 @@ from trainguard.clock import Clock
 from trainguard.protocol import (
     HEARTBEAT_MAX_BYTES,
     Control,
+    EventKind,
     Heartbeat,
     ProtocolError,
     RankState,
+    TrainerEdge,
     decode_json,
     encode_json,
 )
@@ -52,14 +54,23 @@ DROP_REASONS = (
     "too_many_ranks",
     "sender_not_allowed",  # the sending process may not speak for that job or rank (REFUSALS)
 )
-# heartbeat `event` names that map to their own Event kind; others become "trainer_event"
-KNOWN_EVENTS = {
-    "nan_loss": "nan_loss",
-    "checkpoint_committed": "checkpoint_committed",
-    "checkpoint_failed": "checkpoint_failed",
-    "exit": "trainer_exit",
-    "stop": "trainer_stop",
+# heartbeat `event` names that map to their own Event kind; others become TRAINER_EVENT
+KNOWN_EVENTS: dict[str, EventKind] = {
+    TrainerEdge.NAN_LOSS: EventKind.NAN_LOSS,
+    TrainerEdge.CHECKPOINT_COMMITTED: EventKind.CHECKPOINT_COMMITTED,
+    TrainerEdge.CHECKPOINT_FAILED: EventKind.CHECKPOINT_FAILED,
+    TrainerEdge.EXIT: EventKind.TRAINER_EXIT,
+    TrainerEdge.STOP: EventKind.TRAINER_STOP,
 }
+# Heartbeat fields a RankState does not carry: the sender's clock, the rank's socket, the edge
+# event (spooled as an Event of its own) and the protocol version. Every other Heartbeat field
+# reaches RankState under its own name (a test holds the two classes to this).
+HEARTBEAT_ONLY_FIELDS = frozenset({"t", "control_socket", "event", "event_data", "v"})
+# RankState fields the agent computes itself rather than copies
+RANK_STATE_OWN_FIELDS = frozenset({"heartbeat_age_s", "step_age_s"})
+RANK_STATE_FROM_HEARTBEAT: tuple[str, ...] = tuple(
+    f.name for f in fields(Heartbeat) if f.name not in HEARTBEAT_ONLY_FIELDS
+)
 MAX_PENDING_EVENTS = 1000  # between two drains (one collect tick); a flood is capped here
 MAX_SENDERS = 1024  # token buckets kept, least recently used evicted
 STOP_POLL_MS = 500  # the reader notices close() within this
@@ -75,7 +86,7 @@ _MAX_REFUSAL_LOG_KEYS = 256
 class TrainerEvent:
     """A heartbeat's edge event, waiting to be turned into a spooled Event."""
 
-    kind: str
+    kind: EventKind
     ts: float
     job: str
     rank: int
@@ -412,7 +423,7 @@ class HeartbeatServer:
                 self.events_dropped_total += 1
             self._events.append(
                 TrainerEvent(
-                    kind=KNOWN_EVENTS.get(hb.event, "trainer_event"),
+                    kind=KNOWN_EVENTS.get(hb.event, EventKind.TRAINER_EVENT),
                     ts=self._clock.now(),
                     job=hb.job,
                     rank=hb.rank,
@@ -525,21 +536,7 @@ def _bounded(data: dict[str, Any]) -> dict[str, Any]:
 def _rank_state(t: _Track, now_mono: float) -> RankState:
     hb = t.hb
     return RankState(
-        job=hb.job,
-        rank=hb.rank,
-        step=hb.step,
-        local_rank=hb.local_rank,
-        world_size=hb.world_size,
-        pid=hb.pid,
-        loss=hb.loss,
-        grad_norm=hb.grad_norm,
-        samples_per_s=hb.samples_per_s,
-        tokens_per_s=hb.tokens_per_s,
-        step_time_s=hb.step_time_s,
-        compute_time_s=hb.compute_time_s,
-        phase=hb.phase,
+        **{name: getattr(hb, name) for name in RANK_STATE_FROM_HEARTBEAT},
         heartbeat_age_s=max(0.0, now_mono - t.seen_mono),
         step_age_s=max(0.0, now_mono - t.step_changed_mono),
-        ckpt_step=hb.ckpt_step,
-        ckpt_request_id=hb.ckpt_request_id,
     )

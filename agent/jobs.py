@@ -47,11 +47,10 @@ from trainguard.agent.launchrec import (
 )
 from trainguard.bounds import bad_name_reason
 from trainguard.clock import SYSTEM_CLOCK, Clock
-from trainguard.protocol import Command, Event, JobProcess
+from trainguard.protocol import Command, CommandKind, Event, EventKind, JobProcess
 from trainguard.strict import ConfigError, Invalid, build
 
 __all__ = [
-    "JOB_EXIT",
     "LAUNCH_ID_ENV",
     "RESERVED_ENV",
     "JobAlreadyRunning",
@@ -75,7 +74,6 @@ __all__ = [
 
 log = logging.getLogger("trainguard.agent.jobs")
 
-JOB_EXIT = "job_exit"
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _RDZV_CONF_KEY = re.compile(r"[a-z][a-z0-9_]*")
@@ -232,12 +230,12 @@ class StopJob:
 
 def parse_start_job(args: Mapping[str, Any]) -> StartJob:
     """Strictly build StartJob from `Command.args`; raises JobError naming the key."""
-    return _parse(StartJob, args, "start_job")
+    return _parse(StartJob, args, CommandKind.START_JOB)
 
 
 def parse_stop_job(args: Mapping[str, Any]) -> StopJob:
     """Strictly build StopJob from `Command.args`; raises JobError naming the key."""
-    return _parse(StopJob, args, "stop_job")
+    return _parse(StopJob, args, CommandKind.STOP_JOB)
 
 
 def _parse(cls: Any, args: Mapping[str, Any], kind: str) -> Any:
@@ -390,7 +388,7 @@ def find_launch_processes(*, leader_pid: int, launch_id: str, proc_root: str = "
 class JobEvent:
     """An edge event from the job backend; the daemon turns it into a protocol Event."""
 
-    kind: str  # JOB_EXIT
+    kind: EventKind  # JOB_EXIT
     job: str
     attempt: int
     ts: float  # wall clock when the agent saw it
@@ -1099,7 +1097,7 @@ class JobRunner:
                     )
                     self._pending.append(
                         JobEvent(
-                            kind=JOB_EXIT,
+                            kind=EventKind.JOB_EXIT,
                             job=name,
                             attempt=pending.spec.attempt,
                             ts=self._clock.now(),
@@ -1322,7 +1320,7 @@ class JobRunner:
             data["leftovers_killed"] = status["leftovers_killed"]
         self._pending.append(
             JobEvent(
-                kind=JOB_EXIT,
+                kind=EventKind.JOB_EXIT,
                 job=j.spec.job,
                 attempt=j.spec.attempt,
                 ts=self._clock.now(),
@@ -1401,4 +1399,4 @@ def job_handlers(runner: JobRunner) -> dict[str, Handler]:
             ok=True, message=message, data={"job": spec.job, "signalled": signalled}
         )
 
-    return {"start_job": start_job, "stop_job": stop_job}
+    return {CommandKind.START_JOB: start_job, CommandKind.STOP_JOB: stop_job}

@@ -1,7 +1,9 @@
 """Prometheus exposition of the agent's latest samples, and its small HTTP server.
 
 `metric_families(snapshot)` is a pure function from an `AgentSnapshot` (what the collect loop
-last saw) to metric families; `SnapshotCollector` plugs it into a prometheus_client registry.
+last saw) to metric families: the hardware and trainer families are built from the contract's
+signal table (`trainguard.signals`), the agent's own from `OWN_METRICS`. `SnapshotCollector`
+plugs it into a prometheus_client registry.
 `AgentHttpServer` serves /metrics, /healthz and, for loopback clients of a sim-backend agent
 only, POST /v1/faults (local fault injection). No value can break the exposition: one that
 has no sample value (`trainguard.bounds.metric_value`) is skipped and counted.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import operator
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -25,11 +28,18 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from trainguard.bounds import metric_value
 from trainguard.model import GpuSample, IbPortSample
 from trainguard.protocol import FaultSpec, ProtocolError, RankState, from_wire
+from trainguard.signals import (
+    IB_COUNTERS,
+    IB_HW_COUNTERS,
+    SIGNALS,
+    Signal,
+    by_key,
+    ib_counter_prom,
+)
 
 log = logging.getLogger("trainguard.agent.metrics")
 
 FAULT_BODY_MAX_BYTES = 64 * 1024
-IB_DATA_COUNTERS = {"port_xmit_data": "transmit", "port_rcv_data": "receive"}
 
 
 @dataclass(frozen=True)
@@ -124,17 +134,233 @@ def _b(v: bool) -> float:
     return 1.0 if v else 0.0
 
 
+# --- the agent's own families (not signals): name -> (type, help, labels) -------------------
+
+OWN_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "trainguard_ib_port_unreadable_files": (
+        "gauge",
+        "sysfs files that could not be read.",
+        ("node", "device", "port"),
+    ),
+    "trainguard_trainer_checkpoint_duration_seconds": (
+        "gauge",
+        "Save time of the rank's newest committed checkpoint (snapshot to commit).",
+        ("node", "job", "rank"),
+    ),
+    "trainguard_trainer_checkpoint_timestamp_seconds": (
+        "gauge",
+        "Unix time the agent saw the rank's newest checkpoint commit.",
+        ("node", "job", "rank"),
+    ),
+    "trainguard_agent_info": ("gauge", "Agent build information (always 1).", ("node", "version")),
+    "trainguard_agent_collect_duration_seconds": (
+        "gauge",
+        "Duration of the last collection.",
+        ("node", "collector"),
+    ),
+    "trainguard_agent_collect_errors_total": (
+        "counter",
+        "Collector failures.",
+        ("node", "collector"),
+    ),
+    "trainguard_agent_reports_total": (
+        "counter",
+        "Reports to the controller, by result.",
+        ("node", "result"),
+    ),
+    "trainguard_agent_controller_current": (
+        "gauge",
+        "1 for the controller reports go to now, 0 for the other configured ones.",
+        ("node", "url"),
+    ),
+    "trainguard_agent_controller_switches_total": (
+        "counter",
+        "Moves to another controller, by reason (leader_redirect: a standby named the "
+        "leader; unreachable; unavailable: a 503 naming no leader to follow; "
+        "leader_not_listed: it named one outside controller.urls).",
+        ("node", "reason"),
+    ),
+    "trainguard_agent_heartbeats_received_total": ("counter", "Heartbeats accepted.", ("node",)),
+    "trainguard_agent_heartbeats_dropped_total": (
+        "counter",
+        "Heartbeat datagrams dropped, by reason.",
+        ("node", "reason"),
+    ),
+    "trainguard_agent_control_sent_total": (
+        "counter",
+        "Control datagrams sent to ranks.",
+        ("node",),
+    ),
+    "trainguard_agent_control_errors_total": (
+        "counter",
+        "Control datagrams that could not be sent.",
+        ("node",),
+    ),
+    "trainguard_agent_spool_events": ("gauge", "Events waiting for acknowledgement.", ("node",)),
+    "trainguard_agent_spool_dropped_events_total": (
+        "counter",
+        "Events dropped because the spool was full.",
+        ("node",),
+    ),
+    "trainguard_agent_events_total": ("counter", "Events spooled, by kind.", ("node", "kind")),
+    "trainguard_agent_commands_total": (
+        "counter",
+        "Controller commands executed.",
+        ("node", "kind", "result"),
+    ),
+    "trainguard_agent_loop_iterations_total": (
+        "counter",
+        "Collect loop iterations.",
+        ("node",),
+    ),
+    "trainguard_agent_preemption_notice": (
+        "gauge",
+        "1 once the cloud announced this VM's preemption or termination.",
+        ("node",),
+    ),
+    "trainguard_agent_source_stale": (
+        "gauge",
+        "1 while a collection source's call has overrun its deadline (its values are old).",
+        ("node", "source"),
+    ),
+    "trainguard_agent_source_last_success_timestamp_seconds": (
+        "gauge",
+        "Unix time a collection source's last call returned without error.",
+        ("node", "source"),
+    ),
+    "trainguard_agent_metric_values_skipped_total": (
+        "counter",
+        "Samples left out of /metrics because their value could not be exported.",
+        ("node",),
+    ),
+}
+
+
+_MetricFamily = GaugeMetricFamily | CounterMetricFamily
+
+
+def _own(name: str) -> _MetricFamily:
+    kind, doc, labels = OWN_METRICS[name]
+    make = _counter if kind == "counter" else _gauge
+    return make(name, doc, list(labels))
+
+
+# --- signal families, from the contract's signal table --------------------------------------
+
+# the identity labels of a sample of each exported scope
+SCOPE_LABELS: dict[str, tuple[str, ...]] = {
+    "gpu": ("node", "gpu", "uuid"),
+    "nvlink": ("node", "gpu", "uuid", "link"),
+    "ib_port": ("node", "device", "port"),
+    "rank": ("node", "job", "rank"),
+}
+
+
+@dataclass(frozen=True)
+class _Family:
+    """One exported family of a signal table: its type, help and label names."""
+
+    name: str
+    type: str
+    help: str
+    labels: tuple[str, ...]
+
+    def new(self) -> _MetricFamily:
+        make = _counter if self.type == "counter" else _gauge
+        return make(self.name, self.help, list(self.labels))
+
+
+@dataclass(frozen=True)
+class _Row:
+    """A signal read off a sample: the family it goes to, its fixed label values, its value."""
+
+    family: int  # index into the plan's families
+    read: Callable[[Any], Any]
+    labels: tuple[str, ...]
+    mul: float
+    div: float
+
+
+class _Plan:
+    """How the sample signals of one scope become families, in table order."""
+
+    def __init__(self, scope: str, signals: Iterable[Signal]) -> None:
+        self.families: list[_Family] = []
+        self.rows: list[_Row] = []
+        index: dict[str, int] = {}
+        for s in signals:
+            p = s.prom
+            if s.scope != scope or p is None or (p.read is None and not s.field):
+                continue  # not read off a sample (XIDs, counter files: see below)
+            labels = SCOPE_LABELS[scope] + tuple(k for k, _ in p.labels)
+            if p.name not in index:
+                index[p.name] = len(self.families)
+                self.families.append(_Family(p.name, s.type, p.help, labels))
+            read = p.read if p.read is not None else operator.attrgetter(s.name)
+            self.rows.append(_Row(index[p.name], read, tuple(v for _, v in p.labels), p.mul, p.div))
+
+    def build(self, samples: Iterable[tuple[list[str], Any]]) -> list[_MetricFamily]:
+        fams = [f.new() for f in self.families]
+        for labels, sample in samples:
+            for row in self.rows:
+                v = row.read(sample)
+                if v is None:
+                    continue
+                if isinstance(v, bool):
+                    v = _b(v)
+                elif row.mul != 1 or row.div != 1:
+                    v = v * row.mul / row.div
+                fams[row.family].add_metric([*labels, *row.labels], v)
+        return fams
+
+
+class _Plans:
+    """The plans of one signal table (computed once per table)."""
+
+    def __init__(self, signals: tuple[Signal, ...]) -> None:
+        self.signals = signals
+        self.gpu = _Plan("gpu", signals)
+        self.nvlink = _Plan("nvlink", signals)
+        self.ib_port = _Plan("ib_port", signals)
+        self.rank = _Plan("rank", signals)
+        keyed = by_key(signals)
+        self.xid = keyed["gpu", "xid_total"].prom
+        # the families of the sysfs counter files, in the order of the table's counters
+        ib: dict[str, _Family] = {}
+        for hw, names in ((False, IB_COUNTERS), (True, IB_HW_COUNTERS)):
+            for n in names:
+                p = ib_counter_prom(n, hw=hw)
+                labels = SCOPE_LABELS["ib_port"] + tuple(k for k, _ in p.labels)
+                ib.setdefault(p.name, _Family(p.name, "counter", p.help, labels))
+        self.ib_counters = ib
+
+
+_PLANS: dict[int, _Plans] = {}
+
+
+def _plans(signals: tuple[Signal, ...]) -> _Plans:
+    found = _PLANS.get(id(signals))
+    if found is None or found.signals is not signals:
+        found = _PLANS[id(signals)] = _Plans(signals)
+    return found
+
+
 def metric_families(
-    snap: AgentSnapshot, *, xid_severity: Callable[[int], str] | None = None
+    snap: AgentSnapshot,
+    *,
+    xid_severity: Callable[[int], str] | None = None,
+    signals: tuple[Signal, ...] = SIGNALS,
 ) -> list[Metric]:
-    """The metric families for one snapshot. Absent (None) fields give no sample."""
+    """The metric families for one snapshot. Absent (None) fields give no sample. `signals`:
+    the signal table the hardware and trainer families are built from."""
     node = snap.node
+    plans = _plans(signals)
     out: list[Metric] = []
-    groups: list[Callable[[], Iterator[Metric]]] = [
-        lambda: _gpu_families(snap, node, xid_severity),
-        lambda: _nvlink_families(snap, node),
-        lambda: _ib_families(snap, node),
-        lambda: _trainer_families(snap, node),
+    groups: list[Callable[[], Iterable[Metric]]] = [
+        lambda: _gpu_families(snap, node, plans, xid_severity),
+        lambda: _nvlink_families(snap, node, plans),
+        lambda: _ib_families(snap, node, plans),
+        lambda: _trainer_families(snap, node, plans),
         lambda: _agent_families(snap, node),
     ]
     for group in groups:
@@ -146,262 +372,57 @@ def metric_families(
         except Exception as e:
             SKIPPED.add()
             log.error("event=metrics_group_failed error=%s", type(e).__name__, exc_info=e)
-    skipped = _counter(
-        "trainguard_agent_metric_values_skipped_total",
-        "Samples left out of /metrics because their value could not be exported.",
-        ["node"],
-    )
+    skipped = _own("trainguard_agent_metric_values_skipped_total")
     skipped.add_metric([node], SKIPPED.total)
     out.append(skipped)
     return out
 
 
 def _gpu_families(
-    snap: AgentSnapshot, node: str, xid_severity: Callable[[int], str] | None
+    snap: AgentSnapshot, node: str, plans: _Plans, xid_severity: Callable[[int], str] | None
 ) -> Iterator[Metric]:
-    gl = ["node", "gpu", "uuid"]
-    simple: list[tuple[str, str, Callable[[GpuSample], float | None]]] = [
-        (
-            "trainguard_gpu_temperature_celsius",
-            "GPU core temperature.",
-            lambda g: g.temperature_celsius,
-        ),
-        ("trainguard_gpu_power_watts", "GPU power draw.", lambda g: g.power_watts),
-        (
-            "trainguard_gpu_utilization_ratio",
-            "Fraction of time a kernel was running.",
-            lambda g: (
-                None if g.utilization_gpu_percent is None else g.utilization_gpu_percent / 100
-            ),
-        ),
-        (
-            "trainguard_gpu_memory_utilization_ratio",
-            "Fraction of time memory was read/written.",
-            lambda g: (
-                None if g.utilization_memory_percent is None else g.utilization_memory_percent / 100
-            ),
-        ),
-        ("trainguard_gpu_memory_used_bytes", "GPU memory in use.", lambda g: g.memory_used_bytes),
-        (
-            "trainguard_gpu_memory_total_bytes",
-            "GPU memory installed.",
-            lambda g: g.memory_total_bytes,
-        ),
-        (
-            "trainguard_gpu_sm_clock_hertz",
-            "Current SM clock.",
-            lambda g: None if g.sm_clock_mhz is None else g.sm_clock_mhz * 1e6,
-        ),
-        (
-            "trainguard_gpu_remap_pending",
-            "1 if a row remapping is pending (needs a GPU reset).",
-            lambda g: None if g.remapped_rows_pending is None else _b(g.remapped_rows_pending),
-        ),
-        (
-            "trainguard_gpu_remap_failed",
-            "1 if a row remapping failed (replace the GPU).",
-            lambda g: None if g.remapped_rows_failure is None else _b(g.remapped_rows_failure),
-        ),
-        (
-            "trainguard_gpu_retired_pages_pending",
-            "1 if a page retirement is pending.",
-            lambda g: None if g.retired_pages_pending is None else _b(g.retired_pages_pending),
-        ),
-    ]
-    lost = _gauge("trainguard_gpu_lost", "1 if the GPU is lost (NVML GpuIsLost / off the bus).", gl)
-    families = [(_gauge(n, d, gl), f) for n, d, f in simple]
-    throttle = _gauge(
-        "trainguard_gpu_throttle_active",
-        "1 while the clock-event reason is active.",
-        [*gl, "reason"],
-    )
-    ecc = _counter(
-        "trainguard_gpu_ecc_errors_total",
-        "ECC errors (volatile: since driver load).",
-        [*gl, "type", "scope"],
-    )
-    remapped = _gauge("trainguard_gpu_remapped_rows", "Rows remapped, by kind.", [*gl, "kind"])
-    retired = _gauge(
-        "trainguard_gpu_retired_pages", "Retired memory pages, by cause.", [*gl, "cause"]
-    )
-    pcie = _counter("trainguard_gpu_pcie_replay_errors_total", "PCIe replay counter.", gl)
-    for g in snap.gpus:
-        labels = [node, str(g.index), g.uuid]
-        lost.add_metric(labels, _b(g.lost))
-        for fam, get in families:
-            v = get(g)
-            if v is not None:
-                fam.add_metric(labels, v)
-        for reason, on in (
-            ("hw_slowdown", g.throttle_hw_slowdown),
-            ("hw_thermal", g.throttle_hw_thermal),
-            ("sw_thermal", g.throttle_sw_thermal),
-            ("hw_power_brake", g.throttle_power_brake),
-        ):
-            if on is not None:
-                throttle.add_metric([*labels, reason], _b(on))
-        for kind, scope, v in (
-            ("corrected", "volatile", g.ecc_corrected_volatile_total),
-            ("uncorrected", "volatile", g.ecc_uncorrected_volatile_total),
-            ("corrected", "aggregate", g.ecc_corrected_aggregate_total),
-            ("uncorrected", "aggregate", g.ecc_uncorrected_aggregate_total),
-        ):
-            if v is not None:
-                ecc.add_metric([*labels, kind, scope], v)
-        for kind, v in (
-            ("correctable", g.remapped_rows_correctable),
-            ("uncorrectable", g.remapped_rows_uncorrectable),
-        ):
-            if v is not None:
-                remapped.add_metric([*labels, kind], v)
-        for cause, v in (("sbe", g.retired_pages_sbe), ("dbe", g.retired_pages_dbe)):
-            if v is not None:
-                retired.add_metric([*labels, cause], v)
-        if g.pcie_replay_total is not None:
-            pcie.add_metric(labels, g.pcie_replay_total)
+    yield from plans.gpu.build(([node, str(g.index), g.uuid], g) for g in snap.gpus)
+    if plans.xid is None:
+        return
     uuids = {g.index: g.uuid for g in snap.gpus}
-    xl = [*gl, "xid"] + (["severity"] if xid_severity else [])
-    xid = _counter("trainguard_gpu_xid_errors_total", "XID errors seen since agent start.", xl)
+    xl = [*SCOPE_LABELS["gpu"], "xid"] + (["severity"] if xid_severity else [])
+    xid = _counter(plans.xid.name, plans.xid.help, xl)
     for (gpu, code), n in sorted(snap.xid_total.items()):
         labels = [node, str(gpu), uuids.get(gpu, ""), str(code)]
         if xid_severity:
             labels.append(xid_severity(code))
         xid.add_metric(labels, n)
-    yield lost
-    for fam, _ in families:
-        yield fam
-    yield from (throttle, ecc, remapped, retired, pcie, xid)
+    yield xid
 
 
-def _nvlink_families(snap: AgentSnapshot, node: str) -> Iterator[Metric]:
-    ll = ["node", "gpu", "uuid", "link"]
-    up = _gauge("trainguard_nvlink_up", "1 if the NVLink is active.", ll)
-    errors = _counter("trainguard_nvlink_errors_total", "NVLink error counters.", [*ll, "type"])
-    for g in snap.gpus:
-        for link in g.nvlinks:
-            labels = [node, str(g.index), g.uuid, str(link.link)]
-            if link.up is not None:
-                up.add_metric(labels, _b(link.up))
-            for kind, v in (
-                ("crc_flit", link.crc_flit_errors_total),
-                ("crc_data", link.crc_data_errors_total),
-                ("replay", link.replay_errors_total),
-                ("recovery", link.recovery_errors_total),
-            ):
-                if v is not None:
-                    errors.add_metric([*labels, kind], v)
-    yield from (up, errors)
+def _nvlink_families(snap: AgentSnapshot, node: str, plans: _Plans) -> Iterator[Metric]:
+    yield from plans.nvlink.build(
+        ([node, str(g.index), g.uuid, str(link.link)], link)
+        for g in snap.gpus
+        for link in g.nvlinks
+    )
 
 
-def _ib_families(snap: AgentSnapshot, node: str) -> Iterator[Metric]:
-    pl = ["node", "device", "port"]
-    up = _gauge("trainguard_ib_port_up", "1 if the port state is ACTIVE.", pl)
-    phys_up = _gauge("trainguard_ib_port_physical_up", "1 if the physical state is LinkUp.", pl)
-    rate = _gauge(
-        "trainguard_ib_port_rate_bytes_per_second", "Negotiated link rate (Gb/s x 1e9 / 8).", pl
-    )
-    data = _counter(
-        "trainguard_ib_port_data_bytes_total", "Data bytes (sysfs words x 4).", [*pl, "direction"]
-    )
-    packets = _counter(
-        "trainguard_ib_port_packets_total",
-        "Packet counters from sysfs counters/.",
-        [*pl, "counter"],
-    )
-    wait = _counter(
-        "trainguard_ib_port_transmit_wait_ticks_total",
-        "Ticks a port had data to send but no credits (congestion).",
-        pl,
-    )
-    errors = _counter(
-        "trainguard_ib_port_errors_total",
-        "Error counters from sysfs counters/.",
-        [*pl, "counter"],
-    )
-    hw = _counter(
-        "trainguard_ib_port_hw_events_total",
-        "Driver counters from sysfs hw_counters/.",
-        [*pl, "counter"],
-    )
-    unreadable = _gauge(
-        "trainguard_ib_port_unreadable_files", "sysfs files that could not be read.", pl
-    )
+def _ib_families(snap: AgentSnapshot, node: str, plans: _Plans) -> Iterator[Metric]:
+    yield from plans.ib_port.build(([node, p.device, str(p.port)], p) for p in snap.ib_ports)
+    fams = {name: f.new() for name, f in plans.ib_counters.items()}
+    unreadable = _own("trainguard_ib_port_unreadable_files")
     for p in snap.ib_ports:
         labels = [node, p.device, str(p.port)]
-        if p.state is not None:
-            up.add_metric(labels, _b(p.state == "ACTIVE"))
-        if p.phys_state is not None:
-            phys_up.add_metric(labels, _b(p.phys_state == "LinkUp"))
-        if p.rate_gbps is not None:
-            rate.add_metric(labels, p.rate_gbps * 1e9 / 8)
-        for name, v in sorted(p.counters.items()):
-            if name in IB_DATA_COUNTERS:
-                data.add_metric([*labels, IB_DATA_COUNTERS[name]], v * 4)
-            elif name.endswith("_packets"):
-                packets.add_metric([*labels, name], v)
-            elif name == "port_xmit_wait":
-                wait.add_metric(labels, v)
-            else:
-                errors.add_metric([*labels, name], v)
-        for name, v in sorted(p.hw_counters.items()):
-            hw.add_metric([*labels, name], v)
+        for hw, counters in ((False, p.counters), (True, p.hw_counters)):
+            for name, raw in sorted(counters.items()):
+                prom = ib_counter_prom(name, hw=hw)
+                v = raw * prom.mul / prom.div if prom.mul != 1 or prom.div != 1 else raw
+                fams[prom.name].add_metric([*labels, *(lv for _, lv in prom.labels)], v)
         unreadable.add_metric(labels, len(p.unreadable))
-    yield from (up, phys_up, rate, data, packets, wait, errors, hw, unreadable)
+    yield from fams.values()
+    yield unreadable
 
 
-def _trainer_families(snap: AgentSnapshot, node: str) -> Iterator[Metric]:
-    rl = ["node", "job", "rank"]
-    spec: list[tuple[str, str, Callable[[RankState], float | None]]] = [
-        ("trainguard_trainer_step", "Latest training step.", lambda r: r.step),
-        ("trainguard_trainer_loss", "Latest loss (NaN stays NaN).", lambda r: r.loss),
-        ("trainguard_trainer_grad_norm", "Latest gradient norm.", lambda r: r.grad_norm),
-        ("trainguard_trainer_samples_per_second", "Throughput.", lambda r: r.samples_per_s),
-        ("trainguard_trainer_tokens_per_second", "Throughput.", lambda r: r.tokens_per_s),
-        (
-            "trainguard_trainer_step_time_seconds",
-            "Duration of the latest step.",
-            lambda r: r.step_time_s,
-        ),
-        (
-            "trainguard_trainer_compute_time_seconds",
-            "The rank's own work in the latest step, without waits in collectives.",
-            lambda r: r.compute_time_s,
-        ),
-        (
-            "trainguard_trainer_heartbeat_age_seconds",
-            "Since the rank's last heartbeat.",
-            lambda r: r.heartbeat_age_s,
-        ),
-        (
-            "trainguard_trainer_step_age_seconds",
-            "Since the rank's step last changed.",
-            lambda r: r.step_age_s,
-        ),
-        (
-            "trainguard_trainer_checkpoint_step",
-            "Newest committed checkpoint step.",
-            lambda r: r.ckpt_step,
-        ),
-    ]
-    fams = [(_gauge(n, d, rl), f) for n, d, f in spec]
-    for r in snap.ranks:
-        labels = [node, r.job, str(r.rank)]
-        for fam, get in fams:
-            v = get(r)
-            if v is not None:
-                fam.add_metric(labels, v)
-    for fam, _ in fams:
-        yield fam
-    duration = _gauge(
-        "trainguard_trainer_checkpoint_duration_seconds",
-        "Save time of the rank's newest committed checkpoint (snapshot to commit).",
-        rl,
-    )
-    stamp = _gauge(
-        "trainguard_trainer_checkpoint_timestamp_seconds",
-        "Unix time the agent saw the rank's newest checkpoint commit.",
-        rl,
-    )
+def _trainer_families(snap: AgentSnapshot, node: str, plans: _Plans) -> Iterator[Metric]:
+    yield from plans.rank.build(([node, r.job, str(r.rank)], r) for r in snap.ranks)
+    duration = _own("trainguard_trainer_checkpoint_duration_seconds")
+    stamp = _own("trainguard_trainer_checkpoint_timestamp_seconds")
     for (job, rank), (duration_s, committed_at) in sorted(snap.checkpoints.items()):
         labels = [node, job, str(rank)]
         if duration_s is not None:
@@ -411,131 +432,57 @@ def _trainer_families(snap: AgentSnapshot, node: str) -> Iterator[Metric]:
 
 
 def _agent_families(snap: AgentSnapshot, node: str) -> Iterator[Metric]:
-    info = _gauge(
-        "trainguard_agent_info", "Agent build information (always 1).", ["node", "version"]
-    )
+    info = _own("trainguard_agent_info")
     info.add_metric([node, snap.version], 1.0)
     yield info
-    dur = _gauge(
-        "trainguard_agent_collect_duration_seconds",
-        "Duration of the last collection.",
-        ["node", "collector"],
-    )
+    dur = _own("trainguard_agent_collect_duration_seconds")
     for name, v in sorted(snap.collect_duration_s.items()):
         dur.add_metric([node, name], v)
     yield dur
-    yield _labelled_counter(
-        "trainguard_agent_collect_errors_total",
-        "Collector failures.",
-        node,
-        "collector",
-        snap.collect_errors_total,
-    )
-    yield _labelled_counter(
-        "trainguard_agent_reports_total",
-        "Reports to the controller, by result.",
-        node,
-        "result",
-        snap.reports_total,
-    )
-    current = _gauge(
-        "trainguard_agent_controller_current",
-        "1 for the controller reports go to now, 0 for the other configured ones.",
-        ["node", "url"],
-    )
+    yield _labelled("trainguard_agent_collect_errors_total", node, snap.collect_errors_total)
+    yield _labelled("trainguard_agent_reports_total", node, snap.reports_total)
+    current = _own("trainguard_agent_controller_current")
     for url in snap.controller_urls:  # the configured list: bounded (MAX_CONTROLLER_URLS)
         current.add_metric([node, url], _b(url == snap.controller_current))
     yield current
-    yield _labelled_counter(
-        "trainguard_agent_controller_switches_total",
-        "Moves to another controller, by reason (leader_redirect: a standby named the "
-        "leader; unreachable; unavailable: a 503 naming no leader to follow; "
-        "leader_not_listed: it named one outside controller.urls).",
-        node,
-        "reason",
-        snap.controller_switches_total,
+    yield _labelled(
+        "trainguard_agent_controller_switches_total", node, snap.controller_switches_total
     )
-    received = _counter(
-        "trainguard_agent_heartbeats_received_total", "Heartbeats accepted.", ["node"]
+    yield _single(
+        "trainguard_agent_heartbeats_received_total", node, snap.heartbeats_received_total
     )
-    received.add_metric([node], snap.heartbeats_received_total)
-    yield received
-    yield _labelled_counter(
-        "trainguard_agent_heartbeats_dropped_total",
-        "Heartbeat datagrams dropped, by reason.",
-        node,
-        "reason",
-        snap.heartbeats_dropped_total,
+    yield _labelled(
+        "trainguard_agent_heartbeats_dropped_total", node, snap.heartbeats_dropped_total
     )
-    sent = _counter(
-        "trainguard_agent_control_sent_total", "Control datagrams sent to ranks.", ["node"]
-    )
-    sent.add_metric([node], snap.control_sent_total)
-    yield sent
-    cerr = _counter(
-        "trainguard_agent_control_errors_total",
-        "Control datagrams that could not be sent.",
-        ["node"],
-    )
-    cerr.add_metric([node], snap.control_errors_total)
-    yield cerr
-    spool = _gauge("trainguard_agent_spool_events", "Events waiting for acknowledgement.", ["node"])
-    spool.add_metric([node], snap.spool_events)
-    yield spool
-    sdrop = _counter(
-        "trainguard_agent_spool_dropped_events_total",
-        "Events dropped because the spool was full.",
-        ["node"],
-    )
-    sdrop.add_metric([node], snap.spool_dropped_total)
-    yield sdrop
-    yield _labelled_counter(
-        "trainguard_agent_events_total",
-        "Events spooled, by kind.",
-        node,
-        "kind",
-        snap.events_total,
-    )
-    cmds = _counter(
-        "trainguard_agent_commands_total",
-        "Controller commands executed.",
-        ["node", "kind", "result"],
-    )
+    yield _single("trainguard_agent_control_sent_total", node, snap.control_sent_total)
+    yield _single("trainguard_agent_control_errors_total", node, snap.control_errors_total)
+    yield _single("trainguard_agent_spool_events", node, snap.spool_events)
+    yield _single("trainguard_agent_spool_dropped_events_total", node, snap.spool_dropped_total)
+    yield _labelled("trainguard_agent_events_total", node, snap.events_total)
+    cmds = _own("trainguard_agent_commands_total")
     for (kind, result), n in sorted(snap.commands_total.items()):
         cmds.add_metric([node, kind, result], n)
     yield cmds
-    loops = _counter("trainguard_agent_loop_iterations_total", "Collect loop iterations.", ["node"])
-    loops.add_metric([node], snap.loop_iterations_total)
-    yield loops
-    preempt = _gauge(
-        "trainguard_agent_preemption_notice",
-        "1 once the cloud announced this VM's preemption or termination.",
-        ["node"],
-    )
-    preempt.add_metric([node], _b(snap.preemption_notice))
-    yield preempt
-    stale = _gauge(
-        "trainguard_agent_source_stale",
-        "1 while a collection source's call has overrun its deadline (its values are old).",
-        ["node", "source"],
-    )
+    yield _single("trainguard_agent_loop_iterations_total", node, snap.loop_iterations_total)
+    yield _single("trainguard_agent_preemption_notice", node, _b(snap.preemption_notice))
+    stale = _own("trainguard_agent_source_stale")
     for name, is_stale in sorted(snap.source_stale.items()):
         stale.add_metric([node, name], _b(is_stale))
     yield stale
-    success = _gauge(
-        "trainguard_agent_source_last_success_timestamp_seconds",
-        "Unix time a collection source's last call returned without error.",
-        ["node", "source"],
-    )
+    success = _own("trainguard_agent_source_last_success_timestamp_seconds")
     for name, ts in sorted(snap.source_last_success_unix.items()):
         success.add_metric([node, name], ts)
     yield success
 
 
-def _labelled_counter(
-    name: str, doc: str, node: str, label: str, values: Mapping[str, int]
-) -> CounterMetricFamily:
-    fam = _counter(name, doc, ["node", label])
+def _single(name: str, node: str, value: float) -> _MetricFamily:
+    fam = _own(name)
+    fam.add_metric([node], value)
+    return fam
+
+
+def _labelled(name: str, node: str, values: Mapping[str, float]) -> _MetricFamily:
+    fam = _own(name)
     for key, n in sorted(values.items()):
         fam.add_metric([node, key], n)
     return fam

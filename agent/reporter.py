@@ -24,13 +24,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import random
 import ssl
 import stat
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, cast, get_args
@@ -44,9 +43,11 @@ from trainguard.protocol import (
     Command,
     CommandKind,
     Event,
+    EventKind,
     ProtocolError,
     Report,
     ReportResponse,
+    encode_json,
     from_wire,
 )
 
@@ -100,7 +101,7 @@ class EventSpool:
     def add(
         self,
         *,
-        kind: str,
+        kind: EventKind,
         ts: float,
         gpu: int | None = None,
         job: str | None = None,
@@ -351,7 +352,7 @@ class Reporter:
         self._seq += 1
         events = self._spool.pending(self._max_events)
         full = self._build(self._seq, events)
-        body = encode_report(self.deltas.prepare(full))
+        body = encode_json(self.deltas.prepare(full))
         tried: set[int] = set()
         while True:
             tried.add(self._current)
@@ -474,7 +475,7 @@ class Reporter:
         """The report again, for another controller: full, since the delta base is what the
         previous controller acknowledged, which the next may not hold."""
         self.deltas.reset()
-        return encode_report(self.deltas.prepare(full))
+        return encode_json(self.deltas.prepare(full))
 
     def _succeeded(self, answer: ReportResponse) -> ReportOutcome:
         self.results_total["ok"] += 1
@@ -610,7 +611,7 @@ def _retry_after_s(resp: httpx.Response) -> float:
     return float(min(int(value), 3600))
 
 
-_COMMAND_KINDS = frozenset(get_args(CommandKind))
+_COMMAND_KINDS = frozenset(k.value for k in CommandKind)
 
 
 def decode_response(raw: bytes) -> ReportResponse:
@@ -625,7 +626,7 @@ def decode_response(raw: bytes) -> ReportResponse:
             if isinstance(c, dict) and isinstance(c.get("kind"), str):
                 if c["kind"] not in _COMMAND_KINDS:
                     unknown[i] = c["kind"]
-                    commands[i] = {**c, "kind": "checkpoint"}  # any known kind, to decode
+                    commands[i] = {**c, "kind": CommandKind.CHECKPOINT.value}  # any known kind
         data = {**data, "commands": commands}
     answer = from_wire(ReportResponse, data)
     if not unknown:
@@ -635,43 +636,6 @@ def decode_response(raw: bytes) -> ReportResponse:
         for i, c in enumerate(answer.commands)
     )
     return dataclasses.replace(answer, commands=fixed)
-
-
-_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
-
-
-def _to_wire_cached(value: Any) -> Any:
-    """`trainguard.protocol.to_wire` with the field names cached per class: same output (a test
-    compares them), ~3x faster, which matters for a report sent every second forever."""
-    t = type(value)
-    if t is float:
-        if math.isfinite(value):
-            return value
-        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    if t is int or t is str or t is bool or value is None:
-        return value
-    names = _FIELD_NAMES.get(t)
-    if names is None and dataclasses.is_dataclass(value) and not isinstance(value, type):
-        names = _FIELD_NAMES[t] = tuple(f.name for f in dataclasses.fields(value))
-    if names is not None:
-        out = {}
-        for name in names:
-            v = getattr(value, name)
-            if v is not None:
-                out[name] = _to_wire_cached(v)
-        return out
-    if isinstance(value, float):
-        return _to_wire_cached(float(value))
-    if isinstance(value, Mapping):
-        return {str(k): _to_wire_cached(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_to_wire_cached(v) for v in value]
-    return value
-
-
-def encode_report(report: Report) -> bytes:
-    """The report as compact JSON bytes, exactly as `trainguard.protocol.encode_json` writes it."""
-    return json.dumps(_to_wire_cached(report), separators=(",", ":"), allow_nan=False).encode()
 
 
 def _refuses_deltas(resp: httpx.Response) -> bool:

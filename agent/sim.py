@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 from trainguard.clock import Clock
 from trainguard.model import GpuCollection, GpuSample, HardwareEvent, IbPortSample, NvLinkSample
-from trainguard.protocol import FaultSpec
+from trainguard.protocol import EventKind, FaultSpec
+from trainguard.signals import IB_ERROR_COUNTERS
 
 GPU_NAME = "NVIDIA H100 80GB HBM3"
 GPU_MEMORY_BYTES = 80 * 1024**3
@@ -43,20 +44,7 @@ _HGX_BUSES = (0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB)
 _IB_WORDS_PER_S = 500_000_000
 _IB_PACKETS_PER_S = 500_000
 
-_IB_ERROR_COUNTERS = (
-    "symbol_error",
-    "link_error_recovery",
-    "link_downed",
-    "port_rcv_errors",
-    "port_rcv_remote_physical_errors",
-    "port_rcv_switch_relay_errors",
-    "port_xmit_discards",
-    "port_xmit_constraint_errors",
-    "port_rcv_constraint_errors",
-    "local_link_integrity_errors",
-    "excessive_buffer_overrun_errors",
-    "VL15_dropped",
-)
+# a few of the signal table's hw_counters/ files, as an mlx5 port shows them
 _IB_HW_COUNTERS = (
     "duplicate_request",
     "out_of_sequence",
@@ -161,7 +149,7 @@ class SimHardware:
         )
 
     def _new_ib(self, index: int) -> _IbState:
-        counters: dict[str, float] = {name: 0.0 for name in _IB_ERROR_COUNTERS}
+        counters: dict[str, float] = {name: 0.0 for name in IB_ERROR_COUNTERS}
         counters.update(
             port_xmit_data=float(self._rng.randrange(10**9, 10**12)),
             port_rcv_data=float(self._rng.randrange(10**9, 10**12)),
@@ -226,7 +214,7 @@ class SimHardware:
             gpu.lost = True
             self._events.append(
                 HardwareEvent(
-                    kind="gpu_lost",
+                    kind=EventKind.GPU_LOST,
                     ts=now,
                     gpu=gpu.index,
                     pci_bus_id=gpu.pci_bus_id,
@@ -239,7 +227,7 @@ class SimHardware:
         bus = gpu.pci_bus_id[5:12]  # "18:00.0" -> kernel prints "PCI:0000:18:00"
         self._events.append(
             HardwareEvent(
-                kind="xid",
+                kind=EventKind.XID,
                 ts=now,
                 gpu=gpu.index,
                 pci_bus_id=gpu.pci_bus_id,

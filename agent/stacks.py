@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from trainguard.agent.commands import CommandError, CommandResult, Handler
 from trainguard.clock import Clock
-from trainguard.protocol import Command, RankState
+from trainguard.protocol import Command, CommandKind, RankState
 
 __all__ = [
     "DUMP_MARKERS",
@@ -234,4 +234,4 @@ def stacks_handler(
             max_bytes=max_bytes,
         )
 
-    return {"collect_stacks": handle}
+    return {CommandKind.COLLECT_STACKS: handle}

@@ -395,8 +395,8 @@ def _pct(values: list[float], p: float) -> float:
 
 
 def _decode_bench(n: int = 2000) -> int:
-    from trainguard.fastwire import decoder  # noqa: PLC0415
     from trainguard.protocol import from_wire  # noqa: PLC0415
+    from trainguard.wire_schemas import decoder  # noqa: PLC0415
 
     raw = Template(_report("node-0001", dbe=False)).body(1, time.time())
     delta = Template(_report("node-0001", dbe=False, mode="delta")).body(2, time.time())
@@ -405,12 +405,12 @@ def _decode_bench(n: int = 2000) -> int:
     for name, fn in (
         # the same decoder on already-parsed JSON (the API decodes the bytes in one pass)
         ("json_loads_from_wire", lambda: from_wire(Report, json.loads(raw))),
-        ("fastwire", lambda: fast.decode_json(raw)),
-        ("fastwire_delta", lambda: fast.decode_json(delta)),
+        ("decode_json", lambda: fast.decode_json(raw)),
+        ("decode_json_delta", lambda: fast.decode_json(delta)),
     ):
         fn()
         times = []
-        for _ in range(n if name == "fastwire" else n // 10):
+        for _ in range(n if name == "decode_json" else n // 10):
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)

@@ -1,5 +1,5 @@
-"""trainguard: the contract every part speaks (wire schemas and their one decoder, clock,
-hardware model, XID catalog, systemd notify).
+"""trainguard: the contract every part speaks (wire schemas and their one decoder, the signal
+table, clock, hardware model, XID catalog, systemd notify).
 
 The subpackages build on it and never on each other: `trainguard.agent` (node daemon),
 `trainguard.controller` (central daemon and agentctl), `trainguard.trainer` (the torch library

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import difflib
+import enum
 import functools
 import types
 import typing
@@ -224,6 +225,9 @@ class _Builder:
             return cs.nullable_schema(self.type_schema(members[0]))
         if origin is typing.Literal:
             return cs.literal_schema(list(args))
+        if isinstance(tp, type) and issubclass(tp, enum.Enum):
+            # a kind table: its values on the wire, its member once decoded
+            return cs.no_info_after_validator_function(tp, cs.literal_schema([m.value for m in tp]))
         if origin in (list, tuple) or tp in (list, tuple):
             items: cs.CoreSchema = cs.list_schema(
                 self.type_schema(args[0] if args else Any),
@@ -471,6 +475,9 @@ def _expected(tp: Any, value: Any) -> str | None:
     got = type_name(value)
     if origin is typing.Literal:
         allowed = ", ".join(repr(a) for a in typing.get_args(tp))
+        return f"must be one of {allowed}, got {value!r}"
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        allowed = ", ".join(repr(m.value) for m in tp)
         return f"must be one of {allowed}, got {value!r}"
     if origin in (list, tuple) or tp in (list, tuple):
         return f"expected a list, got {got}"

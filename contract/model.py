@@ -22,6 +22,7 @@ from trainguard.bounds import (
     UnixTime,
 )
 from trainguard.decode import Bound
+from trainguard.kinds import EventKind
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ class IbPortSample:
 class HardwareEvent:
     """An edge event seen on the hardware: an XID, a lost GPU, a GPU off the bus."""
 
-    kind: str  # "xid" | "gpu_lost" | "fallen_off_bus" | "nvml_error"
+    kind: EventKind  # XID, GPU_LOST, FALLEN_OFF_BUS or NVML_ERROR
     ts: UnixTime  # unix seconds when the agent saw it (or the kernel's timestamp mapped to it)
     gpu: int | None = None  # GPU index on this node, when known
     pci_bus_id: str | None = None

@@ -21,6 +21,7 @@ import math
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Annotated, Any, Literal, TypeVar
 
 from trainguard.bounds import (
@@ -40,7 +41,8 @@ from trainguard.bounds import (
     Text,
     UnixTime,
 )
-from trainguard.decode import Bound, Decoder
+from trainguard.decode import Bound, Decoder, Invalid, type_name
+from trainguard.kinds import CommandKind, EventKind, TrainerEdge, WireEnum
 from trainguard.model import GpuSample, HardwareEvent, IbPortSample, NvLinkSample
 
 __all__ = [
@@ -52,7 +54,9 @@ __all__ = [
     "CommandKind",
     "Control",
     "ControlAction",
+    "EVENT_PAYLOADS",
     "Event",
+    "EventKind",
     "FaultSpec",
     "GpuSample",
     "HardwareEvent",
@@ -60,16 +64,20 @@ __all__ = [
     "IbPortSample",
     "JobProcess",
     "NvLinkSample",
+    "Payload",
     "ProtocolError",
     "RankState",
     "Report",
     "ReportResponse",
+    "TrainerEdge",
+    "WireEnum",
     "WireDecoder",
     "decode_json",
     "decoder",
     "encode_json",
     "from_wire",
     "to_wire",
+    "wire_float",
 ]
 
 PROTOCOL_VERSION = 1
@@ -96,6 +104,7 @@ class ProtocolError(ValueError):
 
 
 # --- trainer <-> agent ---------------------------------------------------------------------
+
 
 HeartbeatPhase = Literal["init", "train", "checkpoint", "eval", "stopping", "exit"]
 
@@ -126,7 +135,7 @@ class Heartbeat:
     ckpt_step: int | None = None  # newest committed checkpoint step
     ckpt_request_id: Ident | None = None  # newest proactive request that committed
     control_socket: _Path | None = None  # where this rank listens for Control datagrams
-    # edge event: "nan_loss", "checkpoint_committed", "checkpoint_failed", "stop", "exit", ...
+    # edge event: a TrainerEdge, or a name of the trainer's own
     event: Ident | None = None
     event_data: _Data = field(default_factory=dict)
     v: int = PROTOCOL_VERSION
@@ -183,18 +192,104 @@ class JobProcess:
     output_tail: Text = ""  # last lines of output, bounded
 
 
+_STR: tuple[type, ...] = (str,)
+_INT: tuple[type, ...] = (int,)
+_BOOL: tuple[type, ...] = (bool,)
+_NUMBER: tuple[type, ...] = (int, float)
+_LIST: tuple[type, ...] = (list, tuple)
+
+
+@dataclass(frozen=True)
+class Payload:
+    """What an event kind's `data` holds: `required` and `optional` keys with their JSON types.
+    Other keys pass, as they always have (a newer agent may add one)."""
+
+    required: Mapping[str, tuple[type, ...]] = field(default_factory=dict)
+    optional: Mapping[str, tuple[type, ...]] = field(default_factory=dict)
+
+    def problem(self, data: Mapping[str, Any]) -> tuple[str, str] | None:
+        """(key, reason) of the first key that breaks the schema, or None."""
+        for key, types in self.required.items():
+            if key not in data:
+                return key, "required key is missing"
+            if not _is(data[key], types):
+                return key, f"expected {_words(types)}, got {type_name(data[key])}"
+        for key, types in self.optional.items():
+            if key in data and data[key] is not None and not _is(data[key], types):
+                return key, f"expected {_words(types)}, got {type_name(data[key])}"
+        return None
+
+
+def _is(value: Any, types: tuple[type, ...]) -> bool:
+    if isinstance(value, bool):
+        return bool in types
+    return isinstance(value, types)
+
+
+def _words(types: tuple[type, ...]) -> str:
+    return {
+        _STR: "a string",
+        _INT: "an integer",
+        _BOOL: "true or false",
+        _NUMBER: "a number",
+        _LIST: "a list",
+    }.get(types, " or ".join(t.__name__ for t in types))
+
+
+_HARDWARE = Payload(optional={"pci_bus_id": _STR})
+_FREE = Payload()  # the trainer's own scalar entries (the agent bounds them)
+
+# Every kind's payload: the keys the controller acts on are required where every producer has
+# always written them, the others typed where present. Constructing an Event checks it too, so
+# an agent cannot spool what a controller would refuse.
+EVENT_PAYLOADS: Mapping[EventKind, Payload] = {
+    EventKind.XID: _HARDWARE,
+    EventKind.GPU_LOST: _HARDWARE,
+    EventKind.FALLEN_OFF_BUS: _HARDWARE,
+    EventKind.NVML_ERROR: _HARDWARE,
+    EventKind.NAN_LOSS: _FREE,
+    EventKind.CHECKPOINT_COMMITTED: _FREE,
+    EventKind.CHECKPOINT_FAILED: _FREE,
+    EventKind.TRAINER_EXIT: _FREE,
+    EventKind.TRAINER_STOP: _FREE,
+    EventKind.TRAINER_EVENT: _FREE,
+    EventKind.GRAD_NORM_SPIKE: _FREE,
+    EventKind.NAN_ROLLBACK: _FREE,
+    EventKind.JOB_EXIT: Payload(
+        required={"attempt": _INT}, optional={"stopped": _BOOL, "output_tail": _STR}
+    ),
+    EventKind.COMMAND_RESULT: Payload(
+        required={"command_id": _STR}, optional={"kind": _STR, "ok": _BOOL, "message": _STR}
+    ),
+    EventKind.FAULT_INJECTED: Payload(required={"fault": _STR}),
+    EventKind.PREEMPTION_NOTICE: Payload(
+        optional={
+            "provider": _STR,
+            "action": _STR,
+            "time": _STR,
+            "jobs": _LIST,
+            "ranks_sent": _INT,
+            "ranks_failed": _INT,
+            "request_id": _STR,
+        },
+    ),
+    EventKind.SOURCE_STALE: Payload(
+        required={"source": _STR, "deadline_s": _NUMBER, "running_s": _NUMBER}
+    ),
+    EventKind.SOURCE_RECOVERED: Payload(required={"source": _STR, "stale_for_s": _NUMBER}),
+}
+
+
 @dataclass(frozen=True)
 class Event:
     """An edge event, spooled by the agent until the controller acknowledges its id.
 
     `id` increases strictly within one agent `instance`; (node, instance, id) is unique.
-    kinds: "xid", "gpu_lost", "fallen_off_bus", "nvml_error", "nan_loss",
-    "checkpoint_committed", "checkpoint_failed", "trainer_exit", "job_exit", "command_result",
-    "fault_injected", "preemption_notice".
+    `data` holds what `EVENT_PAYLOADS[kind]` says.
     """
 
     id: Count
-    kind: Ident
+    kind: EventKind
     ts: UnixTime
     gpu: Count | None = None
     job: Name | None = None
@@ -202,6 +297,12 @@ class Event:
     code: int | None = None
     message: Text = ""
     data: _Data = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        payload = EVENT_PAYLOADS.get(self.kind)
+        problem = None if payload is None else payload.problem(self.data)
+        if problem is not None:
+            raise Invalid(f"data.{problem[0]}", problem[1])
 
 
 @dataclass(frozen=True)
@@ -235,21 +336,11 @@ class Report:
     v: int = PROTOCOL_VERSION
 
 
-CommandKind = Literal[
-    "checkpoint",  # args: job, request_id           -> Control(checkpoint) to the job's ranks
-    "stop_ranks",  # args: job, request_id, checkpoint(bool) -> Control(stop|checkpoint_stop)
-    "start_job",  # args: job, attempt, command(list), nproc_per_node, nnodes, node_rank,
-    #                 rdzv_endpoint, rdzv_id, env(dict), ckpt_dir
-    "stop_job",  # args: job, grace_s                 -> SIGTERM process group, grace, SIGKILL
-    "inject_fault",  # args: FaultSpec fields (sim backend only)
-    "collect_stacks",  # args: job -> SIGUSR1 to the job's local ranks, stacks in the result
-]
-
-
 @dataclass(frozen=True)
 class Command:
     """Controller -> agent, riding on the report response. Results come back as
-    `command_result` events with data {"command_id", "ok", "message"}."""
+    `command_result` events with data {"command_id", "kind", "ok", "message", ...}. Each
+    handler checks its own `args` (a bad one fails that command, not the whole response)."""
 
     id: Ident
     kind: CommandKind
@@ -306,25 +397,44 @@ class FaultSpec:
 # --- encoding ------------------------------------------------------------------------------
 
 
+def wire_float(value: float) -> float | str:
+    """A float as the wire writes it: finite as it is, non-finite as "NaN", "Infinity" or
+    "-Infinity" (JSON has no NaN; the one decoder reads these strings back)."""
+    if math.isfinite(value):
+        return value
+    if math.isnan(value):
+        return "NaN"
+    return "Infinity" if value > 0 else "-Infinity"
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
 def _encode(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    # field names cached per class: a report is encoded every second, forever
+    t = type(value)
+    if t is float:
+        return wire_float(value)
+    if t is int or t is str or t is bool or value is None:
+        return value
+    names = _FIELD_NAMES.get(t)
+    if names is None and dataclasses.is_dataclass(value) and not isinstance(value, type):
+        names = _FIELD_NAMES[t] = tuple(f.name for f in dataclasses.fields(value))
+    if names is not None:
         out = {}
-        for f in dataclasses.fields(value):
-            v = getattr(value, f.name)
-            if v is None:
-                continue  # absent, not zero
-            out[f.name] = _encode(v)
+        for name in names:
+            v = getattr(value, name)
+            if v is not None:  # absent, not zero
+                out[name] = _encode(v)
         return out
     if isinstance(value, float):
-        if math.isnan(value):
-            return "NaN"
-        if math.isinf(value):
-            return "Infinity" if value > 0 else "-Infinity"
-        return value
+        return wire_float(float(value))
     if isinstance(value, Mapping):
         return {str(k): _encode(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [_encode(v) for v in value]
+    if isinstance(value, Enum):
+        return value.value
     return value
 
 
@@ -365,6 +475,7 @@ def from_wire(cls: type[T], data: Any) -> T:
 
 
 def encode_json(msg: Any) -> bytes:
+    """The one JSON wire encoder: `to_wire(msg)` as compact JSON bytes."""
     return json.dumps(to_wire(msg), separators=(",", ":"), allow_nan=False).encode()
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
@@ -37,7 +36,7 @@ from trainguard.controller.records import JobRecord, NewAction
 from trainguard.controller.safety import Safety, silence_matches
 from trainguard.controller.store import Store
 from trainguard.controller.views import ActionView, IncidentState, IncidentView, SilenceView
-from trainguard.protocol import RankState
+from trainguard.protocol import RankState, wire_float
 
 log = logging.getLogger("trainguard.controller.incidents")
 
@@ -58,9 +57,7 @@ SEQ_RESOLVE = 2000
 def _wire_value(value: float | None) -> float | str | None:
     """A decision value for the timeline: JSON has no NaN, so non-finite values travel as the
     wire's strings (a NaN loss is exactly what the nan_loss rule reports)."""
-    if value is None or math.isfinite(value):
-        return value
-    return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    return None if value is None else wire_float(value)
 
 
 class JobLookup(Protocol):

@@ -40,7 +40,15 @@ from trainguard.controller.jobstate import JobState, check_job_transition
 from trainguard.controller.records import CommandRecord, JobRecord, NodeRecord
 from trainguard.controller.store import Store
 from trainguard.controller.views import JobView
-from trainguard.protocol import Event, JobProcess, RankState, Report, to_wire
+from trainguard.protocol import (
+    Event,
+    EventKind,
+    JobProcess,
+    RankState,
+    Report,
+    TrainerEdge,
+    to_wire,
+)
 from trainguard.strict import Invalid, build
 
 log = logging.getLogger("trainguard.controller.jobs")
@@ -601,22 +609,22 @@ class JobManager:
 
     def note_events(self, node: str, events: Sequence[Event], *, now: float) -> None:
         for e in events:
-            if e.kind == "job_exit" and e.job:
+            if e.kind == EventKind.JOB_EXIT and e.job:
                 self._on_exit(node, e, now=now)
             elif e.job and (
-                e.kind in ("nan_loss", "grad_norm_spike")
-                or (e.kind == "trainer_event" and e.message == "grad_norm_spike")
+                e.kind in (EventKind.NAN_LOSS, EventKind.GRAD_NORM_SPIKE)
+                or (e.kind == EventKind.TRAINER_EVENT and e.message == TrainerEdge.GRAD_NORM_SPIKE)
             ):
                 step = e.data.get("step")
                 if isinstance(step, int):
                     self._push(e.job, "nan_steps", (now, step))
             elif e.job and (
-                e.kind == "nan_rollback"
-                or (e.kind == "trainer_event" and e.message == "nan_rollback")
+                e.kind == EventKind.NAN_ROLLBACK
+                or (e.kind == EventKind.TRAINER_EVENT and e.message == TrainerEdge.NAN_ROLLBACK)
             ):
                 to_step = e.data.get("to_step")
                 self._push(e.job, "rollbacks", (now, to_step if isinstance(to_step, int) else -1))
-            elif e.kind == "checkpoint_failed" and e.job:
+            elif e.kind == EventKind.CHECKPOINT_FAILED and e.job:
                 rid = e.data.get("request_id")
                 if isinstance(rid, str):
                     self._push(e.job, "ckpt_failed", (now, rid))

@@ -38,7 +38,7 @@ from trainguard.controller.livestate import JobSeen, LiveState
 from trainguard.controller.metrics import ControllerMetrics
 from trainguard.controller.records import CommandResultRow, FreshNode
 from trainguard.controller.store import Store
-from trainguard.protocol import Command, Report, ReportResponse, to_wire
+from trainguard.protocol import Command, EventKind, Report, ReportResponse, to_wire
 
 __all__ = ["ReportService"]
 
@@ -226,7 +226,7 @@ class ReportService:
     def _store_events(self, node: str, instance: str, events: Sequence[Any]) -> None:
         results: list[CommandResultRow] = []
         for e in events:
-            if e.kind == "command_result":
+            if e.kind == EventKind.COMMAND_RESULT:
                 command_id = e.data.get("command_id")
                 if isinstance(command_id, str):
                     results.append(

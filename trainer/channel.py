@@ -13,7 +13,6 @@ import errno
 import hashlib
 import json
 import logging
-import math
 import os
 import socket
 import tempfile
@@ -28,6 +27,7 @@ from trainguard.protocol import (
     ProtocolError,
     decode_json,
     encode_json,
+    wire_float,
 )
 
 __all__ = [
@@ -66,14 +66,6 @@ _HB_DEFAULTS["event_data"] = {}
 _HB_DEFAULTS["v"] = PROTOCOL_VERSION
 
 
-def _wire_float(v: float) -> float | str:
-    if math.isfinite(v):
-        return v
-    if math.isnan(v):
-        return "NaN"
-    return "Infinity" if v > 0 else "-Infinity"
-
-
 def encode_plain_heartbeat(fields: dict[str, object]) -> bytes:
     """The bytes `encode_json(Heartbeat(**fields))` would give, for a heartbeat without an
     event, in a fraction of the time (this runs every step). Flat fields only."""
@@ -82,7 +74,7 @@ def encode_plain_heartbeat(fields: dict[str, object]) -> bytes:
         if v is None:
             out.pop(k, None)
         elif isinstance(v, float):
-            out[k] = _wire_float(v)
+            out[k] = wire_float(v)
         else:
             out[k] = v
     return json.dumps(out, separators=(",", ":"), allow_nan=False).encode()

@@ -23,6 +23,7 @@ from typing import Any
 from trainguard.agent.collectors import normalize_bus_id
 from trainguard.clock import SYSTEM_CLOCK, Clock
 from trainguard.model import GpuCollection, GpuSample, HardwareEvent, NvLinkSample
+from trainguard.protocol import EventKind
 
 __all__ = [
     "CLOCK_EVENT_HW_POWER_BRAKE",
@@ -304,7 +305,7 @@ class NvmlGpuCollector:
             "event=gpu_lost gpu=%d uuid=%s pci_bus_id=%s", gpu.index, gpu.uuid, gpu.pci_bus_id
         )
         return HardwareEvent(
-            kind="gpu_lost",
+            kind=EventKind.GPU_LOST,
             ts=now,
             gpu=gpu.index,
             pci_bus_id=gpu.pci_bus_id or None,

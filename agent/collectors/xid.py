@@ -22,6 +22,7 @@ from collections.abc import Callable
 from trainguard.agent.collectors import bus_id_device_prefix, normalize_bus_id
 from trainguard.clock import SYSTEM_CLOCK, Clock
 from trainguard.model import HardwareEvent
+from trainguard.protocol import EventKind
 
 __all__ = ["KernelLogParser", "KmsgXidSource", "parse_kmsg_line"]
 
@@ -122,7 +123,7 @@ class KernelLogParser:
                 return []
             return [
                 HardwareEvent(
-                    kind="xid",
+                    kind=EventKind.XID,
                     ts=now,
                     pci_bus_id=bus,
                     code=int(m.group("code")),
@@ -153,7 +154,9 @@ class KernelLogParser:
 
     @staticmethod
     def _fallen(bus: str, now: float) -> HardwareEvent:
-        return HardwareEvent(kind="fallen_off_bus", ts=now, pci_bus_id=bus, message=_FALLEN_MESSAGE)
+        return HardwareEvent(
+            kind=EventKind.FALLEN_OFF_BUS, ts=now, pci_bus_id=bus, message=_FALLEN_MESSAGE
+        )
 
 
 def parse_kmsg_line(line: str, *, now: float) -> HardwareEvent | None:

@@ -22,6 +22,7 @@ from trainguard.bounds import clip_drain_reason
 from trainguard.controller.actions.base import ActionContext, Outcome, PermanentError
 from trainguard.controller.records import CommandRecord
 from trainguard.controller.safety import stale_drain_reason
+from trainguard.protocol import CommandKind
 
 log = logging.getLogger("trainguard.controller.drain")
 
@@ -118,7 +119,10 @@ class LocalDrainBackend:
             return "drained", {}
         command_id = f"drain-{key}"
         self._ops.queue_command(
-            node, "stop_job", {"job": job, "grace_s": self._grace_s}, command_id=command_id
+            node,
+            CommandKind.STOP_JOB,
+            {"job": job, "grace_s": self._grace_s},
+            command_id=command_id,
         )
         log.info("event=drain_stop_job node=%s job=%s command=%s", node, job, command_id)
         if self._silent(node):

@@ -36,6 +36,7 @@ from trainguard.controller.actions.restartphase import RestartPhase, advance
 from trainguard.controller.jobs import RESUME_SKIP_ENV, JobManager, JobSpec, shrink_plan
 from trainguard.controller.jobstate import JobState
 from trainguard.controller.records import CommandRecord, JobRecord
+from trainguard.protocol import CommandKind
 
 log = logging.getLogger("trainguard.controller.jobsteps")
 
@@ -147,7 +148,7 @@ class CheckpointHandler(JobStep):
             for node in targets:
                 self.jobs.nodes.queue_command(
                     node,
-                    "checkpoint",
+                    CommandKind.CHECKPOINT,
                     {"job": job.name, "request_id": progress["request_id"]},
                     command_id=f"ckpt-{ctx.action.idempotency_key}-{node}",
                 )
@@ -505,7 +506,7 @@ class RestartHandler(JobStep):
         for node in stopping:
             self.jobs.nodes.queue_command(
                 node,
-                "stop_job",
+                CommandKind.STOP_JOB,
                 {"job": job.name, "grace_s": self.jobs.config.stop_grace_s},
                 command_id=f"stop-{ctx.action.idempotency_key}-{node}",
             )
@@ -616,7 +617,10 @@ class RestartHandler(JobStep):
             if spec.rdzv_conf:
                 args["rdzv_conf"] = dict(spec.rdzv_conf)
             self.jobs.nodes.queue_command(
-                node, "start_job", args, command_id=f"start-{job.name}-{job.attempt}-{node}"
+                node,
+                CommandKind.START_JOB,
+                args,
+                command_id=f"start-{job.name}-{job.attempt}-{node}",
             )
         progress.update(
             phase=advance(RestartPhase.START, RestartPhase.CONFIRM).value,
@@ -881,7 +885,7 @@ class StopHandler(JobStep):
             for node in nodes:
                 self.jobs.nodes.queue_command(
                     node,
-                    "stop_job",
+                    CommandKind.STOP_JOB,
                     {"job": job.name, "grace_s": self.jobs.config.stop_grace_s},
                     command_id=f"stop-{ctx.action.idempotency_key}-{node}",
                 )
@@ -941,7 +945,7 @@ class CollectStacksHandler(JobStep):
             for node in nodes:
                 self.jobs.nodes.queue_command(
                     node,
-                    "collect_stacks",
+                    CommandKind.COLLECT_STACKS,
                     {"job": job.name},
                     command_id=f"stacks-{ctx.action.idempotency_key}-{node}",
                 )

@@ -4,7 +4,7 @@
 document (routing.py).
 
 The API calls only `ControllerService`. Every body is decoded by the wire decoders of
-`trainguard.fastwire` (strict, field paths in errors) and every answer is encoded with
+`trainguard.wire_schemas` (strict, field paths in errors) and every answer is encoded with
 `trainguard.protocol.to_wire` (non-finite floats as strings), so no NaN ever reaches JSON. The
 OpenAPI document at `/v1/openapi.json` is generated from the same wire schemas.
 Errors are always `{"error": "...", "detail": ...}`; bad input gets a 4xx, never a 5xx.

@@ -50,8 +50,8 @@ from trainguard.controller.auth import TokenStore
 from trainguard.controller.errors import NotLeader, ServiceError
 from trainguard.controller.service import ControllerService
 from trainguard.controller.store.errors import LeaseLost, StoreUnavailable
-from trainguard.fastwire import decoder
 from trainguard.protocol import ProtocolError, Report, ReportResponse, to_wire
+from trainguard.wire_schemas import decoder
 
 __all__ = ["Reply", "ReportPath", "add_report_routes", "encode_report_response"]
 

@@ -15,8 +15,8 @@ from starlette.types import Receive, Scope
 from trainguard.controller.api.errors import UNAUTHORIZED_HEADERS, ApiError, invalid_body
 from trainguard.controller.auth import Permission, Principal, TokenStore
 from trainguard.controller.tlsauth import PEER_NODE_KEY
-from trainguard.fastwire import decoder
 from trainguard.protocol import ProtocolError
+from trainguard.wire_schemas import decoder
 
 __all__ = [
     "Bodies",

@@ -13,8 +13,8 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 
 from trainguard.controller.api.errors import json_bytes
-from trainguard.fastwire import json_schema
 from trainguard.protocol import to_wire
+from trainguard.wire_schemas import json_schema
 
 __all__ = ["Routes", "Schemas", "content", "error_answers", "install_openapi", "ok", "wire_form"]
 

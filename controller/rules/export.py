@@ -1,11 +1,12 @@
 """Export a RuleSet as Prometheus alerting rules over the agent's /metrics names.
 
-`PROM_SIGNALS` is the one table mapping each (scope, signal) to PromQL; align it with
-`agent/metrics.py` when metric names change. Every signal expression is aggregated to the
-scope's identity labels (`IDENTITY`), so vectors of one scope always match one-to-one and job
-aggregates join rank vectors with `on(job) group_left`. Rules that read something Prometheus
-does not have (controller inventory such as `role`, report age, event counters without a
-metric, `age()`, `present()` under `not`) are skipped with a warning naming them.
+`PROM_SIGNALS` maps each (scope, signal) to PromQL: the signals the agent exports, as the
+contract's signal table (`trainguard.signals`) names them, plus the controller's aggregates
+of them. Every signal expression is aggregated to the scope's identity labels (`IDENTITY`),
+so vectors of one scope always match one-to-one and job aggregates join rank vectors with
+`on(job) group_left`. Rules that read something Prometheus does not have (controller
+inventory such as `role`, report age, event counters without a metric, `age()`, `present()`
+under `not`) are skipped with a warning naming them.
 """
 
 from __future__ import annotations
@@ -30,10 +31,17 @@ from trainguard.controller.rules.lang import (
     format_duration,
 )
 from trainguard.controller.rules.loader import Rule, RuleSet
-from trainguard.controller.signals import IB_COUNTERS, IB_HW_COUNTERS
+from trainguard.signals import SIGNALS, Signal, by_key
 from trainguard.xid_catalog import XidCatalog
 
-__all__ = ["GROUP_NAME", "IDENTITY", "PROM_SIGNALS", "PromSignal", "to_prometheus_rules"]
+__all__ = [
+    "GROUP_NAME",
+    "IDENTITY",
+    "PROM_SIGNALS",
+    "PromSignal",
+    "prom_signals",
+    "to_prometheus_rules",
+]
 
 GROUP_NAME = "trainguard"
 
@@ -70,133 +78,60 @@ class PromSignal:
 
 
 _FATAL_XID_PLACEHOLDER = "{fatal_xids}"
+_TABLE = by_key()
 
 
-def _ib_counter(name: str) -> PromSignal:
-    if name == "port_xmit_data":
-        return PromSignal('trainguard_ib_port_data_bytes_total{direction="transmit"}', scale=0.25)
-    if name == "port_rcv_data":
-        return PromSignal('trainguard_ib_port_data_bytes_total{direction="receive"}', scale=0.25)
-    if name == "port_xmit_wait":
-        return PromSignal("trainguard_ib_port_transmit_wait_ticks_total")
-    if name.endswith("_packets"):
-        return PromSignal(f'trainguard_ib_port_packets_total{{counter="{name}"}}')
-    return PromSignal(f'trainguard_ib_port_errors_total{{counter="{name}"}}')
+def _agent_metric(scope: str, name: str) -> str:
+    """The Prometheus family the agent exports signal `name` of `scope` as."""
+    prom = _TABLE[scope, name].prom
+    assert prom is not None, f"{scope}.{name} has no Prometheus metric"
+    return prom.name
 
 
-def _xid_counter(selector: str) -> PromSignal:
-    # one series per (GPU, XID code), created by the agent when that code is first seen
+def _born_on_event(selector: str) -> PromSignal:
+    # one series per label value (the XID code), created by the agent at its first event
     return PromSignal(selector, agg="sum", born_on_event=True)
 
 
-def _table() -> dict[tuple[str, str], PromSignal]:
-    t: dict[tuple[str, str], PromSignal] = {
-        ("gpu", "lost"): PromSignal("trainguard_gpu_lost"),
-        ("gpu", "temperature_celsius"): PromSignal("trainguard_gpu_temperature_celsius"),
-        ("gpu", "power_watts"): PromSignal("trainguard_gpu_power_watts"),
-        ("gpu", "utilization_gpu_percent"): PromSignal(
-            "trainguard_gpu_utilization_ratio", scale=100
-        ),
-        ("gpu", "utilization_memory_percent"): PromSignal(
-            "trainguard_gpu_memory_utilization_ratio", scale=100
-        ),
-        ("gpu", "memory_used_bytes"): PromSignal("trainguard_gpu_memory_used_bytes"),
-        ("gpu", "memory_total_bytes"): PromSignal("trainguard_gpu_memory_total_bytes"),
-        ("gpu", "sm_clock_mhz"): PromSignal("trainguard_gpu_sm_clock_hertz", scale=1e-6),
-        ("gpu", "throttle_hw_slowdown"): PromSignal(
-            'trainguard_gpu_throttle_active{reason="hw_slowdown"}'
-        ),
-        ("gpu", "throttle_hw_thermal"): PromSignal(
-            'trainguard_gpu_throttle_active{reason="hw_thermal"}'
-        ),
-        ("gpu", "throttle_sw_thermal"): PromSignal(
-            'trainguard_gpu_throttle_active{reason="sw_thermal"}'
-        ),
-        ("gpu", "throttle_power_brake"): PromSignal(
-            'trainguard_gpu_throttle_active{reason="hw_power_brake"}'
-        ),
-        ("gpu", "remapped_rows_correctable"): PromSignal(
-            'trainguard_gpu_remapped_rows{kind="correctable"}'
-        ),
-        ("gpu", "remapped_rows_uncorrectable"): PromSignal(
-            'trainguard_gpu_remapped_rows{kind="uncorrectable"}'
-        ),
-        ("gpu", "remapped_rows_pending"): PromSignal("trainguard_gpu_remap_pending"),
-        ("gpu", "remapped_rows_failure"): PromSignal("trainguard_gpu_remap_failed"),
-        ("gpu", "retired_pages_sbe"): PromSignal('trainguard_gpu_retired_pages{cause="sbe"}'),
-        ("gpu", "retired_pages_dbe"): PromSignal('trainguard_gpu_retired_pages{cause="dbe"}'),
-        ("gpu", "retired_pages_pending"): PromSignal("trainguard_gpu_retired_pages_pending"),
-        ("gpu", "pcie_replay_total"): PromSignal("trainguard_gpu_pcie_replay_errors_total"),
-        ("gpu", "xid_total"): _xid_counter("trainguard_gpu_xid_errors_total"),
-        ("gpu", "xid_fatal_total"): _xid_counter(
-            f'trainguard_gpu_xid_errors_total{{xid=~"{_FATAL_XID_PLACEHOLDER}"}}'
-        ),
-        ("nvlink", "up"): PromSignal("trainguard_nvlink_up"),
-        ("ib_port", "up"): PromSignal("trainguard_ib_port_up"),
-        ("ib_port", "phys_up"): PromSignal("trainguard_ib_port_physical_up"),
-        ("ib_port", "rate_gbps"): PromSignal(
-            "trainguard_ib_port_rate_bytes_per_second", scale=8e-9
-        ),
-        ("node", "gpus"): PromSignal("trainguard_gpu_lost", agg="count"),
-        ("node", "gpus_lost"): PromSignal("trainguard_gpu_lost", agg="sum"),
-        ("node", "ib_ports"): PromSignal("trainguard_ib_port_up", agg="count"),
-        ("node", "agent_sources_stale"): PromSignal("trainguard_agent_source_stale", agg="sum"),
-        ("node", "xid_total"): _xid_counter("trainguard_gpu_xid_errors_total"),
-        ("node", "xid_fatal_total"): _xid_counter(
-            f'trainguard_gpu_xid_errors_total{{xid=~"{_FATAL_XID_PLACEHOLDER}"}}'
-        ),
-        ("job", "ranks"): PromSignal("trainguard_trainer_step", agg="count", subquery=True),
-        ("job", "step"): PromSignal("trainguard_trainer_step", subquery=True),
-        ("job", "step_age_s"): PromSignal(
-            "trainguard_trainer_step_age_seconds", agg="min", subquery=True
-        ),
-        ("job", "heartbeat_age_s"): PromSignal(
-            "trainguard_trainer_heartbeat_age_seconds", agg="min", subquery=True
-        ),
-        ("job", "samples_per_s"): PromSignal(
-            "trainguard_trainer_samples_per_second", agg="sum", subquery=True
-        ),
-    }
-    for kind, scope in (
-        ("corrected", "volatile"),
-        ("uncorrected", "volatile"),
-        ("corrected", "aggregate"),
-        ("uncorrected", "aggregate"),
-    ):
-        t["gpu", f"ecc_{kind}_{scope}_total"] = PromSignal(
-            f'trainguard_gpu_ecc_errors_total{{type="{kind}",scope="{scope}"}}'
-        )
-    for field, kind in (
-        ("crc_flit_errors_total", "crc_flit"),
-        ("crc_data_errors_total", "crc_data"),
-        ("replay_errors_total", "replay"),
-        ("recovery_errors_total", "recovery"),
-    ):
-        t["nvlink", field] = PromSignal(f'trainguard_nvlink_errors_total{{type="{kind}"}}')
-    for name in IB_COUNTERS:
-        t["ib_port", name] = _ib_counter(name)
-    for name in IB_HW_COUNTERS:
-        t.setdefault(
-            ("ib_port", name), PromSignal(f'trainguard_ib_port_hw_events_total{{counter="{name}"}}')
-        )
-    for signal, metric in (
-        ("step", "trainguard_trainer_step"),
-        ("loss", "trainguard_trainer_loss"),
-        ("grad_norm", "trainguard_trainer_grad_norm"),
-        ("samples_per_s", "trainguard_trainer_samples_per_second"),
-        ("tokens_per_s", "trainguard_trainer_tokens_per_second"),
-        ("step_time_s", "trainguard_trainer_step_time_seconds"),
-        ("compute_time_s", "trainguard_trainer_compute_time_seconds"),
-        ("heartbeat_age_s", "trainguard_trainer_heartbeat_age_seconds"),
-        ("step_age_s", "trainguard_trainer_step_age_seconds"),
-        ("ckpt_step", "trainguard_trainer_checkpoint_step"),
-    ):
-        t["rank", signal] = PromSignal(metric)
+def prom_signals(signals: Iterable[Signal] = SIGNALS) -> dict[tuple[str, str], PromSignal]:
+    """(scope, signal) -> PromQL for the signals of table `signals`."""
+    t: dict[tuple[str, str], PromSignal] = {}
+    # every signal the agent exports, as the signal table says
+    for s in signals:
+        if s.prom is None:
+            continue
+        if s.prom.born_on_event:
+            t[s.scope, s.name] = _born_on_event(s.prom.selector)
+        else:
+            t[s.scope, s.name] = PromSignal(s.prom.selector, scale=s.prom.scale)
+    # controller signals that aggregate what the agent exports
+    xid = _agent_metric("gpu", "xid_total")
+    lost = _agent_metric("gpu", "lost")
+    step = _agent_metric("rank", "step")
+    fatal = _born_on_event(f'{xid}{{xid=~"{_FATAL_XID_PLACEHOLDER}"}}')
+    t["gpu", "xid_fatal_total"] = fatal
+    t["node", "gpus"] = PromSignal(lost, agg="count")
+    t["node", "gpus_lost"] = PromSignal(lost, agg="sum")
+    t["node", "ib_ports"] = PromSignal(_agent_metric("ib_port", "up"), agg="count")
+    t["node", "agent_sources_stale"] = PromSignal("trainguard_agent_source_stale", agg="sum")
+    t["node", "xid_total"] = _born_on_event(xid)
+    t["node", "xid_fatal_total"] = fatal
+    t["job", "ranks"] = PromSignal(step, agg="count", subquery=True)
+    t["job", "step"] = PromSignal(step, subquery=True)
+    t["job", "step_age_s"] = PromSignal(
+        _agent_metric("rank", "step_age_s"), agg="min", subquery=True
+    )
+    t["job", "heartbeat_age_s"] = PromSignal(
+        _agent_metric("rank", "heartbeat_age_s"), agg="min", subquery=True
+    )
+    t["job", "samples_per_s"] = PromSignal(
+        _agent_metric("rank", "samples_per_s"), agg="sum", subquery=True
+    )
     return t
 
 
 # (scope, signal) -> PromQL. Signals missing here exist only in the controller.
-PROM_SIGNALS: dict[tuple[str, str], PromSignal] = _table()
+PROM_SIGNALS: dict[tuple[str, str], PromSignal] = prom_signals()
 
 _NEGATE = {"==": "!=", "!=": "==", "<": ">=", "<=": ">", ">": "<=", ">=": "<"}
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from trainguard.controller.signals.catalogue import _RANK_DOCS, SIGNALS
+from trainguard.controller.signals.catalogue import RANK_FIELDS, SIGNALS
 from trainguard.controller.signals.records import _JOB_NUMERIC, _NODE_NUMERIC, _ib_value
 from trainguard.controller.signals.series import Series
 from trainguard.model import GPU_VALUE_FIELDS, NVLINK_VALUE_FIELDS
@@ -161,7 +161,7 @@ def _build_getters() -> dict[tuple[str, str], Getter]:
     g["node", "role"] = _role
     g["node", "state"] = lambda c: c.node.state
     g["node", "job"] = lambda c: c.node.job
-    for name in _RANK_DOCS:
+    for name in RANK_FIELDS:
         aged = name in ("heartbeat_age_s", "step_age_s")
         g["rank", name] = _rank_aged(name) if aged else _rank_field(name)
     g["rank", "nan_total"] = lambda c: c.rank.nan_total

@@ -12,7 +12,7 @@ import operator
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
-from trainguard.controller.signals.catalogue import _RANK_DOCS, DEFAULT_TRACKED, SCOPES, SIGNALS
+from trainguard.controller.signals.catalogue import DEFAULT_TRACKED, RANK_FIELDS, SCOPES, SIGNALS
 from trainguard.controller.signals.getters import EvalContext, getter
 from trainguard.controller.signals.records import (
     _JOB_NUMERIC,
@@ -32,7 +32,7 @@ from trainguard.model import (
     IbPortSample,
     NvLinkSample,
 )
-from trainguard.protocol import Event, RankState, Report
+from trainguard.protocol import Event, EventKind, RankState, Report
 from trainguard.xid_catalog import XidCatalog as _Catalog
 from trainguard.xid_catalog import XidInfo
 
@@ -42,8 +42,14 @@ __all__ = ["SIGNAL_EVENT_KINDS", "SignalState", "XidCatalog"]
 _INTERN_MAX = 200_000  # distinct GPU/link value tuples remembered for the quiet-target memo
 _EVENT_ATTRS = frozenset({"xid_total", "xid_fatal_total", "xid_last_code", "gpu_lost_total"})
 # Event kinds that change signals (`SignalState._ingest_event`): what a restart replays.
-SIGNAL_EVENT_KINDS = frozenset(
-    {"xid", "gpu_lost", "fallen_off_bus", "preemption_notice", "nan_loss"}
+SIGNAL_EVENT_KINDS: frozenset[EventKind] = frozenset(
+    {
+        EventKind.XID,
+        EventKind.GPU_LOST,
+        EventKind.FALLEN_OFF_BUS,
+        EventKind.PREEMPTION_NOTICE,
+        EventKind.NAN_LOSS,
+    }
 )
 
 
@@ -112,7 +118,7 @@ class SignalState:
         self._link_sig = _tuple_getter(("link", *self._link_fields))
         self._ib_sig_names = tuple(sorted(t["ib_port"]))
         self._ib_derived = tuple(n for n in ("up", "phys_up", "rate_gbps") if n in t["ib_port"])
-        self._rank_fields = tuple(n for n in _RANK_DOCS if n in t["rank"])
+        self._rank_fields = tuple(n for n in RANK_FIELDS if n in t["rank"])
         self._node_fields = tuple(
             n for n in ("gpus", "gpus_lost", "ib_ports", "ib_ports_down") if n in t["node"]
         )
@@ -367,13 +373,13 @@ class SignalState:
     def _ingest_event(
         self, node: _NodeRec, e: Event, now: float, jobs_touched: set[_JobRec]
     ) -> None:
-        if e.kind == "xid" or e.kind in ("gpu_lost", "fallen_off_bus"):
+        if e.kind == EventKind.XID or e.kind in (EventKind.GPU_LOST, EventKind.FALLEN_OFF_BUS):
             rec = None
             if e.gpu is not None:
                 rec = node.gpus.get(e.gpu)
                 if rec is None:
                     rec = node.gpus[e.gpu] = _GpuRec(e.gpu, None, now)
-            if e.kind == "xid":
+            if e.kind == EventKind.XID:
                 # the line decides for some codes (NVLink5 Fatal/Nonfatal, XID 154's action)
                 fatal = (
                     e.code is not None
@@ -402,9 +408,9 @@ class SignalState:
                 self._bump(rec.series, "gpu_lost_total", rec, now, "gpu")
             if rec is not None and rec.sample is not None:
                 self._reintern(rec)
-        elif e.kind == "preemption_notice":
+        elif e.kind == EventKind.PREEMPTION_NOTICE:
             self._bump(node.series, "preemption_total", node, now, "node")
-        elif e.kind == "nan_loss" and e.job is not None:
+        elif e.kind == EventKind.NAN_LOSS and e.job is not None:
             job = self._job(e.job, now)
             jobs_touched.add(job)
             self._bump(job.series, "nan_total", job, now, "job")

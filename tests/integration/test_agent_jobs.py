@@ -11,8 +11,9 @@ import pytest
 
 from tests.helpers import alive, free_port, wait_for
 from trainguard.agent.jobpolicy import JobPolicy
-from trainguard.agent.jobs import JOB_EXIT, JobError, JobEvent, JobRunner, StartJob
+from trainguard.agent.jobs import JobError, JobEvent, JobRunner, StartJob
 from trainguard.clock import FakeClock
+from trainguard.protocol import EventKind
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +60,7 @@ def wait_exit(runner: JobRunner, job: str, *, timeout_s: float = 60.0) -> JobEve
 
     def check() -> JobEvent | None:
         events.extend(runner.poll())
-        return next((e for e in events if e.job == job and e.kind == JOB_EXIT), None)
+        return next((e for e in events if e.job == job and e.kind == EventKind.JOB_EXIT), None)
 
     return wait_for(check, timeout_s=timeout_s, what=f"job_exit of {job}")
 

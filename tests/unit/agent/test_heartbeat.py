@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -16,13 +17,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import wait_for
-from trainguard.agent.heartbeat import MAX_PENDING_EVENTS, HeartbeatServer
+from trainguard.agent.heartbeat import (
+    HEARTBEAT_ONLY_FIELDS,
+    MAX_PENDING_EVENTS,
+    RANK_STATE_OWN_FIELDS,
+    HeartbeatServer,
+)
 from trainguard.clock import FakeClock
 from trainguard.protocol import (
     HEARTBEAT_MAX_BYTES,
     Control,
     Heartbeat,
     ProtocolError,
+    RankState,
     decode_json,
     encode_json,
 )
@@ -67,6 +74,27 @@ def test_keeps_last_heartbeat_per_rank_and_derives_ages(
     assert r1.heartbeat_age_s == pytest.approx(5.0)
     server.handle_datagram(hb(rank=0, step=11), pid=100)
     assert server.ranks()[0].step_age_s == 0.0
+
+
+def test_every_heartbeat_field_reaches_rank_state_or_is_named_heartbeat_only() -> None:
+    # a new Heartbeat field shows in the report's RankState (same name) unless it is listed
+    # as heartbeat-only; RankState has nothing else but the ages the agent computes
+    heartbeat = {f.name for f in dataclasses.fields(Heartbeat)}
+    rank_state = {f.name for f in dataclasses.fields(RankState)}
+    assert HEARTBEAT_ONLY_FIELDS <= heartbeat
+    assert heartbeat - HEARTBEAT_ONLY_FIELDS == rank_state - RANK_STATE_OWN_FIELDS
+
+
+def test_rank_state_carries_every_shared_heartbeat_value(server: HeartbeatServer) -> None:
+    sent = Heartbeat(
+        job="job-a", rank=3, step=7, t=1.0, local_rank=1, world_size=8, pid=42, loss=1.5,
+        grad_norm=0.5, samples_per_s=10.0, tokens_per_s=100.0, step_time_s=0.2,
+        compute_time_s=0.1, phase="eval", ckpt_step=6, ckpt_request_id="r1",
+    )  # fmt: skip
+    server.handle_datagram(encode_json(sent), pid=42)
+    (got,) = server.ranks()
+    for name in {f.name for f in dataclasses.fields(RankState)} - RANK_STATE_OWN_FIELDS:
+        assert getattr(got, name) == getattr(sent, name), name
 
 
 def test_nan_loss_survives_the_wire(server: HeartbeatServer) -> None:

@@ -18,7 +18,6 @@ import pytest
 from tests.helpers import alive, wait_for
 from trainguard.agent.jobpolicy import JobPolicy
 from trainguard.agent.jobs import (
-    JOB_EXIT,
     JobEvent,
     JobRunner,
     StartJob,
@@ -29,6 +28,7 @@ from trainguard.agent.jobs import (
 )
 from trainguard.agent.launchrec import load_records
 from trainguard.clock import FakeClock
+from trainguard.protocol import EventKind
 
 # Stands in for `python -m torch.distributed.run ...`: says it is up, then waits; SIGTERM
 # exits 0. It also writes its pid (the wrapper's child) for the tests.
@@ -86,7 +86,7 @@ def launcher_pid(runner: JobRunner, job: str = "llm") -> int:
 
 def exits(runner: JobRunner, seen: list[JobEvent], count: int = 1) -> list[JobEvent]:
     def check() -> list[JobEvent] | None:
-        seen.extend(e for e in runner.poll() if e.kind == JOB_EXIT)
+        seen.extend(e for e in runner.poll() if e.kind == EventKind.JOB_EXIT)
         return list(seen) if len(seen) >= count else None
 
     return wait_for(check, timeout_s=30, what=f"{count} job_exit event(s)")

@@ -17,9 +17,9 @@ from trainguard.clock import FakeClock
 from trainguard.controller.api.app import create_app
 from trainguard.controller.auth import TokenStore
 from trainguard.controller.jobs import JobSpec
-from trainguard.fastwire import decoder
 from trainguard.protocol import ProtocolError
 from trainguard.strict import ConfigError, load_file
+from trainguard.wire_schemas import decoder
 
 GOOD = "name: llama\ncommand: [train.py, --lr, '3e-4']\nnodes: [node-1, node-2]\n"
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections.abc
 import copy
 import dataclasses
+import enum
 import json
 import math
 import re
@@ -24,13 +25,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trainguard.decode import INT64_MAX, INT64_MIN, NONFINITE, Bound
-from trainguard.fastwire import decoder
+from trainguard.decode import INT64_MAX, INT64_MIN, NONFINITE, Bound, Invalid
 from trainguard.model import GpuSample, IbPortSample, NvLinkSample
 from trainguard.protocol import (
+    EVENT_PAYLOADS,
     PROTOCOL_VERSION,
     Command,
     Event,
+    EventKind,
     FaultSpec,
     JobProcess,
     ProtocolError,
@@ -42,6 +44,7 @@ from trainguard.protocol import (
     from_wire,
     to_wire,
 )
+from trainguard.wire_schemas import decoder
 
 
 class _Reject(Exception):
@@ -114,6 +117,10 @@ def _walk(tp: Any, value: Any, path: str) -> Any:
         if value not in args or type(value) is not type(args[0]):
             raise _Reject(path)
         return value
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        if type(value) is not str or value not in {m.value for m in tp}:
+            raise _Reject(path)
+        return tp(value)
     if origin in (list, tuple):
         if type(value) is not list:
             raise _Reject(path)
@@ -137,7 +144,10 @@ def _walk(tp: Any, value: Any, path: str) -> Any:
                 kwargs[name] = _walk(hints[name], value[name], _join(path, name))
             elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise _Reject(_join(path, name))
-        return tp(**kwargs)
+        try:
+            return tp(**kwargs)
+        except Invalid as e:  # the class's own rule (an event kind's payload)
+            raise _Reject(_join(path, e.key)) from None
     if tp is float:
         if isinstance(value, str) and value in NONFINITE:
             return NONFINITE[value]
@@ -203,14 +213,40 @@ json_any = st.recursive(
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3),
     max_leaves=6,
 )
-events = st.builds(
-    Event,
-    id=st.integers(0, 2**40),
-    kind=idents,
-    ts=times,
-    gpu=st.none() | st.integers(0, 7),
-    code=st.none() | st.integers(0, 200),
-    data=st.dictionaries(text, json_any, max_size=3),
+_PAYLOAD_VALUES: dict[tuple[type, ...], st.SearchStrategy[Any]] = {
+    (str,): text,
+    (int,): counts,
+    (bool,): st.booleans(),
+    (int, float): finite,
+    (list, tuple): st.lists(json_any, max_size=2),
+}
+
+
+def _event_data(kind: EventKind) -> st.SearchStrategy[dict[str, Any]]:
+    """A payload of `kind`: its required keys, some of its optional ones and other keys."""
+    payload = EVENT_PAYLOADS[kind]
+    declared = set(payload.required) | set(payload.optional)
+    extra = st.dictionaries(text.filter(lambda k: k not in declared), json_any, max_size=2)
+    return st.builds(
+        lambda req, opt, more: {**more, **opt, **req},
+        st.fixed_dictionaries({k: _PAYLOAD_VALUES[t] for k, t in payload.required.items()}),
+        st.fixed_dictionaries(
+            {}, optional={k: _PAYLOAD_VALUES[t] for k, t in payload.optional.items()}
+        ),
+        extra,
+    )
+
+
+events = st.sampled_from(list(EventKind)).flatmap(
+    lambda kind: st.builds(
+        Event,
+        id=st.integers(0, 2**40),
+        kind=st.just(kind),
+        ts=times,
+        gpu=st.none() | st.integers(0, 7),
+        code=st.none() | st.integers(0, 200),
+        data=_event_data(kind),
+    )
 )
 ranks = st.builds(
     RankState,
@@ -396,7 +432,7 @@ def _get(value: Any, path: tuple[Any, ...]) -> Any:
             id="int-beyond-int64",
         ),
         pytest.param(
-            b'{"node":"n","instance":"i","seq":1,"sent_at":1,"events":[{"id":1,"kind":"k","ts":1,'
+            b'{"node":"n","instance":"i","seq":1,"sent_at":1,"events":[{"id":1,"kind":"nan_loss","ts":1,'
             b'"data":{"a":[9223372036854775808]}}]}',
             "events[0].data.a",
             id="any-beyond-int64",
