@@ -131,7 +131,7 @@ def main() -> None:
             handle_sigterm=False,
         )
         if args.no_prepare:
-            tg._pool.prepare = lambda obj: False  # type: ignore[method-assign]
+            tg.checkpoints.pool.prepare = lambda obj: False  # type: ignore[method-assign]
         if args.prepare_priority == "normal":
             state_mod._lower_thread_priority = lambda: None
         # The first dd runs before the steps: no idle gap between the last step and save 1.
@@ -146,7 +146,7 @@ def main() -> None:
             tg.step(i)
             step_call_s.append(time.perf_counter() - t1)
             step_s.append(time.perf_counter() - t0)
-        ready_at_first_save = tg._pool.ready()
+        ready_at_first_save = tg.checkpoints.pool.ready()
         blocked: list[float] = []
         first_save_allocated = 0
         write_s: list[float] = []
@@ -157,9 +157,9 @@ def main() -> None:
             assert tg.save(i)
             blocked.append(time.perf_counter() - t0)
             if i == first:
-                first_save_allocated = tg._pool.allocated_bytes
-            assert tg.writer.wait(600)
-            (res,) = tg.writer.take_results()
+                first_save_allocated = tg.checkpoints.pool.allocated_bytes
+            assert tg.checkpoints.writer.wait(600)
+            (res,) = tg.checkpoints.writer.take_results()
             assert res.ok, res.reason
             m = read_manifest(Path(res.path))
             write_bytes = sum(int(f["size"]) for f in m.files.values())
@@ -177,8 +177,8 @@ def main() -> None:
             "steps_before_first_save": args.steps_before_save,
             "train_step_s_each": [round(s, 3) for s in step_s],
             "trainguard_step_call_s_each": [round(s, 4) for s in step_call_s],
-            "prepare_in_background_s": tg._pool.prepare_s,
-            "prepared_mb": tg._pool.prepared_bytes / mib,
+            "prepare_in_background_s": tg.checkpoints.pool.prepare_s,
+            "prepared_mb": tg.checkpoints.pool.prepared_bytes / mib,
             "buffers_ready_at_first_save": ready_at_first_save,
             "first_save_allocated_mb": first_save_allocated / mib,
             "param_mb": param_bytes / mib,

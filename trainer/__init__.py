@@ -13,7 +13,8 @@ The only part of trainguard that imports torch; `import agent` never imports thi
 """
 
 from trainguard.trainer.chaos import ChaosError, ChaosSpecError
-from trainguard.trainer.core import CheckpointMismatch, NanPolicy, Stateful, StepAction, Trainguard
+from trainguard.trainer.checkpoint_manager import CheckpointMismatch, Stateful
+from trainguard.trainer.core import StepAction, Trainguard
 from trainguard.trainer.fence import LaunchLocked, StaleAttempt
 from trainguard.trainer.launch import LaunchMismatch
 from trainguard.trainer.loader import resumable_loader
@@ -24,6 +25,7 @@ from trainguard.trainer.manifest import (
     find_latest_good,
     verify_dir,
 )
+from trainguard.trainer.nan_guard import NanPolicy
 from trainguard.trainer.s3 import S3Config
 from trainguard.trainer.sampler import ResumableSampler
 from trainguard.trainer.workers import WorkerInit, guard_workers, worker_init_fn

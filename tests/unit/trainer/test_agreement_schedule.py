@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from trainguard.clock import FakeClock
+from trainguard.protocol import Control
 from trainguard.trainer import Trainguard
 from trainguard.trainer.sync import Agreement, LocalCoordinator, LocalView
 
@@ -44,7 +45,7 @@ def run(
         model=torch.nn.Linear(2, 2), ckpt_dir=tmp_path / "ck", handle_sigterm=False, clock=clock
     )
     coord = SlowCoordinator(clock, cost_s)
-    tg.coord = coord
+    tg.agreement.coord = coord  # the checkpoints stay on the local one
     injected: list[tuple[int, float]] = []
     acted: list[tuple[int, float, str]] = []
     for call in range(1, calls + 1):
@@ -53,7 +54,8 @@ def run(
         if action.request_id is not None:
             acted.append((call, clock.monotonic(), action.request_id))
         if call in requests_at:
-            tg._pending.append(("checkpoint", f"r{call}"))  # as if it arrived after this call
+            # as if it arrived on the control socket after this call
+            tg.agreement.receive([Control(action="checkpoint", request_id=f"r{call}")])
             injected.append((call, clock.monotonic()))
     tg.close()
     return injected, acted, coord

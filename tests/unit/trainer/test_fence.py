@@ -36,7 +36,7 @@ def test_commit_of_an_older_attempt_is_refused_and_the_stale_rank_stops(
     assert read_epoch(ckpt) == 1
     start = tg.resume(first_step=1)
     job.run(tg, start, 6)
-    tg.writer.wait(10)
+    tg.checkpoints.writer.wait(10)
     assert committed_steps(ckpt) == [5]
 
     raise_epoch(ckpt, 2)  # what attempt 2's rank 0 does when it starts
@@ -213,7 +213,7 @@ def test_a_relaunch_of_the_same_attempt_cannot_run_beside_a_live_one(tmp_path: P
         TinyJob().guard(ckpt, epoch=1, launch_lock_timeout_s=0)
     leftover.release()
     tg = TinyJob().guard(ckpt, epoch=1, launch_lock_timeout_s=0)
-    assert tg._launch_lock is not None and tg._launch_lock.held
+    assert tg.checkpoints.launch_lock is not None and tg.checkpoints.launch_lock.held
     # the lock lives as long as the launch: a second launch of attempt 1 now waits
     with pytest.raises(LaunchLocked):
         LaunchLock(ckpt, epoch=1).acquire(timeout_s=0)

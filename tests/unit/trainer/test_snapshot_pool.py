@@ -134,7 +134,8 @@ def test_save_right_after_the_first_step_takes_over_the_buffers_and_resumes_bitw
     interrupted.run(tg, tg.resume(first_step=1), 1)  # the first step starts the preparation
     assert held.wait(GATE_TIMEOUT_S), "the preparation never reached its first buffer"
     assert tg.save(1, wait=True)
-    assert 0 < tg._pool.allocated_bytes < tg._pool.bytes, "it kept the buffer being prepared"
+    pool = tg.checkpoints.pool
+    assert 0 < pool.allocated_bytes < pool.bytes, "it kept the buffer being prepared"
     assert tg.ckpt_step == 1
     tg.close()
 
@@ -151,11 +152,11 @@ def test_first_step_prepares_every_buffer_a_save_needs(tmp_path: Path) -> None:
     job = TinyJob()
     tg = job.guard(tmp_path)
     job.run(tg, 1, 1)
-    assert tg._pool.wait_ready(GATE_TIMEOUT_S)
-    assert tg._pool.prepared_bytes > 0
+    assert tg.checkpoints.pool.wait_ready(GATE_TIMEOUT_S)
+    assert tg.checkpoints.pool.prepared_bytes > 0
     assert tg.save(1, wait=True)
-    assert tg._pool.allocated_bytes == 0
-    assert tg._pool.held_bytes == tg._pool.bytes
+    assert tg.checkpoints.pool.allocated_bytes == 0
+    assert tg.checkpoints.pool.held_bytes == tg.checkpoints.pool.bytes
     tg.close()
 
 

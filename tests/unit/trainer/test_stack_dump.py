@@ -11,12 +11,12 @@ pytestmark = pytest.mark.slow  # imports torch in a fresh interpreter
 
 PROBE = """
 import signal, sys
-from trainguard.trainer import core
+from trainguard.trainer import signals
 {setup}
-core._register_stack_dump()
+signals.register_stack_dump()
 with open("/proc/self/status") as f:
     cgt = next(int(l.split()[1], 16) for l in f if l.startswith("SigCgt:"))
-print("handled" if cgt >> (signal.SIGUSR1 - 1) & 1 else "default", core._stack_dump_registered)
+print("handled" if cgt >> (signal.SIGUSR1 - 1) & 1 else "default", signals.stack_dump_registered())
 {after}
 """
 

@@ -269,7 +269,7 @@ def test_failed_background_write_is_reported_and_never_becomes_latest(
     batches = job.sampler.batches(job.loader)
     for step in range(1, 6):
         tg.step(step, loss=job.train_step(batches))
-    assert tg.writer.wait(30)
+    assert tg.checkpoints.writer.wait(30)
     real.rename(tmp_path / "moved")  # the checkpoint directory vanishes under the job
     for step in range(6, 11):
         tg.step(step, loss=job.train_step(batches))

@@ -1,0 +1,77 @@
+"""`Telemetry` alone, on a real agent socket: one heartbeat per send, each queued event in a
+datagram of its own, and the newest committed checkpoint in every later heartbeat."""
+
+from __future__ import annotations
+
+from tests.unit.trainer.trainer_helpers import FakeAgent
+from trainguard.clock import FakeClock
+from trainguard.trainer.channel import AgentChannel
+from trainguard.trainer.checkpoint import SaveResult
+from trainguard.trainer.telemetry import Telemetry
+
+
+def telemetry(agent: FakeAgent) -> Telemetry:
+    return Telemetry(
+        channel=AgentChannel(agent_socket=agent.path, control_socket=None),
+        job="unit",
+        rank=2,
+        local_rank=0,
+        world_size=4,
+        pid=1234,
+        clock=FakeClock(),
+    )
+
+
+def test_a_send_without_events_is_one_heartbeat_with_the_rates_of_this_rank(
+    agent: FakeAgent,
+) -> None:
+    t = telemetry(agent)
+    t.send(step=5, phase="train", loss=1.5, step_time_s=0.5, samples=32, tokens=64)
+    t.event("exit", {})
+    t.send(step=5, phase="exit")
+    t.channel.close()
+    first, last = agent.drain()
+    assert (first.job, first.rank, first.world_size, first.pid) == ("unit", 2, 4, 1234)
+    assert first.step == 5 and first.loss == 1.5 and first.event is None
+    assert first.samples_per_s == 64.0 and first.tokens_per_s == 128.0
+    assert last.phase == "exit" and last.event == "exit"
+
+
+def test_each_queued_event_travels_alone_with_the_level_fields_repeated(
+    agent: FakeAgent,
+) -> None:
+    t = telemetry(agent)
+    t.event("nan_loss", {"step": 3, "loss": None, "grad_norm": None})
+    t.event("stop", {"step": 3, "reason": "nan"})
+    t.send(step=3, phase="stopping", loss=2.0)
+    t.event("exit", {})
+    t.send(step=3, phase="exit")
+    t.channel.close()
+    hbs = agent.drain()
+    assert [h.event for h in hbs] == ["nan_loss", "stop", "exit"]
+    assert [h.loss for h in hbs[:2]] == [2.0, 2.0]
+    assert hbs[1].event_data == {"step": 3, "reason": "nan"}
+
+
+def test_results_set_the_checkpoint_every_later_heartbeat_carries(agent: FakeAgent) -> None:
+    t = telemetry(agent)
+    t.checkpoint_loaded(step=10, request_id=None)
+    assert (t.ckpt_step, t.ckpt_request_id) == (10, None)
+    t.report(SaveResult(step=20, request_id="r1", ok=True, duration_s=0.25, path="/c/step_20"))
+    t.report(SaveResult(step=30, request_id=None, ok=False, duration_s=0.0, path="", reason="x"))
+    assert (t.ckpt_step, t.ckpt_request_id) == (20, "r1")  # a failure changes neither
+    t.send(step=30, phase="train")
+    t.event("exit", {})
+    t.send(step=30, phase="exit")
+    t.channel.close()
+    committed, failed, _ = agent.drain()
+    assert committed.event == "checkpoint_committed"
+    assert committed.event_data == {
+        "step": 20,
+        "request_id": "r1",
+        "duration_s": 0.25,
+        "path": "/c/step_20",
+    }
+    assert failed.event == "checkpoint_failed"
+    assert failed.event_data == {"step": 30, "request_id": None, "reason": "x"}
+    assert committed.ckpt_step == 20 and committed.ckpt_request_id == "r1"
