@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from trainguard.clock import SYSTEM_CLOCK, Clock
+from trainguard.kinds import TrainerEdge
 from trainguard.protocol import HeartbeatPhase
 from trainguard.trainer.agreement import AgreementSettings, StepAgreement
 from trainguard.trainer.channel import (
@@ -358,7 +359,7 @@ class Trainguard:
         self._closed = True
         self.agreement.drain()
         self.checkpoints.close(self.signals.left_s() if self.signals.received else None)
-        self.telemetry.event("exit", {})
+        self.telemetry.event(TrainerEdge.EXIT, {})
         self.telemetry.send(step=self._last_step, phase="exit")
         self.channel.close()
         self.signals.restore()
@@ -382,7 +383,7 @@ class Trainguard:
             self.agreement.done(request_id)
         if ag.stale:
             # A newer attempt owns the directory: nothing this one computes can be kept.
-            self.telemetry.event("stop", {"step": step, "reason": "stale_attempt"})
+            self.telemetry.event(TrainerEdge.STOP, {"step": step, "reason": "stale_attempt"})
             log.error(
                 "event=stop job=%s rank=%d step=%d reason=stale_attempt epoch=%s",
                 self.job,
@@ -401,7 +402,7 @@ class Trainguard:
         if nan_action == "stop":
             if ag.action in _CHECKPOINT_ACTIONS:
                 self._checkpoint_skipped(step, request_id)
-            self.telemetry.event("stop", {"step": step, "reason": "nan"})
+            self.telemetry.event(TrainerEdge.STOP, {"step": step, "reason": "nan"})
             log.error("event=stop job=%s rank=%d step=%d reason=nan", self.job, self.rank, step)
             return StepAction(stop=True, reason="nan")
         ckpt_rid = request_id if ag.action in _CHECKPOINT_ACTIONS else None
@@ -436,7 +437,7 @@ class Trainguard:
                 )
             self.checkpoints.collect()
         self.telemetry.event(
-            "stop", {"step": step, "reason": stop_reason, "request_id": request_id}
+            TrainerEdge.STOP, {"step": step, "reason": stop_reason, "request_id": request_id}
         )
         log.info(
             "event=stop job=%s rank=%d step=%d reason=%s request_id=%s",
@@ -452,7 +453,7 @@ class Trainguard:
 
     def _checkpoint_skipped(self, step: int, request_id: str | None) -> None:
         self.telemetry.event(
-            "checkpoint_failed",
+            TrainerEdge.CHECKPOINT_FAILED,
             {"step": step, "reason": "nonfinite_state", "request_id": request_id},
         )
 
@@ -467,7 +468,7 @@ class Trainguard:
                 self.rank,
                 step,
             )
-            self.telemetry.event("stop", {"step": step, "reason": "nan_no_checkpoint"})
+            self.telemetry.event(TrainerEdge.STOP, {"step": step, "reason": "nan_no_checkpoint"})
             return StepAction(stop=True, reason="nan_no_checkpoint")
         good, _ = found
         self.agreement.clear_nonfinite()  # what was seen since came from the state just replaced

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from trainguard.clock import SYSTEM_CLOCK, Clock
+from trainguard.kinds import TrainerEdge
 
 __all__ = ["NAN_POLICIES", "NanGuard", "NanPolicy", "NanSettings"]
 
@@ -86,7 +87,7 @@ class NanGuard:
         if (loss is not None and not math.isfinite(loss)) or (
             grad_norm is not None and not math.isfinite(grad_norm)
         ):
-            self._emit("nan_loss", {"step": step, "loss": loss, "grad_norm": grad_norm})
+            self._emit(TrainerEdge.NAN_LOSS, {"step": step, "loss": loss, "grad_norm": grad_norm})
             self._log_nonfinite(step, loss, grad_norm)
             return True
         factor = self.settings.grad_spike_factor
@@ -96,7 +97,8 @@ class NanGuard:
             median = statistics.median(self._grad_norms)
             if median > 0 and grad_norm > factor * median:
                 self._emit(
-                    "grad_norm_spike", {"step": step, "grad_norm": grad_norm, "median": median}
+                    TrainerEdge.GRAD_NORM_SPIKE,
+                    {"step": step, "grad_norm": grad_norm, "median": median},
                 )
                 log.error(
                     "event=grad_norm_spike job=%s rank=%d step=%d grad_norm=%r median=%r",
@@ -127,7 +129,7 @@ class NanGuard:
             self.settings.skip_batches,
         )
         self._emit(
-            "nan_rollback",
+            TrainerEdge.NAN_ROLLBACK,
             {"step": step, "to_step": to_step, "skip_batches": self.settings.skip_batches},
         )
 

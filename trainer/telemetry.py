@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainguard.clock import SYSTEM_CLOCK, Clock
+from trainguard.kinds import TrainerEdge
 from trainguard.protocol import Heartbeat, HeartbeatPhase
 from trainguard.trainer.channel import AgentChannel
 from trainguard.trainer.checkpoint import SaveResult
@@ -62,7 +63,7 @@ class Telemetry:
             if result.request_id:
                 self.ckpt_request_id = result.request_id
             self.event(
-                "checkpoint_committed",
+                TrainerEdge.CHECKPOINT_COMMITTED,
                 {
                     "step": result.step,
                     "request_id": result.request_id,
@@ -72,7 +73,7 @@ class Telemetry:
             )
         else:
             self.event(
-                "checkpoint_failed",
+                TrainerEdge.CHECKPOINT_FAILED,
                 {"step": result.step, "request_id": result.request_id, "reason": result.reason},
             )
 
