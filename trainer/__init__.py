@@ -1,6 +1,10 @@
 """trainguard trainer library: heartbeats, verified async checkpoints, coordinated requests.
 
 The only part of trainguard that imports torch; `import agent` never imports this package.
+`Trainguard` (core) is a facade over parts with one job each, usable alone (docs/trainer.md,
+"Parts"): checkpoint_manager (capture, write, verify, load, retention, S3), agreement (the
+step every rank acts at: requests, stops, NaN), signals (SIGTERM and its grace), telemetry
+(heartbeats and events to the agent), compute_timer, nan_guard (the NaN policy).
 
     from trainguard.trainer import Trainguard
     tg = Trainguard(model=model, optimizer=opt, ckpt_dir="ckpt", checkpoint_every=100)

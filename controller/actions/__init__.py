@@ -1,5 +1,7 @@
-"""Action steps the controller takes for incidents and operators: the framework (kinds,
-base, worker), notifications (Slack, PagerDuty, webhooks) and node draining."""
+"""Action steps the controller takes for incidents and operators: the framework (base:
+handlers and their registry; worker: runs stored steps exactly once), notifications (Slack,
+PagerDuty, webhooks), node draining, the job steps (jobsteps, recovery, restartphase). Which
+kinds exist and what each is: controller.actionkinds."""
 
 from trainguard.controller.actionkinds import ActionKind
 from trainguard.controller.actions.base import (
