@@ -99,8 +99,7 @@ def test_an_older_attempt_still_running_is_fenced_off_by_the_newer_one(
 ) -> None:
     ckpt = tmp_path / "ck"
     common = ["--ckpt-dir", str(ckpt), "--checkpoint-every", "5", "--keep-last", "0"]
-    common += ["--step-time-s", "0.1"]
-    first = Launch(tmp_path, attempt=1, args=[*common, "--steps", "100000"])
+    first = Launch(tmp_path, attempt=1, args=[*common, "--step-time-s", "0.1", "--steps", "100000"])
     launches.append(first)
     wait_for(
         lambda: (
@@ -113,9 +112,13 @@ def test_an_older_attempt_still_running_is_fenced_off_by_the_newer_one(
     assert read_epoch(ckpt) == 1
 
     # attempt 1 keeps running (a partitioned node, or workers of a killed launcher)
-    # --steps is absolute: attempt 2 trains well past wherever attempt 1 has got to by then
-    end = max(step for step, _ in list_committed(ckpt)) + 150
-    second = Launch(tmp_path, attempt=2, args=[*common, "--steps", str(end)])
+    # --steps is absolute: attempt 2 trains well past wherever attempt 1 has got to by the time
+    # it starts (600 of attempt 1's 0.1 s steps: a minute of start-up on a loaded machine), and
+    # steps faster itself, so the run stays short when start-up is quick
+    end = max(step for step, _ in list_committed(ckpt)) + 600
+    second = Launch(
+        tmp_path, attempt=2, args=[*common, "--step-time-s", "0.02", "--steps", str(end)]
+    )
     launches.append(second)
     assert second.wait(240) == 0, second.log()[-3000:]
     assert first.wait(120) == 0, first.log()[-3000:]
