@@ -201,6 +201,7 @@ class Controller:
             clock=clock,
             wake=wake,
             max_nodes=config.api.max_nodes,
+            scheduler=self.backend,
         )
         # the hot path: api.py calls this bound method directly, no delegating call between
         self.ingest_report = self.reports.ingest_report

@@ -98,6 +98,13 @@ class ControllerMetrics:
             "Agent reports refused because the credential speaks for another node.",
             registry=r,
         )
+        self.report_items_refused_total = Counter(
+            "trainguard_controller_report_items_refused_total",
+            "Rank states and events refused because they speak about a job beyond the"
+            " reporting node's part in it (controller.jobscope), by reason.",
+            ["reason"],
+            registry=r,
+        )
         self.events_total = Counter(
             "trainguard_controller_events_total",
             "New agent events stored (duplicates excluded), by kind.",
