@@ -105,6 +105,13 @@ class ControllerMetrics:
             ["reason"],
             registry=r,
         )
+        self.controller_stalls_total = Counter(
+            "trainguard_controller_stalls_total",
+            "Times the tick loop found it had not run for over 2 tick intervals + 1 s (the"
+            " controller itself stalled: paused, migrated, a stuck disk); node ages restart"
+            " from the resumption (controller.stallguard).",
+            registry=r,
+        )
         self.events_total = Counter(
             "trainguard_controller_events_total",
             "New agent events stored (duplicates excluded), by kind.",

@@ -40,6 +40,7 @@ from trainguard.controller.rules import engine
 from trainguard.controller.rules.engine import EngineMemory, MemoryEntry
 from trainguard.controller.rules.loader import RuleError, RuleSet, load_rules
 from trainguard.controller.signals import SIGNAL_EVENT_KINDS
+from trainguard.controller.stallguard import Stall, StallGuard
 from trainguard.controller.store import NewAction, Store
 from trainguard.protocol import Event, ProtocolError, decoder
 from trainguard.strict import ConfigError
@@ -110,6 +111,7 @@ class TickService:
         self._threads: list[threading.Thread] = []
         # monotonic time the tick loop last finished a round (the watchdog's liveness check)
         self._tick_beat: float | None = None
+        self._stalls = StallGuard(tick_interval_s=config.tick_interval_s)
 
     @property
     def rule_count(self) -> int:
@@ -295,9 +297,13 @@ class TickService:
     def tick(self, *, now: float | None = None) -> None:
         """One round: flush freshness, time out commands, evaluate rules, apply decisions.
         Without `start()` it also runs the due action steps (tests drive it step by step)."""
+        given = now
         now = self._clock.now() if now is None else now
         started = time.perf_counter()
         live = self._live
+        stall = self._stalls.beat(monotonic=self._clock.monotonic(), now=now)
+        if stall is not None:
+            now = self._after_stall(stall, now=self._clock.now() if given is None else now)
         live.flush()
         self._expire_commands(now)
         self._jobs.tick(now=now)
@@ -327,6 +333,21 @@ class TickService:
             self._runner.run_due(now=now)
         self.update_gauges(now)
         self._metrics.tick_seconds.observe(time.perf_counter() - started)
+
+    def _after_stall(self, stall: Stall, *, now: float) -> float:
+        """The controller itself did not tick for `stall.gap_s`: the nodes that were not
+        silent when it stalled get node_silent_after_s from `now` to report again
+        (controller.stallguard). Returns the time the tick goes on at."""
+        silent_after_s = self._config.node_silent_after_s
+        resumed = self._live.resume_ages(at=now, reported_since=stall.last_tick_at - silent_after_s)
+        self._metrics.controller_stalls_total.inc()
+        log.warning(
+            "event=controller_stalled stall_s=%.1f nodes_resumed=%d grace_s=%g",
+            stall.gap_s,
+            len(resumed),
+            silent_after_s,
+        )
+        return now
 
     def apply_decisions(self, decisions: Sequence[Decision], *, now: float) -> list[int]:
         """Feed decisions to the incident layer; returns ids of incidents opened."""
