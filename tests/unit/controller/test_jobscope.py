@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from tests.unit.controller.job_sim import Sim, running
-from trainguard.controller.jobscope import FAR_MIN_STEPS, Progress
+from trainguard.controller.jobscope import FAR_MIN_STEPS, JobScope, Progress
 from trainguard.protocol import Event, RankState, Report
 
 
@@ -132,3 +132,36 @@ def test_a_job_the_controller_does_not_manage_is_shown_as_before(sim: Sim) -> No
     _forge(sim, node="n2", ranks=(RankState(job="outside", rank=0, step=10**12, ckpt_step=10**12),))
     assert sim.c.jobs.latest_steps("outside") == (10**12, 10**12)
     assert sum(_refused(sim, r) for r in ("node_not_in_job", "step_implausible")) == 0
+
+
+class _Scheduler:
+    """A scheduler backend's view: Slurm job 77 runs on n1 and n2."""
+
+    def job_nodes(self, job: str) -> frozenset[str] | None:
+        return frozenset({"n1", "n2"}) if job == "slurm-77" else None
+
+
+def test_a_scheduler_jobs_ranks_are_taken_from_its_allocation_only() -> None:
+    scope = JobScope(job_record=lambda name: None, scheduler=_Scheduler())
+    refused: list[Any] = []
+    mine = Report(
+        node="n2",
+        instance="i",
+        seq=1,
+        sent_at=0.0,
+        ranks=(RankState(job="slurm-77", rank=3, step=10), RankState(job="other", rank=0, step=5)),
+    )
+    assert scope.check_ranks(mine, now=0.0, refused=refused) is mine
+    outside = Report(
+        node="n9",
+        instance="i",
+        seq=1,
+        sent_at=0.0,
+        ranks=(RankState(job="slurm-77", rank=0, step=10), RankState(job="other", rank=0, step=5)),
+    )
+    kept = scope.check_ranks(outside, now=0.0, refused=refused)
+    assert [(r.job, r.rank) for r in kept.ranks] == [("other", 0)]  # unmanaged: as before
+    assert [(r.node, r.job, r.reason) for r in refused] == [("n9", "slurm-77", "node_not_in_job")]
+    exit_event = Event(id=1, kind="job_exit", ts=0.0, job="slurm-77", code=1)
+    assert scope.check_events("n9", [exit_event], now=0.0, refused=refused) == []
+    assert scope.check_events("n1", [exit_event], now=0.0, refused=refused) == [exit_event]
