@@ -200,6 +200,7 @@ class Controller:
             clock=clock,
             wake=wake,
             max_nodes=config.api.max_nodes,
+            scheduler=self.backend,
         )
         self.queries = QueryService(
             live=live,

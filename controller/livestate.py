@@ -67,6 +67,9 @@ class LiveState:
         self.jobs_seen: dict[str, JobSeen] = {}
         self.pending: dict[str, list[CommandRecord]] = {}
         self.reported: set[str] = set()  # nodes that reported since this process started
+        # node -> when the controller resumed from a stall it was reporting before: its age
+        # counts from then (`resume_ages`, controller.stallguard)
+        self._ages_from: dict[str, float] = {}
         # SignalState changes queued while a tick evaluates (see `change_signals`)
         self._evaluating = False
         self._deferred: list[Callable[[], None]] = []
@@ -179,7 +182,20 @@ class LiveState:
     def report_age_s(self, node: str) -> float | None:
         with self.lock:
             t = self.last_seen.get(node)
+            if t is not None:
+                t = max(t, self._ages_from.get(node, t))
         return None if t is None else max(0.0, self._clock.now() - t)
+
+    def resume_ages(self, *, at: float, reported_since: float) -> list[str]:
+        """The controller stalled until `at` (controller.stallguard): every node that had
+        reported since `reported_since` has its report age (here and in the SignalState: its
+        ranks' heartbeat and step ages too) counted from `at`. Returns those nodes."""
+        with self.lock:
+            resumed = [n for n, t in self.last_seen.items() if reported_since <= t < at]
+            for n in resumed:
+                self._ages_from[n] = at
+            self.change_signals(self.signals.resume_ages, at=at, reported_since=reported_since)
+        return sorted(resumed)
 
     def set_node_state(self, node: str, state: str, *, reason: str | None) -> None:
         with self.lock:

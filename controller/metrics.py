@@ -115,6 +115,20 @@ class ControllerMetrics:
             "Agent reports refused because the credential speaks for another node.",
             registry=r,
         )
+        self.report_items_refused_total = Counter(
+            "trainguard_controller_report_items_refused_total",
+            "Rank states and events refused because they speak about a job beyond the"
+            " reporting node's part in it (controller.jobscope), by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.controller_stalls_total = Counter(
+            "trainguard_controller_stalls_total",
+            "Times the tick loop found it had not run for over 2 tick intervals + 1 s (the"
+            " controller itself stalled: paused, migrated, a stuck disk); node ages restart"
+            " from the resumption (controller.stallguard).",
+            registry=r,
+        )
         self.events_total = Counter(
             "trainguard_controller_events_total",
             "New agent events stored (duplicates excluded), by kind.",

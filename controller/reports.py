@@ -34,6 +34,7 @@ from typing import Any
 from trainguard.clock import Clock
 from trainguard.controller.errors import LimitReached
 from trainguard.controller.jobs import JobManager
+from trainguard.controller.jobscope import JobScope, Refusal, SchedulerScope
 from trainguard.controller.livestate import JobSeen, LiveState
 from trainguard.controller.metrics import ControllerMetrics
 from trainguard.controller.records import CommandResultRow, FreshNode
@@ -65,6 +66,7 @@ class ReportService:
         clock: Clock,
         wake: threading.Event,
         max_nodes: int = 10_000,
+        scheduler: SchedulerScope | None = None,
     ) -> None:
         self._max_nodes = max_nodes  # a report from a new node beyond it is refused
         self._limit_logged_at = float("-inf")
@@ -92,6 +94,9 @@ class ReportService:
         self._delta_base: dict[str, tuple[str, int | None]] = {}
         self._refusals: dict[tuple[str, str], float] = {}  # (actor, node) -> last audited at
         self._refusals_lock = threading.Lock()
+        self._scope = JobScope(job_record=jobs.get, scheduler=scheduler)
+        # (node, job, reason) -> when a refused item was last audited
+        self._scope_audited: dict[tuple[str, str, str], float] = {}
 
     def refuse_report(self, *, actor: str, node: str, bound_node: str) -> None:
         """Record a report for `node` refused because `actor`'s credential speaks for
@@ -125,6 +130,7 @@ class ReportService:
         """Store a node's report; return the acknowledged event id and its pending commands."""
         now = self._clock.now()
         name = report.node
+        refused: list[Refusal] = []
         with self._lock:
             node = self._nodes.get(name)
             if node is None:
@@ -161,6 +167,8 @@ class ReportService:
                 agent_version=report.agent_version,
                 labels=dict(report.labels),
             )
+            if report.ranks:
+                report = self._scope.check_ranks(report, now=now, refused=refused)
             delta = report.full is False
             want_full = self._check_delta_base(name, report) if report.full is not None else None
             if not delta:
@@ -177,11 +185,17 @@ class ReportService:
                         seen[e.id] = e
                 new_events = [seen[i] for i in sorted(seen)]
             if new_events:
-                self._store_events(name, report.instance, new_events)
-                hwm = new_events[-1].id
+                # a refused event is acknowledged (never resent) but neither stored nor read
+                last_id = new_events[-1].id
+                new_events = self._scope.check_events(name, new_events, now=now, refused=refused)
+                if new_events:
+                    self._store_events(name, report.instance, new_events)
+                hwm = last_id
                 self._hwm[name] = (report.instance, hwm)
             self._change_signals(self._signals.ingest, report, now=now, new_events=new_events)
             commands = self._commands_for(name, now)
+        if refused:
+            self._refuse_items(refused, actor=actor, now=now)
         self._metrics.reports_total.inc()
         return ReportResponse(
             ack_event_id=hwm,
@@ -190,6 +204,35 @@ class ReportService:
             want_full=want_full,
             job_attempts=stale,
         )
+
+    def _refuse_items(self, refused: list[Refusal], *, actor: str, now: float) -> None:
+        """Count the items the scope check refused; audit and log each (node, job, reason)
+        at most once a minute."""
+        for r in refused:
+            self._metrics.report_items_refused_total.labels(reason=r.reason).inc()
+            key = (r.node, r.job, r.reason)
+            with self._refusals_lock:
+                last = self._scope_audited.get(key)
+                if last is not None and now - last < _REFUSAL_AUDIT_EVERY_S:
+                    continue
+                if len(self._scope_audited) > 10_000:
+                    self._scope_audited.clear()
+                self._scope_audited[key] = now
+            log.warning(
+                "event=report_item_refused reason=%s node=%s job=%s item=%s detail=%s",
+                r.reason,
+                r.node,
+                r.job,
+                r.what.replace(" ", "_"),
+                r.detail.replace(" ", "_"),
+            )
+            self._store.audit.record(
+                ts=now,
+                actor=actor,
+                action="report_item_refused",
+                target=r.job,
+                detail={"node": r.node, "reason": r.reason, "item": r.what, "why": r.detail},
+            )
 
     def _check_delta_base(self, node: str, report: Report) -> bool | None:
         """Track what the node's delta reports are based on; True: ask for a full report."""

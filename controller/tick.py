@@ -43,6 +43,7 @@ from trainguard.controller.rules.engine import EngineMemory, EvalTiming, MemoryE
 from trainguard.controller.rules.loader import RuleError, RuleSet, load_rules
 from trainguard.controller.rules.overrun import OverrunGuard, disabled_decision
 from trainguard.controller.signals import SIGNAL_EVENT_KINDS
+from trainguard.controller.stallguard import Stall, StallGuard
 from trainguard.controller.store import Store
 from trainguard.controller.store.errors import LeaseLost, StoreUnavailable
 from trainguard.protocol import Event, ProtocolError, decoder
@@ -123,6 +124,7 @@ class TickService:
         self._threads: list[threading.Thread] = []
         # monotonic time the tick loop last finished a round (the watchdog's liveness check)
         self._tick_beat: float | None = None
+        self._stalls = StallGuard(tick_interval_s=config.tick_interval_s)
 
     @property
     def rule_count(self) -> int:
@@ -308,9 +310,13 @@ class TickService:
     def tick(self, *, now: float | None = None) -> None:
         """One round: flush freshness, time out commands, evaluate rules, apply decisions.
         Without `start()` it also runs the due action steps (tests drive it step by step)."""
+        given = now
         now = self._clock.now() if now is None else now
         started = time.perf_counter()
         live = self._live
+        stall = self._stalls.beat(monotonic=self._clock.monotonic(), now=now)
+        if stall is not None:
+            now = self._after_stall(stall, now=self._clock.now() if given is None else now)
         live.flush()
         self._expire_commands(now)
         self._jobs.tick(now=now)
@@ -381,6 +387,21 @@ class TickService:
                 gone.budget_s,
             )
         return [disabled_decision(d, rule=rules.get(d.rule)) for d in self._overruns.disabled()]
+
+    def _after_stall(self, stall: Stall, *, now: float) -> float:
+        """The controller itself did not tick for `stall.gap_s`: the nodes that were not
+        silent when it stalled get node_silent_after_s from `now` to report again
+        (controller.stallguard). Returns the time the tick goes on at."""
+        silent_after_s = self._config.node_silent_after_s
+        resumed = self._live.resume_ages(at=now, reported_since=stall.last_tick_at - silent_after_s)
+        self._metrics.controller_stalls_total.inc()
+        log.warning(
+            "event=controller_stalled stall_s=%.1f nodes_resumed=%d grace_s=%g",
+            stall.gap_s,
+            len(resumed),
+            silent_after_s,
+        )
+        return now
 
     def apply_decisions(self, decisions: Sequence[Decision], *, now: float) -> list[int]:
         """Feed decisions to the incident layer; returns ids of incidents opened."""

@@ -112,6 +112,12 @@ class SchedulerBackend(Protocol):
         """Jobs the scheduler runs that trainguard's job table does not hold (with
         Capability.EXTERNAL_JOB_VIEWS; else none)."""
 
+    def job_nodes(self, job: str) -> frozenset[str] | None:
+        """The nodes the scheduler runs (or last ran) job `job` on, for the report path's
+        scope check (controller.jobscope); None: not a job the scheduler runs beyond the job
+        table. Called under the live state's lock on every report naming a job outside the
+        job table: a dict lookup, no lock of the backend's own."""
+
     # --- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> None:

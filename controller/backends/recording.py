@@ -210,6 +210,12 @@ class RecordingBackend:
                 for name, nodes in sorted(self.jobs.items())
             ]
 
+    def job_nodes(self, job: str) -> frozenset[str] | None:
+        if Capability.EXTERNAL_JOB_VIEWS not in self.capabilities:
+            return None
+        nodes = self.jobs.get(job)  # one dict read: the report path calls this under its lock
+        return frozenset(nodes) if nodes is not None else None
+
     def start(self) -> None:
         self.calls.append(("start", "", {}))
 

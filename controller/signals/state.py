@@ -490,6 +490,21 @@ class SignalState:
             if not job.ranks and job.meta_state is None:
                 del self._jobs[rec.job]
 
+    def resume_ages(self, *, at: float, reported_since: float) -> None:
+        """The controller stalled until `at` (controller.stallguard): the nodes that had
+        reported since `reported_since` (were not silent when it stalled) are taken as
+        reported at `at`, and their ranks as received at `at`, so report, heartbeat and step
+        ages count from the resumption."""
+        for node in self._nodes.values():
+            t = node.last_report_at
+            if t is None or t < reported_since or t >= at:
+                continue
+            node.last_report_at = at
+            for key in node.rank_keys:
+                r = self._ranks.get(key)
+                if r is not None and r.node == node.name and r.received_at < at:
+                    r.received_at = at
+
     def set_node_meta(self, node: str, *, role: str, state: str, job: str | None) -> None:
         """The controller's inventory view of a node (role, drain state, assigned job)."""
         rec = self._nodes.get(node)

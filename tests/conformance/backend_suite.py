@@ -246,5 +246,16 @@ class BackendSuite:
         assert views[0].scheduler == h.backend.name and views[0].scheduler_job_id
         assert set(views[0].nodes) == set(h.job_nodes)
 
+    def test_job_nodes_name_the_schedulers_jobs_only_with_the_capability(
+        self, harness: Any
+    ) -> None:
+        h: BackendHarness = harness
+        job = h.start_job()
+        assert h.backend.job_nodes("no-such-job") is None
+        if Capability.EXTERNAL_JOB_VIEWS not in h.backend.capabilities:
+            assert h.backend.job_nodes(job) is None  # the job table scopes its jobs
+            return
+        assert h.backend.job_nodes(job) == frozenset(h.job_nodes)
+
 
 __all__ = ["BackendHarness", "BackendSuite", "step_ctx"]

@@ -416,6 +416,8 @@ CONTROLLER_LAYER_OF: dict[str, str] = {
     "actions": "actions",
     "backends": "actions",
     "reports": "services",
+    "jobscope": "services",  # what a report may say about which job (the ingest stage asks)
+    "stallguard": "services",  # the tick's own stall, and the grace it gives the nodes
     "queries": "services",
     "operations": "services",
     "tick": "services",

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -145,6 +145,9 @@ class SlurmBackend:
         # job id -> the nodes (Slurm names) it last ran on: squeue shows none once Slurm
         # requeued it (a node failure), and a replacement starts from that set
         self._allocations: dict[str, tuple[str, ...]] = {}
+        # heartbeat job name -> the agent nodes its Slurm job runs on (`job_nodes`): replaced
+        # whole by each refresh, read without the lock by the report path
+        self._scope_nodes: dict[str, frozenset[str]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.last_sync_error: str | None = None
@@ -186,6 +189,7 @@ class SlurmBackend:
             for gone in set(self._allocations) - set(jobs):
                 del self._allocations[gone]
             self._learn_names()
+            self._scope_nodes = self._job_scopes()
         self._mirror()
 
     def _learn_names(self) -> None:
@@ -201,6 +205,26 @@ class SlurmBackend:
             for job in self._slurm_jobs.values():
                 if job.name == name and job.active and slurm_nodes & set(job.nodes):
                     self._names[job.id] = name
+
+    def _job_scopes(self) -> dict[str, frozenset[str]]:
+        """Heartbeat job name -> agent nodes, for each Slurm job not finished: its allocation,
+        else the one it last ran on, else the nodes it is pinned to. Caller holds the lock."""
+        out: dict[str, frozenset[str]] = {}
+        for job in self._slurm_jobs.values():
+            if job.finished:
+                continue
+            if job.state == "RUNNING" and job.nodes:
+                slurm_nodes: Sequence[str] = job.nodes
+            else:
+                slurm_nodes = self._allocations.get(job.id) or job.required_nodes or ()
+            nodes = frozenset(self.agent_name(n) for n in slurm_nodes)
+            for name in {f"slurm-{job.id}", self._names.get(job.id)}:
+                if name is not None:
+                    out[name] = out.get(name, frozenset()) | nodes
+        return out
+
+    def job_nodes(self, job: str) -> frozenset[str] | None:
+        return self._scope_nodes.get(job)  # no lock: the report path holds the live state's
 
     def _mirror(self) -> None:
         """Slurm's drain/down state and reason -> the node table; the reservation -> roles."""

@@ -101,6 +101,9 @@ class TorchrunBackend:
     def job_views(self, *, now: float) -> list[JobView]:
         return []  # every torchrun job is in the job table
 
+    def job_nodes(self, job: str) -> frozenset[str] | None:
+        return None  # every torchrun job is in the job table
+
     def start(self) -> None:
         pass
 
