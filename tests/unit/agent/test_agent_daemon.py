@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from trainguard.agent import daemon
 from trainguard.agent.config import (
     AgentConfig,
     ControllerConfig,
@@ -16,7 +17,6 @@ from trainguard.agent.config import (
     JobsConfig,
     NodeConfig,
 )
-from trainguard.agent import daemon
 from trainguard.agent.daemon import Agent, Backends
 from trainguard.agent.sim import SimHardware
 from trainguard.clock import FakeClock
