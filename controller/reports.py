@@ -84,6 +84,8 @@ class ReportService:
         self._reported = live.reported
         self._fresh = live.fresh
         self._hw_counts = live.hw_counts
+        self._unknown_xids = live.unknown_xids
+        self._xid_catalog = live.signals.xid_catalog
         self._node_jobs = live.node_jobs
         self._jobs_seen = live.jobs_seen
         self._pending = live.pending
@@ -177,6 +179,8 @@ class ReportService:
                         seen[e.id] = e
                 new_events = [seen[i] for i in sorted(seen)]
             if new_events:
+                for e in new_events:
+                    self._unknown_xids.note_event(name, e, catalog=self._xid_catalog, at=now)
                 self._store_events(name, report.instance, new_events)
                 hwm = new_events[-1].id
                 self._hwm[name] = (report.instance, hwm)
