@@ -125,6 +125,9 @@ class HardwareConfig:
     sim_ib_ports: int = 8
     # sim backend only: seed, so a demo or test run is reproducible.
     sim_seed: int = 0
+    # sim backend only: also read kernel log lines (XIDs) from this file or FIFO, mapped to
+    # the simulated GPUs by PCI address; empty: none. Replays a real dmesg into a demo.
+    sim_kmsg_path: str = ""
     # Root of the InfiniBand sysfs tree; configurable so tests use fixture trees.
     ib_sysfs_root: str = "/sys/class/infiniband"
     # Kernel log to read XIDs from; empty disables XID collection (e.g. no CAP_SYSLOG).

@@ -39,7 +39,7 @@ from trainguard.agent.config import (
 from trainguard.agent.heartbeat import HeartbeatServer, TrainerEvent
 from trainguard.agent.jobpolicy import PolicyError, policy_from_config, prepare_access
 from trainguard.agent.jobs import JobRunner, job_handlers
-from trainguard.agent.metrics import AgentHttpServer, AgentSnapshot, SnapshotCollector
+from trainguard.agent.metrics import AgentHttpServer, AgentSnapshot, SnapshotCollector, xid_labels
 from trainguard.agent.preemption import (
     MetadataProbe,
     PreemptionNotice,
@@ -68,7 +68,8 @@ from trainguard.xid_catalog import XidCatalog
 
 log = logging.getLogger("trainguard.agent")
 
-MAX_XID_SERIES = 1024  # (gpu, xid) pairs counted; a garbled kernel log cannot grow it further
+# (gpu, xid, severity) series counted; a garbled kernel log cannot grow it further
+MAX_XID_SERIES = 1024
 COMMAND_QUEUE_MAX = 1000
 # Commands that wait on the ranks (seconds): run by a worker thread so the collect loop, the
 # watchdog and /healthz keep going meanwhile. One at a time, in arrival order.
@@ -96,6 +97,7 @@ class Backends:
     event_sources: list[tuple[str, EventSource]] = field(default_factory=list)
     sim: SimHardware | None = None
     closers: list[Callable[[], None]] = field(default_factory=list)
+    kmsg: KmsgXidSource | None = None  # the kernel log reader, for its refused-record count
 
     def close(self) -> None:
         for close in self.closers:
@@ -116,9 +118,17 @@ def build_backends(config: AgentConfig, *, node: str, clock: Clock) -> Backends:
             seed=hw.sim_seed,
             clock=clock,
         )
-        return Backends(
+        backends = Backends(
             gpu=sim, ib=sim.ib, event_sources=[("xid", sim)], sim=sim, closers=[sim.close]
         )
+        if hw.sim_kmsg_path:  # a kernel log replayed into the simulated GPUs
+            kmsg = KmsgXidSource(
+                path=hw.sim_kmsg_path, bus_to_index=sim.bus_id_to_index, clock=clock
+            )
+            backends.event_sources.append(("kmsg", kmsg))
+            backends.closers.append(kmsg.close)
+            backends.kmsg = kmsg
+        return backends
     try:
         gpu = NvmlGpuCollector(clock=clock)
     except Exception as e:
@@ -128,9 +138,8 @@ def build_backends(config: AgentConfig, *, node: str, clock: Clock) -> Backends:
         try:
             xid = KmsgXidSource(path=hw.kmsg_path, bus_to_index=gpu.bus_id_to_index, clock=clock)
             backends.event_sources.append(("xid", xid))
-            close = getattr(xid, "close", None)
-            if callable(close):
-                backends.closers.append(close)
+            backends.closers.append(xid.close)
+            backends.kmsg = xid
         except Exception as e:  # XIDs are lost, GPUs and IB are still watched: say so loudly
             log.error(
                 "event=xid_source_unavailable path=%s error=%r",
@@ -140,20 +149,14 @@ def build_backends(config: AgentConfig, *, node: str, clock: Clock) -> Backends:
     return backends
 
 
-def _xid_severity() -> Callable[[int], str]:
-    """The `severity` label of XID counters, from the shipped XID catalog. The catalog is
-    package data: a missing or broken one is an installation error, never a silent start
-    without the label (the "fatal XID" panels and alerts select on it)."""
+def _load_xid_catalog() -> XidCatalog:
+    """The shipped XID catalog, which gives each XID line its `severity` label. It is package
+    data: a missing or broken one is an installation error, never a silent start without the
+    label (the "fatal XID" panels and alerts select on it)."""
     try:
-        catalog = XidCatalog.load()
+        return XidCatalog.load()
     except ConfigError as e:
         raise StartupError(f"XID catalog: {e}") from None
-
-    def severity(code: int) -> str:
-        info = catalog.get(code)
-        return str(getattr(info, "severity", None) or "unknown")
-
-    return severity
 
 
 def _tls_context(c: ControllerConfig) -> ssl.SSLContext | bool:
@@ -212,13 +215,16 @@ class Agent:
         notifier: SystemdNotifier | None = None,
         serve_http: bool = True,
         inline_sources: bool = False,
+        xid_catalog: XidCatalog | None = None,
     ) -> None:
         """`inline_sources=True` runs each due source inside `tick()`, in the caller's thread,
-        instead of in its worker: deterministic tests on a FakeClock, no threads."""
+        instead of in its worker: deterministic tests on a FakeClock, no threads.
+        `xid_catalog`: classifies XID lines (default: the shipped one; StartupError if broken)."""
         self.config = config
         self.node = config.node.resolved_name()
         self.instance = uuid.uuid4().hex[:16]
         self._clock = clock
+        self._xid_catalog = xid_catalog if xid_catalog is not None else _load_xid_catalog()
         self._backends = backends or build_backends(config, node=self.node, clock=clock)
         self._notifier = notifier or SystemdNotifier()
         self._serve_http = serve_http
@@ -233,7 +239,7 @@ class Agent:
         self._gpus: tuple[GpuSample, ...] = ()
         self._ib_ports: tuple[IbPortSample, ...] = ()
         self._hw_events: list[HardwareEvent] = []
-        self._xid_total: dict[tuple[int, int], int] = {}
+        self._xid_total: dict[tuple[int, str, str], int] = {}
         self._collect_duration_s: dict[str, float] = {}
         self._collect_errors_total: dict[str, int] = {}
         self._collector_failing: set[str] = set()
@@ -294,9 +300,7 @@ class Agent:
                 self.http = AgentHttpServer(
                     address=m.address,
                     port=m.port,
-                    collector=SnapshotCollector(
-                        lambda: self._snapshot, xid_severity=_xid_severity()
-                    ),
+                    collector=SnapshotCollector(lambda: self._snapshot),
                     health=self.health,
                     inject=self.inject_fault if self._backends.sim is not None else None,
                 )
@@ -641,6 +645,9 @@ class Agent:
             ib_ports=self._ib_ports,
             ranks=ranks,
             xid_total=dict(self._xid_total),
+            kmsg_non_kernel_records_total=(
+                self._backends.kmsg.non_kernel_records_total if self._backends.kmsg else 0
+            ),
             collect_duration_s=dict(self._collect_duration_s),
             collect_errors_total=dict(self._collect_errors_total),
             reports_total=dict(rep.results_total) if rep else {},
@@ -841,7 +848,8 @@ class Agent:
 
     def _on_hardware_event(self, ev: HardwareEvent) -> None:
         if ev.kind == EventKind.XID and ev.gpu is not None and ev.code is not None:
-            key = (ev.gpu, ev.code)
+            # the line's own severity (a Nonfatal NVLink5 XID is not a fatal one)
+            key = (ev.gpu, *xid_labels(self._xid_catalog, ev.code, ev.message))
             if key in self._xid_total or len(self._xid_total) < MAX_XID_SERIES:
                 self._xid_total[key] = self._xid_total.get(key, 0) + 1
         log.warning(

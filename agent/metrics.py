@@ -36,6 +36,7 @@ from trainguard.signals import (
     by_key,
     ib_counter_prom,
 )
+from trainguard.xid_catalog import MAX_XID_CODE, XidCatalog
 
 log = logging.getLogger("trainguard.agent.metrics")
 
@@ -51,8 +52,11 @@ class AgentSnapshot:
     gpus: tuple[GpuSample, ...] = ()
     ib_ports: tuple[IbPortSample, ...] = ()
     ranks: tuple[RankState, ...] = ()
-    # (gpu index, xid code) -> XIDs seen since the agent started
-    xid_total: Mapping[tuple[int, int], int] = field(default_factory=dict)
+    # (gpu index, xid label, severity label) -> XIDs seen since the agent started; the labels
+    # of one line come from `xid_labels`
+    xid_total: Mapping[tuple[int, str, str], int] = field(default_factory=dict)
+    # /dev/kmsg records a user process wrote (refused: only the kernel reports XIDs)
+    kmsg_non_kernel_records_total: int = 0
     collect_duration_s: Mapping[str, float] = field(default_factory=dict)
     collect_errors_total: Mapping[str, int] = field(default_factory=dict)
     reports_total: Mapping[str, int] = field(default_factory=dict)
@@ -228,6 +232,11 @@ OWN_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "Unix time a collection source's last call returned without error.",
         ("node", "source"),
     ),
+    "trainguard_agent_kmsg_non_kernel_records_total": (
+        "counter",
+        "Kernel log records refused as XID sources because a user process wrote them.",
+        ("node",),
+    ),
     "trainguard_agent_metric_values_skipped_total": (
         "counter",
         "Samples left out of /metrics because their value could not be exported.",
@@ -345,10 +354,24 @@ def _plans(signals: tuple[Signal, ...]) -> _Plans:
     return found
 
 
+XID_OTHER = "other"  # the xid label of a code outside 1..MAX_XID_CODE (garbage, not an XID)
+XID_UNKNOWN = "unknown"  # the severity label of a code the catalog does not list
+
+
+def xid_labels(catalog: XidCatalog, code: int, message: str) -> tuple[str, str]:
+    """The (xid, severity) labels of one XID line: the severity is the catalog's for this
+    line (`classify`: NVLink5 by its Fatal/Nonfatal word, 154 by its recovery action),
+    "unknown" for a code not in the catalog. Codes beyond 1..MAX_XID_CODE share the xid label
+    "other", so a garbled kernel log cannot make a series per number."""
+    if not 0 < code <= MAX_XID_CODE:
+        return XID_OTHER, XID_UNKNOWN
+    info = catalog.classify(code, message)
+    return str(code), info.severity if info.known else XID_UNKNOWN
+
+
 def metric_families(
     snap: AgentSnapshot,
     *,
-    xid_severity: Callable[[int], str] | None = None,
     signals: tuple[Signal, ...] = SIGNALS,
 ) -> list[Metric]:
     """The metric families for one snapshot. Absent (None) fields give no sample. `signals`:
@@ -357,7 +380,7 @@ def metric_families(
     plans = _plans(signals)
     out: list[Metric] = []
     groups: list[Callable[[], Iterable[Metric]]] = [
-        lambda: _gpu_families(snap, node, plans, xid_severity),
+        lambda: _gpu_families(snap, node, plans),
         lambda: _nvlink_families(snap, node, plans),
         lambda: _ib_families(snap, node, plans),
         lambda: _trainer_families(snap, node, plans),
@@ -378,20 +401,14 @@ def metric_families(
     return out
 
 
-def _gpu_families(
-    snap: AgentSnapshot, node: str, plans: _Plans, xid_severity: Callable[[int], str] | None
-) -> Iterator[Metric]:
+def _gpu_families(snap: AgentSnapshot, node: str, plans: _Plans) -> Iterator[Metric]:
     yield from plans.gpu.build(([node, str(g.index), g.uuid], g) for g in snap.gpus)
     if plans.xid is None:
         return
     uuids = {g.index: g.uuid for g in snap.gpus}
-    xl = [*SCOPE_LABELS["gpu"], "xid"] + (["severity"] if xid_severity else [])
-    xid = _counter(plans.xid.name, plans.xid.help, xl)
-    for (gpu, code), n in sorted(snap.xid_total.items()):
-        labels = [node, str(gpu), uuids.get(gpu, ""), str(code)]
-        if xid_severity:
-            labels.append(xid_severity(code))
-        xid.add_metric(labels, n)
+    xid = _counter(plans.xid.name, plans.xid.help, [*SCOPE_LABELS["gpu"], "xid", "severity"])
+    for (gpu, code, severity), n in sorted(snap.xid_total.items()):
+        xid.add_metric([node, str(gpu), uuids.get(gpu, ""), code, severity], n)
     yield xid
 
 
@@ -458,6 +475,9 @@ def _agent_families(snap: AgentSnapshot, node: str) -> Iterator[Metric]:
     yield _single("trainguard_agent_control_errors_total", node, snap.control_errors_total)
     yield _single("trainguard_agent_spool_events", node, snap.spool_events)
     yield _single("trainguard_agent_spool_dropped_events_total", node, snap.spool_dropped_total)
+    yield _single(
+        "trainguard_agent_kmsg_non_kernel_records_total", node, snap.kmsg_non_kernel_records_total
+    )
     yield _labelled("trainguard_agent_events_total", node, snap.events_total)
     cmds = _own("trainguard_agent_commands_total")
     for (kind, result), n in sorted(snap.commands_total.items()):
@@ -491,20 +511,14 @@ def _labelled(name: str, node: str, values: Mapping[str, float]) -> _MetricFamil
 class SnapshotCollector:
     """A prometheus_client collector over the latest snapshot (None before the first tick)."""
 
-    def __init__(
-        self,
-        get_snapshot: Callable[[], AgentSnapshot | None],
-        *,
-        xid_severity: Callable[[int], str] | None = None,
-    ) -> None:
+    def __init__(self, get_snapshot: Callable[[], AgentSnapshot | None]) -> None:
         self._get = get_snapshot
-        self._xid_severity = xid_severity
 
     def collect(self) -> Iterable[Metric]:
         snap = self._get()
         if snap is None:
             return []
-        return metric_families(snap, xid_severity=self._xid_severity)
+        return metric_families(snap)
 
     def describe(self) -> Iterable[Metric]:
         return []  # families vary with hardware; describing would freeze them

@@ -23,6 +23,7 @@ from trainguard.strict import ConfigError, Invalid, build
 __all__ = [
     "ACTIONS",
     "DECIDERS",
+    "MAX_XID_CODE",
     "SEVERITIES",
     "XidCatalog",
     "XidInfo",
@@ -37,7 +38,7 @@ ACTIONS: tuple[str, ...] = ("none", "restart_job", "reset_gpu", "reboot_node", "
 Decider = Literal["fatal_word", "recovery_action"]
 DECIDERS: tuple[str, ...] = ("fatal_word", "recovery_action")
 CATALOG_VERSION = 1
-_MAX_XID = 1023  # NVIDIA's codes are small; a larger key is a typo, not a new XID
+MAX_XID_CODE = 1023  # NVIDIA's codes are small; a larger one is a typo or garbage, not an XID
 
 
 @dataclass(frozen=True)
@@ -148,8 +149,8 @@ class XidCatalog:
         for raw_code, raw_entry in xids.items():
             if isinstance(raw_code, bool) or not isinstance(raw_code, int):
                 raise ConfigError(source, f"xids.{raw_code}", "XID code must be an integer")
-            if not 0 < raw_code <= _MAX_XID:
-                raise ConfigError(source, f"xids.{raw_code}", f"XID code must be 1..{_MAX_XID}")
+            if not 0 < raw_code <= MAX_XID_CODE:
+                raise ConfigError(source, f"xids.{raw_code}", f"XID code must be 1..{MAX_XID_CODE}")
             spec = build(_EntrySpec, raw_entry, source=source, prefix=f"xids.{raw_code}")
             entries[raw_code] = XidInfo(
                 code=raw_code,

@@ -22,6 +22,7 @@ from trainguard.clock import Clock
 from trainguard.controller.records import CommandRecord, FreshNode, NodeRecord
 from trainguard.controller.signals import SignalState
 from trainguard.controller.store import Store
+from trainguard.controller.unknownxids import UnknownXids
 
 __all__ = ["JobSeen", "LiveState"]
 
@@ -64,6 +65,7 @@ class LiveState:
         self.fresh: dict[str, FreshNode] = {}
         self.node_jobs: dict[str, str | None] = {}
         self.hw_counts: dict[str, tuple[int, int]] = {}  # node -> (gpus, ib ports)
+        self.unknown_xids = UnknownXids()  # XID codes the catalog does not list, per node
         self.jobs_seen: dict[str, JobSeen] = {}
         self.pending: dict[str, list[CommandRecord]] = {}
         self.reported: set[str] = set()  # nodes that reported since this process started

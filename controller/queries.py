@@ -115,6 +115,7 @@ class QueryService:
             agent_version=live.fresh[rec.name].agent_version
             if rec.name in live.fresh
             else rec.agent_version,
+            unknown_xids=live.unknown_xids.of(rec.name),
         )
 
     def _open_counts(self) -> dict[str, int]:

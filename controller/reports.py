@@ -86,6 +86,8 @@ class ReportService:
         self._reported = live.reported
         self._fresh = live.fresh
         self._hw_counts = live.hw_counts
+        self._unknown_xids = live.unknown_xids
+        self._xid_catalog = live.signals.xid_catalog
         self._node_jobs = live.node_jobs
         self._jobs_seen = live.jobs_seen
         self._pending = live.pending
@@ -188,6 +190,8 @@ class ReportService:
                 # a refused event is acknowledged (never resent) but neither stored nor read
                 last_id = new_events[-1].id
                 new_events = self._scope.check_events(name, new_events, now=now, refused=refused)
+                for e in new_events:
+                    self._unknown_xids.note_event(name, e, catalog=self._xid_catalog, at=now)
                 if new_events:
                     self._store_events(name, report.instance, new_events)
                 hwm = last_id

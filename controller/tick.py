@@ -155,6 +155,9 @@ class TickService:
                     log.warning("event=event_replay_skipped node=%s reason=%s", node, e)
                     continue
                 live.signals.replay_event(node, event, at=received_at)
+                live.unknown_xids.note_event(
+                    node, event, catalog=live.signals.xid_catalog, at=received_at
+                )
                 replayed += 1
         if rows:
             log.info(

@@ -13,6 +13,16 @@ ActionState = Literal["pending", "running", "succeeded", "failed", "skipped"]
 
 
 @dataclass(frozen=True)
+class UnknownXidView:
+    """An XID code a node reported that the XID catalog does not list."""
+
+    code: int
+    count: int  # reports since the controller started (or within its replayed history)
+    first_at: float  # unix s
+    last_at: float  # unix s
+
+
+@dataclass(frozen=True)
 class NodeView:
     name: str
     role: NodeRole
@@ -27,6 +37,8 @@ class NodeView:
     open_incidents: int = 0
     drain_reason: str | None = None
     agent_version: str = ""
+    # XID codes the node reported that the catalog does not list, the most recent first
+    unknown_xids: tuple[UnknownXidView, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,6 @@ from trainguard.controller.rules.lang import (
 )
 from trainguard.controller.rules.loader import Rule, RuleSet
 from trainguard.signals import SIGNALS, Signal, by_key
-from trainguard.xid_catalog import XidCatalog
 
 __all__ = [
     "GROUP_NAME",
@@ -77,7 +76,9 @@ class PromSignal:
     born_on_event: bool = False
 
 
-_FATAL_XID_PLACEHOLDER = "{fatal_xids}"
+# the agent labels every XID line with its own severity (XidCatalog.classify): a Nonfatal
+# NVLink5 XID is not fatal, so the alert selects the label, never a list of codes
+_FATAL_XID_LABELS = 'severity="fatal"'
 _TABLE = by_key()
 
 
@@ -108,7 +109,7 @@ def prom_signals(signals: Iterable[Signal] = SIGNALS) -> dict[tuple[str, str], P
     xid = _agent_metric("gpu", "xid_total")
     lost = _agent_metric("gpu", "lost")
     step = _agent_metric("rank", "step")
-    fatal = _born_on_event(f'{xid}{{xid=~"{_FATAL_XID_PLACEHOLDER}"}}')
+    fatal = _born_on_event(f"{xid}{{{_FATAL_XID_LABELS}}}")
     t["gpu", "xid_fatal_total"] = fatal
     t["node", "gpus"] = PromSignal(lost, agg="count")
     t["node", "gpus_lost"] = PromSignal(lost, agg="sum")
@@ -148,12 +149,11 @@ class _Expr:
 
 def to_prometheus_rules(rules: RuleSet) -> tuple[dict[str, Any], list[str]]:
     """(rule-file dict for promtool / Prometheus, warnings for rules that were skipped)."""
-    fatal = "|".join(str(c) for c in sorted(XidCatalog.load().fatal_codes()))
     out: list[dict[str, Any]] = []
     warnings: list[str] = []
     for rule in rules.rules:
         try:
-            expr = _Translator(rule.scope, fatal).bool(rule.condition.ast, negate=False)
+            expr = _Translator(rule.scope).bool(rule.condition.ast, negate=False)
         except _Unexpressible as e:
             warnings.append(f"rule {rule.name}: not exported to Prometheus: {e}")
             continue
@@ -197,9 +197,8 @@ def _from_zero(selector: str, func: str, window: str | None, window_s: float) ->
 
 
 class _Translator:
-    def __init__(self, scope: str, fatal_xids: str) -> None:
+    def __init__(self, scope: str) -> None:
         self.scope = scope
-        self.fatal = fatal_xids
 
     # boolean expressions: a vector that is non-empty exactly where the condition holds
     def bool(self, node: Node, *, negate: bool) -> _Expr:
@@ -297,7 +296,7 @@ class _Translator:
         spec = PROM_SIGNALS.get((self.scope, name))
         if spec is None:
             raise _Unexpressible(f"signal {name!r} ({self.scope}) has no Prometheus metric")
-        selector = spec.selector.replace(_FATAL_XID_PLACEHOLDER, self.fatal)
+        selector = spec.selector
         by = IDENTITY[self.scope]
         kind = "vector"
         if func is None:

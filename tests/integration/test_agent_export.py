@@ -124,3 +124,35 @@ def test_trainer_heartbeats_become_metrics_and_shutdown_removes_the_socket(
     assert agent.terminate() == 0
     assert not Path(agent.socket_path).exists()
     assert "event=agent_stopped" in agent.log()
+
+
+def test_each_xid_line_of_the_kernel_log_is_exported_under_its_own_severity() -> None:
+    workdir = short_tmpdir()
+    kmsg = workdir / "kmsg"
+    kmsg.write_text("")
+    config = workdir / "agent.yaml"
+    config.write_text(f"hardware:\n  sim_kmsg_path: {kmsg}\n")
+    agent = AgentProcess(workdir, "--config", str(config))
+    try:
+        with kmsg.open("a") as f:  # sim GPU 1 sits at 0000:2a:00.0; priority 4: the kernel's
+            f.write(
+                "4,1,10,-;NVRM: Xid (PCI:0000:2a:00): 145, RLW_REMAP Nonfatal XC0 i0 Link 00\n"
+                "4,2,11,-;NVRM: Xid (PCI:0000:2a:00): 145, RLW_REMAP Fatal XC0 i0 Link 01\n"
+                "4,3,12,-;NVRM: Xid (PCI:0000:2a:00): 999, pid=1, a code nobody classified\n"
+                "12,4,13,-;NVRM: Xid (PCI:0000:2a:00): 79, pid=1, written by a user process\n"
+            )
+        xid = "trainguard_gpu_xid_errors_total"
+        wait_for(
+            lambda: sample_value(agent.metrics(), xid, gpu="1", xid="999") is not None,
+            timeout_s=30,
+            what="the kernel log's XIDs on /metrics",
+        )
+        body = agent.metrics()
+        assert sample_value(body, xid, gpu="1", xid="145", severity="informational") == 1
+        assert sample_value(body, xid, gpu="1", xid="145", severity="fatal") == 1
+        assert sample_value(body, xid, gpu="1", xid="999", severity="unknown") == 1
+        assert sample_value(body, xid, xid="79") is None  # forged: never an XID
+        assert sample_value(body, "trainguard_agent_kmsg_non_kernel_records_total") == 1
+    finally:
+        agent.kill()
+        cleanup(workdir)

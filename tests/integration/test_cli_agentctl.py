@@ -25,6 +25,7 @@ from tests.integration.controller_proc import dbe_rules
 from trainguard import __version__
 from trainguard.controller.auth import Role, hash_token
 from trainguard.controller.cli import build_parser, format_age, main, parse_duration
+from trainguard.controller.views import UnknownXidView
 from trainguard.protocol import FaultSpec
 from trainguard.rules import shipped_dir
 from trainguard.xid_catalog import XidCatalog
@@ -96,6 +97,26 @@ def test_get_nodes_json_is_the_api_payload(env: Path, svc: FakeService) -> None:
     code, out, _ = run("get", "nodes", "-o", "json")
     assert code == 0
     assert [n["name"] for n in json.loads(out)] == ["node-1", "node-2"]
+
+
+def test_describe_node_shows_the_xid_codes_the_catalog_does_not_list(
+    env: Path, svc: FakeService
+) -> None:
+    now = time.time()
+    seen = UnknownXidView(code=999, count=3, first_at=now - 600, last_at=now - 60)
+    svc.nodes["node-1"] = replace(svc.nodes["node-1"], unknown_xids=(seen,))
+    code, out, _ = run("describe", "node", "node-1")
+    assert code == 0, out
+    lines = out.splitlines()
+    start = lines.index("unknown_xids:")
+    block = "\n".join(lines[start : start + 6])
+    assert "code:" in block and "999" in block, out
+    assert "count:" in block and "3" in block, out
+    assert "ago)" in block, out
+    code, out, _ = run("describe", "node", "node-1", "-o", "json")
+    assert json.loads(out)["unknown_xids"] == [
+        {"code": 999, "count": 3, "first_at": now - 600, "last_at": now - 60}
+    ]
 
 
 def test_get_incidents_passes_filters_and_shows_age(env: Path, svc: FakeService) -> None:

@@ -61,12 +61,16 @@ def test_promtool_rejects_a_broken_expression(tmp_path: Path) -> None:
 
 # --- counters whose series are born at the first event (promtool test rules) ----------------
 
-# The agent creates trainguard_gpu_xid_errors_total{xid="79"} when it first sees XID 79, so
-# the first sample already reads 1. 15 s samples; `_` is no sample, `stale` a restart.
+# The agent creates trainguard_gpu_xid_errors_total{xid="79",severity="fatal"} when it first
+# sees XID 79, so the first sample already reads 1. 15 s samples; `_` is no sample, `stale` a
+# restart. GPU -> (xid, the line's severity, samples).
 XID_SERIES = {
-    "0": "_x28 1x60",  # born at the first XID 79 (7 min in), never moves again
-    "1": "3x40 stale _x3 1x40",  # old news for 10 min, agent restart, reborn at 1 (11m15s)
-    "2": "1x40 2x40",  # one XID 48 long ago, a second one at 10m15s
+    "0": ("79", "fatal", "_x28 1x60"),  # born at the first XID 79 (7 min in), never moves
+    "1": ("79", "fatal", "3x40 stale _x3 1x40"),  # old news, agent restart, reborn (11m15s)
+    "2": ("48", "fatal", "1x40 2x40"),  # one XID 48 long ago, a second one at 10m15s
+    # a Nonfatal NVLink5 XID 145 (the link corrected it): never fires, though 145 is fatal
+    # when its line says Fatal
+    "3": ("145", "informational", "_x28 1x60"),
 }
 # (eval time, GPUs expected firing). Prometheus sees every series appear at 0s, so the first
 # check comes 5 min later: an old count does not fire, a birth does, and 5 min after it the
@@ -84,10 +88,10 @@ def _fatal_xid_unit_test(rules_file: Path, alert: dict[str, Any]) -> dict[str, A
     series = [
         {
             "series": f'trainguard_gpu_xid_errors_total{{node="n1",gpu="{gpu}",uuid="GPU-{gpu}",'
-            f'xid="{48 if gpu == "2" else 79}"}}',
+            f'xid="{xid}",severity="{severity}"}}',
             "values": values,
         }
-        for gpu, values in XID_SERIES.items()
+        for gpu, (xid, severity, values) in XID_SERIES.items()
     ]
     checks = [
         {

@@ -206,7 +206,7 @@ def exported_names() -> set[str]:
         gpus=sim.collect().gpus,
         ib_ports=sim.collect_ib(),
         ranks=(rank,),
-        xid_total={(0, 48): 1},
+        xid_total={(0, "48", "fatal"): 1},
         collect_duration_s={"gpu": 0.001},
         collect_errors_total={"gpu": 0},
         reports_total={"ok": 1},
@@ -215,7 +215,7 @@ def exported_names() -> set[str]:
         commands_total={("drain", "ok"): 1},
         checkpoints={("j", 0): (0.5, 1.0)},
     )
-    families = list(metric_families(snap, xid_severity=lambda code: "fatal"))
+    families = list(metric_families(snap))
     metrics = ControllerMetrics()
     metrics.set_jobs([JobView(name="j", state="running", nodes=("n1",), ettr=0.9)])
     metrics.set_spares({"h100": 1})

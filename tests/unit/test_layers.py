@@ -408,6 +408,7 @@ CONTROLLER_LAYER_OF: dict[str, str] = {
     "signals": "state",
     "jobs": "state",
     "jobstate": "state",
+    "unknownxids": "state",  # XID codes the catalog does not list, per node
     "rules": "rules",
     "model": "rules",  # what a rule is about and what the engine decided
     "incidents": "rules",

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
 import pytest
 
+from trainguard.agent import daemon
 from trainguard.agent.config import (
     AgentConfig,
     ControllerConfig,
@@ -62,6 +64,55 @@ def started(cfg: AgentConfig, clock: FakeClock, **kw: object) -> Agent:
     return agent
 
 
+def test_each_xid_line_counts_under_its_own_severity(sockdir: Path) -> None:
+    kmsg = sockdir / "kmsg"
+    kmsg.write_text("")
+    cfg = config(sockdir)
+    cfg = dataclasses.replace(
+        cfg, hardware=dataclasses.replace(cfg.hardware, sim_kmsg_path=str(kmsg))
+    )
+    clock = FakeClock()
+    agent = started(cfg, clock)
+    try:
+        with kmsg.open("a") as f:  # sim GPU 1 is at 0000:2a:00.0
+            f.write(
+                "4,1,10,-;NVRM: Xid (PCI:0000:2a:00): 145, RLW_REMAP Nonfatal XC0 i0 Link 00\n"
+                "4,2,11,-;NVRM: Xid (PCI:0000:2a:00): 145, RLW_REMAP Nonfatal XC0 i0 Link 01\n"
+                "4,3,12,-;NVRM: Xid (PCI:0000:2a:00): 145, RLW_REMAP Fatal XC0 i0 Link 00\n"
+                "4,4,13,-;NVRM: Xid (PCI:0000:2a:00): 999, pid=1, something new\n"
+                "4,5,14,-;NVRM: Xid (PCI:0000:2a:00): 123456789, pid=1, garbled\n"
+                "12,6,15,-;NVRM: Xid (PCI:0000:2a:00): 79, pid=1, forged by a user process\n"
+            )
+        clock.advance(1.0)
+        agent.tick()
+        snap = agent.snapshot
+        assert snap is not None
+        assert snap.xid_total == {
+            (1, "145", "informational"): 2,
+            (1, "145", "fatal"): 1,
+            (1, "999", "unknown"): 1,
+            (1, "other", "unknown"): 1,
+        }
+        assert snap.kmsg_non_kernel_records_total == 1
+    finally:
+        agent.close()
+
+
+def test_xid_series_are_bounded(sockdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(daemon, "MAX_XID_SERIES", 2)
+    clock = FakeClock()
+    agent = started(config(sockdir), clock)
+    try:
+        for code in (48, 79, 31, 48):
+            agent.inject_fault(FaultSpec(kind="xid", gpu=0, code=code))
+        clock.advance(1.0)
+        agent.tick()
+        assert agent.snapshot is not None
+        assert agent.snapshot.xid_total == {(0, "48", "fatal"): 2, (0, "79", "fatal"): 1}
+    finally:
+        agent.close()
+
+
 def test_start_announces_ready_and_each_tick_pets_the_watchdog(sockdir: Path) -> None:
     notifier = RecordingNotifier()
     agent = started(config(sockdir), FakeClock(), notifier=notifier)
@@ -86,7 +137,7 @@ def test_tick_publishes_hardware_and_counts_xids(sockdir: Path) -> None:
         snap = agent.snapshot
         assert snap is not None
         assert len(snap.gpus) == 4 and len(snap.ib_ports) == 2
-        assert snap.xid_total == {(3, 48): 1}
+        assert snap.xid_total == {(3, "48", "fatal"): 1}
         assert snap.events_total == {"fault_injected": 1, "xid": 1}
         assert len(agent.spool) == 0  # export-only: nothing would ever read the spool
     finally:

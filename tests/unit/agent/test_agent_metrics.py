@@ -9,11 +9,12 @@ import subprocess
 
 import pytest
 
-from trainguard.agent.metrics import AgentSnapshot, SnapshotCollector, render
+from trainguard.agent.metrics import AgentSnapshot, SnapshotCollector, render, xid_labels
 from trainguard.agent.sim import SimHardware
 from trainguard.clock import FakeClock
 from trainguard.model import GpuSample, IbPortSample
 from trainguard.protocol import FaultSpec, RankState
+from trainguard.xid_catalog import XidCatalog
 
 ALLOWED_LABELS = {
     "node", "gpu", "uuid", "link", "device", "port", "job", "rank",
@@ -33,7 +34,7 @@ def sim_snapshot() -> AgentSnapshot:
         gpus=sim.collect().gpus,
         ib_ports=sim.collect_ib(),
         ranks=(RankState(job="job-a", rank=0, step=5, loss=float("nan"), heartbeat_age_s=1.5),),
-        xid_total={(1, 48): 2},
+        xid_total={(1, "48", "fatal"): 2},
         collect_duration_s={"gpu": 0.01},
         collect_errors_total={"gpu": 0},
         reports_total={"ok": 3, "error": 1, "rejected": 0},
@@ -142,3 +143,46 @@ def test_exposition_passes_promtool() -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout.decode() + proc.stderr.decode()
     assert proc.stdout.decode().strip() == "" and proc.stderr.decode().strip() == ""
+
+
+@pytest.mark.parametrize(
+    ("code", "message", "labels"),
+    [
+        pytest.param(145, "RLW_REMAP Nonfatal XC0 i0 Link 00 (0x4 0x1)", ("145", "informational")),
+        pytest.param(145, "RLW_REMAP Fatal XC0 i0 Link 00", ("145", "fatal"), id="145-fatal"),
+        pytest.param(
+            154,
+            "GPU recovery action changed from 0x0 (None) to 0x2 (Node Reboot Required)",
+            ("154", "fatal"),
+            id="154-reboot",
+        ),
+        pytest.param(13, "Graphics SM Warp Exception", ("13", "application"), id="catalog"),
+        pytest.param(999, "", ("999", "unknown"), id="not-in-catalog"),
+        pytest.param(1024, "", ("other", "unknown"), id="beyond-max"),
+        pytest.param(10**12, "", ("other", "unknown"), id="garbage"),
+        pytest.param(0, "", ("other", "unknown"), id="zero"),
+    ],
+)
+def test_xid_labels_are_the_lines_severity_and_bounded(
+    code: int, message: str, labels: tuple[str, str]
+) -> None:
+    assert xid_labels(XidCatalog.load(), code, message) == labels
+
+
+def test_xid_counter_has_one_series_per_severity_and_the_refused_kmsg_records() -> None:
+    snap = AgentSnapshot(
+        node="n",
+        version="v",
+        xid_total={
+            (0, "145", "informational"): 3,
+            (0, "145", "fatal"): 1,
+            (1, "999", "unknown"): 1,
+        },
+        kmsg_non_kernel_records_total=4,
+    )
+    body = text(snap)
+    xid = "trainguard_gpu_xid_errors_total"
+    assert sample(body, xid, gpu="0", xid="145", severity="informational") == 3
+    assert sample(body, xid, gpu="0", xid="145", severity="fatal") == 1
+    assert sample(body, xid, gpu="1", xid="999", severity="unknown") == 1
+    assert sample(body, "trainguard_agent_kmsg_non_kernel_records_total", node="n") == 4

@@ -253,7 +253,7 @@ def test_agent_marks_a_hung_gpu_source_stale_while_ib_xid_and_the_watchdog_go_on
         assert snap.loop_iterations_total == loops_before + 8
         assert snap.source_stale == {"gpu": True, "ib": False, "xid": False}
         assert snap.ib_ports[0].counters["port_xmit_data"] > ib_before  # IB keeps updating
-        assert snap.xid_total == {(1, 79): 1}  # and XIDs keep arriving
+        assert snap.xid_total == {(1, "79", "fatal"): 1}  # and XIDs keep arriving
         assert len(snap.gpus) == 2  # the last GPU values stay, marked stale
         stale = [e for e in agent.spool.pending(100) if e.kind == "source_stale"]
         assert [(e.data["source"], e.data["deadline_s"]) for e in stale] == [("gpu", 5.0)]

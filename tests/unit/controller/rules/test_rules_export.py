@@ -58,7 +58,9 @@ def test_rule_becomes_an_alert_with_for_labels_and_annotations() -> None:
         (
             "gpu",
             "increase(xid_fatal_total[5m]) > 0",
-            'sum by (node, gpu) (((trainguard_gpu_xid_errors_total{xid=~"',
+            'sum by (node, gpu) (((trainguard_gpu_xid_errors_total{severity="fatal"} unless '
+            'trainguard_gpu_xid_errors_total{severity="fatal"} offset 5m) or '
+            'increase(trainguard_gpu_xid_errors_total{severity="fatal"}[5m]))) > 0',
         ),
         (
             "node",
