@@ -1,9 +1,10 @@
 """Executing controller Commands on this node: one handler per command kind.
 
-A handler takes the Command and returns a CommandResult; the executor turns every outcome,
-exceptions included, into a result (which the agent spools as a `command_result` event).
-Supporting a new kind (the torchrun job backend's `start_job`/`stop_job`) is registering a
-handler, nothing more.
+A handler takes the Command, decodes its `args` with its kind's class (trainguard.command_args:
+a bad field fails that one command, naming it) and returns a CommandResult; the executor turns
+every outcome, exceptions included, into a result (which the agent spools as a
+`command_result` event). Supporting a new kind (the torchrun job backend's
+`start_job`/`stop_job`) is registering a handler, nothing more.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from trainguard.protocol import Command, CommandKind, Control, FaultSpec, ProtocolError, from_wire
+from trainguard.command_args import CheckpointArgs, StopRanksArgs, decode_args
+from trainguard.protocol import Command, CommandKind, Control, FaultSpec, ProtocolError
 
 log = logging.getLogger("trainguard.agent.commands")
 
@@ -74,13 +76,6 @@ class CommandExecutor:
         return result
 
 
-def _str_arg(cmd: Command, name: str) -> str:
-    value = cmd.args.get(name)
-    if not isinstance(value, str) or not value:
-        raise CommandError(f"args.{name}: required non-empty string")
-    return value
-
-
 def control_handlers(sender: ControlSender) -> dict[str, Handler]:
     """`checkpoint` and `stop_ranks`: relay a Control datagram to the job's local ranks."""
 
@@ -96,18 +91,16 @@ def control_handlers(sender: ControlSender) -> dict[str, Handler]:
         return CommandResult(ok=failed == 0, message=f"sent to {sent} rank(s)", data=data)
 
     def checkpoint(cmd: Command) -> CommandResult:
-        job = _str_arg(cmd, "job")
-        request_id = cmd.args.get("request_id") or cmd.id
-        return relay(cmd, Control(action="checkpoint", request_id=str(request_id), job=job))
+        args = decode_args(CheckpointArgs, cmd.args)
+        request_id = args.request_id or cmd.id
+        return relay(cmd, Control(action="checkpoint", request_id=request_id, job=args.job))
 
     def stop_ranks(cmd: Command) -> CommandResult:
-        job = _str_arg(cmd, "job")
-        request_id = cmd.args.get("request_id") or cmd.id
-        with_ckpt = cmd.args.get("checkpoint", False)
-        if not isinstance(with_ckpt, bool):
-            raise CommandError("args.checkpoint: expected true or false")
+        args = decode_args(StopRanksArgs, cmd.args)
         control = Control(
-            action="checkpoint_stop" if with_ckpt else "stop", request_id=str(request_id), job=job
+            action="checkpoint_stop" if args.checkpoint else "stop",
+            request_id=args.request_id or cmd.id,
+            job=args.job,
         )
         return relay(cmd, control)
 
@@ -120,7 +113,7 @@ def fault_handlers(target: FaultTarget | None) -> dict[str, Handler]:
     def inject_fault(cmd: Command) -> CommandResult:
         if target is None:
             return CommandResult(ok=False, message="inject_fault needs the sim GPU backend")
-        spec = from_wire(FaultSpec, cmd.args)
+        spec = decode_args(FaultSpec, cmd.args)
         target.inject(spec)
         return CommandResult(ok=True, message=f"injected {spec.kind}", data={"fault": spec.kind})
 

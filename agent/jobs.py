@@ -1,11 +1,12 @@
 """The torchrun job backend: start and stop this node's share of a training job.
 
-Owns the `start_job`/`stop_job` argument schemas, the torchrun argument list, the child
-environment, and the lifecycle of each launch: started through the launch wrapper
-(agent.jobwrap) outside the agent's cgroup (a transient systemd unit where systemd is PID 1,
-else a session and process group of its own), output written by the job straight to its log
-file (the agent follows it for the reported tail), recorded (agent.launchrec) so a restarted
-agent re-adopts it, stopped gracefully with SIGKILL escalation, its exit reported once.
+Owns, for the contract's `start_job`/`stop_job` args (trainguard.command_args), the torchrun
+argument list, the child environment, and the lifecycle of each launch: started through the
+launch wrapper (agent.jobwrap) outside the agent's cgroup (a transient systemd unit where
+systemd is PID 1, else a session and process group of its own), output written by the job
+straight to its log file (the agent follows it for the reported tail), recorded
+(agent.launchrec) so a restarted agent re-adopts it, stopped gracefully with SIGKILL
+escalation, its exit reported once.
 torch is never imported here: torchrun runs as a subprocess.
 
 torchrun starts each worker in a session of its own, so signalling torchrun's process group
@@ -19,12 +20,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import ipaddress
 import json
 import logging
 import math
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -33,7 +32,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from trainguard.agent.commands import CommandResult, Handler
 from trainguard.agent.jobpolicy import JobPolicy, JobRefused, JobUser
@@ -45,20 +44,15 @@ from trainguard.agent.launchrec import (
     remove_record,
     write_record,
 )
-from trainguard.bounds import bad_name_reason
 from trainguard.clock import SYSTEM_CLOCK, Clock
-from trainguard.protocol import Command, CommandKind, Event, EventKind, JobProcess
-from trainguard.strict import ConfigError, Invalid, build
+from trainguard.command_args import LAUNCH_ID_ENV, StartJobArgs, StopJobArgs, decode_args
+from trainguard.protocol import Command, CommandKind, Event, EventKind, JobProcess, ProtocolError
 
 __all__ = [
-    "LAUNCH_ID_ENV",
-    "RESERVED_ENV",
     "JobAlreadyRunning",
     "JobError",
     "JobEvent",
     "JobRunner",
-    "StartJob",
-    "StopJob",
     "build_env",
     "find_launch_processes",
     "job_handlers",
@@ -74,23 +68,9 @@ __all__ = [
 
 log = logging.getLogger("trainguard.agent.jobs")
 
+A = TypeVar("A")
 
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_RDZV_CONF_KEY = re.compile(r"[a-z][a-z0-9_]*")
-# The agent sets these; a job must not point its ranks at another agent or job name.
-# (Other TRAINGUARD_* variables, such as TRAINGUARD_CHAOS, pass through from `env`.)
-RESERVED_ENV = frozenset(
-    {
-        "TRAINGUARD_JOB",
-        "TRAINGUARD_ATTEMPT",
-        "TRAINGUARD_NODE",
-        "TRAINGUARD_AGENT_SOCKET",
-        "TRAINGUARD_CONTROL_DIR",
-        "TRAINGUARD_CKPT_DIR",
-        "TRAINGUARD_LAUNCH_ID",
-    }
-)
-LAUNCH_ID_ENV = "TRAINGUARD_LAUNCH_ID"
+
 # One output line longer than this is cut in the tail (the log file keeps it whole).
 _TAIL_LINE_MAX_CHARS = 512
 _READ_CHUNK_BYTES = 65536
@@ -114,161 +94,29 @@ class JobAlreadyRunning(JobError):
 # --- command arguments ---------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class StartJob:
-    """`start_job` arguments: this node's share of a job, run by torchrun with c10d rendezvous.
-
-    `command` is the training program and its arguments, run as
-    `python -m torch.distributed.run <launcher options> *command`.
-    """
-
-    job: str
-    attempt: int
-    command: list[str]
-    nproc_per_node: int
-    nnodes: int
-    rdzv_endpoint: str  # "host:port" of the c10d store, e.g. "10.0.0.1:29500"
-    rdzv_id: str
-    env: dict[str, str] = field(default_factory=dict)
-    ckpt_dir: str | None = None
-    cwd: str | None = None
-    max_restarts: int = 0
-    python: str | None = None  # interpreter that runs torchrun; None = the agent's own
-    node_rank: int | None = None  # this node's place in the job's node list (0 = first)
-    # Whether this node's torchrun hosts the c10d store. None: the node with node_rank 0 hosts,
-    # or the only node; otherwise torch guesses from the endpoint's address (see docs/jobs.md).
-    rdzv_host: bool | None = None
-    # Address the node advertises to the job (worker store, gloo). None: the endpoint's own
-    # address when it is loopback (every node is on this host), else torch's default (FQDN).
-    local_addr: str | None = None
-    # Extra `--rdzv-conf` keys, e.g. {"join_timeout": "120"}; `is_host` is set by rdzv_host.
-    rdzv_conf: dict[str, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        # names end up in file names (`<job>-<attempt>.log`) and metric labels: the one
-        # name pattern of trainguard.bounds
-        bad = bad_name_reason(self.job)
-        if bad is not None:
-            raise Invalid("job", bad)
-        if self.attempt < 0:
-            raise Invalid("attempt", f"must be >= 0, got {self.attempt}")
-        if not self.command:
-            raise Invalid("command", "must be a non-empty list of strings (the training program)")
-        for i, arg in enumerate(self.command):
-            if "\0" in arg:
-                raise Invalid(f"command[{i}]", "contains a NUL byte")
-        if not self.command[0] or self.command[0].startswith("-"):
-            # torchrun would read a leading option as its own (e.g. "--standalone")
-            raise Invalid(
-                "command[0]",
-                f"must be the training program's path, not an option: {self.command[0]!r}",
-            )
-        if self.nproc_per_node < 1:
-            raise Invalid("nproc_per_node", f"must be >= 1, got {self.nproc_per_node}")
-        if self.nnodes < 1:
-            raise Invalid("nnodes", f"must be >= 1, got {self.nnodes}")
-        if self.max_restarts < 0:
-            raise Invalid("max_restarts", f"must be >= 0, got {self.max_restarts}")
-        _parse_endpoint(self.rdzv_endpoint)
-        if not self.rdzv_id or any(c.isspace() for c in self.rdzv_id):
-            raise Invalid("rdzv_id", f"must be a non-empty string without spaces: {self.rdzv_id!r}")
-        if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
-            raise Invalid(
-                "node_rank", f"must be in [0, nnodes={self.nnodes}), got {self.node_rank}"
-            )
-        for name, value in self.env.items():
-            if not _ENV_NAME.fullmatch(name):
-                raise Invalid(f"env.{name}", "not a valid environment variable name")
-            if name in RESERVED_ENV:
-                hint = " (use ckpt_dir)" if name == "TRAINGUARD_CKPT_DIR" else ""
-                raise Invalid(f"env.{name}", f"is set by the agent{hint}")
-            if "\0" in value:
-                raise Invalid(f"env.{name}", "contains a NUL byte")
-        for key, value in self.rdzv_conf.items():
-            if key == "is_host":
-                raise Invalid("rdzv_conf.is_host", "set rdzv_host instead")
-            if not _RDZV_CONF_KEY.fullmatch(key):
-                raise Invalid(f"rdzv_conf.{key}", f"must match {_RDZV_CONF_KEY.pattern}")
-            if not value or any(c in value for c in ",= \0"):
-                raise Invalid(f"rdzv_conf.{key}", "value must be non-empty, no ',', '=' or spaces")
-        for name in ("ckpt_dir", "cwd", "python", "local_addr"):
-            value = getattr(self, name)
-            if value is not None and (not value or "\0" in value):
-                raise Invalid(name, "must be a non-empty string without NUL bytes")
-
-    def is_host(self) -> bool | None:
-        """Whether this node hosts the c10d store (None: leave it to torch's guess)."""
-        if self.rdzv_host is not None:
-            return self.rdzv_host
-        if self.node_rank is not None:
-            return self.node_rank == 0
-        if self.nnodes == 1:
-            return True
-        return None
-
-    def advertised_addr(self) -> str | None:
-        """The `--local-addr` to pass, if any."""
-        if self.local_addr is not None:
-            return self.local_addr
-        host, _ = _parse_endpoint(self.rdzv_endpoint)
-        return host if _is_loopback(host) else None
+def parse_start_job(args: Mapping[str, Any]) -> StartJobArgs:
+    """Strictly decode `start_job`'s `Command.args`; raises JobError naming the key."""
+    return _parse(StartJobArgs, args, CommandKind.START_JOB)
 
 
-@dataclass(frozen=True)
-class StopJob:
-    """`stop_job` arguments."""
-
-    job: str
-    grace_s: float = 30.0  # SIGTERM now, SIGKILL to the process group after this
-
-    def __post_init__(self) -> None:
-        if not self.job:
-            raise Invalid("job", "must be a non-empty string")
-        if not 0 <= self.grace_s <= 3600:
-            raise Invalid("grace_s", f"must be in [0, 3600], got {self.grace_s}")
+def parse_stop_job(args: Mapping[str, Any]) -> StopJobArgs:
+    """Strictly decode `stop_job`'s `Command.args`; raises JobError naming the key."""
+    return _parse(StopJobArgs, args, CommandKind.STOP_JOB)
 
 
-def parse_start_job(args: Mapping[str, Any]) -> StartJob:
-    """Strictly build StartJob from `Command.args`; raises JobError naming the key."""
-    return _parse(StartJob, args, CommandKind.START_JOB)
-
-
-def parse_stop_job(args: Mapping[str, Any]) -> StopJob:
-    """Strictly build StopJob from `Command.args`; raises JobError naming the key."""
-    return _parse(StopJob, args, CommandKind.STOP_JOB)
-
-
-def _parse(cls: Any, args: Mapping[str, Any], kind: str) -> Any:
+def _parse(cls: type[A], args: Mapping[str, Any], kind: str) -> A:
     if not isinstance(args, Mapping):
         raise JobError(f"{kind}: args: expected a mapping, got {type(args).__name__}")
     try:
-        return build(cls, dict(args), prefix="args")
-    except ConfigError as e:
+        return decode_args(cls, dict(args))
+    except ProtocolError as e:
         raise JobError(f"{kind}: {e}") from None
-
-
-def _parse_endpoint(endpoint: str) -> tuple[str, int]:
-    host, sep, port_text = endpoint.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]  # "[::1]:29500"
-    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise Invalid("rdzv_endpoint", f"must be HOST:PORT with a port in 1..65535: {endpoint!r}")
-    return host, int(port_text)
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 # --- launch --------------------------------------------------------------------------------
 
 
-def torchrun_argv(spec: StartJob, *, python: str) -> list[str]:
+def torchrun_argv(spec: StartJobArgs, *, python: str) -> list[str]:
     """The argument list that launches this node's share of the job (never a shell string)."""
     argv = [
         python,
@@ -303,7 +151,7 @@ def torchrun_argv(spec: StartJob, *, python: str) -> list[str]:
 
 
 def build_env(
-    spec: StartJob,
+    spec: StartJobArgs,
     *,
     base: Mapping[str, str],
     node_name: str,
@@ -492,7 +340,7 @@ class _LogTail:
 
 @dataclass
 class _Job:
-    spec: StartJob
+    spec: StartJobArgs
     pid: int  # the launch leader: the jobwrap process
     start_ticks: int | None  # the leader's start time: a reused pid is not the leader
     pgid: int
@@ -517,7 +365,7 @@ class _Job:
 class _PendingStart:
     """A start of a newer attempt, launched as soon as the running older one has exited."""
 
-    spec: StartJob
+    spec: StartJobArgs
     user: JobUser
     python: str
     replaces: int  # the attempt being stopped first
@@ -528,7 +376,7 @@ def systemd_is_pid1(*, run_dir: str = "/run/systemd/system") -> bool:
     return os.path.isdir(run_dir)
 
 
-def job_unit_name(spec: StartJob, *, launch_id: str) -> str:
+def job_unit_name(spec: StartJobArgs, *, launch_id: str) -> str:
     """`trainguard-job-<job>-<attempt>-<id>.service`: job names are unit-name safe."""
     return f"trainguard-job-{spec.job}-{spec.attempt}-{launch_id[:8]}.service"
 
@@ -661,7 +509,7 @@ class JobRunner:
 
     # -- commands ---------------------------------------------------------------------------
 
-    def start(self, spec: StartJob) -> int | None:
+    def start(self, spec: StartJobArgs) -> int | None:
         """Launch torchrun for `spec`; returns None, or the older attempt of the job that is
         being stopped first (the launch follows once it has exited, see poll()).
 
@@ -711,7 +559,7 @@ class JobRunner:
             self._trim_exited()
             return None
 
-    def _check(self, spec: StartJob) -> tuple[JobUser, str]:
+    def _check(self, spec: StartJobArgs) -> tuple[JobUser, str]:
         try:
             user = self._policy.check(
                 env=spec.env,
@@ -736,7 +584,7 @@ class JobRunner:
             raise JobError(f"job {spec.job!r}: working directory not found: {spec.cwd!r}")
         return user, python
 
-    def _launch(self, spec: StartJob, *, user: JobUser, python: str) -> None:
+    def _launch(self, spec: StartJobArgs, *, user: JobUser, python: str) -> None:
         """Start the wrapper (and torchrun under it), record the launch; raises JobError."""
         argv = torchrun_argv(spec, python=python)
         launch_id = uuid.uuid4().hex
@@ -843,7 +691,7 @@ class JobRunner:
 
     def _launch_unit(
         self,
-        spec: StartJob,
+        spec: StartJobArgs,
         *,
         unit: str,
         env: dict[str, str],

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from trainguard.agent.commands import CommandError, CommandResult, Handler
+from trainguard.agent.commands import CommandResult, Handler
 from trainguard.clock import Clock
+from trainguard.command_args import CollectStacksArgs, decode_args
 from trainguard.protocol import Command, CommandKind, RankState
 
 __all__ = [
@@ -219,12 +220,7 @@ def stacks_handler(
     """The `collect_stacks` handler (args: job) for CommandExecutor.register."""
 
     def handle(cmd: Command) -> CommandResult:
-        job = cmd.args.get("job")
-        if not isinstance(job, str) or not job:
-            raise CommandError("args.job: required non-empty string")
-        unknown = sorted(set(cmd.args) - {"job"})
-        if unknown:
-            raise CommandError(f"args.{unknown[0]}: unknown key (collect_stacks takes job)")
+        job = decode_args(CollectStacksArgs, cmd.args).job
         return collect_stacks(
             job=job,
             ranks=ranks(),

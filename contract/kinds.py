@@ -60,13 +60,12 @@ class EventKind(WireEnum):
 
 
 class CommandKind(WireEnum):
-    """What a Command asks of the agent (its `args` in the comments)."""
+    """What a Command asks of the agent; its `args` class per kind is
+    `trainguard.command_args.COMMAND_ARGS`."""
 
-    CHECKPOINT = "checkpoint"  # job, request_id -> Control(checkpoint) to the job's ranks
-    STOP_RANKS = "stop_ranks"  # job, request_id, checkpoint(bool) -> Control(stop|checkpoint_stop)
-    # job, attempt, command(list), nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_id,
-    # env(dict), ckpt_dir
-    START_JOB = "start_job"
-    STOP_JOB = "stop_job"  # job, grace_s -> SIGTERM process group, grace, SIGKILL
-    INJECT_FAULT = "inject_fault"  # FaultSpec fields (sim backend only)
-    COLLECT_STACKS = "collect_stacks"  # job -> SIGUSR1 to the job's local ranks, stacks back
+    CHECKPOINT = "checkpoint"  # -> Control(checkpoint) to the job's ranks
+    STOP_RANKS = "stop_ranks"  # -> Control(stop|checkpoint_stop) to the job's ranks
+    START_JOB = "start_job"  # -> torchrun for this node's share of the job
+    STOP_JOB = "stop_job"  # -> SIGTERM the job's launch, grace, SIGKILL
+    INJECT_FAULT = "inject_fault"  # -> the sim backend's hardware (sim backend only)
+    COLLECT_STACKS = "collect_stacks"  # -> SIGUSR1 to the job's local ranks, stacks back

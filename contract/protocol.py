@@ -339,8 +339,9 @@ class Report:
 @dataclass(frozen=True)
 class Command:
     """Controller -> agent, riding on the report response. Results come back as
-    `command_result` events with data {"command_id", "kind", "ok", "message", ...}. Each
-    handler checks its own `args` (a bad one fails that command, not the whole response)."""
+    `command_result` events with data {"command_id", "kind", "ok", "message", ...}. `args`
+    holds what `trainguard.command_args.COMMAND_ARGS[kind]` says; it stays a mapping here and
+    each handler decodes it (a bad one fails that command, not the whole response)."""
 
     id: Ident
     kind: CommandKind

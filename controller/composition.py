@@ -15,9 +15,9 @@ import logging
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from trainguard.clock import SYSTEM_CLOCK, Clock
+from trainguard.command_args import CommandArgs
 from trainguard.controller.actions.base import ActionHandler, HandlerRegistry
 from trainguard.controller.actions.drain import DrainBackend, DrainHandler, UndrainHandler
 from trainguard.controller.actions.notify import (
@@ -334,8 +334,8 @@ class Controller:
     def set_node_state(self, node: str, state: str, *, reason: str | None) -> None:
         self.live.set_node_state(node, state, reason=reason)
 
-    def queue_command(self, node: str, kind: str, args: dict[str, Any], *, command_id: str) -> None:
-        self.live.queue_command(node, kind, args, command_id=command_id)
+    def queue_command(self, node: str, args: CommandArgs, *, command_id: str) -> None:
+        self.live.queue_command(node, args, command_id=command_id)
 
     def command_status(self, command_id: str) -> CommandRecord | None:
         return self.live.command_status(command_id)

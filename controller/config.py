@@ -59,6 +59,10 @@ def default_rules_paths() -> list[str]:
     return [str(shipped_dir())]
 
 
+# The longest grace a stop_job command carries (trainguard.command_args.StopJobArgs).
+STOP_GRACE_MAX_S = 3600.0
+
+
 @dataclass(frozen=True)
 class Secret:
     """Where a secret comes from: a file (first line, stripped) or an environment variable.
@@ -389,6 +393,12 @@ class ActionsConfig:
             raise Invalid("backoff_max_s", "must be >= actions.backoff_initial_s")
         _positive("command_timeout_s", self.command_timeout_s)
         _positive("drain_stop_grace_s", self.drain_stop_grace_s)
+        if self.drain_stop_grace_s > STOP_GRACE_MAX_S:
+            raise Invalid(
+                "drain_stop_grace_s",
+                f"must be <= {STOP_GRACE_MAX_S:g} (a stop_job's grace),"
+                f" got {self.drain_stop_grace_s}",
+            )
 
 
 @dataclass(frozen=True)
@@ -449,6 +459,11 @@ class JobsConfig:
             _positive(name, getattr(self, name))
         if self.spare_wait_s < 0:
             raise Invalid("spare_wait_s", f"must be >= 0, got {self.spare_wait_s}")
+        if self.stop_grace_s > STOP_GRACE_MAX_S:
+            raise Invalid(
+                "stop_grace_s",
+                f"must be <= {STOP_GRACE_MAX_S:g} (a stop_job's grace), got {self.stop_grace_s}",
+            )
 
 
 _DAY_S = 86400.0

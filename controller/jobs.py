@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from trainguard.bounds import MAX_RANKS_PER_REPORT, bad_name_reason
+from trainguard.command_args import CommandArgs
 from trainguard.controller.actionkinds import ActionKind
 from trainguard.controller.config import JobsConfig
 from trainguard.controller.jobstate import JobState, check_job_transition
@@ -196,9 +197,7 @@ class NodeAccess(Protocol):
 
     def report_age_s(self, node: str) -> float | None: ...
 
-    def queue_command(
-        self, node: str, kind: str, args: dict[str, Any], *, command_id: str
-    ) -> None: ...
+    def queue_command(self, node: str, args: CommandArgs, *, command_id: str) -> None: ...
 
     def command_status(self, command_id: str) -> CommandRecord | None: ...
 

@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard.clock import Clock
+from trainguard.command_args import CommandArgs, command_kind
 from trainguard.controller.records import CommandRecord, FreshNode, NodeRecord
 from trainguard.controller.signals import SignalState
 from trainguard.controller.store import Store
 from trainguard.controller.unknownxids import UnknownXids
+from trainguard.protocol import to_wire
 
 __all__ = ["JobSeen", "LiveState"]
 
@@ -205,8 +207,9 @@ class LiveState:
             self.put_node(rec)
         log.info("event=node_state node=%s state=%s", node, state)
 
-    def queue_command(self, node: str, kind: str, args: dict[str, Any], *, command_id: str) -> None:
-        if self.store.commands.add(command_id, node=node, kind=kind, args=args):
+    def queue_command(self, node: str, args: CommandArgs, *, command_id: str) -> None:
+        kind = command_kind(args)
+        if self.store.commands.add(command_id, node=node, kind=kind, args=to_wire(args)):
             record = self.store.commands.get(command_id)
             assert record is not None
             with self.lock:

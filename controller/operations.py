@@ -21,7 +21,7 @@ from trainguard.controller.queries import QueryService
 from trainguard.controller.records import NewAction
 from trainguard.controller.store import Store
 from trainguard.controller.views import ActionView, JobView, NodeRole, NodeView, SilenceView
-from trainguard.protocol import CommandKind, FaultSpec, to_wire
+from trainguard.protocol import FaultSpec, to_wire
 
 __all__ = ["OperatorService"]
 
@@ -82,9 +82,7 @@ class OperatorService:
         if self._live.node_state(node) is None:
             raise NotFound(f"node {node!r} not found")
         command_id = f"fault-{uuid.uuid4().hex[:12]}"
-        self._live.queue_command(
-            node, CommandKind.INJECT_FAULT, to_wire(spec), command_id=command_id
-        )
+        self._live.queue_command(node, spec, command_id=command_id)
         self._store.audit.record(
             ts=self._clock.now(),
             actor=actor,

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from trainguard.bounds import clip_drain_reason
+from trainguard.command_args import CommandArgs, StopJobArgs
 from trainguard.controller.actions.base import ActionContext, Outcome, PermanentError
 from trainguard.controller.records import CommandRecord
 from trainguard.controller.safety import stale_drain_reason
-from trainguard.protocol import CommandKind
 
 log = logging.getLogger("trainguard.controller.drain")
 
@@ -45,7 +45,7 @@ class NodeOps(Protocol):
 
     def set_node_state(self, node: str, state: str, *, reason: str | None) -> None: ...
 
-    def queue_command(self, node: str, kind: str, args: dict[str, Any], *, command_id: str) -> None:
+    def queue_command(self, node: str, args: CommandArgs, *, command_id: str) -> None:
         """Queue a command for the node's agent; a repeated id is a no-op."""
 
     def command_status(self, command_id: str) -> CommandRecord | None: ...
@@ -119,10 +119,7 @@ class LocalDrainBackend:
             return "drained", {}
         command_id = f"drain-{key}"
         self._ops.queue_command(
-            node,
-            CommandKind.STOP_JOB,
-            {"job": job, "grace_s": self._grace_s},
-            command_id=command_id,
+            node, StopJobArgs(job=job, grace_s=self._grace_s), command_id=command_id
         )
         log.info("event=drain_stop_job node=%s job=%s command=%s", node, job, command_id)
         if self._silent(node):

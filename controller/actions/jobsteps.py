@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from trainguard.command_args import CheckpointArgs, CollectStacksArgs, StartJobArgs, StopJobArgs
 from trainguard.controller.actionkinds import ActionKind
 from trainguard.controller.actions.base import ActionContext, Outcome, PermanentError
 from trainguard.controller.actions.recovery import (
@@ -36,7 +37,6 @@ from trainguard.controller.actions.restartphase import RestartPhase, advance
 from trainguard.controller.jobs import RESUME_SKIP_ENV, JobManager, JobSpec, shrink_plan
 from trainguard.controller.jobstate import JobState
 from trainguard.controller.records import CommandRecord, JobRecord
-from trainguard.protocol import CommandKind
 
 log = logging.getLogger("trainguard.controller.jobsteps")
 
@@ -148,8 +148,7 @@ class CheckpointHandler(JobStep):
             for node in targets:
                 self.jobs.nodes.queue_command(
                     node,
-                    CommandKind.CHECKPOINT,
-                    {"job": job.name, "request_id": progress["request_id"]},
+                    CheckpointArgs(job=job.name, request_id=progress["request_id"]),
                     command_id=f"ckpt-{ctx.action.idempotency_key}-{node}",
                 )
             return Outcome(
@@ -506,8 +505,7 @@ class RestartHandler(JobStep):
         for node in stopping:
             self.jobs.nodes.queue_command(
                 node,
-                CommandKind.STOP_JOB,
-                {"job": job.name, "grace_s": self.jobs.config.stop_grace_s},
+                StopJobArgs(job=job.name, grace_s=self.jobs.config.stop_grace_s),
                 command_id=f"stop-{ctx.action.idempotency_key}-{node}",
             )
         progress["stopping"] = stopping
@@ -599,28 +597,29 @@ class RestartHandler(JobStep):
         if progress.get("skip_batches"):
             env[RESUME_SKIP_ENV] = str(progress["skip_batches"])
         for rank, node in enumerate(nodes):
-            args: dict[str, Any] = {
-                "job": job.name,
-                "attempt": job.attempt,
-                "command": list(spec.command),
-                "nproc_per_node": job.nproc_per_node,
-                "nnodes": len(nodes),
-                "node_rank": rank,
-                "rdzv_endpoint": endpoint,
-                "rdzv_id": f"{job.name}-{job.attempt}",
-                "env": env,
-            }
-            for name in ("ckpt_dir", "cwd", "python"):
-                value = getattr(spec, name)
-                if value is not None:
-                    args[name] = value
-            if spec.rdzv_conf:
-                args["rdzv_conf"] = dict(spec.rdzv_conf)
+            try:
+                args = StartJobArgs(
+                    job=job.name,
+                    attempt=job.attempt,
+                    command=list(spec.command),
+                    nproc_per_node=job.nproc_per_node,
+                    nnodes=len(nodes),
+                    node_rank=rank,
+                    rdzv_endpoint=endpoint,
+                    rdzv_id=f"{job.name}-{job.attempt}",
+                    env=env,
+                    ckpt_dir=spec.ckpt_dir,
+                    cwd=spec.cwd,
+                    python=spec.python,
+                    rdzv_conf=dict(spec.rdzv_conf),
+                )
+            except ValueError as e:  # args the agent would refuse: fail as its refusal does
+                self.jobs.set_state(
+                    job.name, JobState.CRASHED, reason=f"start_job failed on {node}"
+                )
+                raise PermanentError(f"start_job on {node} failed: {e}") from None
             self.jobs.nodes.queue_command(
-                node,
-                CommandKind.START_JOB,
-                args,
-                command_id=f"start-{job.name}-{job.attempt}-{node}",
+                node, args, command_id=f"start-{job.name}-{job.attempt}-{node}"
             )
         progress.update(
             phase=advance(RestartPhase.START, RestartPhase.CONFIRM).value,
@@ -885,8 +884,7 @@ class StopHandler(JobStep):
             for node in nodes:
                 self.jobs.nodes.queue_command(
                     node,
-                    CommandKind.STOP_JOB,
-                    {"job": job.name, "grace_s": self.jobs.config.stop_grace_s},
+                    StopJobArgs(job=job.name, grace_s=self.jobs.config.stop_grace_s),
                     command_id=f"stop-{ctx.action.idempotency_key}-{node}",
                 )
             progress = {"sent_at": ctx.now, "nodes": nodes, "job": job.name}
@@ -945,8 +943,7 @@ class CollectStacksHandler(JobStep):
             for node in nodes:
                 self.jobs.nodes.queue_command(
                     node,
-                    CommandKind.COLLECT_STACKS,
-                    {"job": job.name},
+                    CollectStacksArgs(job=job.name),
                     command_id=f"stacks-{ctx.action.idempotency_key}-{node}",
                 )
             progress = {"sent_at": ctx.now, "nodes": nodes, "job": job.name}

@@ -11,8 +11,9 @@ import pytest
 
 from tests.helpers import alive, free_port, wait_for
 from trainguard.agent.jobpolicy import JobPolicy
-from trainguard.agent.jobs import JobError, JobEvent, JobRunner, StartJob
+from trainguard.agent.jobs import JobError, JobEvent, JobRunner
 from trainguard.clock import FakeClock
+from trainguard.command_args import StartJobArgs
 from trainguard.protocol import EventKind
 
 pytestmark = pytest.mark.slow
@@ -39,7 +40,7 @@ def make_runner(tmp_path: Path, node: str, **kwargs: object) -> JobRunner:
     )
 
 
-def spec(job: str, command: list[str], *, nnodes: int = 1, **kwargs: object) -> StartJob:
+def spec(job: str, command: list[str], *, nnodes: int = 1, **kwargs: object) -> StartJobArgs:
     fields: dict[str, object] = {
         "job": job,
         "attempt": 1,
@@ -52,7 +53,7 @@ def spec(job: str, command: list[str], *, nnodes: int = 1, **kwargs: object) -> 
         "rdzv_conf": {"join_timeout": "45"},
     }
     fields.update(kwargs)
-    return StartJob(**fields)  # type: ignore[arg-type]
+    return StartJobArgs(**fields)  # type: ignore[arg-type]
 
 
 def wait_exit(runner: JobRunner, job: str, *, timeout_s: float = 60.0) -> JobEvent:
@@ -83,8 +84,8 @@ def ready_pid(runner: JobRunner, job: str) -> int:
 def test_two_nodes_on_one_host_rendezvous_and_all_reduce(tmp_path: Path) -> None:
     script = str(FIXTURES / "allreduce.py")
     base = spec("ar", [script], nnodes=2)
-    host_spec = StartJob(**{**base.__dict__, "node_rank": 0})
-    client_spec = StartJob(**{**base.__dict__, "node_rank": 1})
+    host_spec = StartJobArgs(**{**base.__dict__, "node_rank": 0})
+    client_spec = StartJobArgs(**{**base.__dict__, "node_rank": 1})
     host = make_runner(tmp_path, "node-a")
     client = make_runner(tmp_path, "node-b")
     try:

@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 from tests.helpers import wait_for
-from trainguard.agent.jobs import LAUNCH_ID_ENV, find_launch_processes
+from trainguard.agent.jobs import find_launch_processes
+from trainguard.command_args import LAUNCH_ID_ENV
 from trainguard.trainer.fence import read_epoch
 from trainguard.trainer.manifest import list_committed, read_manifest
 

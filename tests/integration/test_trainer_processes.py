@@ -25,7 +25,8 @@ import torch
 
 from tests.helpers import free_port, wait_for
 from tests.unit.trainer.trainer_helpers import FakeAgent
-from trainguard.agent.jobs import LAUNCH_ID_ENV, find_launch_processes
+from trainguard.agent.jobs import find_launch_processes
+from trainguard.command_args import LAUNCH_ID_ENV
 from trainguard.protocol import Control, Heartbeat, encode_json
 from trainguard.trainer.checkpoint import load_rank_file, read_tensor_file
 from trainguard.trainer.manifest import find_latest_good, list_committed, read_manifest

@@ -62,7 +62,7 @@ def test_inject_fault_applies_the_spec_or_names_the_bad_field() -> None:
     bad_kind = ex.execute(Command(id="f2", kind="inject_fault", args={"kind": "meltdown"}))
     bad_gpu = ex.execute(Command(id="f3", kind="inject_fault", args={"kind": "dbe", "gpu": 9}))
     assert ok.ok and faults.specs == [FaultSpec(kind="dbe", gpu=2)]
-    assert not bad_kind.ok and bad_kind.message.startswith("kind:")
+    assert not bad_kind.ok and bad_kind.message.startswith("args.kind:")
     assert not bad_gpu.ok and bad_gpu.message.startswith("gpu:")
 
 

@@ -12,7 +12,6 @@ import pytest
 from trainguard.agent.commands import CommandExecutor
 from trainguard.agent.jobpolicy import JobPolicy
 from trainguard.agent.jobs import (
-    LAUNCH_ID_ENV,
     JobError,
     JobEvent,
     JobRunner,
@@ -24,6 +23,7 @@ from trainguard.agent.jobs import (
     torchrun_argv,
 )
 from trainguard.clock import FakeClock
+from trainguard.command_args import LAUNCH_ID_ENV
 from trainguard.protocol import Command
 
 MINIMAL: dict[str, Any] = {

@@ -20,7 +20,6 @@ from trainguard.agent.jobpolicy import JobPolicy
 from trainguard.agent.jobs import (
     JobEvent,
     JobRunner,
-    StartJob,
     job_unit_name,
     job_unit_properties,
     systemd_is_pid1,
@@ -28,6 +27,7 @@ from trainguard.agent.jobs import (
 )
 from trainguard.agent.launchrec import load_records
 from trainguard.clock import FakeClock
+from trainguard.command_args import StartJobArgs
 from trainguard.protocol import EventKind
 
 # Stands in for `python -m torch.distributed.run ...`: says it is up, then waits; SIGTERM
@@ -60,8 +60,8 @@ def make_runner(tmp_path: Path, **kwargs: object) -> JobRunner:
     )
 
 
-def spec(launcher: str, *, attempt: int = 1, job: str = "llm") -> StartJob:
-    return StartJob(
+def spec(launcher: str, *, attempt: int = 1, job: str = "llm") -> StartJobArgs:
+    return StartJobArgs(
         job=job,
         attempt=attempt,
         command=["train.py"],

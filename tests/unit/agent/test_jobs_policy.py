@@ -32,8 +32,9 @@ from trainguard.agent.jobpolicy import (
     prepare_access,
     resolve_user,
 )
-from trainguard.agent.jobs import JobRunner, StartJob, build_env, job_handlers
+from trainguard.agent.jobs import JobRunner, build_env, job_handlers
 from trainguard.clock import FakeClock
+from trainguard.command_args import StartJobArgs
 from trainguard.protocol import Command
 from trainguard.strict import ConfigError, build
 
@@ -170,7 +171,7 @@ def test_the_default_deny_list_is_the_documented_one() -> None:
 
 def test_variables_the_agent_sets_are_refused_before_any_policy() -> None:
     with pytest.raises(ValueError, match=r"env\.TRAINGUARD_JOB"):
-        StartJob(**start_args(env={"TRAINGUARD_JOB": "other"}))
+        StartJobArgs(**start_args(env={"TRAINGUARD_JOB": "other"}))
 
 
 def test_more_processes_than_max_nproc_per_node_is_refused() -> None:
@@ -283,7 +284,7 @@ def test_a_refused_start_job_is_a_failed_result_and_launches_nothing(
 
 
 def test_a_switched_user_gets_its_login_variables_unless_the_job_sets_them() -> None:
-    spec = StartJob(**start_args(env={"USER": "trainer"}))
+    spec = StartJobArgs(**start_args(env={"USER": "trainer"}))
     env = build_env(
         spec,
         base={"HOME": "/root", "USER": "root", "PATH": "/usr/bin"},

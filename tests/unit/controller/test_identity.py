@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 
 from tests.builders import Reporter
 from trainguard.clock import FakeClock
+from trainguard.command_args import StartJobArgs, StopJobArgs
 from trainguard.controller.api.app import create_app
 from trainguard.controller.api.errors import ApiError
 from trainguard.controller.api.requests import authenticate_report, request_headers
@@ -57,7 +58,7 @@ def test_forged_dbe_for_another_node_is_403_audited_and_stores_nothing(
     client: TestClient, core: Controller, core_clock: FakeClock
 ) -> None:
     assert _post(client, Reporter("node-2").report(now=core_clock.now()), N2).status_code == 200
-    core.queue_command("node-2", "stop_job", {"job": "j"}, command_id="cmd-n2")
+    core.queue_command("node-2", StopJobArgs(job="j"), command_id="cmd-n2")
     forged = Reporter("node-2", instance="evil").report(
         now=core_clock.now(),
         dbe=1,
@@ -97,7 +98,17 @@ def test_command_poll_for_another_node_gets_no_command(
     client: TestClient, core: Controller, core_clock: FakeClock
 ) -> None:
     assert _post(client, Reporter("node-2").report(now=core_clock.now()), N2).status_code == 200
-    core.queue_command("node-2", "start_job", {"env": {"SECRET": "x"}}, command_id="cmd-start")
+    start = StartJobArgs(
+        job="j",
+        attempt=1,
+        command=["train.py"],
+        nproc_per_node=1,
+        nnodes=1,
+        rdzv_endpoint="10.0.0.2:29500",
+        rdzv_id="j-1",
+        env={"SECRET": "x"},
+    )
+    core.queue_command("node-2", start, command_id="cmd-start")
     r = _post(client, Reporter("node-2").report(now=core_clock.now()), N1)
     assert r.status_code == 403
     assert "commands" not in r.json() and "SECRET" not in r.text

@@ -1,0 +1,281 @@
+"""What each command kind's `args` hold: one frozen dataclass per `CommandKind`, in one table.
+
+The controller builds a command from its args class (`queue_command(node, StopJobArgs(...))`,
+the kind read from the table) and the agent decodes `Command.args` with the same class, by
+the one decoder: a bad field fails that one command with `args.<field>: <reason>`, never the
+report response that carried it (on the wire `Command.args` stays a plain mapping, and an
+unknown kind stays a command the agent answers "unknown command kind").
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, Union
+
+from trainguard.bounds import bad_name_reason
+from trainguard.decode import Decoder, Invalid
+from trainguard.kinds import CommandKind
+from trainguard.protocol import Command, FaultSpec, ProtocolError, to_wire
+
+__all__ = [
+    "COMMAND_ARGS",
+    "LAUNCH_ID_ENV",
+    "RESERVED_ENV",
+    "CheckpointArgs",
+    "CollectStacksArgs",
+    "CommandArgs",
+    "StartJobArgs",
+    "StopJobArgs",
+    "StopRanksArgs",
+    "command",
+    "command_kind",
+    "decode_args",
+]
+
+A = TypeVar("A")
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_RDZV_CONF_KEY = re.compile(r"[a-z][a-z0-9_]*")
+LAUNCH_ID_ENV = "TRAINGUARD_LAUNCH_ID"
+# The agent sets these; a job must not point its ranks at another agent or job name.
+# (Other TRAINGUARD_* variables, such as TRAINGUARD_CHAOS, pass through from `env`.)
+RESERVED_ENV = frozenset(
+    {
+        "TRAINGUARD_JOB",
+        "TRAINGUARD_ATTEMPT",
+        "TRAINGUARD_NODE",
+        "TRAINGUARD_AGENT_SOCKET",
+        "TRAINGUARD_CONTROL_DIR",
+        "TRAINGUARD_CKPT_DIR",
+        LAUNCH_ID_ENV,
+    }
+)
+
+
+def _require_job(job: str) -> None:
+    # `job` defaults to "" only so that a missing one and an empty one read the same
+    if not job:
+        raise Invalid("job", "required non-empty string")
+
+
+@dataclass(frozen=True)
+class CheckpointArgs:
+    """`checkpoint`: a Control(checkpoint) to the job's local ranks; `request_id` defaults to
+    the command id."""
+
+    job: str = ""
+    request_id: str | None = None
+
+    def __post_init__(self) -> None:
+        _require_job(self.job)
+
+
+@dataclass(frozen=True)
+class StopRanksArgs:
+    """`stop_ranks`: a Control(stop), or Control(checkpoint_stop) with `checkpoint`, to the
+    job's local ranks; `request_id` defaults to the command id."""
+
+    job: str = ""
+    request_id: str | None = None
+    checkpoint: bool = False
+
+    def __post_init__(self) -> None:
+        _require_job(self.job)
+
+
+@dataclass(frozen=True)
+class StartJobArgs:
+    """`start_job`: this node's share of a job, run by torchrun with c10d rendezvous.
+
+    `command` is the training program and its arguments, run as
+    `python -m torch.distributed.run <launcher options> *command`.
+    """
+
+    job: str
+    attempt: int
+    command: list[str]
+    nproc_per_node: int
+    nnodes: int
+    rdzv_endpoint: str  # "host:port" of the c10d store, e.g. "10.0.0.1:29500"
+    rdzv_id: str
+    env: dict[str, str] = field(default_factory=dict)
+    ckpt_dir: str | None = None
+    cwd: str | None = None
+    max_restarts: int = 0
+    python: str | None = None  # interpreter that runs torchrun; None = the agent's own
+    node_rank: int | None = None  # this node's place in the job's node list (0 = first)
+    # Whether this node's torchrun hosts the c10d store. None: the node with node_rank 0 hosts,
+    # or the only node; otherwise torch guesses from the endpoint's address (see docs/jobs.md).
+    rdzv_host: bool | None = None
+    # Address the node advertises to the job (worker store, gloo). None: the endpoint's own
+    # address when it is loopback (every node is on this host), else torch's default (FQDN).
+    local_addr: str | None = None
+    # Extra `--rdzv-conf` keys, e.g. {"join_timeout": "120"}; `is_host` is set by rdzv_host.
+    rdzv_conf: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # names end up in file names (`<job>-<attempt>.log`) and metric labels: the one
+        # name pattern of trainguard.bounds
+        bad = bad_name_reason(self.job)
+        if bad is not None:
+            raise Invalid("job", bad)
+        if self.attempt < 0:
+            raise Invalid("attempt", f"must be >= 0, got {self.attempt}")
+        if not self.command:
+            raise Invalid("command", "must be a non-empty list of strings (the training program)")
+        for i, arg in enumerate(self.command):
+            if "\0" in arg:
+                raise Invalid(f"command[{i}]", "contains a NUL byte")
+        if not self.command[0] or self.command[0].startswith("-"):
+            # torchrun would read a leading option as its own (e.g. "--standalone")
+            raise Invalid(
+                "command[0]",
+                f"must be the training program's path, not an option: {self.command[0]!r}",
+            )
+        if self.nproc_per_node < 1:
+            raise Invalid("nproc_per_node", f"must be >= 1, got {self.nproc_per_node}")
+        if self.nnodes < 1:
+            raise Invalid("nnodes", f"must be >= 1, got {self.nnodes}")
+        if self.max_restarts < 0:
+            raise Invalid("max_restarts", f"must be >= 0, got {self.max_restarts}")
+        _parse_endpoint(self.rdzv_endpoint)
+        if not self.rdzv_id or any(c.isspace() for c in self.rdzv_id):
+            raise Invalid("rdzv_id", f"must be a non-empty string without spaces: {self.rdzv_id!r}")
+        if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
+            raise Invalid(
+                "node_rank", f"must be in [0, nnodes={self.nnodes}), got {self.node_rank}"
+            )
+        for name, value in self.env.items():
+            if not _ENV_NAME.fullmatch(name):
+                raise Invalid(f"env.{name}", "not a valid environment variable name")
+            if name in RESERVED_ENV:
+                hint = " (use ckpt_dir)" if name == "TRAINGUARD_CKPT_DIR" else ""
+                raise Invalid(f"env.{name}", f"is set by the agent{hint}")
+            if "\0" in value:
+                raise Invalid(f"env.{name}", "contains a NUL byte")
+        for key, value in self.rdzv_conf.items():
+            if key == "is_host":
+                raise Invalid("rdzv_conf.is_host", "set rdzv_host instead")
+            if not _RDZV_CONF_KEY.fullmatch(key):
+                raise Invalid(f"rdzv_conf.{key}", f"must match {_RDZV_CONF_KEY.pattern}")
+            if not value or any(c in value for c in ",= \0"):
+                raise Invalid(f"rdzv_conf.{key}", "value must be non-empty, no ',', '=' or spaces")
+        for name, optional in (
+            ("ckpt_dir", self.ckpt_dir),
+            ("cwd", self.cwd),
+            ("python", self.python),
+            ("local_addr", self.local_addr),
+        ):
+            if optional is not None and (not optional or "\0" in optional):
+                raise Invalid(name, "must be a non-empty string without NUL bytes")
+
+    def is_host(self) -> bool | None:
+        """Whether this node hosts the c10d store (None: leave it to torch's guess)."""
+        if self.rdzv_host is not None:
+            return self.rdzv_host
+        if self.node_rank is not None:
+            return self.node_rank == 0
+        if self.nnodes == 1:
+            return True
+        return None
+
+    def advertised_addr(self) -> str | None:
+        """The `--local-addr` to pass, if any."""
+        if self.local_addr is not None:
+            return self.local_addr
+        host, _ = _parse_endpoint(self.rdzv_endpoint)
+        return host if _is_loopback(host) else None
+
+
+@dataclass(frozen=True)
+class StopJobArgs:
+    """`stop_job`: SIGTERM the job's launch, SIGKILL after `grace_s`."""
+
+    job: str
+    grace_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.job:
+            raise Invalid("job", "must be a non-empty string")
+        if not 0 <= self.grace_s <= 3600:
+            raise Invalid("grace_s", f"must be in [0, 3600], got {self.grace_s}")
+
+
+@dataclass(frozen=True)
+class CollectStacksArgs:
+    """`collect_stacks`: SIGUSR1 to the job's local ranks, their stacks in the result."""
+
+    job: str = ""
+
+    def __post_init__(self) -> None:
+        _require_job(self.job)
+
+
+CommandArgs = Union[
+    CheckpointArgs, StopRanksArgs, StartJobArgs, StopJobArgs, FaultSpec, CollectStacksArgs
+]
+
+# Every kind's args class (`inject_fault` takes a FaultSpec, the sim backend's fault).
+COMMAND_ARGS: Mapping[CommandKind, type] = {
+    CommandKind.CHECKPOINT: CheckpointArgs,
+    CommandKind.STOP_RANKS: StopRanksArgs,
+    CommandKind.START_JOB: StartJobArgs,
+    CommandKind.STOP_JOB: StopJobArgs,
+    CommandKind.INJECT_FAULT: FaultSpec,
+    CommandKind.COLLECT_STACKS: CollectStacksArgs,
+}
+_KIND_OF: Mapping[type, CommandKind] = {cls: kind for kind, cls in COMMAND_ARGS.items()}
+
+
+def command_kind(args: CommandArgs) -> CommandKind:
+    """The kind whose args `args` are."""
+    kind = _KIND_OF.get(type(args))
+    if kind is None:
+        raise TypeError(f"{type(args).__name__} is not a command's args")
+    return kind
+
+
+def command(command_id: str, args: CommandArgs) -> Command:
+    """The Command carrying `args` (its kind read from the table)."""
+    return Command(id=command_id, kind=command_kind(args), args=to_wire(args))
+
+
+class _ArgsDecoder(Decoder[A]):
+    """Decodes a command's args; failures are ProtocolErrors at `args.<field>`."""
+
+    def error(self, path: str, reason: str) -> Exception:
+        return ProtocolError(f"args.{path}" if path else "args", reason)
+
+
+_DECODERS: dict[type, _ArgsDecoder[Any]] = {}
+
+
+def decode_args(cls: type[A], args: Mapping[str, Any]) -> A:
+    """Strictly decode a command's `args` into its kind's class `cls`; raises ProtocolError
+    naming the field (`args.nproc_per_node: must be >= 1, got 0`)."""
+    found = _DECODERS.get(cls)
+    if found is None:
+        found = _DECODERS[cls] = _ArgsDecoder(cls)
+    return typing.cast(A, found.decode(args))
+
+
+def _parse_endpoint(endpoint: str) -> tuple[str, int]:
+    host, sep, port_text = endpoint.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]  # "[::1]:29500"
+    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise Invalid("rdzv_endpoint", f"must be HOST:PORT with a port in 1..65535: {endpoint!r}")
+    return host, int(port_text)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
