@@ -637,8 +637,10 @@ _JOB: tuple[Signal, ...] = (
     _job("ckpt_step", "lowest newest-committed checkpoint step over the ranks"),
     _job("ckpt_failures", "highest ckpt_failures over the ranks: saves failed in a row"),
     _job("ckpt_age_s", "highest ckpt_age_s over the ranks: time since the job's newest commit"),
-    _job("ckpt_interval_s", "highest ckpt_interval_s over the ranks (absent without periodic "
-         "checkpoints)"),
+    _job(
+        "ckpt_interval_s",
+        "highest ckpt_interval_s over the ranks (absent without periodic checkpoints)",
+    ),
     _job("state", "job state from the controller's job table", value="string"),
 )
 

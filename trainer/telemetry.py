@@ -76,9 +76,7 @@ class CheckpointHealth:
             return
         mean = self.mean_step_time_s
         self.mean_step_time_s = (
-            step_time_s
-            if mean is None
-            else mean + _STEP_TIME_WEIGHT * (step_time_s - mean)
+            step_time_s if mean is None else mean + _STEP_TIME_WEIGHT * (step_time_s - mean)
         )
 
     def age_s(self) -> float:

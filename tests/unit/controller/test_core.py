@@ -415,6 +415,26 @@ def test_jobs_are_listed_from_reported_ranks(make_core, core_clock):
     assert c.get_node("n1").job == "job-a"
 
 
+def test_the_job_view_shows_the_checkpoint_health_of_its_ranks(make_core, core_clock):
+    c = make_core()
+    report = Report(
+        node="n1",
+        instance="i",
+        seq=1,
+        sent_at=0,
+        ranks=(
+            RankState(job="job-a", rank=0, step=40, ckpt_step=30, ckpt_age_s=12.0),
+            RankState(job="job-a", rank=1, step=40, ckpt_step=20, ckpt_age_s=95.0, ckpt_failures=1),
+        ),
+    )
+    c.ingest_report(report, actor="a")
+    job = c.get_job("job-a")
+    # the oldest rank's commit and the most failures in a row any rank has
+    assert (job.ckpt_age_s, job.ckpt_failures) == (95.0, 1)
+    (listed,) = c.list_jobs()
+    assert (listed.ckpt_age_s, listed.ckpt_failures) == (95.0, 1)
+
+
 def test_reload_with_a_bad_rule_file_keeps_the_old_rules(make_core, core_config, tmp_path):
     c = make_core()
     assert c.reload_rules(actor="op") == 3
