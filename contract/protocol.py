@@ -135,7 +135,8 @@ class Heartbeat:
     ckpt_step: int | None = None  # newest committed checkpoint step
     ckpt_request_id: Ident | None = None  # newest proactive request that committed
     # Checkpoint health: saves failed in a row since the newest commit; seconds since the
-    # newest commit (since this run began, start or resume, while none committed in it); the
+    # newest commit (while none committed in this run, since its first step: after a start or
+    # a resume); the
     # periodic interval in seconds (checkpoint_every x the mean step time; None without
     # periodic checkpoints or before a step was timed).
     ckpt_failures: Count = 0

@@ -30,9 +30,11 @@ _STEP_TIME_WEIGHT = 0.1
 
 class CheckpointHealth:
     """Whether this rank's checkpoints keep committing: saves failed in a row since the newest
-    commit, when that commit was (monotonic; the run's start while none committed), and the
-    periodic interval in seconds (`checkpoint_every` x the mean step time). Logs a WARNING at
-    the first failure of a run of failures and an INFO when a commit ends it."""
+    commit, when that commit was (monotonic; while none committed in this run, the end of its
+    first step, so a slow first step (compilation, a resume's load) does not count as time
+    without a checkpoint), and the periodic interval in seconds (`checkpoint_every` x the mean
+    step time). Logs a WARNING at the first failure of a run of failures and an INFO when a
+    commit ends it."""
 
     def __init__(self, *, job: str, rank: int, checkpoint_every: int, clock: Clock) -> None:
         self.job = job
@@ -41,6 +43,7 @@ class CheckpointHealth:
         self.clock = clock
         self.failures = 0
         self.committed_mono = clock.monotonic()
+        self.committed_in_run = False
         self.mean_step_time_s: float | None = None
 
     def committed(self, result: SaveResult) -> None:
@@ -54,6 +57,7 @@ class CheckpointHealth:
             )
         self.failures = 0
         self.committed_mono = self.clock.monotonic()
+        self.committed_in_run = True
 
     def failed(self, result: SaveResult) -> None:
         self.failures += 1
@@ -75,6 +79,8 @@ class CheckpointHealth:
         if step_time_s is None or step_time_s <= 0:
             return
         mean = self.mean_step_time_s
+        if mean is None and not self.committed_in_run:
+            self.committed_mono = self.clock.monotonic()  # the run's first step ended
         self.mean_step_time_s = (
             step_time_s if mean is None else mean + _STEP_TIME_WEIGHT * (step_time_s - mean)
         )

@@ -103,6 +103,8 @@ def test_checkpoint_health_counts_failures_in_a_row_and_the_age_of_the_newest_co
     t.send(step=0, phase="init")  # no step timed yet: no interval
     clock.advance(5.0)
     t.send(step=1, phase="train", step_time_s=2.0)
+    clock.advance(4.0)
+    t.send(step=2, phase="train", step_time_s=2.0)
     clock.advance(20.0)
     t.report(SaveResult(step=10, request_id=None, ok=True, duration_s=0.1, path="/c/step_10"))
     clock.advance(3.0)
@@ -115,10 +117,12 @@ def test_checkpoint_health_counts_failures_in_a_row_and_the_age_of_the_newest_co
     t.send(step=40, phase="exit")
     t.channel.close()
     hbs = agent.drain()
-    init, first = hbs[0], hbs[1]
+    init, first, second = hbs[0], hbs[1], hbs[2]
     assert (init.ckpt_failures, init.ckpt_age_s, init.ckpt_interval_s) == (0, 0.0, None)
-    # before any commit the age counts from the run's start; interval = every x mean step time
-    assert (first.ckpt_age_s, first.ckpt_interval_s) == (5.0, 20.0)
+    # before any commit the age counts from the end of the run's first step (a slow first
+    # step is no time without a checkpoint); interval = every x the mean step time
+    assert (first.ckpt_age_s, first.ckpt_interval_s) == (0.0, 20.0)
+    assert (second.ckpt_age_s, second.ckpt_interval_s) == (4.0, 20.0)
     failing = [h for h in hbs if h.step == 30]
     assert {h.ckpt_failures for h in failing} == {2}
     assert {h.ckpt_age_s for h in failing} == {3.0}  # the commit of step 10, 3 s ago
