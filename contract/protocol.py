@@ -134,6 +134,14 @@ class Heartbeat:
     phase: HeartbeatPhase = "train"
     ckpt_step: int | None = None  # newest committed checkpoint step
     ckpt_request_id: Ident | None = None  # newest proactive request that committed
+    # Checkpoint health: saves failed in a row since the newest commit; seconds since the
+    # newest commit (while none committed in this run, since its first step: after a start or
+    # a resume); the
+    # periodic interval in seconds (checkpoint_every x the mean step time; None without
+    # periodic checkpoints or before a step was timed).
+    ckpt_failures: Count = 0
+    ckpt_age_s: Duration | None = None
+    ckpt_interval_s: Duration | None = None
     control_socket: _Path | None = None  # where this rank listens for Control datagrams
     # edge event: a TrainerEdge, or a name of the trainer's own
     event: Ident | None = None
@@ -178,6 +186,9 @@ class RankState:
     step_age_s: Duration = 0.0  # agent clock: now - when `step` last changed
     ckpt_step: int | None = None
     ckpt_request_id: Ident | None = None
+    ckpt_failures: Count = 0
+    ckpt_age_s: Duration | None = None  # as of the rank's latest heartbeat
+    ckpt_interval_s: Duration | None = None
 
 
 @dataclass(frozen=True)

@@ -563,6 +563,35 @@ _RANK: tuple[Signal, ...] = (
         "step",
         Prom("trainguard_trainer_checkpoint_step", "Newest committed checkpoint step."),
     ),
+    _rank(
+        "ckpt_failures",
+        "checkpoint saves failed in a row since the newest commit",
+        "saves",
+        Prom(
+            "trainguard_trainer_checkpoint_failures",
+            "Checkpoint saves failed in a row since the newest commit.",
+        ),
+    ),
+    _rank(
+        "ckpt_age_s",
+        "s since the newest checkpoint commit (since the run began while none committed in "
+        "it), as of the rank's latest heartbeat",
+        "seconds",
+        Prom(
+            "trainguard_trainer_checkpoint_age_seconds",
+            "Since the newest checkpoint commit (or the run's start while none committed).",
+        ),
+    ),
+    _rank(
+        "ckpt_interval_s",
+        "periodic checkpoint interval, s (checkpoint_every x the mean step time; absent "
+        "without periodic checkpoints)",
+        "seconds",
+        Prom(
+            "trainguard_trainer_checkpoint_interval_seconds",
+            "Periodic checkpoint interval (checkpoint_every x the mean step time).",
+        ),
+    ),
     Signal(
         "rank",
         "nan_total",
@@ -605,6 +634,13 @@ _JOB: tuple[Signal, ...] = (
     ),
     _job("heartbeat_age_s", "lowest heartbeat_age_s over the ranks (incl. report age)"),
     _job("nan_total", "nan_loss events from any rank of the job (counter)", counter=True),
+    _job("ckpt_step", "lowest newest-committed checkpoint step over the ranks"),
+    _job("ckpt_failures", "highest ckpt_failures over the ranks: saves failed in a row"),
+    _job("ckpt_age_s", "highest ckpt_age_s over the ranks: time since the job's newest commit"),
+    _job(
+        "ckpt_interval_s",
+        "highest ckpt_interval_s over the ranks (absent without periodic checkpoints)",
+    ),
     _job("state", "job state from the controller's job table", value="string"),
 )
 

@@ -154,6 +154,10 @@ def _ago(now: float, ts: Any) -> str:
     return format_age(now - ts) if isinstance(ts, int | float) else "-"
 
 
+def _age_s(age_s: Any) -> str:
+    return format_age(age_s) if isinstance(age_s, int | float) else "-"
+
+
 def _when(ts: Any) -> str:
     if not isinstance(ts, int | float) or not math.isfinite(ts):
         return "-"
@@ -227,6 +231,9 @@ JOB_COLUMNS = (
     Column("ATTEMPT", lambda j, now: _cell(j.get("attempt"))),
     Column("STEP", lambda j, now: _cell(j.get("last_step"))),
     Column("CKPT", lambda j, now: _cell(j.get("ckpt_step"))),
+    # checkpoint health: how old the newest commit is, saves failed in a row since
+    Column("CKPT-AGE", lambda j, now: _age_s(j.get("ckpt_age_s")), wide=True),
+    Column("CKPT-FAILS", lambda j, now: _cell(j.get("ckpt_failures")), wide=True),
     Column("RESTARTS", lambda j, now: _cell(j.get("restarts"))),
     Column("ETTR", _ettr),
     Column("WORLD", lambda j, now: _cell(j.get("world_size")), wide=True),

@@ -802,6 +802,12 @@ class JobManager:
         ckpt = max([*ckpts, *([stored] if stored is not None else [])], default=None)
         return step, ckpt
 
+    def checkpoint_health(self, job: str) -> tuple[float | None, int]:
+        """(highest ckpt_age_s, highest ckpt_failures) over the job's reporting ranks."""
+        ranks = [r for _, r in self.ranks(job)]
+        ages = [r.ckpt_age_s for r in ranks if r.ckpt_age_s is not None]
+        return (max(ages) if ages else None), max((r.ckpt_failures for r in ranks), default=0)
+
     # --- per tick -----------------------------------------------------------------------------
 
     def tick(self, *, now: float) -> None:
@@ -863,6 +869,7 @@ class JobManager:
 
     def view(self, job: JobRecord, *, now: float) -> JobView:
         step, ckpt = self.latest_steps(job.name)
+        ckpt_age_s, ckpt_failures = self.checkpoint_health(job.name)
         return JobView(
             name=job.name,
             state=job.state,
@@ -870,6 +877,8 @@ class JobManager:
             attempt=job.attempt,
             last_step=step,
             ckpt_step=ckpt,
+            ckpt_age_s=ckpt_age_s,
+            ckpt_failures=ckpt_failures,
             restarts=job.restarts,
             ettr=self.ettr(job, now=now),
             ranks=len(self.ranks(job.name)),

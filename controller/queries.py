@@ -8,6 +8,7 @@ same question, and only a question never answered before fails (503)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections import OrderedDict
@@ -172,6 +173,10 @@ class QueryService:
 
     # --- jobs -------------------------------------------------------------------------------
 
+    def _with_ckpt_health(self, view: JobView) -> JobView:
+        age_s, failures = self._jobs.checkpoint_health(view.name)
+        return dataclasses.replace(view, ckpt_age_s=age_s, ckpt_failures=failures)
+
     @staticmethod
     def _seen_view(name: str, seen: JobSeen) -> JobView:
         """A job known only from heartbeats (started outside the controller)."""
@@ -190,9 +195,14 @@ class QueryService:
         for view in self._scheduler_jobs(now=now):
             views.setdefault(view.name, view)
         with self._live.lock:
-            for name, seen in self._live.jobs_seen.items():
-                if name not in views:
-                    views[name] = self._seen_view(name, seen)
+            seen_only = [
+                self._seen_view(name, seen)
+                for name, seen in self._live.jobs_seen.items()
+                if name not in views
+            ]
+        # outside the live lock: the ranks' checkpoint health takes the job manager's lock
+        for view in seen_only:
+            views[view.name] = self._with_ckpt_health(view)
         return [views[n] for n in sorted(views)]
 
     def get_job(self, name: str) -> JobView:
@@ -204,8 +214,9 @@ class QueryService:
                 return view
         with self._live.lock:
             seen = self._live.jobs_seen.get(name)
-            if seen is not None:
-                return self._seen_view(name, seen)
+            seen_view = None if seen is None else self._seen_view(name, seen)
+        if seen_view is not None:
+            return self._with_ckpt_health(seen_view)
         raise NotFound(f"job {name!r} not found")
 
     # --- silences and audit -----------------------------------------------------------------

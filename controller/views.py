@@ -95,6 +95,11 @@ class JobView:
     attempt: int = 0
     last_step: int | None = None
     ckpt_step: int | None = None  # newest committed checkpoint step reported by the ranks
+    # checkpoint health over the job's reporting ranks: the oldest rank's seconds since its
+    # newest commit (since its run began while none committed), as of its latest heartbeat,
+    # and the most saves any rank failed in a row since then
+    ckpt_age_s: float | None = None
+    ckpt_failures: int = 0
     restarts: int = 0
     ettr: float | None = None  # effective training time ratio, 0..1
     ranks: int = 0

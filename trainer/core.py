@@ -194,6 +194,7 @@ class Trainguard:
             local_rank=int(os.environ.get("LOCAL_RANK", "0")),
             world_size=self.world_size,
             pid=pid,
+            checkpoint_every=ckpt_settings.checkpoint_every,
             clock=clock,
         )
         self.agreement = StepAgreement(

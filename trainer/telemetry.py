@@ -3,12 +3,15 @@ events that ride on it.
 
 It owns the queue of events (each part hands its events to `event()`; the next `send()` puts
 each in a datagram of its own, the level fields repeated) and the newest committed checkpoint
-it reports (`ckpt_step`, `ckpt_request_id`, updated by `report()` from the writer's results).
-Sending never blocks: the channel drops a datagram the agent cannot take.
+it reports (`ckpt_step`, `ckpt_request_id`, updated by `report()` from the writer's results),
+with its health (`CheckpointHealth`: saves failed in a row, the age of the newest commit, the
+periodic interval in seconds) so the agent and the controller see a job that trains on without
+a checkpoint. Sending never blocks: the channel drops a datagram the agent cannot take.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from trainguard.clock import SYSTEM_CLOCK, Clock
@@ -17,7 +20,78 @@ from trainguard.protocol import Heartbeat, HeartbeatPhase
 from trainguard.trainer.channel import AgentChannel
 from trainguard.trainer.checkpoint import SaveResult
 
-__all__ = ["Telemetry"]
+__all__ = ["CheckpointHealth", "Telemetry"]
+
+log = logging.getLogger("trainguard.trainer")
+
+# Weight of the newest step in the mean step time that sizes the checkpoint interval
+_STEP_TIME_WEIGHT = 0.1
+
+
+class CheckpointHealth:
+    """Whether this rank's checkpoints keep committing: saves failed in a row since the newest
+    commit, when that commit was (monotonic; while none committed in this run, the end of its
+    first step, so a slow first step (compilation, a resume's load) does not count as time
+    without a checkpoint), and the periodic interval in seconds (`checkpoint_every` x the mean
+    step time). Logs a WARNING at the first failure of a run of failures and an INFO when a
+    commit ends it."""
+
+    def __init__(self, *, job: str, rank: int, checkpoint_every: int, clock: Clock) -> None:
+        self.job = job
+        self.rank = rank
+        self.checkpoint_every = checkpoint_every
+        self.clock = clock
+        self.failures = 0
+        self.committed_mono = clock.monotonic()
+        self.committed_in_run = False
+        self.mean_step_time_s: float | None = None
+
+    def committed(self, result: SaveResult) -> None:
+        if self.failures:
+            log.info(
+                "event=checkpoint_recovered job=%s rank=%d step=%d failures=%d",
+                self.job,
+                self.rank,
+                result.step,
+                self.failures,
+            )
+        self.failures = 0
+        self.committed_mono = self.clock.monotonic()
+        self.committed_in_run = True
+
+    def failed(self, result: SaveResult) -> None:
+        self.failures += 1
+        if self.failures == 1:
+            log.warning(
+                "event=checkpoint_failing job=%s rank=%d step=%d reason=%s: the run trains on "
+                "without a new checkpoint until a save commits",
+                self.job,
+                self.rank,
+                result.step,
+                (result.reason or "-").replace(" ", "_"),
+            )
+
+    def loaded(self) -> None:
+        """The run resumed from a checkpoint: its age counts from now."""
+        self.committed_mono = self.clock.monotonic()
+
+    def step_timed(self, step_time_s: float | None) -> None:
+        if step_time_s is None or step_time_s <= 0:
+            return
+        mean = self.mean_step_time_s
+        if mean is None and not self.committed_in_run:
+            self.committed_mono = self.clock.monotonic()  # the run's first step ended
+        self.mean_step_time_s = (
+            step_time_s if mean is None else mean + _STEP_TIME_WEIGHT * (step_time_s - mean)
+        )
+
+    def age_s(self) -> float:
+        return max(0.0, self.clock.monotonic() - self.committed_mono)
+
+    def interval_s(self) -> float | None:
+        if self.checkpoint_every <= 0 or self.mean_step_time_s is None:
+            return None
+        return self.checkpoint_every * self.mean_step_time_s
 
 
 class Telemetry:
@@ -33,6 +107,7 @@ class Telemetry:
         local_rank: int,
         world_size: int,
         pid: int,
+        checkpoint_every: int = 0,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.channel = channel
@@ -45,6 +120,9 @@ class Telemetry:
         self.ckpt_step: int | None = None
         self.ckpt_request_id: str | None = None
         self._events: list[tuple[str, dict[str, Any]]] = []
+        self.ckpt_health = CheckpointHealth(
+            job=job, rank=rank, checkpoint_every=checkpoint_every, clock=clock
+        )
 
     def event(self, name: str, data: dict[str, Any]) -> None:
         """Queue an edge event for the next heartbeat."""
@@ -55,10 +133,12 @@ class Telemetry:
         self.ckpt_step = step
         if request_id:
             self.ckpt_request_id = request_id
+        self.ckpt_health.loaded()
 
     def report(self, result: SaveResult) -> None:
         """A save's outcome: `checkpoint_committed` (and the newest step) or `checkpoint_failed`."""
         if result.ok:
+            self.ckpt_health.committed(result)
             self.ckpt_step = result.step
             if result.request_id:
                 self.ckpt_request_id = result.request_id
@@ -72,6 +152,7 @@ class Telemetry:
                 },
             )
         else:
+            self.ckpt_health.failed(result)
             self.event(
                 TrainerEdge.CHECKPOINT_FAILED,
                 {"step": result.step, "request_id": result.request_id, "reason": result.reason},
@@ -91,6 +172,8 @@ class Telemetry:
     ) -> None:
         """Send this step's heartbeat, one datagram per queued event (or one without)."""
         rate_ok = step_time_s is not None and step_time_s > 0
+        health = self.ckpt_health
+        health.step_timed(step_time_s)
         base: dict[str, Any] = {
             "job": self.job,
             "rank": self.rank,
@@ -108,6 +191,9 @@ class Telemetry:
             "phase": phase,
             "ckpt_step": self.ckpt_step,
             "ckpt_request_id": self.ckpt_request_id,
+            "ckpt_failures": health.failures,
+            "ckpt_age_s": health.age_s(),
+            "ckpt_interval_s": health.interval_s(),
             "control_socket": self.channel.control_socket,
         }
         events, self._events = self._events, []

@@ -171,9 +171,20 @@ def _job_max(job: _JobRec, name: str) -> Any:
     return max(vals) if vals else None
 
 
+def _job_min(job: _JobRec, name: str) -> Any:
+    vals = [getattr(r.state, name) for r in job.ranks.values() if r.state is not None]
+    vals = [v for v in vals if v is not None]
+    return min(vals) if vals else None
+
+
 _JOB_NUMERIC: dict[str, Callable[[_JobRec], Any]] = {
     "ranks": lambda j: len(j.ranks),
     "step": lambda j: _job_max(j, "step"),
     "samples_per_s": lambda j: _job_sum(j, "samples_per_s"),
     "world_size": lambda j: _job_max(j, "world_size"),
+    # a job's checkpoint is whole only when every rank committed it: the laggard speaks
+    "ckpt_step": lambda j: _job_min(j, "ckpt_step"),
+    "ckpt_failures": lambda j: _job_max(j, "ckpt_failures"),
+    "ckpt_age_s": lambda j: _job_max(j, "ckpt_age_s"),
+    "ckpt_interval_s": lambda j: _job_max(j, "ckpt_interval_s"),
 }

@@ -105,7 +105,17 @@ def test_trainer_heartbeats_become_metrics_and_shutdown_removes_the_socket(
 ) -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
         for rank in range(2):
-            hb = Heartbeat(job="job-a", rank=rank, step=100 + rank, t=0.0, loss=1.5, ckpt_step=90)
+            hb = Heartbeat(
+                job="job-a",
+                rank=rank,
+                step=100 + rank,
+                t=0.0,
+                loss=1.5,
+                ckpt_step=90,
+                ckpt_failures=2 * rank,
+                ckpt_age_s=125.0,
+                ckpt_interval_s=40.0,
+            )
             s.sendto(encode_json(hb), str(agent.socket_path))
         s.sendto(b"garbage", str(agent.socket_path))
     wait_for(
@@ -118,6 +128,10 @@ def test_trainer_heartbeats_become_metrics_and_shutdown_removes_the_socket(
     body = agent.metrics()
     assert sample_value(body, "trainguard_trainer_checkpoint_step", job="job-a", rank="0") == 90
     assert sample_value(body, "trainguard_trainer_heartbeat_age_seconds", rank="0") is not None
+    # checkpoint health, as the ranks report it
+    assert sample_value(body, "trainguard_trainer_checkpoint_failures", rank="1") == 2
+    assert sample_value(body, "trainguard_trainer_checkpoint_age_seconds", rank="0") == 125.0
+    assert sample_value(body, "trainguard_trainer_checkpoint_interval_seconds", rank="0") == 40.0
     assert sample_value(body, "trainguard_agent_heartbeats_received_total") == 2
     assert sample_value(body, "trainguard_agent_heartbeats_dropped_total", reason="malformed") == 1
 

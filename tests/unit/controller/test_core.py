@@ -3,6 +3,7 @@ from decisions to incidents and actions, safety rails end to end, restart and th
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any
 
@@ -15,6 +16,7 @@ from trainguard.controller.actions.notify import RecordingNotifier
 from trainguard.controller.errors import BadRequest, NotFound
 from trainguard.controller.model import Decision, Target
 from trainguard.controller.rules import engine
+from trainguard.controller.rules.loader import default_rules_path
 from trainguard.protocol import Event, FaultSpec, RankState, Report
 from trainguard.strict import ConfigError
 
@@ -413,6 +415,49 @@ def test_jobs_are_listed_from_reported_ranks(make_core, core_clock):
     job = c.get_job("job-a")
     assert (job.nodes, job.ranks, job.last_step, job.ckpt_step) == (("n1",), 2, 11, 8)
     assert c.get_node("n1").job == "job-a"
+
+
+def test_the_job_view_shows_the_checkpoint_health_of_its_ranks(make_core, core_clock):
+    c = make_core()
+    report = Report(
+        node="n1",
+        instance="i",
+        seq=1,
+        sent_at=0,
+        ranks=(
+            RankState(job="job-a", rank=0, step=40, ckpt_step=30, ckpt_age_s=12.0),
+            RankState(job="job-a", rank=1, step=40, ckpt_step=20, ckpt_age_s=95.0, ckpt_failures=1),
+        ),
+    )
+    c.ingest_report(report, actor="a")
+    job = c.get_job("job-a")
+    # the oldest rank's commit and the most failures in a row any rank has
+    assert (job.ckpt_age_s, job.ckpt_failures) == (95.0, 1)
+    (listed,) = c.list_jobs()
+    assert (listed.ckpt_age_s, listed.ckpt_failures) == (95.0, 1)
+
+
+def test_checkpoint_failing_opens_an_incident_and_notifies(make_core, core_clock, core_notifier):
+    c = make_core(rules=[str(default_rules_path())])
+    r = Reporter("n1")
+    failing = (
+        RankState(job="job-a", rank=0, step=500, ckpt_step=100, ckpt_failures=3, ckpt_age_s=9.0),
+    )
+    for _ in range(62):  # past the rule's for: 1m
+        core_clock.advance(1)
+        report = dataclasses.replace(r.report(now=core_clock.now()), ranks=failing)
+        c.ingest_report(report, actor="a")
+        c.tick()
+    (incident,) = [i for i in c.list_incidents() if i.rule == "checkpoint_failing"]
+    assert (incident.target, incident.job, incident.severity) == (
+        "job:job-a",
+        "job-a",
+        "warning",
+    )
+    detail = c.get_incident(incident.id)
+    assert [(a.kind, a.state) for a in detail.actions] == [("notify", "succeeded")]
+    assert "trigger" in [n.event for n in core_notifier.sent]
+    assert c.get_job("job-a").ckpt_failures == 3
 
 
 def test_reload_with_a_bad_rule_file_keeps_the_old_rules(make_core, core_config, tmp_path):

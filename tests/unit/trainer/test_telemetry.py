@@ -3,6 +3,10 @@ datagram of its own, and the newest committed checkpoint in every later heartbea
 
 from __future__ import annotations
 
+import logging
+
+import pytest
+
 from tests.unit.trainer.trainer_helpers import FakeAgent
 from trainguard.clock import FakeClock
 from trainguard.trainer.channel import AgentChannel
@@ -75,3 +79,70 @@ def test_results_set_the_checkpoint_every_later_heartbeat_carries(agent: FakeAge
     assert failed.event == "checkpoint_failed"
     assert failed.event_data == {"step": 30, "request_id": None, "reason": "x"}
     assert committed.ckpt_step == 20 and committed.ckpt_request_id == "r1"
+
+
+def _fail(step: int) -> SaveResult:
+    return SaveResult(step=step, request_id=None, ok=False, duration_s=0.0, path="", reason="x y")
+
+
+def test_checkpoint_health_counts_failures_in_a_row_and_the_age_of_the_newest_commit(
+    agent: FakeAgent, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = FakeClock()
+    t = Telemetry(
+        channel=AgentChannel(agent_socket=agent.path, control_socket=None),
+        job="unit",
+        rank=2,
+        local_rank=0,
+        world_size=4,
+        pid=1234,
+        checkpoint_every=10,
+        clock=clock,
+    )
+    caplog.set_level(logging.INFO, logger="trainguard.trainer")
+    t.send(step=0, phase="init")  # no step timed yet: no interval
+    clock.advance(5.0)
+    t.send(step=1, phase="train", step_time_s=2.0)
+    clock.advance(4.0)
+    t.send(step=2, phase="train", step_time_s=2.0)
+    clock.advance(20.0)
+    t.report(SaveResult(step=10, request_id=None, ok=True, duration_s=0.1, path="/c/step_10"))
+    clock.advance(3.0)
+    t.report(_fail(20))
+    t.report(_fail(30))
+    t.send(step=30, phase="train", step_time_s=1.0)
+    t.report(SaveResult(step=40, request_id=None, ok=True, duration_s=0.1, path="/c/step_40"))
+    t.send(step=40, phase="train", step_time_s=1.0)
+    t.event("exit", {})
+    t.send(step=40, phase="exit")
+    t.channel.close()
+    hbs = agent.drain()
+    init, first, second = hbs[0], hbs[1], hbs[2]
+    assert (init.ckpt_failures, init.ckpt_age_s, init.ckpt_interval_s) == (0, 0.0, None)
+    # before any commit the age counts from the end of the run's first step (a slow first
+    # step is no time without a checkpoint); interval = every x the mean step time
+    assert (first.ckpt_age_s, first.ckpt_interval_s) == (0.0, 20.0)
+    assert (second.ckpt_age_s, second.ckpt_interval_s) == (4.0, 20.0)
+    failing = [h for h in hbs if h.step == 30]
+    assert {h.ckpt_failures for h in failing} == {2}
+    assert {h.ckpt_age_s for h in failing} == {3.0}  # the commit of step 10, 3 s ago
+    assert failing[0].ckpt_interval_s == 10 * (2.0 + 0.1 * (1.0 - 2.0))
+    last = hbs[-2]
+    assert (last.ckpt_failures, last.ckpt_age_s) == (0, 0.0)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, "one WARNING per run of failures"
+    assert "event=checkpoint_failing" in warnings[0].getMessage()
+    assert "step=20" in warnings[0].getMessage() and "reason=x_y" in warnings[0].getMessage()
+    recovered = [r.getMessage() for r in caplog.records if "checkpoint_recovered" in r.getMessage()]
+    assert len(recovered) == 1 and "failures=2" in recovered[0]
+    assert all(r.levelno == logging.INFO for r in caplog.records if r.levelno != logging.WARNING)
+
+
+def test_without_periodic_checkpoints_there_is_no_interval(agent: FakeAgent) -> None:
+    t = telemetry(agent)
+    t.send(step=1, phase="train", step_time_s=0.5)
+    t.event("exit", {})
+    t.send(step=1, phase="exit")
+    t.channel.close()
+    hb, _ = agent.drain()
+    assert hb.ckpt_interval_s is None and hb.ckpt_failures == 0

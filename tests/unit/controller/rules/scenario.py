@@ -55,6 +55,10 @@ class SimRank:
     step_age_s: float = 0.2
     phase: str = "train"
     world_size: int = 1
+    # checkpoint health: a periodic checkpoint every 100 steps of 0.5 s, the newest a minute old
+    ckpt_failures: int = 0
+    ckpt_age_s: float | None = 60.0
+    ckpt_interval_s: float | None = 50.0
 
     def state(self) -> RankState:
         return RankState(
@@ -69,6 +73,9 @@ class SimRank:
             step_age_s=self.step_age_s,
             phase=self.phase,
             world_size=self.world_size,
+            ckpt_failures=self.ckpt_failures,
+            ckpt_age_s=self.ckpt_age_s,
+            ckpt_interval_s=self.ckpt_interval_s,
         )
 
 

@@ -241,6 +241,13 @@ CASES = [
         resolve_within_s=320,
     ),
     Case(
+        "checkpoint_failing",
+        # one rank's saves failed three times in a row (the others' commits do not help)
+        _ranks("job-a", [2], ckpt_failures=3),
+        "job:job-a",
+        _ranks("job-a", [2], ckpt_failures=0),
+    ),
+    Case(
         "job_process_failed",
         lambda c: c.signals.set_job_meta("job-a", nodes=["n1", "n2"], state="crashed"),
         "job:job-a",
@@ -360,6 +367,32 @@ def test_a_straggler_is_told_by_compute_time_not_by_the_shared_step_time() -> No
     _ranks("job-a", [2], compute_time_s=2.0)(c)
     c.run(120)
     assert "straggler" not in c.rules_seen()
+
+
+def test_checkpoint_failing_when_no_commit_for_three_intervals() -> None:
+    rule = DEFAULT_RULES.get("checkpoint_failing")
+    assert rule is not None
+    c = healthy_cluster()
+    c.run(30)
+    _ranks("job-a", [1], ckpt_age_s=149.0)(c)  # under 3 x 50 s: a slow write, not a failure
+    c.run(int(rule.for_s) + 5)
+    assert "checkpoint_failing" not in c.rules_seen()
+    _ranks("job-a", [1], ckpt_age_s=151.0)(c)
+    c.run(int(rule.for_s) + 2)
+    assert c.states("checkpoint_failing") == {"job:job-a": "firing"}
+    _ranks("job-a", [1], ckpt_age_s=3.0)(c)  # a commit
+    c.run(3)
+    assert c.states("checkpoint_failing") == {}
+    assert len(c.ever("checkpoint_failing", "resolved")) == 1
+
+
+def test_checkpoint_failing_spares_a_job_without_periodic_checkpoints() -> None:
+    c = healthy_cluster()
+    # no interval: an old (or no) checkpoint is the job's choice, and one or two failed
+    # requested saves are not yet a broken checkpoint path
+    _ranks("job-a", ckpt_interval_s=None, ckpt_age_s=86400.0, ckpt_failures=2)(c)
+    c.run(180)
+    assert "checkpoint_failing" not in c.rules_seen()
 
 
 def test_stall_needs_fresh_heartbeats() -> None:
