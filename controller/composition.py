@@ -32,6 +32,7 @@ from trainguard.controller.backends.build import build_backend
 from trainguard.controller.backends.slurm.cli import SlurmRunner
 from trainguard.controller.config import ControllerConfig
 from trainguard.controller.incidents import IncidentManager
+from trainguard.controller.jobnames import JobNames
 from trainguard.controller.jobs import JobManager, JobSpec
 from trainguard.controller.livestate import LiveState
 from trainguard.controller.maintenance import MaintenanceScheduler
@@ -200,6 +201,12 @@ class Controller:
             clock=clock,
             wake=wake,
             max_nodes=config.api.max_nodes,
+            job_names=JobNames(
+                max_per_node=config.api.max_unknown_jobs_per_node,
+                max_total=config.api.max_unknown_jobs,
+                expire_after_s=config.api.unknown_job_expire_s,
+                is_known=lambda job: self.jobs.get(job) is not None,
+            ),
         )
         self.queries = QueryService(
             live=live,
@@ -233,6 +240,7 @@ class Controller:
             metrics=self.metrics,
             wake=wake,
             can_grow=Capability.GROW in self.backend.capabilities,
+            expire_job_names=self.reports.expire_job_names,
         )
         self.maintenance = MaintenanceScheduler(
             store=self.store, config=config.maintenance, metrics=self.metrics, clock=clock
