@@ -372,9 +372,14 @@ class Controller:
         return self.queries.list_spares()
 
     def list_incidents(
-        self, *, state: str | None = None, node: str | None = None, limit: int = 100
+        self,
+        *,
+        state: str | None = None,
+        node: str | None = None,
+        limit: int = 100,
+        before_id: int | None = None,
     ) -> list[IncidentView]:
-        return self.queries.list_incidents(state=state, node=node, limit=limit)
+        return self.queries.list_incidents(state=state, node=node, limit=limit, before_id=before_id)
 
     def get_incident(self, incident_id: int) -> IncidentDetail:
         return self.queries.get_incident(incident_id)
@@ -388,8 +393,8 @@ class Controller:
     def list_silences(self, *, include_expired: bool = False) -> list[SilenceView]:
         return self.queries.list_silences(include_expired=include_expired)
 
-    def audit_log(self, *, limit: int = 100) -> list[AuditEntry]:
-        return self.queries.audit_log(limit=limit)
+    def audit_log(self, *, limit: int = 100, before_id: int | None = None) -> list[AuditEntry]:
+        return self.queries.audit_log(limit=limit, before_id=before_id)
 
     # --- operator calls (OperatorService) -----------------------------------------------------
 

@@ -144,13 +144,20 @@ class QueryService:
     # --- incidents --------------------------------------------------------------------------
 
     def list_incidents(
-        self, *, state: str | None = None, node: str | None = None, limit: int = 100
+        self,
+        *,
+        state: str | None = None,
+        node: str | None = None,
+        limit: int = 100,
+        before_id: int | None = None,
     ) -> list[IncidentView]:
         if limit < 1:
             raise BadRequest(f"limit must be >= 1, got {limit}")
         return self.last_answers.ask(
-            ("incidents", state, node, limit),
-            lambda: self._store.incidents.find(state=state, node=node, limit=limit),
+            ("incidents", state, node, limit, before_id),
+            lambda: self._store.incidents.find(
+                state=state, node=node, limit=limit, before_id=before_id
+            ),
         )
 
     def get_incident(self, incident_id: int) -> IncidentDetail:
@@ -217,7 +224,8 @@ class QueryService:
             ),
         )
 
-    def audit_log(self, *, limit: int = 100) -> list[AuditEntry]:
+    def audit_log(self, *, limit: int = 100, before_id: int | None = None) -> list[AuditEntry]:
         return self.last_answers.ask(
-            ("audit", limit), lambda: self._store.audit.recent(limit=limit)
+            ("audit", limit, before_id),
+            lambda: self._store.audit.recent(limit=limit, before_id=before_id),
         )
