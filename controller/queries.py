@@ -181,13 +181,14 @@ class QueryService:
     @staticmethod
     def _seen_view(name: str, seen: JobSeen) -> JobView:
         """A job known only from heartbeats (started outside the controller)."""
+        ranks = seen.ranks
         return JobView(
             name=name,
             state="running",
             nodes=tuple(sorted(seen.nodes)),
-            last_step=max(seen.ranks.values()) if seen.ranks else None,
+            last_step=max(ranks.values()) if ranks else None,
             ckpt_step=seen.ckpt_step,
-            ranks=len(seen.ranks),
+            ranks=len(ranks),
         )
 
     def list_jobs(self) -> list[JobView]:

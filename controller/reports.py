@@ -326,10 +326,14 @@ class ReportService:
         if not running and report.ranks:
             running = [report.ranks[0].job]
         self._node_jobs[node] = running[0] if running else None
+        replaced: set[str] = set()
         for rank in report.ranks:
             seen = self._jobs_seen.setdefault(rank.job, JobSeen())
             seen.nodes.add(node)
-            seen.ranks[rank.rank] = rank.step
+            if rank.job not in replaced:  # this report's ranks replace the node's last ones
+                replaced.add(rank.job)
+                seen.ranks_of[node] = {}
+            seen.ranks_of[node][rank.rank] = rank.step
             if rank.ckpt_step is not None:
                 seen.ckpt_step = max(seen.ckpt_step or 0, rank.ckpt_step)
 

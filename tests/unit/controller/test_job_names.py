@@ -155,3 +155,18 @@ def test_a_zero_budget_refuses_every_unknown_name(
     reporter = Reporter("node-1")
     core.ingest_report(_flood(reporter, now=core_clock.now(), start=0, count=4), actor="a")
     assert core.list_jobs() == []
+
+
+def test_a_jobs_ranks_are_what_each_nodes_last_report_had(
+    core: Controller, core_clock: FakeClock
+) -> None:
+    reporter = Reporter("node-1")
+    for first in (0, 1000, 2000):  # a node renumbering its ranks on every report
+        base = reporter.report(now=core_clock.now())
+        ranks = tuple(RankState(job="outside", rank=first + i, step=first) for i in range(8))
+        core.ingest_report(dataclasses.replace(base, ranks=ranks), actor="a")
+    view = core.get_job("outside")
+    assert (view.ranks, view.last_step) == (8, 2000)
+    # a report without the job keeps its last ranks (the job's last known state)
+    core.ingest_report(reporter.report(now=core_clock.now()), actor="a")
+    assert core.get_job("outside").ranks == 8
