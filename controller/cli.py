@@ -58,6 +58,12 @@ FORMATS = ("table", "wide", "json", "yaml")
 # the header the API reads to name the client in a drain reason it fills in
 # (controller/api/nodes.py; agentctl does not import the API, which needs the controller extra)
 CLIENT_HEADER = "X-Trainguard-Client"
+# on a full page of a list, where the next starts (controller/api/routing.py)
+CONTINUE_HEADER = "X-Trainguard-Continue"
+# `get jobs|incidents|audit` follows pages up to this many items (--limit: fewer)
+LIST_MOST = 10_000
+_PAGE_SIZE = 1000
+_PAGED = ("jobs", "incidents", "audit")
 
 
 @dataclass(frozen=True)
@@ -341,6 +347,25 @@ class Api:
         self._client = httpx.Client(headers=headers, timeout=timeout_s, verify=verify)
 
     def request(self, method: str, path: str, **kw: Any) -> Any:
+        return _answer(self._send(method, path, **kw))
+
+    def list_all(self, path: str, params: dict[str, Any], *, most: int) -> tuple[list[Any], bool]:
+        """GET a paged list, following CONTINUE_HEADER page by page, up to `most` items;
+        also whether more were left."""
+        items: list[Any] = []
+        params = dict(params)
+        while True:
+            params["limit"] = min(_PAGE_SIZE, most - len(items))
+            r = self._send("GET", path, params=params)
+            items.extend(_answer(r))
+            after = r.headers.get(CONTINUE_HEADER)
+            if after is None:
+                return items, False
+            if len(items) >= most:
+                return items[:most], True
+            params["continue"] = after
+
+    def _send(self, method: str, path: str, **kw: Any) -> httpx.Response:
         todo = list(self.urls)
         missed: list[str] = []  # "URL: why", for each controller that did not take it
         answered = False  # some controller answered (so it is not a connection problem)
@@ -356,7 +381,7 @@ class Api:
             except httpx.HTTPError as e:
                 raise CliError(f"request to {url} failed: {e}", EXIT["error"]) from None
             if r.status_code != 503 or (len(self.urls) == 1 and LEADER_HEADER not in r.headers):
-                return _answer(r)
+                return r
             # a standby (or a controller without a leader) refused it before doing anything
             answered = True
             header = r.headers.get(LEADER_HEADER)
@@ -565,7 +590,12 @@ def _add_read_commands(sub: Any, *, parents: list[argparse.ArgumentParser]) -> N
     )
     get.add_argument("--state", help="incidents: only this state")
     get.add_argument("--node", help="incidents: only this node")
-    get.add_argument("--limit", type=int, default=None, help="incidents/audit: at most N")
+    get.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help=f"jobs/incidents/audit: at most N (default: all, up to {LIST_MOST:,})",
+    )
     get.add_argument("--all", action="store_true", help="silences: include expired")
 
     desc = _command(
@@ -861,18 +891,24 @@ def _print(out: IO[str], args: argparse.Namespace, kind: str, data: Any) -> None
         _describe(out, data, SYSTEM_CLOCK.now())
 
 
-def _get(api: Api, args: argparse.Namespace, out: IO[str]) -> None:
+def _get(api: Api, args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
     resource = _RESOURCE_OF[args.resource]
     params: dict[str, Any] = {}
     if resource == "incidents":
-        params = {"state": args.state, "node": args.node, "limit": args.limit}
-    elif resource == "audit":
-        params = {"limit": args.limit}
+        params = {"state": args.state, "node": args.node}
     elif resource == "silences" and args.all:
         params = {"include_expired": "true"}
     params = {k: v for k, v in params.items() if v is not None}
-    data = api.request("GET", f"/v1/{resource}", params=params)
+    if resource not in _PAGED:
+        _print(out, args, resource, api.request("GET", f"/v1/{resource}", params=params))
+        return
+    if args.limit is not None and args.limit < 1:
+        raise CliError(f"error: --limit must be at least 1, got {args.limit}", EXIT["usage"])
+    most = LIST_MOST if args.limit is None else args.limit
+    data, more = api.list_all(f"/v1/{resource}", params, most=most)
     _print(out, args, resource, data)
+    if more and args.limit is None:
+        err.write(f"note: showing the first {most:,} {resource}; --limit N for more\n")
 
 
 def _describe_cmd(api: Api, args: argparse.Namespace, out: IO[str]) -> None:
@@ -895,7 +931,7 @@ def _run_api(args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
     api = Api(settings.urls, settings.token, timeout_s=args.timeout, ca_file=settings.ca_file)
     cmd = args.command
     if cmd == "get":
-        _get(api, args, out)
+        _get(api, args, out, err)
     elif cmd == "describe":
         _describe_cmd(api, args, out)
     elif cmd == "drain":

@@ -32,6 +32,7 @@ from trainguard.controller.backends.build import build_backend
 from trainguard.controller.backends.slurm.cli import SlurmRunner
 from trainguard.controller.config import ControllerConfig
 from trainguard.controller.incidents import IncidentManager
+from trainguard.controller.jobnames import JobNames
 from trainguard.controller.jobs import JobManager, JobSpec
 from trainguard.controller.livestate import LiveState
 from trainguard.controller.maintenance import MaintenanceScheduler
@@ -201,6 +202,12 @@ class Controller:
             wake=wake,
             max_nodes=config.api.max_nodes,
             scheduler=self.backend,
+            job_names=JobNames(
+                max_per_node=config.api.max_unknown_jobs_per_node,
+                max_total=config.api.max_unknown_jobs,
+                expire_after_s=config.api.unknown_job_expire_s,
+                is_known=lambda job: self.jobs.get(job) is not None,
+            ),
         )
         self.queries = QueryService(
             live=live,
@@ -234,6 +241,7 @@ class Controller:
             metrics=self.metrics,
             wake=wake,
             can_grow=Capability.GROW in self.backend.capabilities,
+            expire_job_names=self.reports.expire_job_names,
         )
         self.maintenance = MaintenanceScheduler(
             store=self.store, config=config.maintenance, metrics=self.metrics, clock=clock
@@ -365,9 +373,14 @@ class Controller:
         return self.queries.list_spares()
 
     def list_incidents(
-        self, *, state: str | None = None, node: str | None = None, limit: int = 100
+        self,
+        *,
+        state: str | None = None,
+        node: str | None = None,
+        limit: int = 100,
+        before_id: int | None = None,
     ) -> list[IncidentView]:
-        return self.queries.list_incidents(state=state, node=node, limit=limit)
+        return self.queries.list_incidents(state=state, node=node, limit=limit, before_id=before_id)
 
     def get_incident(self, incident_id: int) -> IncidentDetail:
         return self.queries.get_incident(incident_id)
@@ -381,8 +394,8 @@ class Controller:
     def list_silences(self, *, include_expired: bool = False) -> list[SilenceView]:
         return self.queries.list_silences(include_expired=include_expired)
 
-    def audit_log(self, *, limit: int = 100) -> list[AuditEntry]:
-        return self.queries.audit_log(limit=limit)
+    def audit_log(self, *, limit: int = 100, before_id: int | None = None) -> list[AuditEntry]:
+        return self.queries.audit_log(limit=limit, before_id=before_id)
 
     # --- operator calls (OperatorService) -----------------------------------------------------
 

@@ -245,6 +245,15 @@ class ApiConfig:
     # with a writer credential cannot grow the silence table, and every incident's silence
     # check, without end. 1,000 is far more than operators keep (a few per maintenance).
     max_silences: int = 1000
+    # Job names a node may introduce: a name the job table does not hold (a job started
+    # outside the controller, or an invented one) takes one of its node's places while the
+    # node reports it; one beyond the node's or the controller's budget is refused (the
+    # report is taken without it, counted and audited). A name no node has reported for
+    # unknown_job_expire_s is forgotten. Keeps a node from growing the live job view that
+    # every report and tick walks. 64 is far more than the jobs one node runs at once.
+    max_unknown_jobs_per_node: int = 64
+    max_unknown_jobs: int = 10_000
+    unknown_job_expire_s: float = 900.0
     # Connections and bodies in flight (see ConnectionsConfig).
     connections: ConnectionsConfig = field(default_factory=ConnectionsConfig)
 
@@ -267,6 +276,16 @@ class ApiConfig:
             raise Invalid("max_nodes", f"must be within 1..1000000, got {self.max_nodes}")
         if not 1 <= self.max_silences <= 100_000:
             raise Invalid("max_silences", f"must be within 1..100000, got {self.max_silences}")
+        if not 0 <= self.max_unknown_jobs_per_node <= 100_000:
+            raise Invalid(
+                "max_unknown_jobs_per_node",
+                f"must be within 0..100000, got {self.max_unknown_jobs_per_node}",
+            )
+        if not 0 <= self.max_unknown_jobs <= 1_000_000:
+            raise Invalid(
+                "max_unknown_jobs", f"must be within 0..1000000, got {self.max_unknown_jobs}"
+            )
+        _positive("unknown_job_expire_s", self.unknown_job_expire_s)
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise Invalid("tls_key_file", "tls_cert_file and tls_key_file go together")
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:

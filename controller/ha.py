@@ -459,10 +459,17 @@ class HaController:
         return self._current.list_spares()
 
     def list_incidents(
-        self, *, state: str | None = None, node: str | None = None, limit: int = 100
+        self,
+        *,
+        state: str | None = None,
+        node: str | None = None,
+        limit: int = 100,
+        before_id: int | None = None,
     ) -> list[IncidentView]:
         """Read: served by leader and standby alike."""
-        return self._current.list_incidents(state=state, node=node, limit=limit)
+        return self._current.list_incidents(
+            state=state, node=node, limit=limit, before_id=before_id
+        )
 
     def get_incident(self, incident_id: int) -> IncidentDetail:
         """Read: served by leader and standby alike."""
@@ -510,9 +517,9 @@ class HaController:
         """Write (a queued command): the leader does it; a standby's store fence refuses it."""
         return self._current.inject_fault(node, spec, actor=actor)
 
-    def audit_log(self, *, limit: int = 100) -> list[AuditEntry]:
+    def audit_log(self, *, limit: int = 100, before_id: int | None = None) -> list[AuditEntry]:
         """Read: served by leader and standby alike."""
-        return self._current.audit_log(limit=limit)
+        return self._current.audit_log(limit=limit, before_id=before_id)
 
 
 def _err(e: BaseException) -> str:

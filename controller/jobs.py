@@ -304,6 +304,7 @@ class JobManager:
         self._live: dict[str, _Live] = {}
         self._jobs: dict[str, JobRecord] = {j.name: j for j in store.jobs.all()}
         self._node_job_ranks: dict[str, set[str]] = {}  # node -> jobs it reported ranks for
+        self._node_procs: dict[str, set[str]] = {}  # node -> jobs it reported processes of
         # presence: this process's start, and when the controller last heard any node before
         # it (the newest stored report): a node silent already then is silent now
         self.started_at = clock_now()
@@ -580,15 +581,29 @@ class JobManager:
             for p in report.jobs:
                 if p.state in _LIVE_PROCESS_STATES:
                     attempts[p.job] = (*attempts.get(p.job, ()), p.attempt)
-            for job, live in self._live.items():
-                if job not in procs:
+            # only the jobs this node's last report had processes of: O(the report), never
+            # O(every job a node ever named)
+            for job in self._node_procs.get(node, set()) - procs.keys():
+                live = self._live.get(job)
+                if live is not None:
                     live.procs.pop(node, None)
-                if job not in attempts:
                     live.live_attempts.pop(node, None)
+            for job in procs.keys() - attempts.keys():
+                live = self._live.get(job)
+                if live is not None:
+                    live.live_attempts.pop(node, None)
+            self._node_procs[node] = set(procs)
             for job, p in procs.items():
                 self._live.setdefault(job, _Live()).procs[node] = p
             for job, live_attempts in attempts.items():
                 self._live[job].live_attempts[node] = live_attempts
+
+    def forget_live(self, job: str) -> None:
+        """Drop the live view of a job the table does not hold (its name expired: no node
+        reported it for a while, controller.jobnames)."""
+        with self._lock:
+            if job not in self._jobs:
+                self._live.pop(job, None)
 
     def stale_attempts(self, processes: Sequence[JobProcess]) -> dict[str, int] | None:
         """job -> its current attempt, for each job of which `processes` (one report's) show

@@ -39,8 +39,17 @@ class JobSeen:
     controller): the nodes its ranks run on, each rank's step, the newest checkpoint step."""
 
     nodes: set[str] = field(default_factory=set)
-    ranks: dict[int, int] = field(default_factory=dict)  # rank -> step
+    # node -> rank -> step, as the node's last report naming the job had them (bounded by it)
+    ranks_of: dict[str, dict[int, int]] = field(default_factory=dict)
     ckpt_step: int | None = None
+
+    @property
+    def ranks(self) -> dict[int, int]:
+        """rank -> step, over every node."""
+        merged: dict[int, int] = {}
+        for ranks in self.ranks_of.values():
+            merged.update(ranks)
+        return merged
 
 
 def _run_deferred(fn: Callable[[], None]) -> None:

@@ -129,6 +129,13 @@ class ControllerMetrics:
             " from the resumption (controller.stallguard).",
             registry=r,
         )
+        self.job_names_refused_total = Counter(
+            "trainguard_controller_job_names_refused_total",
+            "Job names in agent reports refused: beyond the node's budget of names the job"
+            " table does not hold (node_budget) or the controller's (total_budget).",
+            ["reason"],
+            registry=r,
+        )
         self.events_total = Counter(
             "trainguard_controller_events_total",
             "New agent events stored (duplicates excluded), by kind.",

@@ -146,13 +146,20 @@ class QueryService:
     # --- incidents --------------------------------------------------------------------------
 
     def list_incidents(
-        self, *, state: str | None = None, node: str | None = None, limit: int = 100
+        self,
+        *,
+        state: str | None = None,
+        node: str | None = None,
+        limit: int = 100,
+        before_id: int | None = None,
     ) -> list[IncidentView]:
         if limit < 1:
             raise BadRequest(f"limit must be >= 1, got {limit}")
         return self.last_answers.ask(
-            ("incidents", state, node, limit),
-            lambda: self._store.incidents.find(state=state, node=node, limit=limit),
+            ("incidents", state, node, limit, before_id),
+            lambda: self._store.incidents.find(
+                state=state, node=node, limit=limit, before_id=before_id
+            ),
         )
 
     def get_incident(self, incident_id: int) -> IncidentDetail:
@@ -180,13 +187,14 @@ class QueryService:
     @staticmethod
     def _seen_view(name: str, seen: JobSeen) -> JobView:
         """A job known only from heartbeats (started outside the controller)."""
+        ranks = seen.ranks
         return JobView(
             name=name,
             state="running",
             nodes=tuple(sorted(seen.nodes)),
-            last_step=max(seen.ranks.values()) if seen.ranks else None,
+            last_step=max(ranks.values()) if ranks else None,
             ckpt_step=seen.ckpt_step,
-            ranks=len(seen.ranks),
+            ranks=len(ranks),
         )
 
     def list_jobs(self) -> list[JobView]:
@@ -229,7 +237,8 @@ class QueryService:
             ),
         )
 
-    def audit_log(self, *, limit: int = 100) -> list[AuditEntry]:
+    def audit_log(self, *, limit: int = 100, before_id: int | None = None) -> list[AuditEntry]:
         return self.last_answers.ask(
-            ("audit", limit), lambda: self._store.audit.recent(limit=limit)
+            ("audit", limit, before_id),
+            lambda: self._store.audit.recent(limit=limit, before_id=before_id),
         )

@@ -28,11 +28,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from trainguard.clock import Clock
 from trainguard.controller.errors import LimitReached
+from trainguard.controller.jobnames import JobNames, job_names_of, without_jobs
 from trainguard.controller.jobs import JobManager
 from trainguard.controller.jobscope import JobScope, Refusal, SchedulerScope
 from trainguard.controller.livestate import JobSeen, LiveState
@@ -67,7 +68,16 @@ class ReportService:
         wake: threading.Event,
         max_nodes: int = 10_000,
         scheduler: SchedulerScope | None = None,
+        job_names: JobNames | None = None,
     ) -> None:
+        # the budget of job names the job table does not hold (controller.jobnames)
+        self.job_names = job_names or JobNames(
+            max_per_node=64,
+            max_total=10_000,
+            expire_after_s=900.0,
+            is_known=lambda job: jobs.get(job) is not None,
+        )
+        self._names_audited: dict[str, float] = {}  # node -> last audited refusal of names
         self._max_nodes = max_nodes  # a report from a new node beyond it is refused
         self._limit_logged_at = float("-inf")
         self._live = live
@@ -175,6 +185,9 @@ class ReportService:
             want_full = self._check_delta_base(name, report) if report.full is not None else None
             if not delta:
                 self._hw_counts[name] = (len(report.gpus), len(report.ib_ports))
+            refused_names = self._admit_job_names(name, report, now=now, actor=actor)
+            if refused_names:
+                report = without_jobs(report, refused_names)
             self._note_jobs(name, report)
             self._jobs.note_report(name, report, now=now)
             stale = self._jobs.stale_attempts(report.jobs) if report.jobs else None
@@ -193,9 +206,11 @@ class ReportService:
                 for e in new_events:
                     self._unknown_xids.note_event(name, e, catalog=self._xid_catalog, at=now)
                 if new_events:
-                    self._store_events(name, report.instance, new_events)
+                    self._store_events(name, report.instance, new_events, refused=refused_names)
                 hwm = last_id
                 self._hwm[name] = (report.instance, hwm)
+                if refused_names:  # stored, but kept out of the live view
+                    new_events = [e for e in new_events if e.job not in refused_names]
             self._change_signals(self._signals.ingest, report, now=now, new_events=new_events)
             commands = self._commands_for(name, now)
         if refused:
@@ -270,7 +285,9 @@ class ReportService:
         self._hwm[node] = (instance, hwm)
         return hwm
 
-    def _store_events(self, node: str, instance: str, events: Sequence[Any]) -> None:
+    def _store_events(
+        self, node: str, instance: str, events: Sequence[Any], *, refused: Collection[str] = ()
+    ) -> None:
         results: list[CommandResultRow] = []
         for e in events:
             if e.kind == EventKind.COMMAND_RESULT:
@@ -292,6 +309,8 @@ class ReportService:
         )
         for e in events:
             self._metrics.events_total.labels(kind=e.kind).inc()
+        if refused:
+            events = [e for e in events if e.job not in refused]
         self._jobs.note_events(node, events, now=self._clock.now())
         if results:
             self._live.drop_pending(node, {r.command_id for r in results})
@@ -299,15 +318,69 @@ class ReportService:
                 log.info("event=command_done command=%s node=%s ok=%s", r.command_id, node, r.ok)
             self._wake.set()  # a drain may be waiting on this result
 
+    def _admit_job_names(self, node: str, report: Report, *, now: float, actor: str) -> set[str]:
+        """The job names of `report` beyond the node's budget (controller.jobnames): counted,
+        logged and audited at most once a minute per node. Caller holds the lock."""
+        refused = self.job_names.admit(node, job_names_of(report), now=now).refused
+        if not refused:
+            return set()
+        for reason in refused.values():
+            self._metrics.job_names_refused_total.labels(reason=reason).inc()
+        last = self._names_audited.get(node)
+        if last is None or now - last >= _REFUSAL_AUDIT_EVERY_S:
+            if len(self._names_audited) > 10_000:
+                self._names_audited.clear()
+            self._names_audited[node] = now
+            reasons = sorted(set(refused.values()))
+            log.warning(
+                "event=job_names_refused node=%s count=%d reasons=%s actor=%s",
+                node,
+                len(refused),
+                ",".join(reasons),
+                actor,
+            )
+            self._store.audit.record(
+                ts=now,
+                actor=actor,
+                action="job_names_refused",
+                target=node,
+                detail={
+                    "reasons": reasons,
+                    "refused": len(refused),
+                    "example": min(refused),
+                    "max_unknown_jobs_per_node": self.job_names.max_per_node,
+                    "max_unknown_jobs": self.job_names.max_total,
+                },
+            )
+        return set(refused)
+
+    def expire_job_names(self, now: float) -> int:
+        """Forget the job names no node reported for the budget's expiry time that the job
+        table does not hold: the seen-jobs view, the job manager's live view and the
+        SignalState's job. The tick calls this; returns how many were forgotten."""
+        with self._lock:
+            gone = self.job_names.expire(now=now)
+            for job in gone:
+                self._jobs_seen.pop(job, None)
+                self._jobs.forget_live(job)
+                self._change_signals(self._signals.forget_job, job)
+        if gone:
+            log.info("event=job_names_expired count=%d", len(gone))
+        return len(gone)
+
     def _note_jobs(self, node: str, report: Report) -> None:
         running = [j.job for j in report.jobs if j.state in _RUNNING_JOB_STATES]
         if not running and report.ranks:
             running = [report.ranks[0].job]
         self._node_jobs[node] = running[0] if running else None
+        replaced: set[str] = set()
         for rank in report.ranks:
             seen = self._jobs_seen.setdefault(rank.job, JobSeen())
             seen.nodes.add(node)
-            seen.ranks[rank.rank] = rank.step
+            if rank.job not in replaced:  # this report's ranks replace the node's last ones
+                replaced.add(rank.job)
+                seen.ranks_of[node] = {}
+            seen.ranks_of[node][rank.rank] = rank.step
             if rank.ckpt_step is not None:
                 seen.ckpt_step = max(seen.ckpt_step or 0, rank.ckpt_step)
 

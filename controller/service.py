@@ -48,7 +48,12 @@ class ControllerService(Protocol):
     def list_spares(self) -> list[NodeView]: ...
 
     def list_incidents(
-        self, *, state: str | None = None, node: str | None = None, limit: int = 100
+        self,
+        *,
+        state: str | None = None,
+        node: str | None = None,
+        limit: int = 100,
+        before_id: int | None = None,
     ) -> list[IncidentView]: ...
 
     def get_incident(self, incident_id: int) -> IncidentDetail: ...
@@ -83,7 +88,8 @@ class ControllerService(Protocol):
     def inject_fault(self, node: str, spec: FaultSpec, *, actor: str) -> str:
         """Queue an inject_fault command for the node's agent; returns the command id."""
 
-    def audit_log(self, *, limit: int = 100) -> list[AuditEntry]: ...
+    def audit_log(self, *, limit: int = 100, before_id: int | None = None) -> list[AuditEntry]:
+        """Newest first; `before_id`: only entries older than it (the next page)."""
 
     def reload_rules(self, *, actor: str) -> int:
         """Reload rule files; returns the number of rules. Raises BadRequest (keeps the old

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,8 +101,10 @@ class TickService:
         metrics: ControllerMetrics,
         wake: threading.Event,
         can_grow: bool = True,
+        expire_job_names: Callable[[float], int] = lambda now: 0,
     ) -> None:
         self._config = config
+        self._expire_job_names = expire_job_names  # ReportService.expire_job_names
         self._can_grow = can_grow  # the backend declares Capability.GROW
         self._clock = clock
         self._rules = rules
@@ -323,6 +325,7 @@ class TickService:
         live.flush()
         self._expire_commands(now)
         self._jobs.tick(now=now)
+        self._expire_job_names(now)
         with self._tick_lock:
             with live.lock:
                 live.begin_evaluation()

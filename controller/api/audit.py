@@ -1,4 +1,4 @@
-"""The audit route: the audit log, newest first."""
+"""The audit route: the audit log, newest first, a page at a time."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ from fastapi import Depends, Query
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
+from trainguard.bounds import INT64_MAX
 from trainguard.controller.api.requests import Guards
-from trainguard.controller.api.routing import Routes, ok
+from trainguard.controller.api.routing import Routes, page
 from trainguard.controller.auth import Principal
 from trainguard.controller.service import ControllerService
 from trainguard.controller.views import AuditEntry
@@ -22,9 +23,18 @@ def add_audit_routes(routes: Routes, *, service: ControllerService, guards: Guar
         "GET",
         "/v1/audit",
         "audit",
-        routes.answer("Audit log, newest first", routes.schemas.array(AuditEntry), (401, 403, 422)),
+        routes.answer(
+            "Audit log, newest first",
+            routes.schemas.array(AuditEntry),
+            (401, 403, 422),
+            paged=True,
+        ),
     )
     async def audit(
-        limit: int = Query(100, ge=1, le=10_000), _: Principal = Depends(reader)
+        limit: int = Query(100, ge=1, le=10_000),
+        before_id: int | None = Query(None, alias="continue", ge=1, le=INT64_MAX),
+        _: Principal = Depends(reader),
     ) -> Response:
-        return ok(await run_in_threadpool(service.audit_log, limit=limit))
+        # newest first; a full page names where the next starts (X-Trainguard-Continue)
+        entries = await run_in_threadpool(service.audit_log, limit=limit + 1, before_id=before_id)
+        return page(entries, limit=limit, key=lambda e: e.id)

@@ -3,15 +3,16 @@ a job as an audited action step."""
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Awaitable, Callable
 
-from fastapi import Depends, Request
+from fastapi import Depends, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
 from trainguard.controller.api.requests import Bodies, Guards
-from trainguard.controller.api.routing import Routes, ok
+from trainguard.controller.api.routing import Routes, ok, page
 from trainguard.controller.auth import Principal
 from trainguard.controller.jobs import JobSpec
 from trainguard.controller.service import ControllerService
@@ -32,10 +33,20 @@ def add_job_routes(
     reader, writer = guards.reader, guards.writer
 
     @routes.add(
-        "GET", "/v1/jobs", "jobs", routes.answer("All jobs", schemas.array(JobView), (401, 403))
+        "GET",
+        "/v1/jobs",
+        "jobs",
+        routes.answer("Jobs, by name", schemas.array(JobView), (401, 403, 422), paged=True),
     )
-    async def list_jobs(_: Principal = Depends(reader)) -> Response:
-        return ok(await run_in_threadpool(service.list_jobs))
+    async def list_jobs(
+        limit: int = Query(1000, ge=1, le=10_000),
+        after: str | None = Query(None, alias="continue", max_length=1024),
+        _: Principal = Depends(reader),
+    ) -> Response:
+        # by name; a full page names where the next starts (X-Trainguard-Continue: ?continue=)
+        views = await run_in_threadpool(service.list_jobs)
+        start = 0 if after is None else bisect.bisect_right([v.name for v in views], after)
+        return page(views[start : start + limit + 1], limit=limit, key=lambda v: v.name)
 
     @routes.add(
         "GET",

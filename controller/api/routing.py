@@ -5,7 +5,7 @@ schemas from the wire dataclasses; `install_openapi` serves the document built f
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import FastAPI
@@ -16,7 +16,21 @@ from trainguard.controller.api.errors import json_bytes
 from trainguard.protocol import to_wire
 from trainguard.wire_schemas import json_schema
 
-__all__ = ["Routes", "Schemas", "content", "error_answers", "install_openapi", "ok", "wire_form"]
+__all__ = [
+    "CONTINUE_HEADER",
+    "Routes",
+    "Schemas",
+    "content",
+    "error_answers",
+    "install_openapi",
+    "ok",
+    "page",
+    "wire_form",
+]
+
+# On a full page of a list (GET /v1/jobs, /v1/incidents, /v1/audit, /v1/silences): the
+# `continue` value that fetches the next page.
+CONTINUE_HEADER = "X-Trainguard-Continue"
 
 H = TypeVar("H", bound=Callable[..., Any])
 
@@ -48,6 +62,16 @@ def wire_form(value: Any) -> Any:
 def ok(value: Any, status: int = 200) -> Response:
     """A route's success: the service's answer in its wire form."""
     return Response(json_bytes(wire_form(value)), status_code=status, media_type="application/json")
+
+
+def page(items: Sequence[Any], *, limit: int, key: Callable[[Any], object]) -> Response:
+    """One page of a list route: the first `limit` of `items` (the route asked for one more,
+    so that a full page is told from the last); a full page carries CONTINUE_HEADER, the
+    `key` of its last item, where the next page starts."""
+    reply = ok(list(items[:limit]))
+    if len(items) > limit:
+        reply.headers[CONTINUE_HEADER] = str(key(items[limit - 1]))
+    return reply
 
 
 class Schemas:
@@ -112,9 +136,18 @@ class Routes:
         errors: tuple[int, ...],
         *,
         status: int = 200,
+        paged: bool = False,
     ) -> dict[int | str, dict[str, Any]]:
-        """A route's documented answers: its success (`status`), then the error codes it gives."""
-        success = {"description": description, "content": content(schema)}
+        """A route's documented answers: its success (`status`; `paged`: a page of a list,
+        with CONTINUE_HEADER on a full one), then the error codes it gives."""
+        success: dict[str, Any] = {"description": description, "content": content(schema)}
+        if paged:
+            success["headers"] = {
+                CONTINUE_HEADER: {
+                    "description": "On a full page: the `continue` value of the next page",
+                    "schema": {"type": "string"},
+                }
+            }
         return {status: success, **error_answers(*errors)}
 
     def request_body(self, cls: type, *, required: bool = True) -> dict[str, Any]:

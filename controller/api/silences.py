@@ -15,17 +15,18 @@ from fastapi.responses import Response
 from trainguard.bounds import INT64_MAX
 from trainguard.controller.api.errors import ApiError
 from trainguard.controller.api.requests import Bodies, Guards
-from trainguard.controller.api.routing import Routes, error_answers, ok
+from trainguard.controller.api.routing import Routes, error_answers, ok, page
 from trainguard.controller.auth import Principal
 from trainguard.controller.service import ControllerService
 from trainguard.controller.views import SilenceView
 
-__all__ = ["CONTINUE_HEADER", "SilenceRequest", "add_silence_routes"]
-
-# On a full page of GET /v1/silences: the `continue` value that fetches the next page.
-CONTINUE_HEADER = "X-Trainguard-Continue"
+__all__ = ["SilenceRequest", "add_silence_routes"]
 
 log = logging.getLogger("trainguard.controller.api")
+
+
+def _id(view: SilenceView) -> int:
+    return view.id
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ def add_silence_routes(
         "GET",
         "/v1/silences",
         "silences",
-        routes.answer("Silences", schemas.array(SilenceView), (401, 403, 422)),
+        routes.answer("Silences", schemas.array(SilenceView), (401, 403, 422), paged=True),
     )
     async def list_silences(
         include_expired: bool = False,
@@ -56,11 +57,7 @@ def add_silence_routes(
     ) -> Response:
         # by id; a full page names where the next starts (X-Trainguard-Continue: ?continue=)
         views = await run_in_threadpool(service.list_silences, include_expired=include_expired)
-        page = [v for v in views if v.id > after_id][: limit + 1]
-        reply = ok(page[:limit])
-        if len(page) > limit:
-            reply.headers[CONTINUE_HEADER] = str(page[limit - 1].id)
-        return reply
+        return page([v for v in views if v.id > after_id][: limit + 1], limit=limit, key=_id)
 
     @routes.add(
         "POST",

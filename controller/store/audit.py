@@ -27,8 +27,14 @@ class AuditRepository:
             )
             return self._db.dialect.inserted_id(cur)
 
-    def recent(self, *, limit: int = 100) -> list[AuditEntry]:
-        rows = self._db.query("SELECT * FROM audit_log ORDER BY id DESC LIMIT ?", (limit,))
+    def recent(self, *, limit: int = 100, before_id: int | None = None) -> list[AuditEntry]:
+        """The newest `limit` entries (older than `before_id`: the next page), newest first."""
+        if before_id is None:
+            rows = self._db.query("SELECT * FROM audit_log ORDER BY id DESC LIMIT ?", (limit,))
+        else:
+            rows = self._db.query(
+                "SELECT * FROM audit_log WHERE id < ? ORDER BY id DESC LIMIT ?", (before_id, limit)
+            )
         return [from_row(AuditEntry, r, detail=json.loads(r["detail"])) for r in rows]
 
 

@@ -105,15 +105,24 @@ class IncidentRepository:
         return json.loads(rows[0][0]) if rows else {}
 
     def find(
-        self, *, state: str | None = None, node: str | None = None, limit: int = 100
+        self,
+        *,
+        state: str | None = None,
+        node: str | None = None,
+        limit: int = 100,
+        before_id: int | None = None,
     ) -> list[IncidentView]:
-        where, args = [], []
+        where: list[str] = []
+        args: list[object] = []
         if state is not None:
             where.append("state = ?")
             args.append(state)
         if node is not None:
             where.append("node = ?")
             args.append(node)
+        if before_id is not None:  # the next page of a newest-first listing
+            where.append("id < ?")
+            args.append(before_id)
         sql = "SELECT * FROM incidents"
         if where:
             sql += " WHERE " + " AND ".join(where)

@@ -234,10 +234,16 @@ class FakeService:
         return [n for n in self.list_nodes() if n.role == "spare"]
 
     def list_incidents(
-        self, *, state: str | None = None, node: str | None = None, limit: int = 100
+        self,
+        *,
+        state: str | None = None,
+        node: str | None = None,
+        limit: int = 100,
+        before_id: int | None = None,
     ) -> list[IncidentView]:
-        self._record("list_incidents", state=state, node=node, limit=limit)
+        self._record("list_incidents", state=state, node=node, limit=limit, before_id=before_id)
         out = [d.incident for d in self.incidents.values()]
+        out = [i for i in out if (before_id is None or i.id < before_id)]
         out = [i for i in out if (state is None or i.state == state)]
         out = [i for i in out if (node is None or i.node == node)]
         return sorted(out, key=lambda i: -i.id)[:limit]
@@ -341,9 +347,10 @@ class FakeService:
         self._audit(actor, "inject_fault", node, kind=spec.kind)
         return cid
 
-    def audit_log(self, *, limit: int = 100) -> list[AuditEntry]:
-        self._record("audit_log", limit=limit)
-        return list(reversed(self.audit))[:limit]
+    def audit_log(self, *, limit: int = 100, before_id: int | None = None) -> list[AuditEntry]:
+        self._record("audit_log", limit=limit, before_id=before_id)
+        newest_first = list(reversed(self.audit))
+        return [e for e in newest_first if before_id is None or e.id < before_id][:limit]
 
     def reload_rules(self, *, actor: str) -> int:
         self._record("reload_rules", actor=actor)

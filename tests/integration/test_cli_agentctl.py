@@ -123,7 +123,13 @@ def test_get_incidents_passes_filters_and_shows_age(env: Path, svc: FakeService)
     svc.add_incident(id=7, node="node-1", opened_at=time.time() - 125, summary="DBE on gpu 2")
     code, out, _ = run("get", "incidents", "--node", "node-1", "--state", "open")
     assert code == 0, out
-    assert svc.calls[-1].kwargs == {"state": "open", "node": "node-1", "limit": 100}
+    # a page of 1,000 (and one more, to tell a full page)
+    assert svc.calls[-1].kwargs == {
+        "state": "open",
+        "node": "node-1",
+        "limit": 1001,
+        "before_id": None,
+    }
     row = out.splitlines()[1]
     assert row.split()[:6] == ["7", "gpu_dbe", "node-1", "gpu", "2", "critical"]
     assert " 2m " in row
@@ -692,3 +698,30 @@ def test_zsh_completion_script_registers_and_offers_the_same_words(tmp_path: Pat
         "silence",
         "audit",
     ]
+
+
+def test_get_follows_pages_to_show_every_job_incident_and_audit_entry(
+    env: Path, svc: FakeService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for i in range(2345):
+        svc.add_job(f"job-{i:05d}")
+    for i in range(1, 1201):
+        svc.add_incident(id=i, node="node-1", opened_at=time.time(), summary=f"i{i}")
+    svc.audit.clear()
+    for i in range(1100):
+        svc._audit("ops-alice", "drain", f"node-{i}")
+    code, out, _ = run("get", "jobs", "-o", "json")
+    assert code == 0, out
+    assert [j["name"] for j in json.loads(out)] == [f"job-{i:05d}" for i in range(2345)]
+    code, out, _ = run("get", "incidents", "-o", "json")
+    assert [i["id"] for i in json.loads(out)] == list(range(1200, 0, -1))
+    code, out, _ = run("get", "audit", "-o", "json")
+    assert [e["id"] for e in json.loads(out)] == list(range(1100, 0, -1))
+    # --limit: at most N, without a note
+    code, out, err = run("get", "inc", "--limit", "1050", "-o", "json")
+    assert len(json.loads(out)) == 1050 and not err
+    # past the default bound: what fits, and a note saying how to see more
+    monkeypatch.setattr("trainguard.controller.cli.LIST_MOST", 2000)
+    code, out, err = run("get", "jobs", "-o", "json")
+    assert code == 0 and len(json.loads(out)) == 2000
+    assert "showing the first 2,000 jobs" in err

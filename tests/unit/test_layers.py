@@ -405,6 +405,7 @@ CONTROLLER_LAYER_OF: dict[str, str] = {
     "store": "store",
     "backup": "store",
     "livestate": "state",
+    "jobnames": "state",  # the budget of job names a node introduces, and their expiry
     "signals": "state",
     "jobs": "state",
     "jobstate": "state",

@@ -266,7 +266,13 @@ def test_incident_filters_pass_through(client: TestClient, svc: FakeService) -> 
     svc.add_incident(id=2, node="node-2", state="resolved")
     r = client.get("/v1/incidents?state=open&node=node-1&limit=5", headers=VIEWER)
     assert [i["id"] for i in r.json()] == [1]
-    assert svc.calls[-1].kwargs == {"state": "open", "node": "node-1", "limit": 5}
+    # one more than the page, to tell a full page from the last
+    assert svc.calls[-1].kwargs == {
+        "state": "open",
+        "node": "node-1",
+        "limit": 6,
+        "before_id": None,
+    }
     detail = client.get("/v1/incidents/2", headers=VIEWER).json()
     assert detail["incident"]["state"] == "resolved"
     assert detail["timeline"][0]["kind"] == "opened"

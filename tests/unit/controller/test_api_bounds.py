@@ -15,7 +15,7 @@ from tests.fakes.controller_service import FakeService
 from trainguard.bounds import DRAIN_REASON_MAX_CHARS, bad_drain_reason, clip_drain_reason
 from trainguard.clock import FakeClock
 from trainguard.controller.api.app import create_app
-from trainguard.controller.api.silences import CONTINUE_HEADER
+from trainguard.controller.api.routing import CONTINUE_HEADER
 from trainguard.controller.auth import TokenStore
 from trainguard.controller.backends.slurm.backend import REASON_PREFIX, trainguard_reason
 from trainguard.controller.cli import EXIT
@@ -125,3 +125,60 @@ def test_silences_beyond_the_cap_are_refused_naming_the_limit(make_core) -> None
     first = c.list_silences()[0]
     c.delete_silence(first.id, actor="op")
     c.create_silence(rule="c", node=None, duration_s=60, comment="", actor="op")
+
+
+# --- jobs, incidents and audit: paged like silences ------------------------------------------
+
+
+def _walk(client: TestClient, path: str, *, limit: int) -> list[object]:
+    """Every page of `path`, following CONTINUE_HEADER; each item's key."""
+    key = "name" if path == "/v1/jobs" else "id"
+    seen: list[object] = []
+    params: dict[str, object] = {"limit": limit}
+    while True:
+        r = client.get(path, params=params, headers=OP)
+        assert r.status_code == 200, r.text
+        assert len(r.json()) <= limit
+        seen += [item[key] for item in r.json()]
+        if CONTINUE_HEADER not in r.headers:
+            return seen
+        params["continue"] = r.headers[CONTINUE_HEADER]
+
+
+def test_jobs_are_paged_by_name(client: TestClient, svc: FakeService) -> None:
+    names = [f"job-{i:02d}" for i in range(7)]
+    for name in reversed(names):
+        svc.add_job(name)
+    assert _walk(client, "/v1/jobs", limit=3) == names
+    assert _walk(client, "/v1/jobs", limit=7) == names
+    whole = client.get("/v1/jobs", headers=OP)
+    assert [j["name"] for j in whole.json()] == names and CONTINUE_HEADER not in whole.headers
+
+
+def test_incidents_and_audit_are_paged_newest_first(client: TestClient, svc: FakeService) -> None:
+    for i in range(1, 8):
+        svc.add_incident(id=i, node="node-1", opened_at=1.0)
+        svc._audit("ops", "drain", f"node-{i}")
+    assert _walk(client, "/v1/incidents", limit=3) == list(range(7, 0, -1))
+    assert _walk(client, "/v1/audit", limit=2) == list(range(7, 0, -1))
+    r = client.get("/v1/incidents", params={"limit": 7}, headers=OP)
+    assert len(r.json()) == 7 and CONTINUE_HEADER not in r.headers
+
+
+@pytest.mark.parametrize("path", ["/v1/jobs", "/v1/incidents", "/v1/audit"])
+@pytest.mark.parametrize("query", ["limit=0", "limit=10001"])
+def test_list_page_sizes_are_bounded(client: TestClient, path: str, query: str) -> None:
+    assert client.get(f"{path}?{query}", headers=OP).status_code == 422
+
+
+@pytest.mark.parametrize("path", ["/v1/incidents", "/v1/audit"])
+def test_an_id_continue_must_be_a_positive_id(client: TestClient, path: str) -> None:
+    assert client.get(f"{path}?continue=0", headers=OP).status_code == 422
+    assert client.get(f"{path}?continue=x", headers=OP).status_code == 422
+
+
+def test_the_openapi_document_names_the_continue_header(client: TestClient) -> None:
+    doc = client.get("/v1/openapi.json", headers=OP).json()
+    for path in ("/v1/jobs", "/v1/incidents", "/v1/audit", "/v1/silences"):
+        ok = doc["paths"][path]["get"]["responses"]["200"]
+        assert CONTINUE_HEADER in ok["headers"], path

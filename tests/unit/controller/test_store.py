@@ -218,6 +218,30 @@ def test_audit_log_is_newest_first(store_location):
 
 
 @BOTH_STORES
+def test_audit_and_incidents_page_below_an_id(store_location):
+    s = Store(store_location, now=_now)
+    for i in range(5):
+        s.audit.record(ts=float(i), actor="a", action="drain", target=f"n{i}", detail={})
+        s.incidents.create(
+            rule="r",
+            target_key=f"node:n{i}",
+            target={"scope": "node", "node": f"n{i}"},
+            target_text=f"n{i}",
+            severity="critical",
+            summary="",
+            node=f"n{i}",
+            job=None,
+            ts=float(i),
+            timeline=[],
+        )
+    ids = [e.id for e in s.audit.recent(limit=10)]
+    assert [e.id for e in s.audit.recent(limit=2, before_id=ids[1])] == ids[2:4]
+    found = [i.id for i in s.incidents.find(limit=10)]
+    assert [i.id for i in s.incidents.find(limit=2, before_id=found[1])] == found[2:4]
+    assert s.incidents.find(node="n0", before_id=found[-1]) == []
+
+
+@BOTH_STORES
 def test_command_result_data_is_kept_with_the_command(store_location):
     s = Store(store_location, now=_now)
     s.commands.add("stacks-1-n1", node="n1", kind="collect_stacks", args={"job": "j"})
