@@ -438,6 +438,11 @@ class JobsConfig:
     # How long a restarted job may take to show a step past its checkpoint, s (rendezvous,
     # imports, checkpoint load). Then the restart fails and a person is paged.
     progress_timeout_s: float = 300.0
+    # How long a job may stay in `starting` (since its attempt began) while no step is
+    # starting it (after a restart step failed, or a controller restart), s; then it crashes
+    # with that reason and job_process_failed opens an incident. Longer than
+    # progress_timeout_s, which bounds a start a restart step still watches.
+    start_timeout_s: float = 600.0
     # With no spare and no shrink possible, how long a replace waits for a spare to appear
     # before paging, s (a job spec may override it). 5 min: a spare being repaired or booted.
     spare_wait_s: float = 300.0
@@ -471,6 +476,7 @@ class JobsConfig:
             "stop_grace_s",
             "stop_timeout_s",
             "progress_timeout_s",
+            "start_timeout_s",
             "stacks_timeout_s",
             "resume_grace_s",
             "attempt_lease_s",

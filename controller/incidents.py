@@ -255,17 +255,23 @@ class IncidentManager:
             "severity": d.severity,
             "labels": d.labels,
         }
+        summary = d.summary
+        evidence = self._job_evidence(d)
+        if evidence:
+            # why the job crashed (node, exit code, output tail): in the notification itself
+            detail["job_state_reason"] = evidence
+            summary = f"{summary}: {evidence}" if summary else evidence
         incident_id = self._store.incidents.create(
             rule=d.rule,
             target_key=d.target.key,
             target=dataclasses.asdict(d.target),
             target_text=d.target.describe(),
             severity=d.severity,
-            summary=d.summary,
+            summary=summary,
             node=node,
             job=d.target.job,
             ts=now,
-            timeline=[("opened", d.summary or f"{d.rule} fired on {d.target.describe()}", detail)],
+            timeline=[("opened", summary or f"{d.rule} fired on {d.target.describe()}", detail)],
         )
         self._open[key] = (incident_id, "open")
         log.info(
@@ -434,6 +440,15 @@ class IncidentManager:
             if (node is not None and incident.node == node) or (job is not None and job in jobs):
                 return incident_id
         return None
+
+    def _job_evidence(self, d: Decision) -> str:
+        """A job-scope decision about a crashed job: the job's recorded reason ("" if none)."""
+        if d.target.scope != "job" or not d.target.job:
+            return ""
+        job = self._store.jobs.get(d.target.job)
+        if job is None or job.state != "crashed":
+            return ""
+        return job.state_reason
 
     def _left_behind(self, d: Decision) -> tuple[int | None, str] | None:
         """Is this decision about a node or a job attempt that a remediation already took out

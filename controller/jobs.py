@@ -836,6 +836,15 @@ class JobManager:
             if state is JobState.STARTING and self._attempt_running(job):
                 check_job_transition(job.name, state, JobState.RUNNING)
                 changes["state"] = JobState.RUNNING.value
+            elif state is JobState.STARTING and self._start_overdue(job, now=now):
+                self.set_state(
+                    job.name,
+                    JobState.CRASHED,
+                    reason=f"start failed: attempt {job.attempt} on"
+                    f" {', '.join(job.attempt_nodes) or '-'} had no rank running after"
+                    f" {self.config.start_timeout_s:g} s (jobs.start_timeout_s)",
+                )
+                continue
             running = state is JobState.RUNNING or "state" in changes
             if running and job.started_at is None:
                 # ETTR's wall clock starts with the first productive sample, whichever path
@@ -858,6 +867,14 @@ class JobManager:
                 changes["sampled_at"] = now
             if changes:
                 self._remember(self.store.jobs.update(job.name, **changes))
+
+    def _start_overdue(self, job: JobRecord, *, now: float) -> bool:
+        """Starting for longer than start_timeout_s with no step watching the start (a
+        restart step bounds its own start by progress_timeout_s)."""
+        began = job.attempt_started_at if job.attempt_started_at is not None else job.updated_at
+        if now - began <= self.config.start_timeout_s:
+            return False
+        return not self._remediation_open(job)
 
     def _attempt_running(self, job: JobRecord) -> bool:
         with self._lock:

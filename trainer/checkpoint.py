@@ -73,6 +73,18 @@ def _stale_reason(ckpt_dir: Path, epoch: int | None) -> str:
     return "checkpoint refused: a newer attempt of the job owns the directory (see rank 0)"
 
 
+_CAUSE_CHARS = 500
+
+
+def _cause(prefix: str, e: BaseException) -> str:
+    """`prefix: <the error's text, on one line>`, bounded: a DCP CheckpointException's text
+    holds a traceback per failed rank."""
+    text = " ".join(str(e).split())
+    if len(text) > _CAUSE_CHARS:
+        text = text[: _CAUSE_CHARS - 3] + "..."
+    return f"{prefix}: {text}" if text else prefix
+
+
 def rank_file_name(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
 
@@ -373,14 +385,79 @@ class CheckpointWriter:
         tmp: Path,
         snapshot_bytes: int,
     ) -> None:
+        """The save thread: never dies silently. Whatever a save raises, of any class (DCP's
+        `CheckpointException` is a `BaseException`), ends in a failed result, a log line and
+        no temporary directory left behind."""
         t0 = self.clock.monotonic()
+        try:
+            committed_here = self._save(
+                step=step,
+                request_id=request_id,
+                rank_state=rank_state,
+                tensors=tensors,
+                tmp=tmp,
+                snapshot_bytes=snapshot_bytes,
+                t0=t0,
+            )
+        except BaseException as e:  # the thread's last word: report, never die
+            rank = self.coord.rank
+            reason = _cause(f"rank {rank}: {type(e).__name__}", e)
+            shutil.rmtree(tmp, ignore_errors=True)
+            log.error(
+                "event=checkpoint_failed job=%s rank=%d step=%d request_id=%s reason=%s",
+                self.job,
+                rank,
+                step,
+                request_id or "-",
+                reason.replace(" ", "_"),
+            )
+            with self._lock:
+                self._results.append(
+                    SaveResult(
+                        step=step,
+                        request_id=request_id,
+                        ok=False,
+                        duration_s=self.clock.monotonic() - t0,
+                        path=str(tmp),
+                        bytes=snapshot_bytes,
+                        reason=reason,
+                    )
+                )
+            return
+        if committed_here:
+            try:
+                self._after_commit(step, self.ckpt_dir / step_dir_name(step))
+            except BaseException as e:  # committed and reported; only the aftermath failed
+                log.error(
+                    "event=checkpoint_after_commit_failed job=%s step=%d reason=%s",
+                    self.job,
+                    step,
+                    _cause(type(e).__name__, e).replace(" ", "_"),
+                )
+
+    def _save(
+        self,
+        *,
+        step: int,
+        request_id: str | None,
+        rank_state: dict[str, Any],
+        tensors: dict[str, torch.Tensor],
+        tmp: Path,
+        snapshot_bytes: int,
+        t0: float,
+    ) -> bool:
+        """Write, agree, commit or give up, report; True when this rank (0) committed."""
         rank = self.coord.rank
         final = self.ckpt_dir / step_dir_name(step)
         mine: dict[str, Any] = {"ok": True, "reason": "", "files": {}}
         try:
             mine["files"] = self._write_local(step, rank_state, tensors, tmp)
-        except Exception as e:
-            mine = {"ok": False, "reason": f"rank {rank}: {type(e).__name__}: {e}", "files": {}}
+        except BaseException as e:  # DCP raises CheckpointException(BaseException)
+            mine = {
+                "ok": False,
+                "reason": _cause(f"rank {rank}: {type(e).__name__}", e),
+                "files": {},
+            }
         committed = 0  # the outcome every rank learns: _FAILED, _COMMITTED or _STALE
         reason = ""
         try:
@@ -401,21 +478,25 @@ class CheckpointWriter:
                     reason = failures[0]
             elif failures:
                 reason = failures[0]
-        except Exception as e:
-            reason = f"rank {rank}: commit: {type(e).__name__}: {e}"
+        except BaseException as e:  # see above
+            reason = _cause(f"rank {rank}: commit: {type(e).__name__}", e)
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
         if self.coord.distributed:
             try:
                 committed = self.coord.broadcast_int(committed, checkpoint_group=True)
-            except Exception as e:
-                committed, reason = _FAILED, f"rank {rank}: outcome broadcast: {e}"
+            except BaseException as e:  # see above
+                committed, reason = _FAILED, _cause(f"rank {rank}: outcome broadcast", e)
         stale = committed == _STALE
         if stale and rank != 0:
             reason = _stale_reason(self.ckpt_dir, self.epoch)
         if committed != _COMMITTED and not reason:
             reason = "rank 0 could not commit (see its log)"
         committed = int(committed == _COMMITTED)
+        if not committed:
+            # Rank 0 removed it already on every path it decided; this covers the rest (a
+            # rank whose own write failed, a failed broadcast). Idempotent on a shared FS.
+            shutil.rmtree(tmp, ignore_errors=True)
         duration_s = self.clock.monotonic() - t0
         result = SaveResult(
             step=step,
@@ -461,8 +542,7 @@ class CheckpointWriter:
             )
         with self._lock:
             self._results.append(result)
-        if committed and rank == 0:
-            self._after_commit(step, final)
+        return bool(committed) and rank == 0
 
     def _decide(
         self,

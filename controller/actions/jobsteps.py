@@ -654,15 +654,25 @@ class RestartHandler(JobStep):
             cmd = self.jobs.nodes.command_status(f"start-{job.name}-{attempt}-{node}")
             if cmd is not None and cmd.ok is False and "already" not in cmd.result:
                 self.jobs.set_state(
-                    job.name, JobState.CRASHED, reason=f"start_job failed on {node}"
+                    job.name,
+                    JobState.CRASHED,
+                    reason=f"start failed: start_job on {node}: {cmd.result[-300:] or 'no detail'}",
                 )
                 raise PermanentError(f"start_job on {node} failed: {cmd.result or 'no detail'}")
         for x in self.jobs.exits(job.name):
             if x["attempt"] == attempt and x["code"] != 0 and not x["stopped"]:
-                raise PermanentError(
-                    f"attempt {attempt} exited on {x['node']} ({x['message'] or x['code']})"
-                    f" before training progressed: {x['tail'][-300:]}"
+                # The launch died before training (e.g. on the launch lock, the disk full):
+                # the job crashed, never left waiting in starting; job_process_failed opens
+                # the incident, with this as its evidence.
+                why = (
+                    f"attempt {attempt} exited on {x['node']} (code {x['code']},"
+                    f" {x['message'] or 'no message'}) before training progressed:"
+                    f" {x['tail'][-300:] or 'no output'}"
                 )
+                current = self.jobs.get(job.name)
+                if current is not None and current.state == JobState.STARTING:
+                    self.jobs.set_state(job.name, JobState.CRASHED, reason=f"start failed: {why}")
+                raise PermanentError(why)
         ckpt = progress.get("ckpt_step")
         floor = ckpt_floor(progress)
 

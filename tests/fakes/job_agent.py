@@ -54,6 +54,9 @@ class FakeJobAgent:
         self.event_id = 0
         self.silent = False
         self.hold = False  # launched ranks stay at their resume step (a slow start)
+        # set: every launch dies before its first step with this output (e.g. the launch lock
+        # on a full disk): start_job succeeds, then a job_exit with code 1 follows
+        self.fail_start: str | None = None
         self.commands: list[Command] = []
         self._done: set[str] = set()
         self._events: list[Event] = []
@@ -168,6 +171,19 @@ class FakeJobAgent:
                 env=dict(a.get("env", {})),
                 node_rank=a.get("node_rank", 0),
             )
+            if self.fail_start is not None:
+                self.launches[a["job"]].state = "exited"
+                self.event(
+                    "job_exit",
+                    job=a["job"],
+                    code=1,
+                    message="exited with code 1",
+                    data={
+                        "attempt": a["attempt"],
+                        "stopped": False,
+                        "output_tail": self.fail_start,
+                    },
+                )
             return True, "started"
         if cmd.kind == "stop_job":
             launch = self.launches.get(a["job"])

@@ -64,6 +64,7 @@ class Sim:
                 "stop_timeout_s": 5.0,
                 "spare_wait_s": 10.0,
                 "progress_timeout_s": 60.0,
+                "start_timeout_s": 90.0,
             },
         )
 
