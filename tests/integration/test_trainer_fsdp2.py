@@ -7,7 +7,6 @@ state and the data position kept."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.integration.gloo_ranks import Ranks
-from tests.integration.test_trainer_elastic import assert_same_state
+from tests.helpers import wait_for
+from tests.integration.gloo_ranks import Ranks, assert_same_state
 from trainguard.trainer.manifest import find_latest_good
 
 WORKER = Path(__file__).with_name("trainer_fsdp2_worker.py")
@@ -90,11 +89,12 @@ def test_fsdp2_job_killed_mid_run_resumes_bitwise(tmp_path: Path, ranks_left: li
         tmp_path, ranks_left, world=2, ckpt="ck", tag="killed",
         args=[*steps, "--step-sleep-s", "0.1"],
     )  # fmt: skip
-    deadline = time.monotonic() + 120
-    while max(losses(tmp_path, "killed", 0), default=0) < 17:
-        assert time.monotonic() < deadline, killed.output()
+
+    def past_step_17() -> bool:
         assert all(p.poll() is None for p in killed.procs), killed.output()
-        time.sleep(0.02)
+        return max(losses(tmp_path, "killed", 0), default=0) >= 17
+
+    wait_for(past_step_17, timeout_s=120, what="rank 0 past step 17", interval_s=0.02)
     killed.kill()  # SIGKILL to every rank, wherever it is (a save may be in flight)
     assert [p.returncode for p in killed.procs] == [-9, -9]
     found = find_latest_good(tmp_path / "ck")
