@@ -2,7 +2,8 @@
 over a CPU device mesh: periodic checkpoints commit; a job killed with SIGKILL mid-run
 resumes from the newest committed step and its losses from there equal the uninterrupted
 run's bitwise; a checkpoint of 2 ranks resumes on 3 and that one on 2 again with the whole
-state and the data position kept."""
+state and the data position kept. And a tensor-parallel job (DTensor parameters without
+FSDP) commits and resumes bitwise at the same world size."""
 
 from __future__ import annotations
 
@@ -147,3 +148,28 @@ def test_fsdp2_checkpoint_resumes_on_three_ranks_and_back_on_two(
     assert len(seen) == 2 * 2 * 4 + 3 * 2 * 3 + 2 * 2 * 3
     assert len(set(seen)) == len(seen)
     assert infos[-1]["samples_done"] == len(seen)
+
+
+def test_tensor_parallel_job_commits_and_resumes_bitwise(
+    tmp_path: Path, ranks_left: list[Ranks]
+) -> None:
+    tp = ["--phase", "run", "--parallel", "tp", "--every", "4"]
+    whole = start(
+        tmp_path, ranks_left, world=2, ckpt="ck-whole", tag="whole", args=[*tp, "--steps", "12"]
+    )
+    finish(tmp_path, whole, tag="whole", world=2)
+    first = start(tmp_path, ranks_left, world=2, ckpt="ck", tag="part", args=[*tp, "--steps", "8"])
+    finish(tmp_path, first, tag="part", world=2)
+    assert "checkpoint_failed" not in first.output(), first.output()
+    found = find_latest_good(tmp_path / "ck")
+    assert found is not None and found[0] == 8 and found[2].format == "dcp"
+    again = start(
+        tmp_path, ranks_left, world=2, ckpt="ck", tag="again",
+        args=[*tp, "--steps", "12", "--seed", "7"],
+    )  # fmt: skip
+    assert finish(tmp_path, again, tag="again", world=2)["start"] == 9
+    for r in range(2):
+        want = losses(tmp_path, "whole", r)
+        got = losses(tmp_path, "again", r)
+        assert sorted(got) == [9, 10, 11, 12]
+        assert got == {s: want[s] for s in got}, f"rank {r}"

@@ -1,5 +1,5 @@
-"""One rank of a small FSDP2 job (`fully_shard` on a CPU device mesh, gloo) for the FSDP2
-checkpoint tests: AdamW, LambdaLR, gradient clipping, `ResumableSampler`, periodic
+"""One rank of a small FSDP2 (or tensor-parallel) job on a CPU device mesh (gloo) for the
+FSDP2 checkpoint tests: AdamW, LambdaLR, gradient clipping, `ResumableSampler`, periodic
 checkpoints, written the way README and docs/trainer.md show.
 
     --phase run:    resume (or start), train to --steps with a checkpoint every --every
@@ -10,7 +10,8 @@ checkpoints, written the way README and docs/trainer.md show.
     --phase switch: resume, dump the state loaded (full tensors) and train --steps more
                     steps, save, dump the state saved: for the world-size changes
 
---seed gives the initial weights; --step-sleep-s slows each step down so a test can kill
+--parallel tp shards the same model by tensor parallelism instead (every rank on the same
+batches). --seed gives the initial weights; --step-sleep-s slows each step down so a test can kill
 the ranks mid-run.
 """
 
@@ -32,6 +33,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from trainguard.trainer import ResumableSampler, Trainguard
@@ -49,17 +56,26 @@ class Indexed(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
         return torch.randn(5, generator=g), torch.randint(0, 3, (), generator=g), i
 
 
-def build(world: int, seed: int) -> tuple[torch.nn.Module, Any, Any]:
+def build(world: int, seed: int, parallel: str) -> tuple[torch.nn.Module, Any, Any]:
     torch.manual_seed(seed)
-    # Odd sizes: the shards are uneven on 2 and on 3 ranks (FSDP2 pads them).
+    # FSDP2: odd sizes, so the shards are uneven on 2 and on 3 ranks (FSDP2 pads them).
+    # Tensor parallel needs the sharded dimensions to divide by the ranks.
+    h1, h2 = (16, 12) if parallel == "tp" else (17, 11)
     model = torch.nn.Sequential(
-        torch.nn.Linear(5, 17), torch.nn.ReLU(), torch.nn.Linear(17, 11), torch.nn.ReLU(),
-        torch.nn.Linear(11, 3),
+        torch.nn.Linear(5, h1), torch.nn.ReLU(), torch.nn.Linear(h1, h2), torch.nn.ReLU(),
+        torch.nn.Linear(h2, 3),
     )  # fmt: skip
     mesh = init_device_mesh("cpu", (world,))
-    for layer in (model[0], model[2], model[4]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if parallel == "tp":
+        parallelize_module(
+            model, mesh,
+            {"0": ColwiseParallel(), "2": RowwiseParallel(),
+             "4": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())},
+        )  # fmt: skip
+    else:
+        for layer in (model[0], model[2], model[4]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
     return model, opt, sched
@@ -75,16 +91,19 @@ def main() -> None:
     p.add_argument("--every", type=int, default=0)
     p.add_argument("--step-sleep-s", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="initial weights (all ranks)")
+    p.add_argument("--parallel", choices=["fsdp2", "tp"], default="fsdp2")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO)  # the checkpoint events, for the test to read
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     # A test resumes with other initial weights: only the checkpoint makes the runs equal.
-    model, opt, sched = build(world, args.seed)
+    model, opt, sched = build(world, args.seed, args.parallel)
     ds = Indexed()
+    # Tensor parallel: every rank computes on the same batch (one data-parallel replica).
+    replicas, replica = (1, 0) if args.parallel == "tp" else (world, rank)
     sampler = ResumableSampler(
-        DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=5),
+        DistributedSampler(ds, num_replicas=replicas, rank=replica, shuffle=True, seed=5),
         batch_size=BATCH,
     )
     loader = DataLoader(ds, batch_size=BATCH, sampler=sampler, drop_last=True)
