@@ -19,12 +19,15 @@ import threading
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from trainguard.clock import SYSTEM_CLOCK, Clock
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = [
     "SnapshotPool",
@@ -201,7 +204,7 @@ class SnapshotPool:
         needs; returns False when they are all there already. Reads only tensor shapes and
         dtypes of `obj` (on the calling thread); never copies data."""
         wanted: list[_BufferSpec] = []
-        _collect_specs(obj, "", wanted)
+        _collect_specs(obj, "", wanted, _loaded_dtensor_type())
         with self._lock:
             all_fit = len(self._buffers) == len(wanted) and all(
                 _fits(self._buffers.get(s.path), s) for s in wanted
@@ -239,13 +242,17 @@ class SnapshotPool:
         return self.ready()
 
     def snapshot(self, obj: Any) -> Any:
+        """A copy of `obj` in the pool's host buffers. A DTensor (FSDP2, tensor parallel)
+        becomes a DTensor of the same global shape and placements whose local shard is the
+        host copy of this rank's shard: what DCP writes, and all this rank holds."""
         self._take_over()
         self.bytes = 0
         self.allocated_bytes = 0
         any_cuda = [False]
         used: set[str] = set()
+        dtensor = _loaded_dtensor_type()
         with self._lock:
-            out = self._copy(obj, "", any_cuda, used)
+            out = self._copy(obj, "", any_cuda, used, dtensor)
             for stale in set(self._buffers) - used:
                 del self._buffers[stale]
         if any_cuda[0]:
@@ -315,7 +322,14 @@ class SnapshotPool:
             total += buf.numel() * buf.element_size()
         return total
 
-    def _copy(self, o: Any, path: str, any_cuda: list[bool], used: set[str]) -> Any:
+    def _copy(
+        self, o: Any, path: str, any_cuda: list[bool], used: set[str], dtensor: type[DTensor] | None
+    ) -> Any:
+        if dtensor is not None and isinstance(o, dtensor):
+            local = self._copy(_local_shard(o), path, any_cuda, used, None)
+            # The private constructor, as torch's own checkpoint staging does: `from_local`
+            # would move the host copy back to the mesh's device.
+            return dtensor(local, o._spec, requires_grad=False)
         if isinstance(o, torch.Tensor):
             src = o.detach()
             buf = self._buffers.get(path)
@@ -329,9 +343,9 @@ class SnapshotPool:
             self.bytes += buf.numel() * buf.element_size()
             return buf
         if isinstance(o, Mapping):
-            return {k: self._copy(v, f"{path}/{k}", any_cuda, used) for k, v in o.items()}
+            return {k: self._copy(v, f"{path}/{k}", any_cuda, used, dtensor) for k, v in o.items()}
         if isinstance(o, list | tuple):
-            items = [self._copy(v, f"{path}/{i}", any_cuda, used) for i, v in enumerate(o)]
+            items = [self._copy(v, f"{path}/{i}", any_cuda, used, dtensor) for i, v in enumerate(o)]
             return items if isinstance(o, list) else tuple(items)
         return o
 
@@ -344,16 +358,35 @@ class _BufferSpec:
     pinned: bool
 
 
-def _collect_specs(o: Any, path: str, out: list[_BufferSpec]) -> None:
+def _collect_specs(
+    o: Any, path: str, out: list[_BufferSpec], dtensor: type[DTensor] | None
+) -> None:
     """The buffers `SnapshotPool._copy` would use for `o`: same walk, same paths."""
+    if dtensor is not None and isinstance(o, dtensor):
+        o = _local_shard(o)
     if isinstance(o, torch.Tensor):
         out.append(_BufferSpec(path, o.shape, o.dtype, o.is_cuda))
     elif isinstance(o, Mapping):
         for k, v in o.items():
-            _collect_specs(v, f"{path}/{k}", out)
+            _collect_specs(v, f"{path}/{k}", out, dtensor)
     elif isinstance(o, list | tuple):
         for i, v in enumerate(o):
-            _collect_specs(v, f"{path}/{i}", out)
+            _collect_specs(v, f"{path}/{i}", out, dtensor)
+
+
+def _loaded_dtensor_type() -> type[DTensor] | None:
+    """`DTensor`, when its module is loaded; else None (no DTensor can exist then, and a
+    single-process or DDP run never pays for importing it)."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return None
+    from torch.distributed.tensor import DTensor as loaded  # noqa: PLC0415 (loaded already)
+
+    return loaded
+
+
+def _local_shard(t: DTensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (no communication; the tensor itself, no copy)."""
+    return t.to_local()
 
 
 _PREPARING: weakref.WeakSet[SnapshotPool] = weakref.WeakSet()

@@ -1,5 +1,6 @@
 """Start a script as the ranks of one gloo process group (RANK / WORLD_SIZE / MASTER_*), each
-in its own session, and wait for all of them; no launcher in between."""
+in its own session, and wait for all of them; no launcher in between. Also the comparison of
+the states such ranks dump."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from tests.helpers import free_port
 
@@ -64,3 +68,19 @@ class Ranks:
         return "\n".join(
             f"--- rank {r}\n{log.read_text()[-3000:]}" for r, log in enumerate(self.logs)
         )
+
+
+def assert_same_state(got: Any, want: Any, where: str) -> None:
+    """Tensors equal bitwise, structures and plain values equal, `where` names a mismatch."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and torch.equal(got, want), where
+    elif isinstance(want, dict):
+        assert set(got) == set(want), where
+        for k in want:
+            assert_same_state(got[k], want[k], f"{where}/{k}")
+    elif isinstance(want, list | tuple):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_same_state(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, where

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.integration.gloo_ranks import Ranks
+from tests.integration.gloo_ranks import Ranks, assert_same_state
 
 WORKER = Path(__file__).with_name("trainer_elastic_worker.py")
 SAMPLES = 480
@@ -42,21 +42,6 @@ def launch(
     started.append(ranks)
     assert ranks.wait() == [0] * world, ranks.output()
     return [json.loads((out / f"{phase}-rank{r}.json").read_text()) for r in range(world)]
-
-
-def assert_same_state(got: Any, want: Any, where: str) -> None:
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor) and torch.equal(got, want), where
-    elif isinstance(want, dict):
-        assert set(got) == set(want), where
-        for k in want:
-            assert_same_state(got[k], want[k], f"{where}/{k}")
-    elif isinstance(want, list | tuple):
-        assert len(got) == len(want), where
-        for i, (g, w) in enumerate(zip(got, want, strict=True)):
-            assert_same_state(g, w, f"{where}[{i}]")
-    else:
-        assert got == want, where
 
 
 @pytest.mark.parametrize("new_world", [2, 4], ids=["3-to-2-ranks", "3-to-4-ranks"])

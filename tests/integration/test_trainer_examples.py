@@ -1,6 +1,7 @@
 """The trainer examples run as written: README's loop is examples/trainer_single.py verbatim,
-docs/trainer.md shows it and examples/trainer_ddp.py verbatim, and both train, commit
-checkpoints and resume (the DDP one under real torchrun, 2 gloo ranks)."""
+docs/trainer.md shows it, examples/trainer_ddp.py and examples/trainer_fsdp2.py verbatim, and
+they train, commit checkpoints and resume (DDP and FSDP2 under real torchrun, gloo ranks; the
+FSDP2 one resumed on 3 ranks)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from trainguard.trainer.manifest import find_latest_good
 REPO = Path(__file__).resolve().parents[2]
 SINGLE = REPO / "examples" / "trainer_single.py"
 DDP = REPO / "examples" / "trainer_ddp.py"
+FSDP2 = REPO / "examples" / "trainer_fsdp2.py"
 pytestmark = pytest.mark.slow
 
 
@@ -49,6 +51,23 @@ def test_docs_quick_start_shows_both_examples_verbatim() -> None:
     assert blocks == [SINGLE.read_text(), DDP.read_text()]
 
 
+def test_docs_fsdp2_section_shows_the_fsdp2_example_verbatim() -> None:
+    text = (REPO / "docs" / "trainer.md").read_text()
+    section = text.split("## FSDP2 (`fully_shard`) and DTensor state\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert blocks == [FSDP2.read_text()]
+
+
+def torchrun(tmp_path: Path, script: Path, *, nproc: int) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+         "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+         "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(script)],
+        cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True, timeout=300,
+        check=False,
+    )  # fmt: skip
+
+
 def test_single_process_example_runs_as_written_and_resumes(tmp_path: Path) -> None:
     first = subprocess.run(
         [sys.executable, str(SINGLE)], cwd=tmp_path, env=env(tmp_path),
@@ -70,13 +89,22 @@ def test_single_process_example_runs_as_written_and_resumes(tmp_path: Path) -> N
 
 
 def test_ddp_example_runs_under_torchrun(tmp_path: Path) -> None:
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-         "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-         "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(DDP)],
-        cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True, timeout=300,
-        check=False,
-    )  # fmt: skip
+    run = torchrun(tmp_path, DDP, nproc=2)
     assert run.returncode == 0, run.stderr[-3000:]
     found = find_latest_good(tmp_path / "ckpt" / "ddp")
     assert found is not None and found[0] == 100 and found[2].world_size == 2
+
+
+def test_fsdp2_example_runs_under_torchrun_and_resumes_on_three_ranks(tmp_path: Path) -> None:
+    run = torchrun(tmp_path, FSDP2, nproc=2)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "checkpoint_failed" not in run.stderr
+    found = find_latest_good(tmp_path / "ckpt" / "fsdp2")
+    assert found is not None and found[0] == 100 and found[2].world_size == 2
+    assert (found[2].format, sorted(found[2].files)[:2]) == (
+        "dcp",
+        ["dcp/.metadata", "dcp/__0_0.distcp"],
+    )
+    again = torchrun(tmp_path, FSDP2, nproc=3)  # nothing left to train: resume, then close
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stderr.count("event=resumed_at_other_world_size") == 3, again.stderr[-3000:]
