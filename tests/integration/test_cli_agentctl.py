@@ -445,7 +445,16 @@ def _headers(argv: list[str]) -> list[str]:
         pytest.param(["get", "incidents"], {"NODE", "JOB", "UPDATED", "RESOLVED"}, id="incidents"),
         pytest.param(
             ["get", "jobs"],
-            {"WORLD", "PER-NODE", "MIN-NODES", "AGE", "NODE-LIST", "REASON"},
+            {
+                "WORLD",
+                "PER-NODE",
+                "MIN-NODES",
+                "AGE",
+                "CKPT-AGE",
+                "CKPT-FAILS",
+                "NODE-LIST",
+                "REASON",
+            },
             id="jobs",
         ),
         pytest.param(["get", "silences"], {"AGE", "EXPIRES-AT"}, id="silences"),
