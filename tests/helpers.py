@@ -4,7 +4,10 @@ live in conftest.py files."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -59,3 +62,24 @@ def alive(pid: int) -> bool:
     except OSError:  # gone, or ended between the open and the read
         return False
     return stat.rsplit(b")", 1)[1].split()[0] != b"Z"
+
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = str(REPO / "examples" / "train.py")
+
+
+def run_trainer(
+    args: list[str], *, agent_socket: str, timeout_s: float = 180
+) -> subprocess.CompletedProcess[str]:
+    """Run `python ARGS` (examples/train.py or a wrapper of it) from the repo, one thread, its
+    heartbeats to `agent_socket`, no chaos; output captured, the exit code left to the test."""
+    env = {"TRAINGUARD_AGENT_SOCKET": agent_socket, "TRAINGUARD_CHAOS": "", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, *args],
+        check=False,
+        cwd=REPO,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )

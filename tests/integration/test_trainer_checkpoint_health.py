@@ -5,16 +5,14 @@ first failure and tells when a commit ends the run of failures."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import run_trainer
 from tests.unit.trainer.trainer_helpers import FakeAgent
 from trainguard.trainer.manifest import list_committed
 
@@ -59,19 +57,10 @@ def test_failed_saves_show_in_the_heartbeat_and_the_log_until_a_commit(
     wrapper.write_text(_FAILING_SAVES)
     ck = tmp_path / "ck"
     cmd = [
-        sys.executable, str(wrapper), "20,30", TRAIN,
+        str(wrapper), "20,30", TRAIN,
         "--steps", "40", "--ckpt-dir", str(ck), "--checkpoint-every", "10", "--keep-last", "0",
     ]  # fmt: skip
-    env = {"TRAINGUARD_AGENT_SOCKET": agent.path, "TRAINGUARD_CHAOS": "", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        cmd,
-        check=False,
-        cwd=REPO,
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    proc = run_trainer(cmd, agent_socket=agent.path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     hbs = agent.drain()
     assert [s for s, _ in list_committed(ck)] == [40, 10]

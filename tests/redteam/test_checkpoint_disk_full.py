@@ -9,16 +9,15 @@ heartbeat's `ckpt_step` never advances past the one commit.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import run_trainer
 from tests.unit.trainer.trainer_helpers import FakeAgent
 from trainguard.trainer.manifest import list_committed
 
@@ -66,19 +65,10 @@ def test_a_full_checkpoint_disk_fails_the_saves_loudly_and_training_goes_on(
 ) -> None:
     ck = full_disk
     cmd = [
-        sys.executable, TRAIN, "--steps", str(STEPS), "--ckpt-dir", str(ck),
+        TRAIN, "--steps", str(STEPS), "--ckpt-dir", str(ck),
         "--checkpoint-every", "10", "--keep-last", "0", "--hidden", str(HIDDEN),
     ]  # fmt: skip
-    env = {"TRAINGUARD_AGENT_SOCKET": agent.path, "TRAINGUARD_CHAOS": "", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        cmd,
-        check=False,
-        cwd=REPO,
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    proc = run_trainer(cmd, agent_socket=agent.path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     hbs = agent.drain()
 
