@@ -8,6 +8,10 @@ emergency checkpoint the signal asked for is never written. `WorkerInit` makes e
 ignore SIGTERM and SIGINT; the rank alone decides when to stop, and its workers then end the
 loader's own ways: the iterator's shutdown (done event + end marker) when it is dropped, and
 the worker's watchdog when the rank exits without one (it polls the parent every 5 s).
+That watchdog takes the parent's pid when the worker starts its loop, so a rank killed while
+a worker is still starting (a loaded machine) leaves that worker polling an orphan's parent
+forever; `WorkerInit` therefore watches the rank too, from the pid multiprocessing recorded
+when it made the worker, and ends the worker once it has been orphaned.
 
 Workers inherit the rank's signal mask, so the rank blocks SIGTERM and SIGINT while it starts
 them (`stop_signals_blocked`, used by `ResumableSampler.batches` and `resumable_loader`'s
@@ -33,6 +37,7 @@ import multiprocessing.util  # registers multiprocessing's exit hook before ours
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
@@ -89,8 +94,25 @@ class WorkerInit:
         for sig in _STOP_SIGNALS:
             signal.signal(sig, _on_stop_signal)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked while starting
+        parent = multiprocessing.parent_process()
+        if parent is not None and parent.pid is not None:
+            _watch_parent(parent.pid)
         if self.inner is not None:
             self.inner(worker_id)
+
+
+def _watch_parent(rank_pid: int, interval_s: float = 1.0) -> None:
+    """End this worker once the rank that made it is gone (it has been reparented)."""
+    if os.getppid() != rank_pid:
+        os._exit(0)
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval_s)
+            if os.getppid() != rank_pid:
+                os._exit(0)
+
+    threading.Thread(target=watch, name="trainguard-rank-watch", daemon=True).start()
 
 
 @contextlib.contextmanager

@@ -231,7 +231,7 @@ def test_guarded_workers_end_when_the_rank_is_killed() -> None:
         proc.kill()
         proc.wait(30)
 
-        # the loader's own watchdog: each worker checks its parent every 5 s
+        # WorkerInit watches the rank (every 1 s), also in a worker still starting when it died
         wait_for(
             lambda: not any(alive(p) for p in pids), timeout_s=30, what="orphaned workers to exit"
         )
