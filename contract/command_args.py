@@ -28,6 +28,10 @@ __all__ = [
     "CheckpointArgs",
     "CollectStacksArgs",
     "CommandArgs",
+    "PREFLIGHT_CHECKS",
+    "PreflightArgs",
+    "REPAIR_METHODS",
+    "RepairArgs",
     "StartJobArgs",
     "StopJobArgs",
     "StopRanksArgs",
@@ -215,8 +219,73 @@ class CollectStacksArgs:
         _require_job(self.job)
 
 
+# The checks a preflight can run, in the order it runs them (docs/nodes.md says what each
+# measures and its pass mark).
+PREFLIGHT_CHECKS = (
+    "nvml_health",  # every GPU answers NVML, none lost or fallen off the bus
+    "row_remaps",  # no pending or failed row remapping
+    "ecc",  # no uncorrectable ECC errors since the last reset
+    "compute_burn",  # a matmul burn per GPU within tolerance of the reference
+    "collective_bandwidth",  # an all-reduce across the node's GPUs within tolerance
+    "ckpt_storage",  # the checkpoint directory is writable (write, fsync, read back, remove)
+)
+REPAIR_METHODS = ("gpu_reset", "reboot")
+
+
+@dataclass(frozen=True)
+class PreflightArgs:
+    """`preflight`: run `checks` (all by default) and answer with a `preflight_result` event.
+    `reference` holds the expected figures (`compute_burn_tflops`, `collective_gbps`),
+    `tolerance` the fraction below them that still passes."""
+
+    checks: list[str] = field(default_factory=lambda: list(PREFLIGHT_CHECKS))
+    ckpt_dir: str | None = None
+    reference: dict[str, float] = field(default_factory=dict)
+    tolerance: float = 0.1
+    burn_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.checks:
+            raise Invalid("checks", "must name at least one check")
+        for i, check in enumerate(self.checks):
+            if check not in PREFLIGHT_CHECKS:
+                raise Invalid(f"checks[{i}]", f"unknown check {check!r}; one of {PREFLIGHT_CHECKS}")
+        if self.ckpt_dir is not None and (not self.ckpt_dir or "\0" in self.ckpt_dir):
+            raise Invalid("ckpt_dir", "must be a non-empty path without NUL bytes")
+        for name, value in self.reference.items():
+            if not 0 < value < 1e9:
+                raise Invalid(f"reference.{name}", f"must be in (0, 1e9), got {value}")
+        if not 0 <= self.tolerance < 1:
+            raise Invalid("tolerance", f"must be in [0, 1), got {self.tolerance}")
+        if not 0 < self.burn_s <= 600:
+            raise Invalid("burn_s", f"must be in (0, 600], got {self.burn_s}")
+
+
+@dataclass(frozen=True)
+class RepairArgs:
+    """`repair`: `gpu_reset` resets `gpus` (all of the node's by default) once no job runs on
+    them; `reboot` reboots the node. The result is a `command_result` (ok, message)."""
+
+    method: str = "gpu_reset"
+    gpus: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.method not in REPAIR_METHODS:
+            raise Invalid("method", f"must be one of {REPAIR_METHODS}, got {self.method!r}")
+        for i, gpu in enumerate(self.gpus):
+            if not 0 <= gpu < 1024:
+                raise Invalid(f"gpus[{i}]", f"must be in [0, 1024), got {gpu}")
+
+
 CommandArgs = Union[
-    CheckpointArgs, StopRanksArgs, StartJobArgs, StopJobArgs, FaultSpec, CollectStacksArgs
+    CheckpointArgs,
+    StopRanksArgs,
+    StartJobArgs,
+    StopJobArgs,
+    FaultSpec,
+    CollectStacksArgs,
+    PreflightArgs,
+    RepairArgs,
 ]
 
 # Every kind's args class (`inject_fault` takes a FaultSpec, the sim backend's fault).
@@ -227,6 +296,8 @@ COMMAND_ARGS: Mapping[CommandKind, type] = {
     CommandKind.STOP_JOB: StopJobArgs,
     CommandKind.INJECT_FAULT: FaultSpec,
     CommandKind.COLLECT_STACKS: CollectStacksArgs,
+    CommandKind.PREFLIGHT: PreflightArgs,
+    CommandKind.REPAIR: RepairArgs,
 }
 _KIND_OF: Mapping[type, CommandKind] = {cls: kind for kind, cls in COMMAND_ARGS.items()}
 

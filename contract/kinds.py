@@ -57,6 +57,7 @@ class EventKind(WireEnum):
     PREEMPTION_NOTICE = "preemption_notice"
     SOURCE_STALE = "source_stale"
     SOURCE_RECOVERED = "source_recovered"
+    PREFLIGHT_RESULT = "preflight_result"  # the checks a `preflight` command ran
 
 
 class CommandKind(WireEnum):
@@ -69,3 +70,5 @@ class CommandKind(WireEnum):
     STOP_JOB = "stop_job"  # -> SIGTERM the job's launch, grace, SIGKILL
     INJECT_FAULT = "inject_fault"  # -> the sim backend's hardware (sim backend only)
     COLLECT_STACKS = "collect_stacks"  # -> SIGUSR1 to the job's local ranks, stacks back
+    PREFLIGHT = "preflight"  # -> the node's health checks; a preflight_result event back
+    REPAIR = "repair"  # -> reset the node's GPUs or reboot it; a command_result back

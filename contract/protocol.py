@@ -288,6 +288,11 @@ EVENT_PAYLOADS: Mapping[EventKind, Payload] = {
         required={"source": _STR, "deadline_s": _NUMBER, "running_s": _NUMBER}
     ),
     EventKind.SOURCE_RECOVERED: Payload(required={"source": _STR, "stale_for_s": _NUMBER}),
+    # checks: one {"name", "passed", "detail", optional "value" and "reference"} per check
+    EventKind.PREFLIGHT_RESULT: Payload(
+        required={"command_id": _STR, "passed": _BOOL, "checks": _LIST},
+        optional={"duration_s": _NUMBER},
+    ),
 }
 
 

@@ -13,6 +13,8 @@ from trainguard.command_args import (
     CheckpointArgs,
     CollectStacksArgs,
     CommandArgs,
+    PreflightArgs,
+    RepairArgs,
     StartJobArgs,
     StopJobArgs,
     StopRanksArgs,
@@ -48,6 +50,10 @@ EXAMPLES: dict[CommandKind, CommandArgs] = {
     CommandKind.STOP_JOB: StopJobArgs(job="llm", grace_s=12.5),
     CommandKind.INJECT_FAULT: FaultSpec(kind="xid", gpu=3, code=48),
     CommandKind.COLLECT_STACKS: CollectStacksArgs(job="llm"),
+    CommandKind.PREFLIGHT: PreflightArgs(
+        checks=["ecc", "compute_burn"], reference={"compute_burn_tflops": 400.0}, tolerance=0.15
+    ),
+    CommandKind.REPAIR: RepairArgs(method="gpu_reset", gpus=[0, 3]),
 }
 
 
