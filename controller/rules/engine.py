@@ -150,14 +150,16 @@ def _evaluate_rule(
     timer: Callable[[], float] | None,
 ) -> dict[tuple[str, str], MemoryEntry] | None:
     """The entries of the targets where `rule` holds; None when it ran past `deadline` (the
-    clock is read before each target's test, so a rule that matches nothing is cut too)."""
+    clock is read before each node's targets and every few targets of the other scopes, so a
+    rule that matches nothing is cut too, and reading it costs little beside the tests)."""
     found: dict[tuple[str, str], MemoryEntry] = {}
     ctx = EvalContext(signals, now=now, stale_after_s=stale_after_s)
     cond = rule.condition
     memo_key = None if cond.uses_age() else (rule.name, cond.source)
     test = cond.compiled.test
+    check = None
     if deadline is not None and timer is not None:
-        test = _bounded(test, timer=timer, deadline=deadline)
+        check = _deadline_check(timer=timer, deadline=deadline)
     try:
         for _ in signals.matches(
             rule.scope,
@@ -166,6 +168,7 @@ def _evaluate_rule(
             test=test,
             memo_key=memo_key,
             reads=cond.signals(),
+            check=check,
         ):
             target = Target(*target_of(rule.scope, ctx))
             key = (rule.name, target.key)
@@ -192,15 +195,12 @@ class _OverBudget(Exception):
     """A rule's evaluation passed its deadline (raised from its test, caught by its caller)."""
 
 
-def _bounded(
-    test: Callable[[EvalContext], bool], *, timer: Callable[[], float], deadline: float
-) -> Callable[[EvalContext], bool]:
-    def bounded(ctx: EvalContext) -> bool:
+def _deadline_check(*, timer: Callable[[], float], deadline: float) -> Callable[[], None]:
+    def check() -> None:
         if timer() > deadline:
             raise _OverBudget
-        return test(ctx)
 
-    return bounded
+    return check
 
 
 def _carry(

@@ -40,6 +40,7 @@ __all__ = ["SIGNAL_EVENT_KINDS", "SignalState", "XidCatalog"]
 
 
 _INTERN_MAX = 200_000  # distinct GPU/link value tuples remembered for the quiet-target memo
+_CHECK_EVERY = 16  # targets between two reads of a rule's time budget (walked scopes)
 _EVENT_ATTRS = frozenset({"xid_total", "xid_fatal_total", "xid_last_code", "gpu_lost_total"})
 # Event kinds that change signals (`SignalState._ingest_event`): what a restart replays.
 SIGNAL_EVENT_KINDS: frozenset[EventKind] = frozenset(
@@ -578,8 +579,12 @@ class SignalState:
         test: Callable[[EvalContext], bool],
         memo_key: tuple[str, str] | None = None,
         reads: Collection[str] = (),
+        check: Callable[[], None] | None = None,
     ) -> Iterator[None]:
         """Like `walk`, but yields only where `test(ctx)` holds.
+
+        `check` (the rule's time budget; it raises to stop) is called every `_CHECK_EVERY`
+        targets, and before each node's targets of the gpu, nvlink and ib_port scopes.
 
         For gpu, nvlink and ib_port scopes with a `memo_key`, a condition that reads only
         tracked values and event counters (`reads`, no `age()`) is a pure function of a GPU's
@@ -595,13 +600,23 @@ class SignalState:
                 if len(memo) > _INTERN_MAX:
                     memo.clear()
         if memo is None:
+            seen = 0
+            last = None
+            per_node = scope in ("gpu", "nvlink", "ib_port")
             for _ in self.walk(scope, ctx, fresh_after=fresh_after):
+                if check is not None:
+                    if seen % _CHECK_EVERY == 0 or (per_node and ctx.node is not last):
+                        check()
+                        last = ctx.node
+                    seen += 1
                 if test(ctx):
                     yield
             return
         for node in list(self._nodes.values()):
             if fresh_after is not None and not _fresh(node, fresh_after):
                 continue
+            if check is not None:
+                check()
             ctx.node = node
             if scope == "ib_port":
                 for p in node.ports.values():

@@ -33,8 +33,8 @@ rules:
 
 
 class StepTimer:
-    """A fake monotonic timer: each read advances it by `step_s` (each read is one target's
-    test, or the start or end of a rule)."""
+    """A fake monotonic timer: each read advances it by `step_s` (each read is one node's
+    targets about to be tested, or the start or end of a rule)."""
 
     def __init__(self, step_s: float) -> None:
         self.t = 0.0
@@ -80,11 +80,11 @@ def test_a_rule_past_its_budget_is_cut_and_its_targets_keep_their_state() -> Non
     assert c.states("hot") == {"gpu:n1:1": "firing"}
     c.nodes["n1"].gpus[1]["temperature_celsius"] = 60.0  # would resolve if evaluated
     c.nodes["n2"].gpus[0]["temperature_celsius"] = 95.0  # would fire if evaluated
-    # 4 GPUs: a read per test; the 3rd read passes 2.5 s
-    timing = EvalTiming(timer=StepTimer(1.0), rule_budget_s=2.5, tick_budget_s=100.0)
+    # 2 nodes: a read per node; the second node's read passes the 1.5 s budget
+    timing = EvalTiming(timer=StepTimer(1.0), rule_budget_s=1.5, tick_budget_s=100.0)
     _timed(c, timing)
     assert timing.cut == {"hot"}
-    assert timing.spent_s["hot"] >= 2.5
+    assert timing.spent_s["hot"] >= 1.5
     assert c.states("hot") == {"gpu:n1:1": "firing"}  # no verdict: neither resolved nor new
     # evaluated again in budget, the engine's verdict stands
     _timed(c, EvalTiming(timer=StepTimer(0.001), rule_budget_s=1.0, tick_budget_s=3.0))
@@ -95,7 +95,7 @@ def test_a_rule_that_matches_nothing_is_cut_too() -> None:
     c = _cluster()
     c.nodes["n1"].gpus[1]["temperature_celsius"] = 60.0
     c.run(1)
-    timing = EvalTiming(timer=StepTimer(1.0), rule_budget_s=2.5, tick_budget_s=100.0)
+    timing = EvalTiming(timer=StepTimer(1.0), rule_budget_s=1.5, tick_budget_s=100.0)
     _timed(c, timing)
     assert "hot" in timing.cut
 
