@@ -78,6 +78,9 @@ RATE_LIMITED_SLEEP_S = 0.01  # over the total budget: the kernel queue holds the
 GATHER_S = 0.005
 DRAIN_BATCH = 256  # datagrams per drain before checking for stop again
 _CRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
+# plain ints: `flags & socket.MSG_TRUNC` builds an enum member per datagram (microseconds)
+_MSG_TRUNC = int(socket.MSG_TRUNC)
+_CRED_SPACE = socket.CMSG_SPACE(_CRED.size)
 REFUSAL_LOG_INTERVAL_S = 60.0  # one log line per (uid, job, reason) at most this often
 _MAX_REFUSAL_LOG_KEYS = 256
 
@@ -300,13 +303,12 @@ class HeartbeatServer:
         """
         n = 0
         while n < max_datagrams:
+            now_mono = self._clock.monotonic()
             with self._lock:
-                if not self._total_bucket.take(self._clock.monotonic()):
+                if not self._total_bucket.take(now_mono):
                     break
             try:
-                data, anc, flags, _ = self._sock.recvmsg(
-                    HEARTBEAT_MAX_BYTES + 1, socket.CMSG_SPACE(_CRED.size)
-                )
+                data, anc, flags, _ = self._sock.recvmsg(HEARTBEAT_MAX_BYTES + 1, _CRED_SPACE)
             except (BlockingIOError, InterruptedError):
                 with self._lock:
                     self._total_bucket.tokens += 1.0  # nothing read: give the token back
@@ -319,19 +321,26 @@ class HeartbeatServer:
             for level, kind, payload in anc:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
                     pid, uid, _ = _CRED.unpack(payload[: _CRED.size])
-            truncated = bool(flags & socket.MSG_TRUNC) or len(data) > HEARTBEAT_MAX_BYTES
-            self.handle_datagram(data, pid=pid, uid=uid, truncated=truncated)
+            truncated = bool(flags & _MSG_TRUNC) or len(data) > HEARTBEAT_MAX_BYTES
+            self.handle_datagram(data, pid=pid, uid=uid, truncated=truncated, now_mono=now_mono)
             n += 1
         return n
 
     # -- processing ------------------------------------------------------------------------
 
     def handle_datagram(
-        self, data: bytes, *, pid: int = -1, uid: int = -1, truncated: bool = False
+        self,
+        data: bytes,
+        *,
+        pid: int = -1,
+        uid: int = -1,
+        truncated: bool = False,
+        now_mono: float | None = None,
     ) -> None:
         """Process one datagram from process `pid` of user `uid` (the decision part, testable
-        directly; -1: the kernel named no sender)."""
-        now_mono = self._clock.monotonic()
+        directly; -1: the kernel named no sender) received at `now_mono` (default: now)."""
+        if now_mono is None:
+            now_mono = self._clock.monotonic()
         with self._lock:
             if not self._sender_allows(pid, now_mono):
                 self._drop("rate_limited")

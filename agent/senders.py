@@ -162,11 +162,15 @@ class JobClaims:
     def __init__(self, *, launched: Callable[[], Collection[str]] = frozenset) -> None:
         self.launched = launched
         self._owners: dict[str, tuple[str, int | str]] = {}
+        # the last check's (origin, job, owner): `bind` right after it reuses the owner rather
+        # than asking `launched` again (both run once per heartbeat, under the server's lock)
+        self._checked: tuple[Origin, str, tuple[str, int | str] | str | None] | None = None
 
     def check(self, origin: Origin, job: str) -> str | None:
         """None if `origin` may speak for `job`, else the refusal. Changes nothing: a free
         name is taken by `bind` once its heartbeat was accepted."""
         owner = self._owner(origin, job)
+        self._checked = (origin, job, owner)
         if isinstance(owner, str):
             return owner
         if owner is None:
@@ -178,7 +182,11 @@ class JobClaims:
 
     def bind(self, origin: Origin, job: str) -> None:
         """`origin` speaks for `job` from now on (after `check` allowed it)."""
-        owner = self._owner(origin, job)
+        checked = self._checked
+        if checked is not None and checked[0] is origin and checked[1] == job:
+            owner = checked[2]
+        else:
+            owner = self._owner(origin, job)
         if isinstance(owner, tuple) and job not in self._owners:
             self._owners[job] = owner
 

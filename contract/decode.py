@@ -326,7 +326,7 @@ def decoder(cls: type[T], *, lenient: bool = False) -> Decoder[T]:
     found = _DECODERS.get((cls, lenient))
     if found is None:
         found = _DECODERS[(cls, lenient)] = Decoder(cls, lenient=lenient)
-    return typing.cast(Decoder[T], found)
+    return typing.cast("Decoder[T]", found)  # a string: no generic alias built per call
 
 
 # --- explaining a failure --------------------------------------------------------------------

@@ -482,7 +482,7 @@ def decoder(cls: type[T]) -> WireDecoder[T]:
     found = _DECODERS.get(cls)
     if found is None:
         found = _DECODERS[cls] = WireDecoder(cls)
-    return typing.cast(WireDecoder[T], found)
+    return typing.cast("WireDecoder[T]", found)  # a string: no generic alias built per call
 
 
 def from_wire(cls: type[T], data: Any) -> T:
