@@ -9,17 +9,19 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import IO
 
+from trainguard.clock import SYSTEM_CLOCK, Clock
 from trainguard.controller.cli import jobs, nodes, reads, rules, silences, tokens
-from trainguard.controller.cli.client import Api
+from trainguard.controller.cli.client import REQUEST_TIMEOUT_S, Api
 from trainguard.controller.cli.errors import EXIT, CliError
 from trainguard.controller.cli.parser import COMMAND_OF, build_parser
+from trainguard.controller.cli.session import Session
 from trainguard.controller.cli.settings import settings_of
 from trainguard.controller.completion import completion_script
 
 __all__ = ["main"]
 
 # a command that calls the controller, by its path (command, then subcommand) -> what runs it
-Handler = Callable[[Api, argparse.Namespace, IO[str], IO[str]], None]
+Handler = Callable[[Session, argparse.Namespace], None]
 API_COMMANDS: dict[tuple[str, ...], Handler] = {
     ("get",): reads.get,
     ("describe",): reads.describe,
@@ -47,10 +49,15 @@ def command_path(args: argparse.Namespace) -> tuple[str, ...]:
     return (args.command,)
 
 
-def _run_api(args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
+def _run_api(args: argparse.Namespace, out: IO[str], err: IO[str], clock: Clock) -> None:
     settings = settings_of(args, err)
-    api = Api(settings.urls, settings.token, timeout_s=args.timeout, ca_file=settings.ca_file)
-    API_COMMANDS[command_path(args)](api, args, out, err)
+    # --timeout bounds each request; with --wait it bounds the whole wait, each request
+    # within it keeping the usual bound
+    timeout_s = REQUEST_TIMEOUT_S if args.timeout is None else args.timeout
+    if vars(args).get("wait", False):
+        timeout_s = min(timeout_s, REQUEST_TIMEOUT_S)
+    api = Api(settings.urls, settings.token, timeout_s=timeout_s, ca_file=settings.ca_file)
+    API_COMMANDS[command_path(args)](Session(api=api, out=out, err=err, clock=clock), args)
 
 
 def main(
@@ -59,8 +66,9 @@ def main(
     stdin: IO[str] | None = None,
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
+    clock: Clock = SYSTEM_CLOCK,
 ) -> int:
-    """Run agentctl; returns the exit code (see EXIT)."""
+    """Run agentctl; returns the exit code (see EXIT; Ctrl-C: 130, as a shell reports it)."""
     out = stdout or sys.stdout
     err = stderr or sys.stderr
     parser = build_parser()
@@ -82,12 +90,15 @@ def main(
         elif args.command == "rules" and args.rules_command in ("check", "export"):
             rules.rules_offline(args, out, err)
         else:
-            _run_api(args, out, err)
+            _run_api(args, out, err, clock)
     except CliError as e:
         err.write(f"{e}\n")
         return e.code
     except BrokenPipeError:
         return EXIT["ok"]
+    except KeyboardInterrupt:
+        # Ctrl-C ends --watch and --wait: no traceback, the shell's code for SIGINT
+        return EXIT["interrupted"]
     return EXIT["ok"]
 
 

@@ -15,7 +15,14 @@ from trainguard import __version__
 from trainguard.controller.cli.errors import EXIT, CliError
 from trainguard.leader import LEADER_HEADER, follow, leader_named
 
-__all__ = ["CLIENT_HEADER", "CONTINUE_HEADER", "LIST_MOST", "Api", "quote_name"]
+__all__ = [
+    "CLIENT_HEADER",
+    "CONTINUE_HEADER",
+    "LIST_MOST",
+    "REQUEST_TIMEOUT_S",
+    "Api",
+    "quote_name",
+]
 
 # the header the API reads to name the client in a drain reason it fills in
 # (controller/api/nodes.py; agentctl does not import the API, which needs the controller extra)
@@ -24,6 +31,8 @@ CLIENT_HEADER = "X-Trainguard-Client"
 CONTINUE_HEADER = "X-Trainguard-Continue"
 # `get jobs|incidents|audit` follows pages up to this many items (--limit: fewer)
 LIST_MOST = 10_000
+# a request's timeout without --timeout
+REQUEST_TIMEOUT_S = 10.0
 _PAGE_SIZE = 1000
 
 
@@ -89,7 +98,7 @@ class Api:
                 missed.append(f"{url}: {e}")
                 continue
             except httpx.HTTPError as e:
-                raise CliError(f"request to {url} failed: {e}", EXIT["error"]) from None
+                raise CliError(f"error: request to {url} failed: {e}", EXIT["error"]) from None
             if r.status_code != 503 or (len(self.urls) == 1 and LEADER_HEADER not in r.headers):
                 return r
             # a standby (or a controller without a leader) refused it before doing anything
@@ -118,9 +127,9 @@ class Api:
             missed.append(f"{url}: 503 {_error_text(r)}")
         if not answered:
             if len(self.urls) == 1:
-                raise CliError(f"cannot connect to {missed[0]}", EXIT["connect"])
+                raise CliError(f"error: cannot connect to {missed[0]}", EXIT["connect"])
             raise CliError(
-                f"cannot connect to any controller: {'; '.join(missed)}", EXIT["connect"]
+                f"error: cannot connect to any controller: {'; '.join(missed)}", EXIT["connect"]
             )
         raise CliError(
             f"error: 503 no controller leads now ({'; '.join(missed)}); retry shortly",

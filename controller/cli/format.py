@@ -1,9 +1,10 @@
-"""How agentctl prints what it read: tables of columns per resource, one object as indented
-`key: value` lines, JSON and YAML."""
+"""How agentctl prints what it read (`-o`): tables of columns per resource, one object as
+indented `key: value` lines, JSON, YAML, `kind/name` lines and jsonpath templates."""
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import time
@@ -13,19 +14,40 @@ from typing import IO, Any
 
 import yaml
 
-from trainguard.clock import SYSTEM_CLOCK
+from trainguard.controller.cli.errors import EXIT, CliError
+from trainguard.controller.cli.jsonpath import TemplateError, parse_template
 
 __all__ = [
     "COLUMNS",
     "FORMATS",
     "Column",
     "format_age",
+    "output_flag",
     "print_result",
+    "render",
+    "render_answer",
     "write_object",
     "write_table",
 ]
 
-FORMATS = ("table", "wide", "json", "yaml")
+FORMATS = ("table", "wide", "json", "yaml", "name")
+JSONPATH = "jsonpath="
+
+
+def output_flag(text: str) -> str:
+    """An argparse type for `-o`: one of FORMATS or `jsonpath=TEMPLATE` (checked here, so a
+    bad template is a usage error)."""
+    if text in FORMATS:
+        return text
+    if text.startswith(JSONPATH):
+        try:
+            parse_template(text[len(JSONPATH) :])
+        except TemplateError as e:
+            raise argparse.ArgumentTypeError(f"jsonpath: {e}") from None
+        return text
+    raise argparse.ArgumentTypeError(
+        f"invalid output format {text!r} (choose from {', '.join(FORMATS)}, jsonpath=TEMPLATE)"
+    )
 
 
 def format_age(seconds: float | None) -> str:
@@ -180,10 +202,20 @@ COLUMNS: dict[str, tuple[Column, ...]] = {
 
 
 def write_table(
-    out: IO[str], columns: Sequence[Column], items: list[dict[str, Any]], now: float, *, wide: bool
+    out: IO[str],
+    columns: Sequence[Column],
+    items: list[dict[str, Any]],
+    now: float,
+    *,
+    wide: bool,
+    headers: bool = True,
 ) -> None:
     shown = [c for c in columns if wide or not c.wide]
-    rows = [[c.header for c in shown], *([c.cell(item, now) for c in shown] for item in items)]
+    rows = [[c.cell(item, now) for c in shown] for item in items]
+    if headers:
+        rows.insert(0, [c.header for c in shown])
+    if not rows:
+        return
     widths = [max(len(row[i]) for row in rows) for i in range(len(shown))]
     for row in rows:
         line = "  ".join(c.ljust(widths[i]) for i, c in enumerate(row))
@@ -214,12 +246,65 @@ def write_object(out: IO[str], obj: dict[str, Any], now: float, indent: str = ""
             out.write(f"{label}{cell(value)}\n")
 
 
-def print_result(out: IO[str], args: argparse.Namespace, kind: str, data: Any) -> None:
-    if args.output == "json":
-        out.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    elif args.output == "yaml":
-        out.write(yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
-    elif kind in COLUMNS:
-        write_table(out, COLUMNS[kind], data, SYSTEM_CLOCK.now(), wide=args.output == "wide")
+# what `-o name` prints for a kind: `PREFIX/NAME`, NAME from the field named
+_NAME_OF: dict[str, tuple[str, str]] = {
+    "nodes": ("node", "name"),
+    "spares": ("node", "name"),
+    "node": ("node", "name"),
+    "jobs": ("job", "name"),
+    "job": ("job", "name"),
+    "incidents": ("incident", "id"),
+    "incident": ("incident", "id"),
+    "silences": ("silence", "id"),
+    "silence": ("silence", "id"),
+    "audit": ("audit", "id"),
+    "action": ("action", "id"),
+    "fault": ("command", "command_id"),
+}
+
+
+def _name_lines(kind: str, data: Any) -> str:
+    prefix, key = _NAME_OF[kind]
+    items = data if kind in COLUMNS else [data]
+    lines = []
+    for item in items:
+        # an incident in full (describe) holds the incident itself under "incident"
+        obj = item.get("incident", item) if kind == "incident" else item
+        lines.append(f"{prefix}/{obj[key]}\n")
+    return "".join(lines)
+
+
+def render(kind: str, data: Any, *, output: str, now: float, headers: bool = True) -> str:
+    """`data` (a list when `kind` is one of COLUMNS, else one object) as `-o output` prints
+    it."""
+    if output == "json":
+        return json.dumps(data, indent=2, sort_keys=True) + "\n"
+    if output == "yaml":
+        return str(yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
+    if output == "name":
+        return _name_lines(kind, data)
+    if output.startswith(JSONPATH):
+        root = {"items": data} if kind in COLUMNS else data
+        return parse_template(output[len(JSONPATH) :]).render(root)
+    buf = io.StringIO()
+    if kind in COLUMNS:
+        write_table(buf, COLUMNS[kind], data, now, wide=output == "wide", headers=headers)
     else:
-        write_object(out, data, SYSTEM_CLOCK.now())
+        write_object(buf, data, now)
+    return buf.getvalue()
+
+
+def render_answer(data: dict[str, Any], *, output: str, text: str, what: str) -> str:
+    """An answer that is no resource (a count, a deleted id): `text` for table and wide, the
+    data for json, yaml and jsonpath; `-o name` is a usage error (`what` has no name)."""
+    if output in ("table", "wide"):
+        return text
+    if output == "name":
+        raise CliError(f"error: -o name: {what} prints no object names", EXIT["usage"])
+    return render("answer", data, output=output, now=0.0)
+
+
+def print_result(
+    out: IO[str], args: argparse.Namespace, kind: str, data: Any, *, now: float
+) -> None:
+    out.write(render(kind, data, output=args.output, now=now, headers=not args.no_headers))

@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import argparse
-from typing import IO, Any
+from typing import Any
 
 from trainguard.bounds import bad_drain_reason
-from trainguard.controller.cli.client import Api, quote_name
+from trainguard.controller.cli.client import quote_name
 from trainguard.controller.cli.commandhelp import add_command
 from trainguard.controller.cli.errors import EXIT, CliError
-from trainguard.controller.cli.format import print_result
-from trainguard.controller.cli.values import parse_duration
+from trainguard.controller.cli.session import Session
+from trainguard.controller.cli.wait import (
+    DrainTracker,
+    JobTracker,
+    Tracker,
+    add_wait_argument,
+    progress_stream,
+    wait_for,
+    wait_timeout_s,
+)
+from trainguard.faultflags import add_fault_arguments, fault_body
 
 __all__ = [
-    "INJECT_KINDS",
     "add_inject_command",
     "add_node_commands",
     "drain",
@@ -22,21 +30,6 @@ __all__ = [
     "spares",
     "undrain",
 ]
-
-INJECT_KINDS = (
-    "ecc_storm",
-    "dbe",
-    "remap_pending",
-    "remap_failure",
-    "xid",
-    "gpu_lost",
-    "nvlink_down",
-    "ib_flap",
-    "ib_down",
-    "thermal",
-    "slowdown",
-    "clear",
-)
 
 
 def add_node_commands(sub: Any, *, parents: list[argparse.ArgumentParser]) -> None:
@@ -54,6 +47,7 @@ def add_node_commands(sub: Any, *, parents: list[argparse.ArgumentParser]) -> No
     drain.add_argument(
         "--reason", help="recorded with the drain (default: 'drained by NAME (ROLE) via agentctl')"
     )
+    add_wait_argument(drain, "until drained and, when the node ran a job, that job trains again")
 
     undrain = add_command(
         sub,
@@ -90,58 +84,54 @@ def add_inject_command(sub: Any, *, parents: list[argparse.ArgumentParser]) -> N
         "inject",
         "Queue a simulated fault on a node (sim agents only).",
         "agentctl inject node-3 xid --gpu 2 --code 79",
+        "agentctl inject node-3 thermal --gpu 6 --for 60s",
         parents=parents,
     )
     inj.add_argument("node")
-    inj.add_argument("kind", choices=INJECT_KINDS)
-    inj.add_argument("--gpu", type=int)
-    inj.add_argument("--link", type=int)
-    inj.add_argument("--device")
-    inj.add_argument("--port", type=int)
-    inj.add_argument("--code", type=int)
-    inj.add_argument("--rate", type=float, dest="rate_per_s")
-    inj.add_argument(
-        "--for", dest="duration", help="fault duration, e.g. 30s (default: until cleared)"
-    )
+    add_fault_arguments(inj)
 
 
-def drain(api: Api, args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
+def drain(s: Session, args: argparse.Namespace) -> None:
     # no reason: the controller records who drained it and that agentctl did
     why = bad_drain_reason(args.reason) if args.reason is not None else None
     if why is not None:
         raise CliError(f"error: --reason: {why}", EXIT["usage"])
+    before = s.api.request("GET", f"/v1/nodes/{quote_name(args.node)}") if args.wait else None
     body = {"reason": args.reason} if args.reason is not None else {}
-    data = api.request("POST", f"/v1/nodes/{quote_name(args.node)}/drain", json=body)
-    print_result(out, args, "node", data)
+    data = s.api.request("POST", f"/v1/nodes/{quote_name(args.node)}/drain", json=body)
+    s.show(args, "node", data)
+    if before is None:
+        return
+    trackers: list[Tracker] = [DrainTracker(args.node)]
+    job = before.get("job")
+    if job:
+        # the job it ran: back when an attempt after this one trains (without the node)
+        view = s.api.request("GET", f"/v1/jobs/{quote_name(job)}")
+        trackers.append(
+            JobTracker(job, min_attempt=int(view["attempt"]) + 1, nodes=tuple(view["nodes"]))
+        )
+    wait_for(s, trackers, timeout_s=wait_timeout_s(args), out=progress_stream(s, args))
 
 
-def undrain(api: Api, args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
+def undrain(s: Session, args: argparse.Namespace) -> None:
     body = {"force": True} if args.force else {}
-    data = api.request("POST", f"/v1/nodes/{quote_name(args.node)}/undrain", json=body)
-    print_result(out, args, "node", data)
+    data = s.api.request("POST", f"/v1/nodes/{quote_name(args.node)}/undrain", json=body)
+    s.show(args, "node", data)
 
 
-def spares(api: Api, args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
-    print_result(out, args, "spares", api.request("GET", "/v1/spares"))
+def spares(s: Session, args: argparse.Namespace) -> None:
+    s.show(args, "spares", s.api.request("GET", "/v1/spares"))
 
 
-def role(api: Api, args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
-    data = api.request("PUT", f"/v1/nodes/{quote_name(args.node)}/role", json={"role": args.role})
-    print_result(out, args, "node", data)
+def role(s: Session, args: argparse.Namespace) -> None:
+    data = s.api.request("PUT", f"/v1/nodes/{quote_name(args.node)}/role", json={"role": args.role})
+    s.show(args, "node", data)
 
 
-def inject(api: Api, args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
-    spec: dict[str, Any] = {"kind": args.kind}
-    for key in ("gpu", "link", "device", "port", "code", "rate_per_s"):
-        if getattr(args, key) is not None:
-            spec[key] = getattr(args, key)
-    if args.duration is not None:
-        try:
-            spec["duration_s"] = parse_duration(args.duration)
-        except ValueError as e:
-            raise CliError(f"error: --for: {e}", EXIT["usage"]) from None
-    data = api.request("POST", f"/v1/nodes/{quote_name(args.node)}/faults", json=spec)
-    if args.output in ("json", "yaml"):
-        print_result(out, args, "fault", data)
+def inject(s: Session, args: argparse.Namespace) -> None:
+    spec = fault_body(args)
+    data = s.api.request("POST", f"/v1/nodes/{quote_name(args.node)}/faults", json=spec)
+    if args.output in ("table", "wide"):
+        s.out.write(f"fault {args.kind} queued for {args.node}: command {data['command_id']}\n")
     else:
-        out.write(f"fault {args.kind} queued for {args.node}: command {data['command_id']}\n")
+        s.show(args, "fault", data)

@@ -8,9 +8,11 @@ from typing import Any
 
 from trainguard import __version__
 from trainguard.controller.cli import jobs, nodes, reads, rules, silences, tokens
+from trainguard.controller.cli.client import REQUEST_TIMEOUT_S
 from trainguard.controller.cli.commandhelp import add_command
-from trainguard.controller.cli.format import FORMATS
+from trainguard.controller.cli.format import FORMATS, JSONPATH, output_flag
 from trainguard.controller.completion import SHELLS
+from trainguard.durations import duration_arg
 
 __all__ = ["COMMAND_OF", "EPILOG", "build_parser"]
 
@@ -18,7 +20,7 @@ __all__ = ["COMMAND_OF", "EPILOG", "build_parser"]
 COMMAND_OF = {"cordon": "drain", "uncordon": "undrain"}
 
 EPILOG = """exit codes: 0 ok, 1 error or request failed, 2 usage, 3 not found,
-            4 unauthorized or forbidden, 5 cannot connect
+            4 unauthorized or forbidden, 5 cannot connect, 130 interrupted (Ctrl-C)
 run 'agentctl COMMAND --help' for a command's options and an example"""
 
 
@@ -40,6 +42,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _Outputs(tuple[str, ...]):
+    """`-o`'s choices: FORMATS (what --help and completion list) or any `jsonpath=...` (its
+    template checked by output_flag)."""
+
+    def __contains__(self, value: object) -> bool:
+        return tuple.__contains__(self, value) or (
+            isinstance(value, str) and value.startswith(JSONPATH)
+        )
+
+
+OUTPUTS = _Outputs(FORMATS)
+OUTPUT_HELP = (
+    "table (default), wide (more columns), json, yaml, name (kind/name lines) or "
+    "jsonpath=TEMPLATE (e.g. '{.items[*].name}')"
+)
+TIMEOUT_HELP = (
+    f"request timeout (default {REQUEST_TIMEOUT_S:g}s); with --wait, how long to wait in all; "
+    "e.g. 30s, 5m, or seconds"
+)
+NO_HEADERS_HELP = "table, wide: no header line"
+
+
 def _option_parents() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The options every command that calls the controller takes (`common`) and those of the
     commands that print what they read (`reads`)."""
@@ -56,15 +80,19 @@ def _option_parents() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]
     )
     common.add_argument("--config", default=argparse.SUPPRESS, help="agentctl config file")
     common.add_argument(
-        "--timeout", type=float, default=argparse.SUPPRESS, help="request timeout, seconds"
+        "--timeout", type=duration_arg, default=argparse.SUPPRESS, help=TIMEOUT_HELP
     )
     reads = argparse.ArgumentParser(add_help=False)
     reads.add_argument(
         "-o",
         "--output",
-        choices=FORMATS,
+        type=output_flag,
+        choices=OUTPUTS,
         default=argparse.SUPPRESS,
-        help="table (default), wide (more columns), json or yaml",
+        help=OUTPUT_HELP,
+    )
+    reads.add_argument(
+        "--no-headers", action="store_true", default=argparse.SUPPRESS, help=NO_HEADERS_HELP
     )
     return common, reads
 
@@ -91,10 +119,11 @@ def _top_parser() -> argparse.ArgumentParser:
         help="PEM CA file that signed the controller's certificate (env TRAINGUARD_CA_FILE)",
     )
     p.add_argument("--config", default=None, help="config file (url or urls, token_file, ca_file)")
-    p.add_argument("--timeout", type=float, default=10.0, help="request timeout, seconds")
+    p.add_argument("--timeout", type=duration_arg, default=None, help=TIMEOUT_HELP)
     p.add_argument(
-        "-o", "--output", choices=FORMATS, default="table", help="table, wide, json or yaml"
+        "-o", "--output", type=output_flag, choices=OUTPUTS, default="table", help=OUTPUT_HELP
     )
+    p.add_argument("--no-headers", action="store_true", default=False, help=NO_HEADERS_HELP)
     return p
 
 

@@ -9,9 +9,10 @@ from typing import IO, Any
 
 import yaml
 
-from trainguard.controller.cli.client import Api
 from trainguard.controller.cli.commandhelp import add_command
 from trainguard.controller.cli.errors import EXIT, CliError
+from trainguard.controller.cli.format import render_answer
+from trainguard.controller.cli.session import Session
 from trainguard.rules import shipped_dir
 from trainguard.strict import ConfigError
 from trainguard.xid_catalog import XidCatalog
@@ -82,16 +83,27 @@ def rules_offline(args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
     except (RuleError, ConfigError) as e:
         raise CliError(str(e), EXIT["error"]) from None
     if args.rules_command == "check":
-        out.write(f"OK: {len(ruleset.rules)} rules\n")
-        for catalog in catalogs:
-            out.write(f"OK: XID catalog {catalog.source}: {len(catalog)} XIDs\n")
+        text = f"OK: {len(ruleset.rules)} rules\n" + "".join(
+            f"OK: XID catalog {c.source}: {len(c)} XIDs\n" for c in catalogs
+        )
+        data = {
+            "rules": len(ruleset.rules),
+            "xid_catalogs": [{"source": str(c.source), "xids": len(c)} for c in catalogs],
+        }
+        out.write(render_answer(data, output=args.output, text=text, what="rules check"))
         return
+    if args.output != "table":
+        raise CliError(
+            "error: -o: rules export prints Prometheus rules as YAML; it takes no -o",
+            EXIT["usage"],
+        )
     doc, warnings = to_prometheus_rules(ruleset)
     for w in warnings:
         err.write(f"warning: {w}\n")
     out.write(yaml.safe_dump(doc, sort_keys=False))
 
 
-def reload(api: Api, args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
-    data = api.request("POST", "/v1/rules/reload")
-    out.write(f"OK: {data['rules']} rules loaded\n")
+def reload(s: Session, args: argparse.Namespace) -> None:
+    data = s.api.request("POST", "/v1/rules/reload")
+    text = f"OK: {data['rules']} rules loaded\n"
+    s.out.write(render_answer(data, output=args.output, text=text, what="rules reload"))

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-from typing import IO, Any
+from typing import Any
 
-from trainguard.controller.cli.client import Api
 from trainguard.controller.cli.commandhelp import add_command
 from trainguard.controller.cli.errors import EXIT, CliError
-from trainguard.controller.cli.format import print_result
-from trainguard.controller.cli.values import parse_duration
+from trainguard.controller.cli.format import render_answer
+from trainguard.controller.cli.session import Session
+from trainguard.durations import parse_duration
 
 __all__ = ["add_silence_commands", "silence", "unsilence"]
 
@@ -36,7 +36,7 @@ def add_silence_commands(
     unsil.add_argument("id", type=int)
 
 
-def silence(api: Api, args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
+def silence(s: Session, args: argparse.Namespace) -> None:
     if args.rule is None and args.node is None:
         raise CliError("error: give --rule, --node or both", EXIT["usage"])
     try:
@@ -45,9 +45,11 @@ def silence(api: Api, args: argparse.Namespace, out: IO[str], err: IO[str]) -> N
         raise CliError(f"error: --for: {e}", EXIT["usage"]) from None
     body: dict[str, Any] = {"duration_s": duration_s, "comment": args.comment}
     body.update({k: v for k, v in (("rule", args.rule), ("node", args.node)) if v})
-    print_result(out, args, "silence", api.request("POST", "/v1/silences", json=body))
+    s.show(args, "silence", s.api.request("POST", "/v1/silences", json=body))
 
 
-def unsilence(api: Api, args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
-    api.request("DELETE", f"/v1/silences/{args.id}")
-    out.write(f"silence {args.id} deleted\n")
+def unsilence(s: Session, args: argparse.Namespace) -> None:
+    s.api.request("DELETE", f"/v1/silences/{args.id}")
+    text = f"silence {args.id} deleted\n"
+    data = {"deleted": args.id}
+    s.out.write(render_answer(data, output=args.output, text=text, what="unsilence"))

@@ -1,27 +1,62 @@
-"""Flag values agentctl parses itself: durations like `30s`, `5m`."""
+"""Flag values agentctl parses itself (argparse types: a bad value is a usage error naming the
+flag, exit 2): counts and label selectors. Durations: trainguard.faultflags.duration_arg."""
 
 from __future__ import annotations
 
+import argparse
 import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["parse_duration"]
+__all__ = [
+    "Requirement",
+    "positive_int",
+    "selected",
+    "selector",
+]
 
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
-_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r} (a whole number)") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
 
 
-def parse_duration(text: str) -> float:
-    """ "90s", "30m", "2h", "1d", "1h30m" -> seconds; raises ValueError."""
-    t = text.strip()
-    if not t:
-        raise ValueError("empty duration")
-    pos = 0
-    total = 0.0
-    for m in _DURATION.finditer(t):
-        if m.start() != pos:
-            break
-        total += float(m.group(1)) * _UNIT_S[m.group(2)]
-        pos = m.end()
-    if pos != len(t) or total <= 0:
-        raise ValueError(f"invalid duration {text!r} (use e.g. 90s, 30m, 2h, 1d, 1h30m)")
-    return total
+@dataclass(frozen=True)
+class Requirement:
+    """One term of a label selector: `key=value` (or `==`), `key!=value`."""
+
+    key: str
+    value: str
+    equal: bool = True
+
+    def matches(self, labels: Mapping[str, Any]) -> bool:
+        return (labels.get(self.key) == self.value) == self.equal
+
+
+_SELECTOR_TERM = re.compile(r"([A-Za-z0-9][A-Za-z0-9._/-]*)\s*(==|!=|=)\s*([A-Za-z0-9._-]*)")
+
+
+def selector(text: str) -> tuple[Requirement, ...]:
+    """An argparse type: a label selector, `key=value[,key2!=value2]`."""
+    terms = []
+    for part in text.split(","):
+        m = _SELECTOR_TERM.fullmatch(part.strip())
+        if m is None:
+            raise argparse.ArgumentTypeError(
+                f"invalid selector term {part.strip()!r} (use key=value or key!=value, "
+                "comma-separated)"
+            )
+        terms.append(Requirement(m.group(1), m.group(3), equal=m.group(2) != "!="))
+    return tuple(terms)
+
+
+def selected(labels: Mapping[str, Any], requirements: Sequence[Requirement]) -> bool:
+    """Whether `labels` match every requirement of a selector."""
+    return all(r.matches(labels) for r in requirements)

@@ -27,8 +27,8 @@ from trainguard.controller.auth import Role, hash_token
 from trainguard.controller.cli import main
 from trainguard.controller.cli.format import format_age
 from trainguard.controller.cli.parser import build_parser
-from trainguard.controller.cli.values import parse_duration
 from trainguard.controller.views import UnknownXidView
+from trainguard.durations import parse_duration
 from trainguard.protocol import FaultSpec
 from trainguard.rules import shipped_dir
 from trainguard.xid_catalog import XidCatalog
