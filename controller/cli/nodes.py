@@ -19,6 +19,7 @@ from trainguard.controller.cli.wait import (
     wait_for,
     wait_timeout_s,
 )
+from trainguard.controller.jobstate import JobState
 from trainguard.faultflags import add_fault_arguments, fault_body
 
 __all__ = [
@@ -104,9 +105,10 @@ def drain(s: Session, args: argparse.Namespace) -> None:
         return
     trackers: list[Tracker] = [DrainTracker(args.node)]
     job = before.get("job")
-    if job:
+    view = s.api.request("GET", f"/v1/jobs/{quote_name(job)}") if job else None
+    state = JobState.parse(str(view["state"])) if view is not None else None
+    if job and view is not None and state is not None and state.active:
         # the job it ran: back when an attempt after this one trains (without the node)
-        view = s.api.request("GET", f"/v1/jobs/{quote_name(job)}")
         trackers.append(
             JobTracker(job, min_attempt=int(view["attempt"]) + 1, nodes=tuple(view["nodes"]))
         )

@@ -168,13 +168,15 @@ def _check_filters(resource: str, args: argparse.Namespace) -> None:
 
 
 def _read(s: Session, resource: str, args: argparse.Namespace) -> tuple[str, Any]:
-    """What `get` shows: (kind, data) -- the resource's plural and a list, also for a NAME
-    (a list of one, so it prints as a row)."""
+    """What `get` shows: (kind, data) -- the resource's plural and a list; for a NAME the
+    object itself (a table shows it as a list of one: a row)."""
     if args.name is not None:
         data = s.api.request("GET", _ONE_PATH[resource].format(quote_name(args.name)))
         if resource == "incidents":
             data = data["incident"]  # the row of it; `describe incident` shows the rest
-        return resource, [data]
+        if args.output in ("table", "wide"):
+            return resource, [data]
+        return resource[:-1], data
     params: dict[str, Any] = {}
     if resource == "incidents":
         params = {"state": args.state, "node": args.node}

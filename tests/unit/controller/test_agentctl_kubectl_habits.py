@@ -226,12 +226,14 @@ def test_invalid_flag_values_are_usage_errors_naming_the_flag(
 
 
 def test_output_formats_of_a_list(svc: FakeService) -> None:
+    svc.add_incident(id=42, node="node-1")
     assert run("get", "nodes", "-o", "jsonpath={.items[*].name}")[1] == "node-1 node-2 node-3"
     assert run("get", "jobs", "-o", "jsonpath={.items[0].state}")[1] == "stopped"
-    assert run("get", "nodes", "node-1", "-o", "jsonpath={.items[0].labels.rack}")[1] == "r1"
+    assert run("get", "nodes", "node-1", "-o", "jsonpath={.labels.rack}")[1] == "r1"
     lines = run("get", "nodes", "--no-headers")[1].splitlines()
     assert [line.split()[0] for line in lines] == ["node-1", "node-2", "node-3"]
-    assert json.loads(run("get", "nodes", "node-1", "-o", "json")[1])[0]["name"] == "node-1"
+    assert json.loads(run("get", "nodes", "node-1", "-o", "json")[1])["name"] == "node-1"
+    assert run("get", "inc", "42", "-o", "name")[1] == "incident/42\n"
 
 
 def test_output_formats_of_one_object_and_of_answers(svc: FakeService) -> None:
@@ -266,7 +268,7 @@ def test_watch_prints_again_only_when_the_result_changes(svc: FakeService) -> No
 
     clock = ScriptedClock([clock_only, step, clock_only])
     code, out, _ = run(
-        "get", "jobs", "llama", "-o", "jsonpath={.items[0].state}{\"\\n\"}", "-w",
+        "get", "jobs", "llama", "-o", "jsonpath={.state}{\"\\n\"}", "-w",
         "--watch-limit", "4", clock=clock,
     )  # fmt: skip
     assert code == 0
@@ -354,3 +356,11 @@ def test_checkpoint_wait_until_a_newer_commit_or_a_failed_save(svc: FakeService)
     code, _, err = run("checkpoint", "llama", "--wait", clock=ScriptedClock(failed))
     assert code == 1
     assert "the trainer reported the checkpoint failed" in err
+
+
+def test_drain_wait_of_a_node_without_a_running_job_ends_when_drained(svc: FakeService) -> None:
+    code, out, _ = run("drain", "node-3", "--wait", "-o", "name", clock=ScriptedClock([]))
+    assert (code, out) == (0, "node/node-3\n")
+    svc.nodes["node-3"] = replace(svc.nodes["node-3"], job="bert")  # bert is stopped
+    code, _, err = run("drain", "node-3", "--wait", "-o", "name", clock=ScriptedClock([]))
+    assert (code, err) == (0, "node/node-3 drained\n")
