@@ -12,8 +12,6 @@ from trainguard.controller.cli.errors import EXIT, CliError
 from trainguard.controller.cli.session import Session
 from trainguard.controller.cli.wait import (
     DrainTracker,
-    JobTracker,
-    Tracker,
     add_wait_argument,
     progress_stream,
     wait_for,
@@ -48,7 +46,7 @@ def add_node_commands(sub: Any, *, parents: list[argparse.ArgumentParser]) -> No
     drain.add_argument(
         "--reason", help="recorded with the drain (default: 'drained by NAME (ROLE) via agentctl')"
     )
-    add_wait_argument(drain, "until drained and, when the node ran a job, that job trains again")
+    add_wait_argument(drain, "until the node is drained")
 
     undrain = add_command(
         sub,
@@ -103,16 +101,18 @@ def drain(s: Session, args: argparse.Namespace) -> None:
     s.show(args, "node", data)
     if before is None:
         return
-    trackers: list[Tracker] = [DrainTracker(args.node)]
+    stream = progress_stream(s, args)
+    wait_for(s, [DrainTracker(args.node)], timeout_s=wait_timeout_s(args), out=stream)
     job = before.get("job")
     view = s.api.request("GET", f"/v1/jobs/{quote_name(job)}") if job else None
     state = JobState.parse(str(view["state"])) if view is not None else None
-    if job and view is not None and state is not None and state.active:
-        # the job it ran: back when an attempt after this one trains (without the node)
-        trackers.append(
-            JobTracker(job, min_attempt=int(view["attempt"]) + 1, nodes=tuple(view["nodes"]))
+    if job and state is not None and state.active:
+        # an operator's drain stops the job's processes on the node and remediates nothing
+        # itself (the job's rules may, on what follows): say how it leaves the node now
+        stream.write(
+            f"job/{job} ran on node/{args.node}: `agentctl restart {job} --wait` moves it to a "
+            "spare\n"
         )
-    wait_for(s, trackers, timeout_s=wait_timeout_s(args), out=progress_stream(s, args))
 
 
 def undrain(s: Session, args: argparse.Namespace) -> None:

@@ -5,9 +5,9 @@ happened since (`lines`), whether it is over (`done`) or failed (`failure`); `wa
 the trackers in turn on the session's clock, within one timeout for all of them. A failure
 or the timeout exits 1.
 
-    drain NODE --wait       node/N draining, node/N drained; then, when the node ran a job:
-                            job/J spare in (or shrank), job/J restarted, job/J first step
-    restart JOB --wait      job/J restarting, [spare in,] restarted: attempt K, first step
+    drain NODE --wait       node/N draining, node/N drained
+    restart JOB --wait      job/J restarting, spare in (a drained node swapped) or shrank,
+                            restarted: attempt K, first step
     job submit FILE --wait  job/J started: attempt 1, first step
     checkpoint JOB --wait   job/J checkpoint committed at step S
 """

@@ -286,11 +286,20 @@ def test_watch_ends_cleanly_on_ctrl_c(svc: FakeService) -> None:
     assert "Traceback" not in err
 
 
-def test_drain_wait_follows_the_node_and_its_job_back(svc: FakeService) -> None:
+def test_drain_wait_ends_when_drained_and_names_how_its_job_moves(svc: FakeService) -> None:
+    code, out, err = run("drain", "node-2", "--wait", clock=ScriptedClock([]))
+    assert (code, err) == (0, "")
+    assert out.splitlines()[-2:] == [
+        "node/node-2 drained",
+        "job/llama ran on node/node-2: `agentctl restart llama --wait` moves it to a spare",
+    ]
+
+
+def test_restart_wait_prints_a_line_per_step_to_the_first_step(svc: FakeService) -> None:
     job = svc.jobs["llama"]
-    # the fake drains at once; the job's remediation then moves on each poll
+    # the restart moves on at each poll
     changes = [
-        lambda: svc.jobs.update(llama=replace(job, state="restarting", state_reason="node-2 out")),
+        lambda: svc.jobs.update(llama=replace(job, state="restarting", state_reason="operator")),
         lambda: svc.jobs.update(
             llama=replace(job, state="restarting", nodes=("node-1", "node-3"))
         ),
@@ -299,13 +308,12 @@ def test_drain_wait_follows_the_node_and_its_job_back(svc: FakeService) -> None:
         lambda: svc.jobs.update(llama=replace(job, state="running", nodes=("node-1", "node-3"),
                                               attempt=3, last_step=401)),
     ]  # fmt: skip
-    code, out, err = run("drain", "node-2", "--wait", clock=ScriptedClock(changes))
+    code, out, err = run("restart", "llama", "--wait", clock=ScriptedClock(changes))
     assert (code, err) == (0, "")
-    progress = out.splitlines()[-6:]
-    assert progress == [
-        "node/node-2 drained",
+    assert out.splitlines() == [
+        "restart of job llama: step #1 running",
         "job/llama running",
-        "job/llama restarting: node-2 out",
+        "job/llama restarting: operator",
         "job/llama spare in: node-3 for node-2",
         "job/llama restarted: attempt 3 on node-1,node-3",
         "job/llama first step: attempt 3 at step 401",
@@ -361,6 +369,20 @@ def test_checkpoint_wait_until_a_newer_commit_or_a_failed_save(svc: FakeService)
 def test_drain_wait_of_a_node_without_a_running_job_ends_when_drained(svc: FakeService) -> None:
     code, out, _ = run("drain", "node-3", "--wait", "-o", "name", clock=ScriptedClock([]))
     assert (code, out) == (0, "node/node-3\n")
-    svc.nodes["node-3"] = replace(svc.nodes["node-3"], job="bert")  # bert is stopped
+    svc.nodes["node-3"] = replace(svc.nodes["node-3"], job="bert")  # bert is stopped: no hint
     code, _, err = run("drain", "node-3", "--wait", "-o", "name", clock=ScriptedClock([]))
     assert (code, err) == (0, "node/node-3 drained\n")
+
+
+def test_drain_wait_fails_when_the_node_is_undrained_meanwhile(
+    svc: FakeService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def undrained() -> None:
+        svc.nodes["node-3"] = replace(svc.nodes["node-3"], state="active")
+
+    monkeypatch.setattr(svc, "drain", lambda name, **kw: svc.nodes[name])
+    svc.nodes["node-3"] = replace(svc.nodes["node-3"], state="draining")
+    code, out, err = run("drain", "node-3", "--wait", clock=ScriptedClock([undrained]))
+    assert code == 1
+    assert "node/node-3 draining" in out
+    assert err == "error: node/node-3 is active again: the drain was undone\n"
