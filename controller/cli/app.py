@@ -40,6 +40,10 @@ API_COMMANDS: dict[tuple[str, ...], Handler] = {
 }
 
 
+# commands whose output has one form, and what it is: `-o` other than the default is refused
+TEXT_ONLY = {"token": "a token and its tokens-file line", "completion": "a shell script"}
+
+
 def command_path(args: argparse.Namespace) -> tuple[str, ...]:
     """The command and, for a group, its subcommand: ("get",), ("job", "submit")."""
     if args.command == "job":
@@ -80,6 +84,11 @@ def main(
         return int(e.code) if isinstance(e.code, int) else EXIT["usage"]
     args.command = COMMAND_OF.get(args.command, args.command)
     try:
+        if args.command in TEXT_ONLY and args.output != "table":
+            raise CliError(
+                f"error: -o: {args.command} prints {TEXT_ONLY[args.command]}; it takes no -o",
+                EXIT["usage"],
+            )
         if args.command == "token":
             if args.token_command == "issue":  # noqa: S105 (a subcommand's name)
                 tokens.token_issue(args, out, err)

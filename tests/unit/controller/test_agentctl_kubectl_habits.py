@@ -246,6 +246,10 @@ def test_output_formats_of_one_object_and_of_answers(svc: FakeService) -> None:
     code, _, err = run("-o", "name", "rules", "reload")
     assert code == 2
     assert "-o name" in err
+    for argv in (["rules", "export"], ["completion", "bash"], ["token", "hash"]):
+        code, out, err = run("-o", "json", *argv)
+        assert (code, out) == (2, ""), argv
+        assert "takes no -o" in err
 
 
 def test_inject_takes_the_same_flags_as_the_agents_inject(svc: FakeService) -> None:
