@@ -17,7 +17,6 @@ import signal
 import sys
 from collections.abc import Sequence
 from types import FrameType
-from typing import Any, get_args
 
 import httpx
 
@@ -25,8 +24,8 @@ from trainguard import __version__
 from trainguard.agent.config import load_config
 from trainguard.agent.daemon import Agent, StartupError
 from trainguard.bounds import bad_name_reason
+from trainguard.faultflags import add_fault_arguments, fault_body
 from trainguard.leader import split_urls
-from trainguard.protocol import FaultKind
 from trainguard.strict import ConfigError
 from trainguard.unitfile import install_unit_main
 
@@ -97,15 +96,9 @@ def _inject_parser() -> argparse.ArgumentParser:
         description="Inject a fault into a running agent with the sim backend "
         "(POST http://127.0.0.1:PORT/v1/faults).",
     )
-    p.add_argument("kind", choices=list(get_args(FaultKind)))
+    # KIND and its options: the same flags as `agentctl inject`
+    add_fault_arguments(p)
     p.add_argument("--metrics-port", type=int, default=9500, help="the agent's /metrics port")
-    p.add_argument("--gpu", type=int)
-    p.add_argument("--link", type=int, help="nvlink_down: link index")
-    p.add_argument("--device", help="ib_flap/ib_down: e.g. mlx5_0")
-    p.add_argument("--port", type=int, help="ib_flap/ib_down: port number")
-    p.add_argument("--code", type=int, help="xid: the XID number")
-    p.add_argument("--rate-per-s", type=float, help="ecc_storm/nvlink_down: errors per second")
-    p.add_argument("--duration-s", type=float, help="fault lasts this long (default: until clear)")
     p.add_argument("--timeout-s", type=float, default=5.0)
     return p
 
@@ -124,11 +117,7 @@ def _setup_logging(level: str, node: str) -> None:
 
 def _inject(argv: Sequence[str]) -> int:
     args = _inject_parser().parse_args(argv)
-    body: dict[str, Any] = {"kind": args.kind}
-    for name in ("gpu", "link", "device", "port", "code", "rate_per_s", "duration_s"):
-        value = getattr(args, name)
-        if value is not None:
-            body[name] = value
+    body = fault_body(args)
     url = f"http://127.0.0.1:{args.metrics_port}/v1/faults"
     try:
         resp = httpx.post(url, json=body, timeout=args.timeout_s)

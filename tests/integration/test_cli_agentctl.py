@@ -24,8 +24,11 @@ from tests.helpers import free_port
 from tests.integration.controller_proc import dbe_rules
 from trainguard import __version__
 from trainguard.controller.auth import Role, hash_token
-from trainguard.controller.cli import build_parser, format_age, main, parse_duration
+from trainguard.controller.cli import main
+from trainguard.controller.cli.format import format_age
+from trainguard.controller.cli.parser import build_parser
 from trainguard.controller.views import UnknownXidView
+from trainguard.durations import parse_duration
 from trainguard.protocol import FaultSpec
 from trainguard.rules import shipped_dir
 from trainguard.xid_catalog import XidCatalog
@@ -730,7 +733,7 @@ def test_get_follows_pages_to_show_every_job_incident_and_audit_entry(
     code, out, err = run("get", "inc", "--limit", "1050", "-o", "json")
     assert len(json.loads(out)) == 1050 and not err
     # past the default bound: what fits, and a note saying how to see more
-    monkeypatch.setattr("trainguard.controller.cli.LIST_MOST", 2000)
+    monkeypatch.setattr("trainguard.controller.cli.reads.LIST_MOST", 2000)
     code, out, err = run("get", "jobs", "-o", "json")
     assert code == 0 and len(json.loads(out)) == 2000
     assert "showing the first 2,000 jobs" in err

@@ -106,7 +106,7 @@ def test_every_url_dead_is_a_connect_error_naming_each() -> None:
     a, b = dead_url(), dead_url()
     code, _, err = run("--url", f"{a},{b}", "drain", "node-12")
     assert code == 5
-    assert err.startswith("cannot connect to any controller")
+    assert err.startswith("error: cannot connect to any controller")
     assert a in err and b in err
 
 

@@ -2,10 +2,13 @@
 HTTP reports and carry out the commands on the responses. A sick node is checkpointed,
 drained, replaced by the spare and the job restarted, with the right commands at each step;
 with no spare the job shrinks; `kill -9` of the controller while the restart waits for the
-first step resumes it without another start_job."""
+first step resumes it without another start_job; agentctl's `--wait` follows submit, drain and
+restart to the first step."""
 
 from __future__ import annotations
 
+import io
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,10 +21,13 @@ from tests.helpers import wait_for
 from tests.integration.controller_proc import (
     AGENT,
     OP,
+    OP_TOKEN,
     dbe_rules,
     start_controller,
     write_config,
 )
+from trainguard.clock import SystemClock
+from trainguard.controller.cli import main as agentctl_main
 from trainguard.protocol import ReportResponse, decode_json, encode_json
 
 
@@ -186,3 +192,61 @@ def test_kill9_mid_restart_resumes_without_another_start_job(tmp_path, controlle
     )
     assert fleet.starts() == [("n1", 1), ("n2", 1), ("n2", 2), ("n3", 2)]
     assert fleet.job()["attempt"] == 2
+
+
+class FleetClock(SystemClock):
+    """agentctl's clock for --wait against the real controller: each of its sleeps is a
+    round of the fake agents' reports (and a short real sleep, for the controller's tick)."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+
+    def sleep(self, seconds: float) -> None:
+        self.fleet.round()
+        time.sleep(min(seconds, 0.1))
+
+
+@pytest.mark.slow
+def test_agentctl_waits_for_submit_drain_and_restart_through_the_real_controller(
+    tmp_path: Path, controllers: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`job submit --wait` (to the first step), `drain --wait` (to drained) and `restart
+    --wait` (the drained node swapped for the spare, to the first step) print their steps and
+    end 0, read from the controller's own job and node views."""
+    controllers.append(start_controller(config(tmp_path), log_path=tmp_path / "c.log"))
+    fleet = Fleet({"n1": "active", "n2": "active", "n3": "spare"})
+    fleet.url = controllers[0].url
+    fleet.register()
+    monkeypatch.setenv("TRAINGUARD_URL", fleet.url)
+    monkeypatch.setenv("TRAINGUARD_TOKEN", OP_TOKEN)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    spec = tmp_path / "job.yaml"
+    spec.write_text("name: job\ncommand: [examples/train.py]\nnodes: [n1, n2]\n")
+
+    def agentctl(*argv: str) -> tuple[int, list[str], str]:
+        out, err = io.StringIO(), io.StringIO()
+        code = agentctl_main(
+            [*argv, "--wait", "--timeout", "60s", "-o", "name"],
+            stdout=out,
+            stderr=err,
+            clock=FleetClock(fleet),
+        )
+        return code, err.getvalue().splitlines(), out.getvalue()
+
+    code, steps, out = agentctl("job", "submit", str(spec))
+    assert (code, out) == (0, "job/job\n"), steps
+    assert steps[0] == "job/job started: attempt 1 on n1,n2"
+    assert steps[-1].startswith("job/job first step: attempt 1 at step ")
+
+    code, steps, _ = agentctl("drain", "n1")
+    assert code == 0, steps
+    assert steps[-2:] == [
+        "node/n1 drained",
+        "job/job ran on node/n1: `agentctl restart job --wait` moves it to a spare",
+    ]
+
+    code, steps, _ = agentctl("restart", "job")
+    assert code == 0, steps
+    assert "job/job spare in: n3 for n1" in steps
+    assert "job/job restarted: attempt 2 on n3,n2" in steps
+    assert steps[-1].startswith("job/job first step: attempt 2 at step ")

@@ -18,8 +18,8 @@ from trainguard.controller.api.app import create_app
 from trainguard.controller.api.routing import CONTINUE_HEADER
 from trainguard.controller.auth import TokenStore
 from trainguard.controller.backends.slurm.backend import REASON_PREFIX, trainguard_reason
-from trainguard.controller.cli import EXIT
 from trainguard.controller.cli import main as agentctl
+from trainguard.controller.cli.errors import EXIT
 from trainguard.controller.errors import LimitReached
 
 OP = {"Authorization": "Bearer op-token"}

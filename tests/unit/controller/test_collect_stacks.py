@@ -10,7 +10,7 @@ import pytest
 
 from tests.unit.controller.job_sim import JOB_RULES, Sim, running
 from trainguard.controller.actions.jobsteps import bounded_text
-from trainguard.controller.cli import _describe
+from trainguard.controller.cli.format import write_object
 
 # stands in for rank_silent / training_stall (the fake agent does not age heartbeats): a rank
 # condition the test turns on and off, with the same plan
@@ -90,7 +90,7 @@ def test_bounded_text(text: str, limit: int, expected: str) -> None:
 def test_describe_prints_multiline_text_as_an_indented_block() -> None:
     out = io.StringIO()
     entry = {"kind": "action_succeeded", "data": {"stacks": {"n1": "--- rank 0 ---\n  File x"}}}
-    _describe(out, {"timeline": [entry]}, 0.0)
+    write_object(out, {"timeline": [entry]}, 0.0)
     assert "      stacks:\n        n1: |\n          --- rank 0 ---\n            File x\n" in (
         out.getvalue()
     )

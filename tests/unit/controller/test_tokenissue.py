@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from trainguard.controller.auth import Principal, hash_token, load_tokens
-from trainguard.controller.cli import EXIT, main
+from trainguard.controller.cli import main
+from trainguard.controller.cli.errors import EXIT
 
 
 def _run(*argv: str) -> tuple[int, str, str]:

@@ -11,7 +11,7 @@ import pytest
 
 from tests.builders import Reporter
 from trainguard.clock import FakeClock
-from trainguard.controller.cli import _describe
+from trainguard.controller.cli.format import write_object
 from trainguard.controller.composition import Controller
 from trainguard.controller.unknownxids import UnknownXids
 from trainguard.controller.views import UnknownXidView
@@ -80,7 +80,7 @@ def test_the_node_view_shows_the_unknown_codes_it_reported_and_survives_a_restar
 def test_describe_node_prints_the_unknown_codes() -> None:
     view = UnknownXidView(code=999, count=2, first_at=100.0, last_at=130.0)
     out = io.StringIO()
-    _describe(out, {"name": "n1", "unknown_xids": [to_wire(view)]}, 160.0)
+    write_object(out, {"name": "n1", "unknown_xids": [to_wire(view)]}, 160.0)
     text = out.getvalue()
     assert "unknown_xids:" in text
     assert "code:" in text and "999" in text
