@@ -701,7 +701,12 @@ def _add_inject_command(sub: Any, *, parents: list[argparse.ArgumentParser]) -> 
 
 def _add_job_commands(sub: Any, *, parents: list[argparse.ArgumentParser]) -> None:
     """job submit|stop, checkpoint and restart."""
-    job = _command(sub, "job", "Submit or stop a training job.", "agentctl job submit llama.yaml")
+    job = _command(
+        sub,
+        "job",
+        "Submit or stop a training job (job submit|stop).",
+        "agentctl job submit llama.yaml",
+    )
     jsub = job.add_subparsers(dest="job_command", required=True, metavar="SUBCOMMAND")
     submit = _command(
         jsub,
@@ -726,7 +731,10 @@ def _add_job_commands(sub: Any, *, parents: list[argparse.ArgumentParser]) -> No
 def _add_rules_commands(sub: Any, *, common: argparse.ArgumentParser) -> None:
     """rules check|export (offline) and reload."""
     rules = _command(
-        sub, "rules", "Check, export or reload alerting rules.", "agentctl rules check"
+        sub,
+        "rules",
+        "Check, export or reload alerting rules (rules check|export|reload).",
+        "agentctl rules check",
     )
     rsub = rules.add_subparsers(dest="rules_command", required=True, metavar="SUBCOMMAND")
     check = _command(
@@ -765,7 +773,7 @@ def _add_token_commands(sub: Any) -> None:
     token = _command(
         sub,
         "token",
-        "Token helpers.",
+        "Issue agent tokens or hash one (token issue|hash), offline.",
         "agentctl token issue node-12 --out node-12.token",
         'printf %s "$TOKEN" | agentctl token hash',
     )
