@@ -64,16 +64,22 @@ EXIT_CONFIG = 2
 PROBE_CONN_TIMEOUT_S = 3.0
 
 
+# name -> (usage, what it does): the subcommands, as --help lists them
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "check-config": ("check-config CONFIG", "validate CONFIG as a start would, print a summary"),
+    "install-unit": ("install-unit", "write the systemd unit for this installation"),
+    "targets": ("targets HOSTS", "write Prometheus file_sd targets for HOSTS (a hostlist)"),
+    "backup": ("backup DEST", "copy the live store to DEST"),
+    "restore": ("restore BACKUP", "install BACKUP as the store (controller stopped)"),
+}
+
+
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="trainguard-controller",
         description="trainguard controller: rules, incidents, actions and the REST API",
         epilog="Subcommands (each with its own --help):\n"
-        "  check-config CONFIG   validate CONFIG as a start would, print a summary, exit\n"
-        "  install-unit          write the systemd unit for this installation\n"
-        "  targets HOSTS         write Prometheus file_sd targets for HOSTS (a hostlist)\n"
-        "  backup DEST           copy the live store to DEST\n"
-        "  restore BACKUP        install BACKUP as the store (controller stopped)",
+        + "\n".join(f"  {usage:<21} {what}" for usage, what in SUBCOMMANDS.values()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"{p.prog} {__version__}")
