@@ -138,6 +138,11 @@ class TokenStore:
     def __len__(self) -> int:
         return len(self._by_digest)
 
+    def replace_with(self, other: TokenStore) -> None:
+        """Take `other`'s tokens from now on (a tokens file reloaded on SIGHUP): one
+        assignment, so a request is checked against the old set or the new, never a mix."""
+        self._by_digest = dict(other._by_digest)
+
     def entries(self) -> list[Entry]:
         """(name, role, sha256 hex, node) of every token, as the constructor takes them: what
         another process needs to check the same tokens (hashes only, never a token)."""

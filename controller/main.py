@@ -1,6 +1,7 @@
 """trainguard-controller: load the config, start the Controller, serve the API with uvicorn.
 
-SIGHUP reloads the rules (a bad file is logged and the running rules stay); SIGTERM/SIGINT
+SIGHUP reloads the rules and the tokens file (a bad file is logged and the running rules or
+tokens stay: `agentctl token issue` adds tokens without a restart); SIGTERM/SIGINT
 stop serving, then stop the controller (threads joined, store flushed and closed).
 With `api.ingest_workers: N` (`--ingest-workers N`) the port is served by N worker processes
 that hand reports to this one (`controller/ingest/`); they are stopped before the controller.
@@ -17,6 +18,7 @@ import logging
 import math
 import signal
 import socket
+import ssl
 import sys
 import threading
 from collections.abc import Sequence
@@ -40,14 +42,17 @@ from trainguard.controller.errors import ServiceError
 from trainguard.controller.ha import HaController
 from trainguard.controller.ingest.frontend import IngestFrontend
 from trainguard.controller.runtime import new_event_loop, setup_logging
+from trainguard.controller.scrapetargets import main as targets_main
 from trainguard.controller.store.errors import LeaseLost
 from trainguard.controller.storeurl import redact_url
 from trainguard.controller.storewatch import StoreWatch, postgres_probe
+from trainguard.controller.tick import load_rule_set
 from trainguard.controller.tlsauth import uvicorn_tls_options
 from trainguard.controller.watchdog import watchdog_running
 from trainguard.strict import ConfigError
 from trainguard.systemd import SystemdNotifier
 from trainguard.unitfile import install_unit_main
+from trainguard.xid_catalog import XidCatalog
 
 log = logging.getLogger("trainguard.controller.main")
 
@@ -59,12 +64,23 @@ EXIT_CONFIG = 2
 PROBE_CONN_TIMEOUT_S = 3.0
 
 
+# name -> (usage, what it does): the subcommands, as --help lists them
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "check-config": ("check-config CONFIG", "validate CONFIG as a start would, print a summary"),
+    "install-unit": ("install-unit", "write the systemd unit for this installation"),
+    "targets": ("targets HOSTS", "write Prometheus file_sd targets for HOSTS (a hostlist)"),
+    "backup": ("backup DEST", "copy the live store to DEST"),
+    "restore": ("restore BACKUP", "install BACKUP as the store (controller stopped)"),
+}
+
+
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="trainguard-controller",
         description="trainguard controller: rules, incidents, actions and the REST API",
-        epilog="Subcommand: 'trainguard-controller install-unit --help' writes the systemd "
-        "unit for this installation.",
+        epilog="Subcommands (each with its own --help):\n"
+        + "\n".join(f"  {usage:<21} {what}" for usage, what in SUBCOMMANDS.values()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"{p.prog} {__version__}")
     p.add_argument(
@@ -116,6 +132,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "install-unit":
         return install_unit_main(argv[1:], prog="trainguard-controller")
+    if argv and argv[0] == "check-config":
+        return check_config_main(argv[1:])
+    if argv and argv[0] == "targets":
+        return targets_main(argv[1:])
     if _store_tool(argv):
         return backup_main(argv)
     args = _parse_args(argv)
@@ -174,6 +194,70 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _serve(
         controller, config, tokens, sock, threadpool=args.ingest_in_threadpool, watch=watch
     )
+
+
+def check_config_main(argv: Sequence[str]) -> int:
+    """`check-config CONFIG`: what a start checks before it serves (the config, the tokens
+    file, the rules, the XID catalog, the notifiers, the TLS files), without opening the
+    store or the port. Exit 0 with a one-line summary, or 2 with the error a start prints."""
+    p = argparse.ArgumentParser(
+        prog="trainguard-controller check-config",
+        description="Validate a controller config as a start would; exit 0 (a one-line "
+        "summary) or 2 (the error).",
+    )
+    p.add_argument("config", metavar="CONFIG", help="the controller config file")
+    args = p.parse_args(argv)
+    try:
+        summary = check_config(args.config)
+    except ConfigError as e:
+        print(f"trainguard-controller: bad configuration: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(summary)
+    return EXIT_OK
+
+
+def check_config(path: str) -> str:
+    """Validate the config at `path` and what it names; raises ConfigError, else returns the
+    one-line summary."""
+    config = load_config(path)
+    tokens = load_tokens(
+        config.api.tokens_file, allow_shared_agent_tokens=config.api.allow_shared_agent_tokens
+    )
+    rules = load_rule_set(config)
+    XidCatalog.load(config.xid_catalog or None)
+    notifiers = build_notifiers(config.notify)
+    config.store.read_password()
+    _check_tls(config.api)
+    api = config.api
+    scheme = "https" if api.tls_cert_file else "http"
+    mtls = " mtls" if api.tls_client_ca_file else ""
+    store = redact_url(config.store.url) if config.store.url else f"sqlite:{config.store.path}"
+    paging = ",".join(sorted(n.channel for n in notifiers)) or "none"
+    return (
+        f"ok: {path}: api={scheme}://{api.host}:{api.port}{mtls} store={store} "
+        f"ha={'on' if config.ha.enabled else 'off'} backend={config.backend.kind} "
+        f"rules={len(rules.names())} tokens={len(tokens)} notify={paging}"
+    )
+
+
+def _check_tls(api: Any) -> None:
+    """The server certificate, its key and the client CA load as the server would load them."""
+    if api.tls_cert_file is None:
+        return
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(api.tls_cert_file, api.tls_key_file)
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(
+            "", "api.tls_cert_file", f"cannot load {api.tls_cert_file}: {e}"
+        ) from None
+    if api.tls_client_ca_file is not None:
+        try:
+            ctx.load_verify_locations(cafile=api.tls_client_ca_file)
+        except (OSError, ssl.SSLError) as e:
+            raise ConfigError(
+                "", "api.tls_client_ca_file", f"cannot load {api.tls_client_ca_file}: {e}"
+            ) from None
 
 
 def _store_watch(config: Any, controller: Any) -> StoreWatch:
@@ -255,6 +339,7 @@ def _serve(
             conn_limits=json.dumps(dataclasses.asdict(limits)),
         )
     notifier = SystemdNotifier()
+    loop = new_event_loop()
 
     def reload_rules() -> None:
         try:
@@ -267,9 +352,28 @@ def _serve(
             return
         log.info("event=sighup_reload rules=%d", count)
 
+    def reload_tokens() -> None:
+        try:
+            fresh = load_tokens(
+                config.api.tokens_file,
+                allow_shared_agent_tokens=config.api.allow_shared_agent_tokens,
+            )
+        except ConfigError as e:
+            log.error("event=sighup_tokens_failed detail=%s", str(e).replace("\n", " "))
+            return
+        tokens.replace_with(fresh)
+        if isinstance(server, IngestFrontend):
+            # the workers' channels belong to the event loop: hand the new set over there
+            loop.call_soon_threadsafe(server.set_tokens, tokens)
+        log.info("event=sighup_tokens tokens=%d", len(tokens))
+
+    def reload() -> None:
+        reload_tokens()
+        reload_rules()
+
     def on_hup(signum: int, frame: FrameType | None) -> None:
         # work off the signal handler: reloading reads files and takes the controller lock
-        threading.Thread(target=reload_rules, name="trainguard-reload", daemon=True).start()
+        threading.Thread(target=reload, name="trainguard-reload", daemon=True).start()
 
     def on_term(signum: int, frame: FrameType | None) -> None:
         # uvicorn swaps in its own handlers while serving and re-raises the signal after a
@@ -298,7 +402,6 @@ def _serve(
     if watch is not None:
         watch.start()
     code = EXIT_OK
-    loop = new_event_loop()
     asyncio.set_event_loop(loop)
     try:
         loop.run_until_complete(run())

@@ -1,8 +1,9 @@
 """Issuing an agent token bound to one node: a new random token, its tokens-file line, the
 token written to a 0600 file, and the line appended to a tokens file atomically.
 
-The controller reads its tokens file at start; a token added here is accepted after the
-controller restarts. Nothing here logs or prints a token except where asked to.
+The controller reads its tokens file at start and again on SIGHUP (`systemctl reload
+trainguard-controller`): a token added here is accepted after that reload. Nothing here
+logs or prints a token except where asked to.
 """
 
 from __future__ import annotations
@@ -11,13 +12,22 @@ import os
 import re
 import secrets
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
 
 from trainguard.controller.auth import hash_token
 
-__all__ = ["NODE_NAME", "TokenIssueError", "append_line", "new_token", "tokens_line", "write_new"]
+__all__ = [
+    "NODE_NAME",
+    "TokenIssueError",
+    "append_line",
+    "append_lines",
+    "new_token",
+    "tokens_line",
+    "write_new",
+]
 
 # node and token names written into the tokens file without quoting
 NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
@@ -59,39 +69,47 @@ def write_new(path: Path, text: str) -> None:
 
 
 def append_line(path: Path, line: str) -> None:
-    """Append `line` (from `tokens_line`) to the `tokens:` list of the tokens file `path`:
-    written to a temporary file beside it (same mode), fsynced, renamed over it. Refused,
-    with nothing written, when the file is not a tokens list that the line extends by
-    exactly that entry, or when its name or node already has an entry."""
+    """Append `line` (from `tokens_line`) to the `tokens:` list of the tokens file `path`
+    (see `append_lines`)."""
+    append_lines(path, [line])
+
+
+def append_lines(path: Path, lines: Sequence[str]) -> None:
+    """Append `lines` (from `tokens_line`) to the `tokens:` list of the tokens file `path`,
+    all or none: written to a temporary file beside it (same mode), fsynced, renamed over it.
+    Refused, with nothing written, when the file is not a tokens list that the lines extend
+    by exactly those entries, or when a name or node among them already has an entry."""
     try:
         text = path.read_text(encoding="utf-8")
         mode = os.stat(path).st_mode & 0o777
     except OSError as e:
         raise TokenIssueError(f"cannot read {path}: {e.strerror or e}") from None
-    (entry,) = yaml.safe_load(line)
+    entries = [yaml.safe_load(line)[0] for line in lines]
     if not text.strip():
         text = "tokens:\n"  # an empty file: the list starts here
     before = _tokens(path, text)
-    for known in before:
-        if isinstance(known, dict):
-            if known.get("name") == entry["name"]:
+    known = [k for k in before if isinstance(k, dict)]
+    for i, entry in enumerate(entries):
+        for k in [*known, *entries[:i]]:
+            if k.get("name") == entry["name"]:
                 raise TokenIssueError(f"{path}: a token named {entry['name']} exists already")
-            if known.get("role") == "agent" and known.get("node") == entry["node"]:
+            if k.get("role") == "agent" and k.get("node") == entry["node"]:
                 raise TokenIssueError(
-                    f"{path}: node {entry['node']} has a token already ({known.get('name')}); "
+                    f"{path}: node {entry['node']} has a token already ({k.get('name')}); "
                     "to rotate it, replace that entry (docs/security.md)"
                 )
     indents = _ITEM_INDENT.findall(text)
     indent = indents[-1] if indents else "  "
-    new_text = text + ("" if text.endswith("\n") or not text else "\n") + indent + line + "\n"
+    added = "".join(f"{indent}{line}\n" for line in lines)
+    new_text = text + ("" if text.endswith("\n") or not text else "\n") + added
     try:
-        appended = _tokens(path, new_text) == [*before, entry]
+        appended = _tokens(path, new_text) == [*before, *entries]
     except TokenIssueError:
         appended = False
     if not appended:
         raise TokenIssueError(
             f"{path}: cannot append to its tokens list safely (flow style or another section "
-            f"after it); add this line under tokens: yourself:\n{line}"
+            f"after it); add these lines under tokens: yourself:\n{added}"
         )
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:

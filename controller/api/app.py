@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
 
 from trainguard.controller.api.audit import add_audit_routes
+from trainguard.controller.api.docs_page import add_docs_page
 from trainguard.controller.api.errors import (
     ApiError,
     Leadership,
@@ -72,7 +73,7 @@ def create_app(
         title="trainguard controller",
         version="1",
         openapi_url="/v1/openapi.json",
-        docs_url="/v1/docs",
+        docs_url=None,  # FastAPI's page loads Swagger UI from a CDN: ours is self-contained
         redoc_url=None,
     )
     schemas = Schemas()
@@ -90,6 +91,7 @@ def create_app(
     add_audit_routes(routes, service=service, guards=guards)
     add_rule_routes(routes, service=service, guards=guards)
     install_openapi(app, schemas)
+    add_docs_page(app)
     return app
 
 

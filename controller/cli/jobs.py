@@ -27,7 +27,10 @@ __all__ = ["add_job_commands", "job_step", "submit"]
 def add_job_commands(sub: Any, *, parents: list[argparse.ArgumentParser]) -> None:
     """job submit|stop, checkpoint and restart."""
     job = add_command(
-        sub, "job", "Submit or stop a training job.", "agentctl job submit llama.yaml"
+        sub,
+        "job",
+        "Submit or stop a training job (job submit|stop).",
+        "agentctl job submit llama.yaml",
     )
     jsub = job.add_subparsers(dest="job_command", required=True, metavar="SUBCOMMAND")
     submit = add_command(

@@ -23,7 +23,10 @@ __all__ = ["add_rules_commands", "reload", "rules_offline"]
 def add_rules_commands(sub: Any, *, common: argparse.ArgumentParser) -> None:
     """rules check|export (offline) and reload."""
     rules = add_command(
-        sub, "rules", "Check, export or reload alerting rules.", "agentctl rules check"
+        sub,
+        "rules",
+        "Check, export or reload alerting rules (rules check|export|reload).",
+        "agentctl rules check",
     )
     rsub = rules.add_subparsers(dest="rules_command", required=True, metavar="SUBCOMMAND")
     check = add_command(

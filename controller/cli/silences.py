@@ -22,7 +22,8 @@ def add_silence_commands(
         sub,
         "silence",
         "Silence a rule, a node, or a rule on a node for a while.",
-        "agentctl silence --rule gpu_dbe --node node-12 --for 2h --comment 'RMA open'",
+        "agentctl silence --rule gpu_uncorrectable_ecc --node node-12 --for 2h "
+        "--comment 'RMA open'",
         parents=parents,
     )
     sil.add_argument("--rule")

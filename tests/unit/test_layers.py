@@ -400,6 +400,7 @@ CONTROLLER_LAYER_OF: dict[str, str] = {
     "views": "base",
     "metrics": "base",
     "records": "base",  # the store's record types: plain dataclasses every layer reads
+    "hostlist": "base",  # Slurm hostlist expressions: the Slurm backend and the token tools
     "storeurl": "base",  # store.url's schemes and password rule: the config checks them
     "actionkinds": "base",  # the ActionKind table: rules, jobs and actions all ask it
     "store": "store",
@@ -430,6 +431,7 @@ CONTROLLER_LAYER_OF: dict[str, str] = {
     "auth": "top",
     "tlsauth": "top",
     "tokenissue": "top",
+    "scrapetargets": "top",  # Prometheus file_sd target files (trainguard-controller targets)
     "ingest": "top",
     "runtime": "top",
     "watchdog": "top",

@@ -12,13 +12,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import subprocess
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from trainguard.controller.hostlist import expand_hostlist
 
 log = logging.getLogger("trainguard.controller.slurm")
 
@@ -114,46 +115,6 @@ class RecordingRunner:
 
 
 # --- what the commands print ----------------------------------------------------------------
-
-_HOSTLIST_PART = re.compile(r"([^\[\],]*)(\[[^\]]*\])?([^\[\],]*)")
-
-
-def expand_hostlist(text: str) -> list[str]:
-    """`n[1,3-4],gpu07` -> ['n1', 'n3', 'n4', 'gpu07']; ranges keep their zero padding."""
-    out: list[str] = []
-    for item in _split_top(text.strip()):
-        m = re.fullmatch(r"([^\[\]]*)\[([^\]]+)\]([^\[\]]*)", item)
-        if m is None:
-            if item:
-                out.append(item)
-            continue
-        prefix, body, suffix = m.groups()
-        for part in body.split(","):
-            lo, sep, hi = part.partition("-")
-            if not sep:
-                out.append(f"{prefix}{lo}{suffix}")
-                continue
-            width = len(lo) if lo.startswith("0") else 0
-            for i in range(int(lo), int(hi) + 1):
-                out.append(f"{prefix}{i:0{width}d}{suffix}")
-    return out
-
-
-def _split_top(text: str) -> list[str]:
-    """Split at the commas outside brackets."""
-    items: list[str] = []
-    cur: list[str] = []
-    depth = 0
-    for ch in text:
-        if ch == "," and depth == 0:
-            items.append("".join(cur))
-            cur = []
-            continue
-        depth += ch == "["
-        depth -= ch == "]"
-        cur.append(ch)
-    items.append("".join(cur))
-    return [i for i in items if i]
 
 
 @dataclass(frozen=True)
@@ -351,7 +312,6 @@ __all__ = [
     "SlurmJob",
     "SlurmNode",
     "SlurmRunner",
-    "expand_hostlist",
     "parse_reservation",
     "parse_sinfo",
     "parse_squeue",

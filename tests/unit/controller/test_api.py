@@ -457,3 +457,17 @@ def test_a_report_handed_over_by_an_ingest_worker_finds_no_store_is_503(svc: Fak
         app.report_path.decode_and_ingest(encode_json(_report()), actor="agents", node=None)
     )
     _assert_store_unavailable(status, body, headers)
+
+
+def test_api_docs_page_is_self_contained_and_lists_the_operations(client: TestClient) -> None:
+    page = client.get("/v1/docs")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    csp = page.headers["content-security-policy"]
+    assert "default-src 'none'" in csp and "connect-src 'self'" in csp
+    # nothing it loads comes from anywhere else: no absolute URL, no external script or style
+    assert (
+        "http://" not in page.text and "https://" not in page.text and "//" + "cdn" not in page.text
+    )
+    assert "<script src" not in page.text and "<link" not in page.text
+    assert 'fetch("openapi.json")' in page.text  # relative: /v1/openapi.json on this origin
+    assert client.get("/v1/openapi.json").json()["paths"]["/v1/nodes"]

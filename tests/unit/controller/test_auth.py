@@ -168,3 +168,11 @@ def test_many_node_tokens_each_authenticate_as_their_own_node() -> None:
     )
     assert store.authenticate("tok-1234") == Principal("agent-node-1234", "agent", "node-1234")
     assert store.authenticate("tok-2048") is None
+
+
+def test_replace_with_swaps_the_whole_token_set_in_place() -> None:
+    store = TokenStore.from_plaintext({"old": ("agent-a", "agent", "a")})
+    store.replace_with(TokenStore.from_plaintext({"new": ("agent-b", "agent", "b")}))
+    assert store.authenticate("old") is None
+    assert store.authenticate("new") == Principal(name="agent-b", role="agent", node="b")
+    assert len(store) == 1

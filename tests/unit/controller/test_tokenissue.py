@@ -125,3 +125,55 @@ def test_unreadable_ca_file_is_a_usage_error(tmp_path: Path) -> None:
     )
     assert code == EXIT["usage"]
     assert "CA file" in err
+
+
+def test_issue_for_a_hostlist_writes_a_token_file_per_node_and_appends_every_line(
+    tmp_path: Path,
+) -> None:
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text("tokens:\n")
+    out_dir = tmp_path / "tokens"
+    code, out, err = _run(
+        "token", "issue", "node-[01-03],gpu7", "--out-dir", str(out_dir),
+        "--tokens-file", str(tokens),
+    )  # fmt: skip
+    assert code == 0, err
+    assert len(out.splitlines()) == 4 and "SIGHUP" in err
+    store = load_tokens(tokens)
+    for node in ("node-01", "node-02", "node-03", "gpu7"):
+        token_file = out_dir / f"{node}.token"
+        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        token = token_file.read_text().strip()
+        assert token not in out + err
+        assert store.authenticate(token) == Principal(name=f"agent-{node}", role="agent", node=node)
+
+
+def test_issue_for_a_hostlist_with_one_node_taken_writes_nothing(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text("tokens:\n")
+    _run("token", "issue", "node-02", "--out", str(tmp_path / "n2"), "--tokens-file", str(tokens))
+    assert "node-02" in tokens.read_text()
+    before = tokens.read_text()
+    code, out, err = _run(
+        "token", "issue", "node-[01-03]", "--out-dir", str(tmp_path / "d"),
+        "--tokens-file", str(tokens),
+    )  # fmt: skip
+    assert code == EXIT["usage"] and out == ""
+    assert "node-02" in err
+    assert tokens.read_text() == before and not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["node-[01-03]"], "--out-dir"),
+        (["node-[01-03]", "--out", "x", "--out-dir", "d"], "--out-dir"),
+        (["node-[03-01]"], "range"),
+        (["node-[01-03"], "brackets"),
+    ],
+    ids=["no-out-dir", "out-with-several", "reversed-range", "unbalanced"],
+)
+def test_issue_for_a_hostlist_refuses_what_it_cannot_do(args: list[str], needle: str) -> None:
+    code, out, err = _run("token", "issue", *args)
+    assert code == EXIT["usage"] and out == ""
+    assert needle in err

@@ -24,13 +24,13 @@ from trainguard.controller.backends.config import BackendConfig
 from trainguard.controller.backends.slurm.backend import SlurmBackend, node_state_of
 from trainguard.controller.backends.slurm.cli import (
     SlurmNode,
-    expand_hostlist,
     parse_reservation,
     parse_sinfo,
     parse_squeue,
 )
 from trainguard.controller.composition import ActionBackends, Controller
 from trainguard.controller.errors import BadRequest
+from trainguard.controller.hostlist import expand_hostlist
 from trainguard.controller.views import ActionView
 from trainguard.protocol import RankState
 from trainguard.strict import ConfigError, build
