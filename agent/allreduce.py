@@ -26,7 +26,7 @@ CUDA_BYTES = 256 * 1024**2
 CPU_BYTES = 8 * 1024**2
 CPU_WORLD = 2
 WARMUP = 2
-# Timed all-reduces at most; the loop also stops once `seconds` have passed.
+# Timed all-reduces at most (as many as fill `seconds`, by one timed first).
 MAX_ITERATIONS = 50
 
 
@@ -58,18 +58,27 @@ def _rank(rank: int, world: int, port: int, spec: dict[str, Any], out: str) -> N
             once()
         if cuda:
             torch.cuda.synchronize()
-        dist.barrier()
+        # every rank must run the same number of all-reduces: rank 0 times one and sends the
+        # count that fills `seconds` (a rank stopping on its own clock would leave a peer hung)
         clock = SYSTEM_CLOCK
+        probe_start = clock.monotonic()
+        once()
+        if cuda:
+            torch.cuda.synchronize()
+        per_s = max(clock.monotonic() - probe_start, 1e-6)
+        count = torch.tensor([min(MAX_ITERATIONS, max(1, int(float(spec["seconds"]) / per_s)))])
+        if cuda:
+            count = count.to(device)
+        dist.broadcast(count, src=0)
+        iterations = int(count.item())
+        dist.barrier()
         start = clock.monotonic()
-        iterations = wrong = 0
+        wrong = 0
         # the fill and the check are in every timed iteration; both are O(bytes) on the
         # device, small beside the collective's own traffic
-        while iterations < MAX_ITERATIONS:
+        for _ in range(iterations):
             if not once():
                 wrong += 1
-            iterations += 1
-            if clock.monotonic() - start >= float(spec["seconds"]):
-                break
         if cuda:
             torch.cuda.synchronize()
         elapsed = clock.monotonic() - start
