@@ -50,7 +50,13 @@ from trainguard.agent.preemption import (
 )
 from trainguard.agent.preflight import PreflightRunner, preflight_handler
 from trainguard.agent.preflight_backends import WorkerRun, build_workers
-from trainguard.agent.repair import RepairBackend, SimRepair, SystemRepair, repair_handler
+from trainguard.agent.repair import (
+    RebootRecord,
+    RepairBackend,
+    SimRepair,
+    SystemRepair,
+    repair_handler,
+)
 from trainguard.agent.reporter import EventSpool, Reporter, read_token
 from trainguard.agent.senders import JobClaims, SenderResolver
 from trainguard.agent.sim import SimHardware
@@ -199,6 +205,21 @@ def _stale_health(stale: Mapping[str, bool]) -> dict[str, float]:
     return out
 
 
+class _ForwardingGpu:
+    """The GPU backend as a preflight reads it, off the loop: the edge events of that read
+    (a GPU lost) are handed to the loop, which would otherwise never see them."""
+
+    def __init__(self, gpu: GpuCollector, forward: Callable[[tuple[HardwareEvent, ...]], None]):
+        self._gpu = gpu
+        self._forward = forward
+
+    def collect(self) -> GpuCollection:
+        coll = self._gpu.collect()
+        if coll.events:
+            self._forward(coll.events)
+        return coll
+
+
 class _AgentFaults:
     """The agent as a FaultTarget: controller-injected faults are logged and spooled too."""
 
@@ -244,6 +265,8 @@ class Agent:
         self._source_last_success: dict[str, float] = {}
         self._gpus: tuple[GpuSample, ...] = ()
         self._most_gpus = 0  # the most GPUs the backend has shown: fewer fails a preflight
+        self._side_events: list[HardwareEvent] = []  # from reads off the loop (a preflight's)
+        self._side_lock = threading.Lock()
         self._ib_ports: tuple[IbPortSample, ...] = ()
         self._hw_events: list[HardwareEvent] = []
         self._xid_total: dict[tuple[int, str, str], int] = {}
@@ -370,11 +393,12 @@ class Agent:
                 run=WorkerRun(python=pc.python or sys.executable, startup_s=pc.startup_timeout_s),
             )
             runner = PreflightRunner(
-                gpu=b.gpu,
+                gpu=_ForwardingGpu(b.gpu, self._add_side_events),
                 burner=burner,
                 collective=collective,
                 clock=self._clock,
                 expected_gpus=lambda: self._most_gpus,
+                read_timeout_s=self.config.collectors.gpu.deadline_s,
             )
             for kind, handler in preflight_handler(runner).items():
                 executor.register(kind, handler)
@@ -384,10 +408,22 @@ class Agent:
             if b.sim is not None
             else SystemRepair(gpu_count=lambda: len(self._gpus), reset_timeout_s=rc.reset_timeout_s)
         )
+        assert self.jobs is not None, "start() opens the job runner first"
         for kind, handler in repair_handler(
-            repair, busy_jobs=self._busy_jobs, allow_reboot=rc.allow_reboot
+            repair,
+            busy_jobs=self._busy_jobs,
+            allow_reboot=rc.allow_reboot,
+            reboots=RebootRecord(self.jobs.work_dir / "last-reboot-command"),
         ).items():
             executor.register(kind, handler)
+
+    def _add_side_events(self, events: tuple[HardwareEvent, ...]) -> None:
+        with self._side_lock:
+            self._side_events.extend(events)
+        try:
+            self._commands.put_nowait(None)  # wake the loop to spool them
+        except queue.Full:
+            pass  # taken at the next tick
 
     def _busy_jobs(self) -> list[str]:
         """Jobs with a process on this node: launched here and running, or heartbeating."""
@@ -832,6 +868,10 @@ class Agent:
             self._source_stale[source.name] = taken.stale
             if taken.last_success_unix is not None:
                 self._source_last_success[source.name] = taken.last_success_unix
+        with self._side_lock:
+            side, self._side_events = self._side_events, []
+        for ev in side:
+            self._on_hardware_event(ev)
 
     def _take_outcome(self, name: str, outcome: CallOutcome, handle: Callable[[Any], None]) -> None:
         self._collect_duration_s[name] = outcome.duration_s

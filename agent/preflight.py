@@ -9,11 +9,12 @@ reads back and removes a file. docs/hardware.md says what each proves and how lo
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -314,9 +315,13 @@ class PreflightRunner:
         collective: Collective,
         clock: Clock,
         expected_gpus: Callable[[], int] = lambda: 0,
+        read_timeout_s: float = 5.0,
     ) -> None:
-        """`expected_gpus`: the most GPUs the node has shown (fewer now fails nvml_health)."""
+        """`expected_gpus`: the most GPUs the node has shown (fewer now fails nvml_health);
+        `read_timeout_s`: how long the GPU read may take (a hung NVML fails the preflight,
+        it never holds the command worker)."""
         self._gpu = gpu
+        self._read_timeout_s = read_timeout_s
         self._burner = burner
         self._collective = collective
         self._clock = clock
@@ -335,23 +340,10 @@ class PreflightRunner:
     def _run(self, args: PreflightArgs) -> PreflightOutcome:
         start = self._clock.monotonic()
         wanted = set(args.checks)
-        coll = self._gpu.collect()  # one fresh read, not the loop's last snapshot
-        healthy = [g.index for g in coll.gpus if not g.lost]
-        ref = args.reference
-        runs: Mapping[str, Callable[[], CheckResult]] = {
-            "nvml_health": lambda: check_nvml_health(coll, expected_gpus=self._expected_gpus()),
-            "row_remaps": lambda: check_row_remaps(coll),
-            "ecc": lambda: check_ecc(coll),
-            "compute_burn": lambda: check_compute_burn(
-                self._burner,
-                gpus=healthy,
-                burn_s=args.burn_s,
-                reference=ref.get(REF_BURN_TFLOPS),
-                tolerance=args.tolerance,
-            ),
-            "collective_bandwidth": lambda: self._collective_check(coll, args),
-            "ckpt_storage": lambda: check_ckpt_storage(args.ckpt_dir),
-        }
+        # one fresh read, not the loop's last snapshot
+        coll, unread = read_gpus(self._gpu, timeout_s=self._read_timeout_s)
+        runs = self._gpu_checks(coll, args) if coll is not None else _unread_checks(unread)
+        runs["ckpt_storage"] = lambda: check_ckpt_storage(args.ckpt_dir)
         results = []
         for name in PREFLIGHT_CHECKS:
             if name in wanted:
@@ -368,6 +360,24 @@ class PreflightRunner:
             passed=all(r.passed for r in results), checks=tuple(results), duration_s=duration_s
         )
 
+    def _gpu_checks(
+        self, coll: GpuCollection, args: PreflightArgs
+    ) -> dict[str, Callable[[], CheckResult]]:
+        healthy = [g.index for g in coll.gpus if not g.lost]
+        return {
+            "nvml_health": lambda: check_nvml_health(coll, expected_gpus=self._expected_gpus()),
+            "row_remaps": lambda: check_row_remaps(coll),
+            "ecc": lambda: check_ecc(coll),
+            "compute_burn": lambda: check_compute_burn(
+                self._burner,
+                gpus=healthy,
+                burn_s=args.burn_s,
+                reference=args.reference.get(REF_BURN_TFLOPS),
+                tolerance=args.tolerance,
+            ),
+            "collective_bandwidth": lambda: self._collective_check(coll, args),
+        }
+
     def _collective_check(self, coll: GpuCollection, args: PreflightArgs) -> CheckResult:
         lost = [g.index for g in coll.gpus if g.lost]
         if lost:  # the collective cannot form without them
@@ -383,6 +393,37 @@ class PreflightRunner:
             reference=args.reference.get(REF_COLLECTIVE_GBPS),
             tolerance=args.tolerance,
         )
+
+
+def read_gpus(gpu: GpuCollector, *, timeout_s: float) -> tuple[GpuCollection | None, str]:
+    """One GPU read in a thread of its own, waited for `timeout_s` at most: (collection, "")
+    or (None, why). A read that hangs (NVML with a GPU off the bus) is left behind, as the
+    GPU source leaves its own."""
+    box: list[GpuCollection] = []
+    failed: list[str] = []
+
+    def read() -> None:
+        try:
+            box.append(gpu.collect())
+        except Exception as e:  # the backend's failure is the checks' verdict
+            failed.append(f"{type(e).__name__}: {e}")
+
+    worker = threading.Thread(target=read, name="preflight-gpu-read", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if box:
+        return box[0], ""
+    if failed:
+        return None, f"the GPU read failed: {failed[0]}"[:DETAIL_MAX]
+    return None, f"NVML did not answer within {timeout_s:g} s"
+
+
+def _unread_checks(why: str) -> dict[str, Callable[[], CheckResult]]:
+    """Without a GPU read every GPU check fails, saying why."""
+    return {
+        name: functools.partial(CheckResult, name, False, why)
+        for name in ("nvml_health", "row_remaps", "ecc", "compute_burn", "collective_bandwidth")
+    }
 
 
 class PreflightBusy(RuntimeError):

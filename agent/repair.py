@@ -1,6 +1,10 @@
 """The `repair` command: reset the node's GPUs once no job holds them, or reboot the node when
 the agent's config allows it; both answer a `command_result` (ok, message).
 
+A reboot's command id is written down (fsynced) before the reboot starts: the controller
+resends a command until its result arrives, and the result of a reboot may never leave the
+node; the agent that comes back answers the resent command "done" instead of rebooting again.
+
 What does the resetting is a `RepairBackend`: `nvidia-smi --gpu-reset -i N` and `systemctl
 reboot` (argument lists, never a shell) on a real node, the sim's reset and reboot otherwise.
 """
@@ -8,8 +12,10 @@ reboot` (argument lists, never a shell) on a real node, the sim's reset and rebo
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Protocol
 
 from trainguard.agent.commands import CommandResult, Handler
@@ -92,14 +98,54 @@ class SimRepair:
         self._sim.reboot()
 
 
+class RebootRecord:
+    """The id of the last reboot command this node carried out, in one small file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def done(self, command_id: str) -> bool:
+        try:
+            return self.path.read_text().strip() == command_id
+        except OSError:
+            return False
+
+    def write(self, command_id: str) -> None:
+        """Durably, before the reboot: raises OSError (then the reboot does not start)."""
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, command_id.encode() + b"\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)
+
+    def clear(self) -> None:
+        try:
+            self.path.unlink()
+        except OSError:
+            pass
+
+
 def repair_handler(
-    backend: RepairBackend, *, busy_jobs: Callable[[], Sequence[str]], allow_reboot: bool
+    backend: RepairBackend,
+    *,
+    busy_jobs: Callable[[], Sequence[str]],
+    allow_reboot: bool,
+    reboots: RebootRecord,
 ) -> dict[str, Handler]:
     """The `repair` handler. `busy_jobs`: the jobs with a process on this node now (launched
     here or heartbeating); any of them refuses a reset or reboot."""
 
     def handle(cmd: Command) -> CommandResult:
         args = decode_args(RepairArgs, cmd.args)
+        if args.method == "reboot" and reboots.done(cmd.id):
+            return CommandResult(
+                ok=True,
+                message="rebooted: this command's reboot is done",
+                data={"method": "reboot"},
+            )
         busy = sorted(set(busy_jobs()))
         if busy:
             return CommandResult(
@@ -108,23 +154,34 @@ def repair_handler(
                 data={"method": args.method, "jobs": busy},
             )
         if args.method == "reboot":
-            return _reboot(backend, allow_reboot=allow_reboot)
+            return _reboot(backend, allow_reboot=allow_reboot, reboots=reboots, command_id=cmd.id)
         return _reset(backend, args.gpus)
 
     return {CommandKind.REPAIR: handle}
 
 
-def _reboot(backend: RepairBackend, *, allow_reboot: bool) -> CommandResult:
+def _reboot(
+    backend: RepairBackend, *, allow_reboot: bool, reboots: RebootRecord, command_id: str
+) -> CommandResult:
     if not allow_reboot:
         return CommandResult(
             ok=False,
             message="reboot refused: this agent's config does not allow it (repair.allow_reboot)",
             data={"method": "reboot"},
         )
-    log.warning("event=node_reboot reason=repair_command")
+    try:
+        reboots.write(command_id)
+    except OSError as e:
+        return CommandResult(
+            ok=False,
+            message=f"reboot refused: cannot record it in {reboots.path}: {e.strerror or e}",
+            data={"method": "reboot"},
+        )
+    log.warning("event=node_reboot command_id=%s reason=repair_command", command_id)
     try:
         backend.reboot()
     except RepairFailed as e:
+        reboots.clear()
         return CommandResult(ok=False, message=f"reboot failed: {e}", data={"method": "reboot"})
     return CommandResult(ok=True, message="reboot started", data={"method": "reboot"})
 

@@ -5,6 +5,7 @@ passing one in turn."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,8 @@ from trainguard.agent.config import (
 from trainguard.agent.daemon import SLOW_COMMANDS, Agent
 from trainguard.clock import FakeClock
 from trainguard.command_args import PreflightArgs, RepairArgs, command
-from trainguard.protocol import Command, CommandKind, Event, FaultSpec
+from trainguard.model import GpuCollection, HardwareEvent
+from trainguard.protocol import Command, CommandKind, Event, EventKind, FaultSpec
 
 FAST_CHECKS = ["nvml_health", "row_remaps", "ecc", "compute_burn", "ckpt_storage"]
 
@@ -102,3 +104,26 @@ def test_reboot_through_the_agent_resets_the_sim(agent: Agent) -> None:
     (done,) = answers(agent, "r1", 1)
     assert done.data["ok"] is True
     assert sim.reboots_total == 1 and sim.active_faults() == []
+
+
+def test_a_gpu_lost_edge_seen_by_the_preflights_read_still_reaches_the_spool(
+    agent: Agent,
+) -> None:
+    sim = agent._backends.sim
+    assert sim is not None
+    # the loop has not collected since: the preflight's read is the first to see the loss
+    sim.inject(FaultSpec(kind="gpu_lost", gpu=1))
+    real = sim.collect
+
+    def collect_with_edge() -> GpuCollection:
+        coll = real()
+        lost = HardwareEvent(kind=EventKind.GPU_LOST, ts=0.0, gpu=1, message="NVML: GPU is lost")
+        return dataclasses.replace(coll, events=(lost,))
+
+    sim.collect = collect_with_edge  # type: ignore[method-assign]
+    agent.execute(command("p1", PreflightArgs(checks=["nvml_health"])))
+    result, _ = answers(agent, "p1", 2)
+    assert result.data["passed"] is False
+    sim.collect = real  # type: ignore[method-assign]
+    agent.tick()
+    assert [e.gpu for e in agent.spool.pending(1000) if e.kind == "gpu_lost"] == [1]

@@ -337,3 +337,26 @@ def test_runner_takes_one_preflight_at_a_time() -> None:
         release.set()
         first.join(5)
     assert r.run(PreflightArgs(checks=["ecc"])).passed
+
+
+def test_a_hung_gpu_read_fails_every_gpu_check_and_lets_the_others_run(tmp_path: Path) -> None:
+    hw = sim()
+    hw.inject(FaultSpec(kind="nvml_hang"))
+    burner = FakeBurner()
+    r = PreflightRunner(
+        gpu=hw,
+        burner=burner,
+        collective=FakeCollective(CollectiveResult()),
+        clock=FakeClock(),
+        read_timeout_s=0.2,
+    )
+    try:
+        out = r.run(PreflightArgs(ckpt_dir=str(tmp_path)))
+    finally:
+        hw.close()  # releases the abandoned read
+    assert not out.passed
+    by_name = {c.name: c for c in out.checks}
+    assert by_name["ckpt_storage"].passed
+    for name in ("nvml_health", "row_remaps", "ecc", "compute_burn", "collective_bandwidth"):
+        assert by_name[name].detail == "NVML did not answer within 0.2 s"
+    assert burner.calls == []

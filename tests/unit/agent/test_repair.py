@@ -5,12 +5,19 @@ an argument list; a reboot of the sim brings it back clean."""
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from trainguard.agent.commands import CommandExecutor
-from trainguard.agent.repair import RepairFailed, SimRepair, SystemRepair, repair_handler
+from trainguard.agent.repair import (
+    RebootRecord,
+    RepairFailed,
+    SimRepair,
+    SystemRepair,
+    repair_handler,
+)
 from trainguard.agent.sim import SimHardware
 from trainguard.clock import FakeClock
 from trainguard.command_args import RepairArgs, command
@@ -22,10 +29,19 @@ def sim(gpus: int = 4) -> SimHardware:
 
 
 def executor(
-    hw: SimHardware, *, jobs: list[str] | None = None, allow_reboot: bool = False
+    hw: SimHardware,
+    *,
+    jobs: list[str] | None = None,
+    allow_reboot: bool = False,
+    record: Path | None = None,
 ) -> CommandExecutor:
     return CommandExecutor(
-        repair_handler(SimRepair(hw), busy_jobs=lambda: jobs or [], allow_reboot=allow_reboot)
+        repair_handler(
+            SimRepair(hw),
+            busy_jobs=lambda: jobs or [],
+            allow_reboot=allow_reboot,
+            reboots=RebootRecord(record or Path("/nonexistent/last-reboot-command")),
+        )
     )
 
 
@@ -87,12 +103,13 @@ def test_reboot_is_refused_unless_the_config_allows_it() -> None:
     assert hw.reboots_total == 0
 
 
-def test_sim_reboot_comes_back_without_faults() -> None:
+def test_sim_reboot_comes_back_without_faults(tmp_path: Path) -> None:
     hw = sim()
     hw.inject(FaultSpec(kind="remap_failure", gpu=0))
     hw.inject(FaultSpec(kind="ib_down", device="mlx5_0", port=1))
     hw.inject_sim("reset_fail", gpu=0)
-    result = executor(hw, allow_reboot=True).execute(command("r1", RepairArgs(method="reboot")))
+    reboot = executor(hw, allow_reboot=True, record=tmp_path / "last-reboot-command")
+    result = reboot.execute(command("r1", RepairArgs(method="reboot")))
     assert (result.ok, result.message) == (True, "reboot started")
     assert hw.reboots_total == 1
     assert hw.active_faults() == []
@@ -125,3 +142,31 @@ def test_system_repair_without_nvidia_smi_fails_clearly(monkeypatch: pytest.Monk
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(RepairFailed, match="nvidia-smi: not found"):
         SystemRepair(gpu_count=lambda: 1, reset_timeout_s=5.0).reset_gpu(0)
+
+
+def test_a_resent_reboot_command_is_answered_done_not_rebooted_again(tmp_path: Path) -> None:
+    record = tmp_path / "last-reboot-command"
+    hw = sim()
+    executor(hw, allow_reboot=True, record=record).execute(
+        command("r1", RepairArgs(method="reboot"))
+    )
+    assert record.read_text() == "r1\n"
+    # the agent that came back (a new executor, the same state dir) gets the command again
+    again = executor(hw, allow_reboot=True, record=record, jobs=["late"])
+    result = again.execute(command("r1", RepairArgs(method="reboot")))
+    assert (result.ok, result.message) == (True, "rebooted: this command's reboot is done")
+    assert hw.reboots_total == 1
+    assert (
+        executor(hw, allow_reboot=True, record=record)
+        .execute(command("r2", RepairArgs(method="reboot")))
+        .ok
+    )
+    assert hw.reboots_total == 2
+
+
+def test_a_reboot_that_cannot_be_recorded_does_not_start() -> None:
+    hw = sim()
+    result = executor(hw, allow_reboot=True).execute(command("r1", RepairArgs(method="reboot")))
+    assert not result.ok
+    assert result.message.startswith("reboot refused: cannot record it in /nonexistent/")
+    assert hw.reboots_total == 0
