@@ -82,18 +82,37 @@ def _numpy_ops(size: int) -> _Ops:
     return _Ops(matmul=lambda: a @ b, check=check, flip=flip)
 
 
-def _torch_ops(size: int, device: str) -> _Ops:
+@dataclass(frozen=True)
+class _TorchInputs:
+    """The matrices (int8 on the host) and their checksums, made once for every GPU."""
+
+    a: Any
+    b: Any
+    col_ref: Any
+    row_ref: Any
+
+
+def _torch_inputs(size: int) -> _TorchInputs:
+    import torch  # noqa: PLC0415 - heavy: only the burn's child process loads torch
+
+    gen = torch.Generator().manual_seed(SEED)
+    a = torch.randint(-2, 3, (size, size), generator=gen, dtype=torch.int8)
+    b = torch.randint(-2, 3, (size, size), generator=gen, dtype=torch.int8)
+    # on the host in float64, exact for these integers: a reference the GPU did not compute
+    col_ref = a.sum(dim=0, dtype=torch.float64) @ b.to(torch.float64)
+    row_ref = a.to(torch.float64) @ b.sum(dim=1, dtype=torch.float64)
+    return _TorchInputs(a=a, b=b, col_ref=col_ref, row_ref=row_ref)
+
+
+def _torch_ops(inputs: _TorchInputs, device: str) -> _Ops:
     import torch  # noqa: PLC0415 - heavy: only the burn's child process loads torch
 
     torch.backends.cuda.matmul.allow_tf32 = False  # TF32 rounds: the product must be exact
     torch.set_float32_matmul_precision("highest")
-    gen = torch.Generator().manual_seed(SEED)
-    a_cpu = torch.randint(-2, 3, (size, size), generator=gen, dtype=torch.int64)
-    b_cpu = torch.randint(-2, 3, (size, size), generator=gen, dtype=torch.int64)
-    col_ref = (a_cpu.sum(dim=0) @ b_cpu).to(device=device, dtype=torch.float64)
-    row_ref = (a_cpu @ b_cpu.sum(dim=1)).to(device=device, dtype=torch.float64)
-    a = a_cpu.to(device=device, dtype=torch.float32)
-    b = b_cpu.to(device=device, dtype=torch.float32)
+    a = inputs.a.to(device=device, dtype=torch.float32)
+    b = inputs.b.to(device=device, dtype=torch.float32)
+    col_ref = inputs.col_ref.to(device)
+    row_ref = inputs.row_ref.to(device)
 
     def check(c: Any) -> bool:
         ok = torch.equal(c.sum(dim=0, dtype=torch.float64), col_ref) and torch.equal(
@@ -160,13 +179,14 @@ def burn(
     "cpu" one after another for `seconds / len(gpus)` each (a stand-in: one CPU is every GPU)."""
     if device == "cuda":
         n = size or CUDA_SIZE
+        inputs = _torch_inputs(n)
         results: dict[int, DeviceBurn] = {}
 
         def run(ordinal: int, gpu: int) -> None:
             results[gpu] = _guarded(
                 gpu,
                 lambda: burn_device(
-                    _torch_ops(n, f"cuda:{ordinal}"),
+                    _torch_ops(inputs, f"cuda:{ordinal}"),
                     gpu=gpu,
                     size=n,
                     seconds=seconds,
@@ -200,7 +220,7 @@ def _cpu_ops(size: int) -> _Ops:
     try:
         import numpy  # noqa: F401, PLC0415 - only to learn whether it is installed
     except ImportError:
-        return _torch_ops(size, "cpu")
+        return _torch_ops(_torch_inputs(size), "cpu")
     return _numpy_ops(size)
 
 

@@ -15,7 +15,11 @@ from trainguard.clock import FakeClock
 
 @pytest.mark.parametrize("engine", ["numpy", "torch"])
 def test_exact_products_pass_and_one_flipped_bit_is_caught(engine: str) -> None:
-    ops = burn_mod._numpy_ops(64) if engine == "numpy" else burn_mod._torch_ops(64, "cpu")
+    ops = (
+        burn_mod._numpy_ops(64)
+        if engine == "numpy"
+        else burn_mod._torch_ops(burn_mod._torch_inputs(64), "cpu")
+    )
     clean = burn_device(ops, gpu=0, size=64, seconds=0.05, corrupt=False)
     assert clean.iterations >= 1 and clean.mismatches == 0
     bad = burn_device(ops, gpu=0, size=64, seconds=0.05, corrupt=True)
