@@ -1,16 +1,18 @@
 """`preflight` and `repair` through the agent's command path (sim backend): they run on the
 slow-command worker, off the collect loop; a preflight answers a `preflight_result` event and
 then the `command_result` that completes the command; a failing preflight, a GPU reset and a
-passing one in turn."""
+passing one in turn, in the spool and through the fake controller's report responses."""
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.fakes.controller_service import FakeController
 from tests.helpers import wait_for
 from trainguard.agent.config import (
     AgentConfig,
@@ -127,3 +129,56 @@ def test_a_gpu_lost_edge_seen_by_the_preflights_read_still_reaches_the_spool(
     sim.collect = real  # type: ignore[method-assign]
     agent.tick()
     assert [e.gpu for e in agent.spool.pending(1000) if e.kind == "gpu_lost"] == [1]
+
+
+def test_preflight_and_repair_ride_on_report_responses_to_the_controller(
+    short_tmp: Path, fake_controller: FakeController
+) -> None:
+    token = short_tmp / "token"
+    token.write_text(fake_controller.agent_token)
+    token.chmod(0o600)
+    cfg = AgentConfig(
+        node=NodeConfig(name="node-4"),
+        hardware=HardwareConfig(gpu_backend="sim", sim_gpus=2, sim_ib_ports=0),
+        heartbeat=HeartbeatConfig(socket_path=str(short_tmp / "hb.sock")),
+        jobs=JobsConfig(work_dir=str(short_tmp / "jobs")),
+        controller=ControllerConfig(
+            url=fake_controller.url, token_file=str(token), report_interval_s=0.2
+        ),
+    )
+    agent = Agent(cfg, serve_http=False)
+    agent.start()
+    loop = threading.Thread(target=agent.run, name="agent-loop", daemon=True)
+    loop.start()
+    try:
+        assert agent._backends.sim is not None
+        agent._backends.sim.inject(FaultSpec(kind="remap_pending", gpu=0))
+        args = PreflightArgs(checks=["nvml_health", "row_remaps", "ecc"])
+        fake_controller.service.queue_command("node-4", command("p1", args))
+        fake_controller.service.queue_command("node-4", command("r1", RepairArgs(gpus=[0])))
+        fake_controller.service.queue_command("node-4", command("p2", args))
+
+        def delivered() -> dict[str, Event] | None:
+            seen = {
+                (e.kind, e.data.get("command_id")): e
+                for e in fake_controller.events.values()
+                if e.kind in ("preflight_result", "command_result")
+            }
+            return seen if len(seen) == 5 else None
+
+        seen = wait_for(delivered, timeout_s=30, what="the three commands' answers")
+        assert seen[("preflight_result", "p1")].data["passed"] is False
+        assert seen[("command_result", "r1")].data["ok"] is True
+        assert seen[("preflight_result", "p2")].data["passed"] is True
+        assert seen[("command_result", "p2")].data["ok"] is True
+        # each command ran once: its command_result took it off the pending list
+        wait_for(
+            lambda: not fake_controller.service.pending.get("node-4"),
+            timeout_s=10,
+            what="no command pending",
+        )
+        assert agent._backends.sim.resets == [0]
+    finally:
+        agent.stop()
+        loop.join(10)
+        agent.close()
