@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from trainguard.agent.burn import DeviceBurn
-from trainguard.agent.preflight import Burner, Collective, CollectiveResult, WorkerError
+from trainguard.agent.preflight_checks import Burner, Collective, CollectiveResult, WorkerError
 from trainguard.agent.sim import SimHardware
 
 # Output kept from a failed child for its error message.

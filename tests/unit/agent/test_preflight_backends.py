@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import wait_for
-from trainguard.agent.preflight import CollectiveResult, WorkerError, check_compute_burn
 from trainguard.agent.preflight_backends import (
     ProcessBurner,
     ProcessCollective,
@@ -21,6 +20,7 @@ from trainguard.agent.preflight_backends import (
     WorkerRun,
     run_worker,
 )
+from trainguard.agent.preflight_checks import CollectiveResult, WorkerError, check_compute_burn
 from trainguard.agent.sim import SIM_BURN_TFLOPS, SIM_BUSBW_GBPS, SimHardware
 from trainguard.clock import FakeClock
 from trainguard.protocol import FaultSpec

@@ -14,10 +14,9 @@ import pytest
 from tests.unit.agent.collectors.conftest import load_fake_pynvml
 from trainguard.agent.burn import DeviceBurn
 from trainguard.agent.collectors.nvml import NvmlGpuCollector
-from trainguard.agent.preflight import (
+from trainguard.agent.preflight import PreflightBusy, PreflightRunner
+from trainguard.agent.preflight_checks import (
     CollectiveResult,
-    PreflightBusy,
-    PreflightRunner,
     WorkerError,
     check_ckpt_storage,
     check_collective,
