@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from trainguard.command_args import CheckpointArgs, StopRanksArgs, decode_args
-from trainguard.protocol import Command, CommandKind, Control, FaultSpec, ProtocolError
+from trainguard.protocol import (
+    Command,
+    CommandKind,
+    Control,
+    EventKind,
+    FaultSpec,
+    ProtocolError,
+)
 
 log = logging.getLogger("trainguard.agent.commands")
 
@@ -25,6 +32,9 @@ class CommandResult:
     ok: bool
     message: str = ""
     data: dict[str, Any] = field(default_factory=dict)
+    # events the command answers with besides its `command_result` (a preflight's
+    # `preflight_result`), spooled just before it: (kind, data)
+    events: tuple[tuple[EventKind, dict[str, Any]], ...] = ()
 
 
 Handler = Callable[[Command], CommandResult]

@@ -444,6 +444,31 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class PreflightConfig:
+    # Interpreter that runs the compute burn and the all-reduce in child processes (torch with
+    # CUDA on a GPU node; the agent itself never loads torch); "" = the agent's own.
+    python: str = ""
+    # Seconds a check's child may take beyond its measuring time (interpreter, torch import,
+    # CUDA and NCCL start-up: tens of seconds on an 8-GPU node) before it is killed.
+    startup_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        _check_positive("startup_timeout_s", self.startup_timeout_s)
+
+
+@dataclass(frozen=True)
+class RepairConfig:
+    # Whether a `repair` command may reboot the node: a reboot ends everything on it, so a
+    # node opts in; off, the command is refused with a message that names this key.
+    allow_reboot: bool = False
+    # Seconds one GPU reset (nvidia-smi --gpu-reset) or the reboot call may take.
+    reset_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _check_positive("reset_timeout_s", self.reset_timeout_s)
+
+
+@dataclass(frozen=True)
 class AgentConfig:
     node: NodeConfig = field(default_factory=NodeConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
@@ -453,6 +478,8 @@ class AgentConfig:
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     jobs: JobsConfig = field(default_factory=JobsConfig)
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
+    preflight: PreflightConfig = field(default_factory=PreflightConfig)
+    repair: RepairConfig = field(default_factory=RepairConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
@@ -506,6 +533,8 @@ __all__ = [
     "MetricsConfig",
     "NodeConfig",
     "PreemptionConfig",
+    "PreflightConfig",
+    "RepairConfig",
     "SourceConfig",
     "load_config",
 ]

@@ -6,7 +6,8 @@ finished (`agent.sources`), spools events and publishes a snapshot, never waitin
 job backend. Threads: one worker per source (GPU, IB, XIDs, preemption; each with its own
 interval and deadline, so a hung NVML call stales one source, never the loop), heartbeat
 reader, HTTP server, reporter (only with a controller), one worker for slow commands
-(`collect_stacks`); everything they share is an immutable snapshot or guarded by a lock.
+(`collect_stacks`, `preflight`, `repair`: one at a time); everything they share is an
+immutable snapshot or guarded by a lock.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import queue
 import random
 import ssl
+import sys
 import tempfile
 import threading
 import uuid
@@ -46,6 +48,15 @@ from trainguard.agent.preemption import (
     PreemptionWatcher,
     build_probe,
 )
+from trainguard.agent.preflight import PreflightRunner, preflight_handler
+from trainguard.agent.preflight_backends import WorkerRun, build_workers
+from trainguard.agent.repair import (
+    RebootRecord,
+    RepairBackend,
+    SimRepair,
+    SystemRepair,
+    repair_handler,
+)
 from trainguard.agent.reporter import EventSpool, Reporter, read_token
 from trainguard.agent.senders import JobClaims, SenderResolver
 from trainguard.agent.sim import SimHardware
@@ -73,7 +84,8 @@ MAX_XID_SERIES = 1024
 COMMAND_QUEUE_MAX = 1000
 # Commands that wait on the ranks (seconds): run by a worker thread so the collect loop, the
 # watchdog and /healthz keep going meanwhile. One at a time, in arrival order.
-SLOW_COMMANDS = frozenset({CommandKind.COLLECT_STACKS})
+# The preflight and a repair share the worker: a GPU reset never lands in a burn.
+SLOW_COMMANDS = frozenset({CommandKind.COLLECT_STACKS, CommandKind.PREFLIGHT, CommandKind.REPAIR})
 # The last report on shutdown carries the stop's own events (job exits); bounded so a dead
 # controller cannot hold up the stop (systemd's TimeoutStopSec is 20 s).
 FINAL_REPORT_TIMEOUT_S = 2.0
@@ -193,6 +205,21 @@ def _stale_health(stale: Mapping[str, bool]) -> dict[str, float]:
     return out
 
 
+class _ForwardingGpu:
+    """The GPU backend as a preflight reads it, off the loop: the edge events of that read
+    (a GPU lost) are handed to the loop, which would otherwise never see them."""
+
+    def __init__(self, gpu: GpuCollector, forward: Callable[[tuple[HardwareEvent, ...]], None]):
+        self._gpu = gpu
+        self._forward = forward
+
+    def collect(self) -> GpuCollection:
+        coll = self._gpu.collect()
+        if coll.events:
+            self._forward(coll.events)
+        return coll
+
+
 class _AgentFaults:
     """The agent as a FaultTarget: controller-injected faults are logged and spooled too."""
 
@@ -237,6 +264,9 @@ class Agent:
         self._source_stale: dict[str, bool] = {}
         self._source_last_success: dict[str, float] = {}
         self._gpus: tuple[GpuSample, ...] = ()
+        self._most_gpus = 0  # the most GPUs the backend has shown: fewer fails a preflight
+        self._side_events: list[HardwareEvent] = []  # from reads off the loop (a preflight's)
+        self._side_lock = threading.Lock()
         self._ib_ports: tuple[IbPortSample, ...] = ()
         self._hw_events: list[HardwareEvent] = []
         self._xid_total: dict[tuple[int, str, str], int] = {}
@@ -291,6 +321,7 @@ class Agent:
             max_bytes=self.config.jobs.stacks_max_bytes,
         ).items():
             self.executor.register(kind, handler)
+        self._register_node_commands(self.executor)
         self._build_sources()
         self._start_sources()
         self.tick()
@@ -351,6 +382,55 @@ class Agent:
             self.config.preemption.provider,
         )
         self._notifier.ready(status=f"serving node={self.node}")
+
+    def _register_node_commands(self, executor: CommandExecutor) -> None:
+        """`preflight` and `repair`, on the GPU backend (real or sim) this agent watches."""
+        b = self._backends
+        if b.gpu is not None:
+            pc = self.config.preflight
+            burner, collective = build_workers(
+                sim=b.sim,
+                run=WorkerRun(python=pc.python or sys.executable, startup_s=pc.startup_timeout_s),
+            )
+            runner = PreflightRunner(
+                gpu=_ForwardingGpu(b.gpu, self._add_side_events),
+                burner=burner,
+                collective=collective,
+                clock=self._clock,
+                expected_gpus=lambda: self._most_gpus,
+                read_timeout_s=self.config.collectors.gpu.deadline_s,
+            )
+            for kind, handler in preflight_handler(runner).items():
+                executor.register(kind, handler)
+        rc = self.config.repair
+        repair: RepairBackend = (
+            SimRepair(b.sim)
+            if b.sim is not None
+            else SystemRepair(gpu_count=lambda: len(self._gpus), reset_timeout_s=rc.reset_timeout_s)
+        )
+        assert self.jobs is not None, "start() opens the job runner first"
+        for kind, handler in repair_handler(
+            repair,
+            busy_jobs=self._busy_jobs,
+            allow_reboot=rc.allow_reboot,
+            reboots=RebootRecord(self.jobs.work_dir / "last-reboot-command"),
+        ).items():
+            executor.register(kind, handler)
+
+    def _add_side_events(self, events: tuple[HardwareEvent, ...]) -> None:
+        with self._side_lock:
+            self._side_events.extend(events)
+        try:
+            self._commands.put_nowait(None)  # wake the loop to spool them
+        except queue.Full:
+            pass  # taken at the next tick
+
+    def _busy_jobs(self) -> list[str]:
+        """Jobs with a process on this node: launched here and running, or heartbeating."""
+        jobs = set(self._running_jobs())
+        if self.heartbeat is not None:
+            jobs.update(r.job for r in self.heartbeat.ranks())
+        return sorted(jobs)
 
     def _launch_leaders(self) -> dict[tuple[int, int], str]:
         return self.jobs.launch_leaders() if self.jobs is not None else {}
@@ -788,6 +868,10 @@ class Agent:
             self._source_stale[source.name] = taken.stale
             if taken.last_success_unix is not None:
                 self._source_last_success[source.name] = taken.last_success_unix
+        with self._side_lock:
+            side, self._side_events = self._side_events, []
+        for ev in side:
+            self._on_hardware_event(ev)
 
     def _take_outcome(self, name: str, outcome: CallOutcome, handle: Callable[[Any], None]) -> None:
         self._collect_duration_s[name] = outcome.duration_s
@@ -804,6 +888,7 @@ class Agent:
 
     def _take_gpu(self, coll: GpuCollection) -> None:
         self._gpus = coll.gpus
+        self._most_gpus = max(self._most_gpus, len(coll.gpus))
         if coll.errors:
             self._collect_errors_total["gpu"] = self._collect_errors_total.get("gpu", 0) + len(
                 coll.errors
@@ -933,6 +1018,8 @@ class Agent:
         key = (cmd.kind, "ok" if result.ok else "failed")
         with self._count_lock:
             self._commands_total[key] = self._commands_total.get(key, 0) + 1
+        for kind, data in result.events:  # before the command_result that completes it
+            self._spool_event(kind=kind, ts=self._clock.now(), message=result.message, data=data)
         self._spool_event(
             kind=EventKind.COMMAND_RESULT,
             ts=self._clock.now(),

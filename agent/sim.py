@@ -4,7 +4,10 @@
 returns the same dataclasses as the NVML/sysfs/kmsg collectors, so everything downstream of
 it is the production path. `inject(FaultSpec)` applies every FaultKind of the wire protocol;
 `nvml_hang` makes the GPU collect block (as NVML does when a GPU falls off the bus) while
-the IB and XID sides keep answering.
+the IB and XID sides keep answering. For the preflight and repair it also stands in for what
+only a GPU can do: the figures a compute burn and an all-reduce reach (lower under its faults),
+silent data corruption and a failing reset (`inject_sim`, faults the wire protocol does not
+carry), and a GPU reset or node reboot that clears its fault state.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import random
 import threading
 import uuid
 from dataclasses import dataclass, field
+from typing import Literal
 
 from trainguard.clock import Clock
 from trainguard.model import GpuCollection, GpuSample, HardwareEvent, IbPortSample, NvLinkSample
@@ -26,6 +30,10 @@ NVLINKS_PER_GPU = 18
 IB_RATE_GBPS = 400.0
 SM_CLOCK_MAX_MHZ = 1980.0
 SM_CLOCK_SLOW_MHZ = 345.0
+# What a healthy simulated H100 reaches in the preflight: the FP32 burn (TFLOP/s, TF32 off)
+# and an 8-GPU NVLink all-reduce's bus bandwidth (GB/s), both as real H100 SXM nodes measure.
+SIM_BURN_TFLOPS = 51.0
+SIM_BUSBW_GBPS = 360.0
 # A hung GPU collect re-checks its fault this often (real seconds): a timed hang on a fake
 # clock ends within this long of the clock passing its end.
 HANG_RECHECK_S = 0.05
@@ -54,6 +62,15 @@ _IB_HW_COUNTERS = (
 
 _IB_STATES = {"ACTIVE": 4, "DOWN": 1}
 _IB_PHYS = {"LinkUp": 5, "Polling": 2, "Disabled": 3}
+
+
+# Faults only the sim has (not on the wire): a GPU whose products are silently wrong, and one
+# whose reset fails.
+SimOnlyFault = Literal["sdc", "reset_fail"]
+
+
+class SimResetError(RuntimeError):
+    """A simulated GPU reset that failed (the `reset_fail` fault)."""
 
 
 @dataclass
@@ -127,6 +144,9 @@ class SimHardware:
         self._last_mono = clock.monotonic()
         self._start_mono = self._last_mono
         self._gpus = [self._new_gpu(i) for i in range(gpus)]
+        self._sim_faults: set[tuple[SimOnlyFault, int]] = set()
+        self.resets: list[int] = []  # every GPU reset done, in order
+        self.reboots_total = 0
         self._ib = [self._new_ib(i) for i in range(ib_ports)]
         self.ib = _IbView(self)
 
@@ -174,6 +194,7 @@ class SimHardware:
             self._advance(now_mono)
             if spec.kind == "clear":
                 self._faults.clear()
+                self._sim_faults.clear()
                 for gpu in self._gpus:
                     gpu.lost = False
                     gpu.remap_pending = False
@@ -433,11 +454,95 @@ class SimHardware:
             self._advance(self._clock.monotonic())
             return [f.spec for f in self._faults]
 
+    # -- preflight and repair ---------------------------------------------------------------
+
+    def inject_sim(self, kind: SimOnlyFault, *, gpu: int) -> None:
+        """A fault the wire protocol does not carry: `sdc` (the GPU's products are wrong) or
+        `reset_fail` (resetting it fails). Until a reset, a reboot or `clear`."""
+        with self._lock:
+            self._find_gpu(gpu)
+            self._sim_faults.add((kind, gpu))
+
+    def sdc_gpus(self) -> frozenset[int]:
+        """The GPUs whose compute burn must come out wrong."""
+        with self._lock:
+            return frozenset(g for kind, g in self._sim_faults if kind == "sdc")
+
+    def burn_tflops(self, gpu: int) -> float | None:
+        """What GPU `gpu`'s burn reaches now: its nominal rate at its current SM clock (a
+        slowdown or thermal fault lowers it); None for a lost GPU."""
+        with self._lock:
+            self._advance(self._clock.monotonic())
+            g = self._find_gpu(gpu)
+            if g.lost:
+                return None
+            if self._active("slowdown", gpu=gpu):
+                return SIM_BURN_TFLOPS * SM_CLOCK_SLOW_MHZ / SM_CLOCK_MAX_MHZ
+            if self._active("thermal", gpu=gpu):
+                return SIM_BURN_TFLOPS * 900.0 / SM_CLOCK_MAX_MHZ
+            return SIM_BURN_TFLOPS
+
+    def collective_gbps(self) -> float | None:
+        """The node's all-reduce bus bandwidth now: the nominal figure times the NVLink share
+        of the GPU with the fewest links up (a ring runs at its slowest hop); None while a GPU
+        is lost (the collective cannot form)."""
+        with self._lock:
+            self._advance(self._clock.monotonic())
+            if any(g.lost for g in self._gpus):
+                return None
+            worst = NVLINKS_PER_GPU
+            for g in self._gpus:
+                down = {f.link for f in self._active("nvlink_down", gpu=g.index)}
+                worst = min(worst, NVLINKS_PER_GPU - len(down))
+            return SIM_BUSBW_GBPS * worst / NVLINKS_PER_GPU
+
+    def reset_gpu(self, gpu: int) -> None:
+        """A GPU reset: as on the hardware, pending row remaps are applied (and count as
+        remapped), volatile ECC counts start again at 0, a lost GPU answers again, and the
+        faults on it end. Raises SimResetError under a `reset_fail` fault (nothing changes)."""
+        with self._lock:
+            g = self._find_gpu(gpu)
+            if ("reset_fail", gpu) in self._sim_faults:
+                raise SimResetError(f"GPU {gpu}: reset failed (simulated)")
+            self._reset(g)
+            self.resets.append(gpu)
+            self._unhung.notify_all()
+
+    def reboot(self) -> None:
+        """A node reboot: every GPU reset, every fault gone (counters of the past stay)."""
+        with self._lock:
+            for g in self._gpus:
+                self._reset(g)
+            self._faults.clear()
+            self._sim_faults.clear()
+            for ib in self._ib:
+                ib.flap_down = False
+            self.reboots_total += 1
+            self._unhung.notify_all()
+
+    def _reset(self, g: _GpuState) -> None:
+        """One GPU back to a fresh state (lock held)."""
+        if g.remap_pending:
+            g.remapped_uncorrectable += 1
+            g.remap_pending = False
+        g.ecc_corrected_aggregate_base += int(g.ecc_corrected_volatile)
+        g.ecc_corrected_volatile = 0.0
+        g.ecc_uncorrected_volatile = 0
+        g.lost = False
+        self._faults = [
+            f for f in self._faults if f.spec.gpu != g.index or f.spec.kind in _NODE_FAULTS
+        ]
+        self._sim_faults = {(k, i) for k, i in self._sim_faults if i != g.index}
+
     def close(self) -> None:
         """Release any collect hung by `nvml_hang` (nothing else to release)."""
         with self._lock:
             self._closed = True
             self._unhung.notify_all()
+
+
+# faults that are not one GPU's (their `gpu` field is unused): a GPU reset leaves them
+_NODE_FAULTS = frozenset({"nvml_hang", "ib_flap", "ib_down"})
 
 
 class _IbView:
