@@ -656,6 +656,7 @@ class Agent:
             controller_switches_total=dict(rep.switches_total) if rep else {},
             heartbeats_received_total=hb["received_total"],
             heartbeats_dropped_total=hb["dropped_total"],
+            heartbeat_senders_refused_total=hb["refused_total"],
             control_sent_total=hb["control_sent_total"],
             control_errors_total=hb["control_errors_total"],
             spool_events=len(self.spool),
