@@ -158,7 +158,7 @@ class HeartbeatServer:
         clock: Clock,
         max_ranks: int = 256,
         rank_timeout_s: float = 600.0,
-        mode: int = 0o660,
+        mode: int = 0o666,
         group: str | None = None,
         per_sender_rate_hz: float = 200.0,
         max_rate_hz: float = 5000.0,
