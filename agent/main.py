@@ -107,7 +107,30 @@ def _inject_parser() -> argparse.ArgumentParser:
     p.add_argument("--rate-per-s", type=float, help="ecc_storm/nvlink_down: errors per second")
     p.add_argument("--duration-s", type=float, help="fault lasts this long (default: until clear)")
     p.add_argument("--timeout-s", type=float, default=5.0)
+    p.add_argument(
+        "-o", "--output", choices=["text", "json"], default="text",
+        help="text: one line saying what was injected (default); json: the agent's answer",
+    )  # fmt: skip
     return p
+
+
+def _fault_line(kind: str, body: dict[str, Any], answer: dict[str, Any]) -> str:
+    """`inject`'s human line: the fault, where, and the event it made (if any)."""
+    where = " ".join(
+        f"{name}={body[name]}"
+        for name in ("gpu", "link", "device", "port", "code", "rate_per_s", "duration_s")
+        if name in body
+    )
+    event = answer.get("event_id")
+    return " ".join(
+        part
+        for part in (
+            f"fault {kind} injected",
+            where,
+            f"(event {event})" if event is not None else "",
+        )
+        if part
+    )
 
 
 def _setup_logging(level: str, node: str) -> None:
@@ -145,7 +168,10 @@ def _inject(argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
         return 1
-    print(json.dumps(detail))
+    if args.output == "json":
+        print(json.dumps(detail))
+    else:
+        print(_fault_line(args.kind, body, detail))
     return 0
 
 
