@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,16 +86,22 @@ class World:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+def world() -> Iterator[World]:
     why = missing_reason()
     if why is not None:
         pytest.fail(f"{why}: `make deps` installs them (as root)")
     jobs = {"checkpoint_timeout_s": 5, "progress_timeout_s": 90, "spare_wait_s": 30}
-    with SlurmSite(tmp_path_factory.mktemp("slurm-loop"), jobs=jobs) as site:
-        site.start()
-        ref = start_reference(site.cluster)
-        yield World(site, reference_lines(site.cluster, ref))
-    assert site.cluster.leftover_pids() == set()
+    # not under pytest's base temp dir: every pytest run on the machine makes that 0700 again,
+    # and the job's user must reach slurm.conf and its own jobs dir in here
+    run_dir = Path(tempfile.mkdtemp(prefix="tg-slurm-loop-", dir="/tmp"))
+    try:
+        with SlurmSite(run_dir, jobs=jobs) as site:
+            site.start()
+            ref = start_reference(site.cluster)
+            yield World(site, reference_lines(site.cluster, ref))
+        assert site.cluster.leftover_pids() == set()
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _check_losses(world: World, out: Path, *, restarts: int) -> dict[int, list[dict[str, Any]]]:
