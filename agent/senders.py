@@ -138,7 +138,8 @@ class SenderResolver:
             return Origin("user", uid)
         launches = self.launches()
         seen = 0
-        current, proc, below = pid, entry, entry
+        current, below = pid, entry
+        proc: ProcEntry | None = entry
         while proc is not None and current > 1 and seen < MAX_ANCESTRY:
             job = launches.get((current, proc.start_ticks))
             if job is not None:
