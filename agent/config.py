@@ -175,12 +175,15 @@ class CollectorsConfig:
 class HeartbeatConfig:
     # Unix datagram socket the trainer ranks send to; /run is tmpfs and cleaned at boot.
     socket_path: str = DEFAULT_HEARTBEAT_SOCKET
-    # File mode of the socket, octal string. 0660: the agent's user and group may send; a
-    # world-writable socket would let any local user forge a rank's heartbeat (a NaN, a
-    # stall). Training jobs get access by running in `socket_group` (docs/agent.md).
-    socket_mode: str = "0660"
-    # Group that owns the socket (name or number); empty = the agent's own group, or the
-    # primary group of jobs.run_as_user when jobs run as that user (its ranks must send).
+    # File mode of the socket, octal string. 0666: every local user's ranks may send (Slurm
+    # and hand-started jobs of ordinary users are watched with no setup). Sound because a
+    # heartbeat is not trusted for what it claims: the kernel names the sending process and
+    # its uid, and a process speaks only for its own job (agent.senders, docs/security.md).
+    # "0660" with `socket_group` narrows the senders to one group.
+    socket_mode: str = "0666"
+    # Group that owns the socket (name or number); empty = the agent's own group, or, with a
+    # socket_mode others may not write, the primary group of jobs.run_as_user (its ranks
+    # must send).
     socket_group: str = ""
     # A rank silent this long, seconds, is forgotten (its metrics disappear). Long enough
     # that a rank inside a multi-minute checkpoint or eval is still reported as silent
@@ -318,9 +321,10 @@ class JobsConfig:
     # Job output, `<work_dir>/<job>-<attempt>.log`: on disk (not tmpfs) so a crashed job's
     # log survives for the post-mortem. The systemd unit's StateDirectory makes it writable.
     work_dir: str = DEFAULT_JOBS_WORK_DIR
-    # Where ranks bind their control sockets (TRAINGUARD_CONTROL_DIR). Empty = the heartbeat
-    # socket's directory (/run/trainguard): under the unit's PrivateTmp the agent cannot see
-    # a rank's /tmp, so the control sockets must live beside the heartbeat socket.
+    # Where ranks bind their control sockets (TRAINGUARD_CONTROL_DIR). Empty = `ctl/` in the
+    # heartbeat socket's directory (/run/trainguard/ctl), made by the agent with mode 1777
+    # like /tmp so every user's ranks can bind there (each in its own `u<uid>/`): under the
+    # unit's PrivateTmp the agent cannot see a rank's /tmp.
     control_dir: str = ""
     # SIGTERM -> SIGKILL grace when the agent itself stops a job's older attempt: a start_job
     # of a newer attempt while it runs, or the controller naming a newer attempt

@@ -39,7 +39,12 @@ from trainguard.agent.config import (
     ControllerConfig,
 )
 from trainguard.agent.heartbeat import HeartbeatServer, TrainerEvent
-from trainguard.agent.jobpolicy import PolicyError, policy_from_config, prepare_access
+from trainguard.agent.jobpolicy import (
+    PolicyError,
+    policy_from_config,
+    prepare_access,
+    prepare_control_dir,
+)
 from trainguard.agent.jobs import JobRunner, job_handlers
 from trainguard.agent.metrics import AgentHttpServer, AgentSnapshot, SnapshotCollector, xid_labels
 from trainguard.agent.preemption import (
@@ -369,7 +374,8 @@ class Agent:
             self._reporter_thread.start()
         log.info(
             "event=agent_started version=%s instance=%s backend=%s gpus=%d ib_ports=%d "
-            "metrics_port=%s heartbeat_socket=%s controller=%s jobs_dir=%s preemption=%s",
+            "metrics_port=%s heartbeat_socket=%s control_dir=%s controller=%s jobs=%s "
+            "jobs_dir=%s preemption=%s",
             __version__,
             self.instance,
             self.config.hardware.gpu_backend,
@@ -377,7 +383,9 @@ class Agent:
             len(self._snapshot.ib_ports) if self._snapshot else 0,
             self.http.port if self.http else "none",
             self.heartbeat.path,
+            self.jobs.control_dir,
             ",".join(c.resolved_urls()) or "none",
+            self.jobs.policy.summary(),
             self.jobs.work_dir,
             self.config.preemption.provider,
         )
@@ -493,20 +501,21 @@ class Agent:
         except (PolicyError, OSError) as e:
             raise StartupError(str(e)) from None
         try:
-            control_dir = (
+            if policy.user is not None:
                 prepare_access(
                     policy.user,
                     heartbeat_socket=heartbeat.path,
                     socket_group_set=socket_group_set,
-                    control_dir=jc.control_dir,
                 )
-                if policy.user is not None
-                else jc.control_dir or str(heartbeat.path.parent)
+            control_dir = prepare_control_dir(
+                heartbeat_socket=heartbeat.path, control_dir=jc.control_dir
             )
         except OSError as e:
-            raise StartupError(f"cannot prepare access for jobs.run_as_user: {e}") from None
+            raise StartupError(
+                f"cannot prepare the control dir or the socket's group: {e}"
+            ) from None
         for warning in policy.startup_warnings():
-            log.warning("%s node=%s", warning, self.node)
+            log.warning("%s", warning)
         kwargs: dict[str, Any] = {
             "node_name": self.node,
             "heartbeat_socket": str(heartbeat.path),
@@ -736,6 +745,7 @@ class Agent:
             controller_switches_total=dict(rep.switches_total) if rep else {},
             heartbeats_received_total=hb["received_total"],
             heartbeats_dropped_total=hb["dropped_total"],
+            heartbeat_senders_refused_total=hb["refused_total"],
             control_sent_total=hb["control_sent_total"],
             control_errors_total=hb["control_errors_total"],
             spool_events=len(self.spool),

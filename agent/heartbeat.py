@@ -103,6 +103,7 @@ class _Track:
     seen_mono: float
     step_changed_mono: float
     sender_pid: int = -1  # from the kernel's credentials, in the agent's pid namespace
+    sender_uid: int = -1  # likewise; the control socket it names must be this user's
 
 
 def _process_gone(pid: int, proc_root: str = "/proc") -> bool:
@@ -160,7 +161,7 @@ class HeartbeatServer:
         clock: Clock,
         max_ranks: int = 256,
         rank_timeout_s: float = 600.0,
-        mode: int = 0o660,
+        mode: int = 0o666,
         group: str | None = None,
         per_sender_rate_hz: float = 200.0,
         max_rate_hz: float = 5000.0,
@@ -364,7 +365,7 @@ class HeartbeatServer:
             if refusal is not None:
                 self._refuse(refusal, hb, pid=pid, uid=uid, now_mono=now_mono)
                 return
-            if self._accept(hb, now_mono, sender_pid=pid):
+            if self._accept(hb, now_mono, sender_pid=pid, sender_uid=uid):
                 self._claims.bind(origin, hb.job)
 
     def _sender_allows(self, pid: int, now_mono: float) -> bool:
@@ -410,7 +411,9 @@ class HeartbeatServer:
             hb.rank,
         )
 
-    def _accept(self, hb: Heartbeat, now_mono: float, *, sender_pid: int = -1) -> bool:
+    def _accept(
+        self, hb: Heartbeat, now_mono: float, *, sender_pid: int = -1, sender_uid: int = -1
+    ) -> bool:
         key = (hb.job, hb.rank)
         track = self._ranks.get(key)
         if track is None:
@@ -426,6 +429,7 @@ class HeartbeatServer:
         track.hb = hb
         track.seen_mono = now_mono
         track.sender_pid = sender_pid
+        track.sender_uid = sender_uid
         self.received_total += 1
         if hb.event:
             if len(self._events) == self._events.maxlen:
@@ -502,20 +506,27 @@ class HeartbeatServer:
         """Send `control` to every tracked rank of `job` that named a control socket.
 
         Non-blocking; a dead or full socket is counted, never raised. Returns (sent, failed).
+        A heartbeat names the path, so the agent (often root) would send wherever a sender
+        points it: it sends only to a socket owned by the user whose process named it
+        (`_open_rank_socket`).
         """
         with self._lock:
             targets = sorted(
                 {
-                    t.hb.control_socket
+                    (t.hb.control_socket, t.sender_uid)
                     for (j, _), t in self._ranks.items()
                     if j == job and t.hb.control_socket
                 }
             )
         payload = encode_json(control)
         sent = failed = 0
-        for path in targets:
+        for path, uid in targets:
             try:
-                self._out.sendto(payload, path)
+                fd = _open_rank_socket(path, uid=uid)
+                try:
+                    self._out.sendto(payload, f"/proc/self/fd/{fd}")
+                finally:
+                    os.close(fd)
                 sent += 1
             except OSError as e:
                 failed += 1
@@ -525,12 +536,33 @@ class HeartbeatServer:
                     path,
                     control.action,
                     control.request_id,
-                    errno.errorcode.get(e.errno or 0, str(e)),
+                    e.strerror
+                    if e.errno == errno.EPERM
+                    else errno.errorcode.get(e.errno or 0, str(e)),
                 )
         with self._lock:
             self.control_sent_total += sent
             self.control_errors_total += failed
         return sent, failed
+
+
+def _open_rank_socket(path: str, *, uid: int) -> int:
+    """An O_PATH descriptor of the unix socket at `path`, which must be owned by `uid` (the
+    sender of the heartbeat that named it; -1: no credentials, an in-process caller). Sending
+    through `/proc/self/fd/<fd>` reaches that very inode, so the path cannot be swapped for
+    another user's socket (or a symlink to one) between the check and the send. EPERM, with
+    the reason as its message, when the socket is not that user's."""
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISSOCK(st.st_mode):
+            raise OSError(errno.EPERM, "not_a_socket")
+        if uid >= 0 and st.st_uid != uid:
+            raise OSError(errno.EPERM, "not_the_senders_socket")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _bounded(data: dict[str, Any]) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import pwd
 import stat
@@ -23,6 +24,8 @@ from typing import Any
 
 from trainguard.agent.config import CONTROL_DIR_MAX_BYTES, JobsConfig
 
+log = logging.getLogger("trainguard.agent")
+
 __all__ = [
     "JobPolicy",
     "JobRefused",
@@ -33,6 +36,7 @@ __all__ = [
     "is_under",
     "policy_from_config",
     "prepare_access",
+    "prepare_control_dir",
     "resolve_user",
 ]
 
@@ -147,14 +151,15 @@ class JobPolicy:
             for p in self.allowed_paths
         )
 
+    def summary(self) -> str:
+        """For the agent's start line: `off` (every start_job refused) or the job user."""
+        return "off" if self.user is None else f"as_{self.user.name}"
+
     def startup_warnings(self) -> list[str]:
-        """What an operator must hear about at agent start (logged as WARNING)."""
+        """What an operator must hear about at agent start (logged as WARNING). Nothing when
+        jobs are off (a root agent without jobs.run_as_user, as on a Slurm node): the start
+        line says `jobs=off` and a start_job is refused with the reason."""
         out = []
-        if self.user is None:
-            out.append(
-                "event=jobs_refused reason=agent_is_root_and_jobs.run_as_user_is_empty "
-                "hint=set_jobs.run_as_user"
-            )
         if self.user is not None and self.user.uid == 0:
             out.append(
                 "event=jobs_run_as_root hint=jobs.allow_jobs_as_root_is_set "
@@ -284,38 +289,45 @@ def policy_from_config(
     )
 
 
-def prepare_access(
-    user: JobUser, *, heartbeat_socket: Path, socket_group_set: bool, control_dir: str
-) -> str:
-    """Let a switched job user reach what its ranks need; returns the control dir to use.
+def prepare_control_dir(*, heartbeat_socket: Path, control_dir: str) -> str:
+    """The directory ranks bind their control sockets in; returns it.
 
-    The heartbeat socket: with no heartbeat.socket_group its group becomes the user's
-    primary group (0660 then lets the ranks send). The control dir: when not configured
-    (`control_dir` empty), `<heartbeat dir>/ctl`, owned by the agent and the user's group,
-    mode 1770 (the ranks bind sockets there; the sticky bit keeps them from removing each
-    other's, and the heartbeat socket's directory stays the agent's alone). A configured
-    control dir is used as it is: the user must be able to create sockets in it.
-    Raises OSError on a failure (the caller makes it a startup error).
+    A configured `control_dir` is used as it is (whoever runs jobs must be able to create
+    sockets in it). Empty: `<heartbeat socket dir>/ctl`, the agent's, mode 1777 like /tmp, so
+    ranks of every user (the agent's launches, Slurm tasks, hand-started torchrun) can bind
+    there: each rank makes its own `u<uid>` directory inside (trainer.channel), the sticky bit
+    keeps users from removing or renaming each other's entries, and the agent sends a request
+    only to a socket owned by the user whose heartbeat named it (agent.heartbeat). The
+    heartbeat socket's directory itself stays the agent's. Raises OSError on a failure (the
+    caller makes it a startup error).
     """
-    if not user.switch:
-        return control_dir or str(heartbeat_socket.parent)
-    if not socket_group_set:
-        os.chown(heartbeat_socket, -1, user.gid)
     if control_dir:
         return control_dir
     ctl = heartbeat_socket.parent / "ctl"
     if len(str(ctl).encode()) > CONTROL_DIR_MAX_BYTES:
-        raise OSError(
-            errno.ENAMETOOLONG,
-            f"too long for unix socket paths (at most {CONTROL_DIR_MAX_BYTES} bytes); "
-            "set jobs.control_dir",
-            str(ctl),
+        # a long test or fallback socket path: ranks of the agent's own user bind beside it
+        log.warning(
+            "event=control_dir_beside_socket path=%s reason=path_too_long max_bytes=%d "
+            "hint=other_users_ranks_cannot_bind_there_set_jobs.control_dir",
+            heartbeat_socket.parent,
+            CONTROL_DIR_MAX_BYTES,
         )
+        return str(heartbeat_socket.parent)
     with contextlib.suppress(FileExistsError):
         ctl.mkdir(mode=0o700)
     st = ctl.lstat()
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
         raise OSError(errno.EEXIST, "exists and is not a directory of the agent's", str(ctl))
-    os.chown(ctl, -1, user.gid)
-    os.chmod(ctl, 0o1770)  # noqa: S103 - group = the job user only; sticky, like /tmp
+    os.chmod(ctl, 0o1777)  # noqa: S103 - every user's ranks bind here; sticky, like /tmp
     return str(ctl)
+
+
+def prepare_access(user: JobUser, *, heartbeat_socket: Path, socket_group_set: bool) -> None:
+    """Let a switched job user send heartbeats: with no heartbeat.socket_group and a socket
+    that others may not write (a socket_mode like 0660), the socket's group becomes the
+    user's primary group. The default mode (0666) needs nothing. Raises OSError."""
+    if not user.switch or socket_group_set:
+        return
+    if heartbeat_socket.stat().st_mode & 0o002:
+        return
+    os.chown(heartbeat_socket, -1, user.gid)

@@ -499,6 +499,15 @@ class JobRunner:
         return self._work_dir
 
     @property
+    def control_dir(self) -> str | None:
+        """Where its ranks bind their control sockets (TRAINGUARD_CONTROL_DIR)."""
+        return self._control_dir
+
+    @property
+    def policy(self) -> JobPolicy:
+        return self._policy
+
+    @property
     def state_dir(self) -> Path:
         """Where launch records and exit statuses are kept."""
         return self._state_dir
@@ -546,8 +555,7 @@ class JobRunner:
                     current, grace_s=self._replace_grace_s, reason=f"replaced_by_{spec.attempt}"
                 )
                 log.warning(
-                    "event=job_start_after_stop node=%s job=%s attempt=%d replaces=%d grace_s=%g",
-                    self._node,
+                    "event=job_start_after_stop job=%s attempt=%d replaces=%d grace_s=%g",
                     spec.job,
                     spec.attempt,
                     current.spec.attempt,
@@ -570,8 +578,7 @@ class JobRunner:
             )
         except JobRefused as e:
             log.warning(
-                "event=job_refused node=%s job=%s attempt=%d reason=%r",
-                self._node,
+                "event=job_refused job=%s attempt=%d reason=%r",
                 spec.job,
                 spec.attempt,
                 str(e),
@@ -675,9 +682,8 @@ class JobRunner:
             raise JobError(f"job {spec.job!r}: cannot write the launch record: {e}") from None
         self._jobs[spec.job] = job
         log.info(
-            "event=job_started node=%s job=%s attempt=%d pid=%d user=%s uid=%d is_host=%s "
+            "event=job_started job=%s attempt=%d pid=%d user=%s uid=%d is_host=%s "
             "unit=%s log=%s argv=%s",
-            self._node,
             spec.job,
             spec.attempt,
             pid,
@@ -755,8 +761,7 @@ class JobRunner:
                     spec = parse_start_job(rec.spec)
                 except JobError as e:
                     log.warning(
-                        "event=launch_record_bad node=%s job=%s attempt=%d reason=%r",
-                        self._node,
+                        "event=launch_record_bad job=%s attempt=%d reason=%r",
                         rec.job,
                         rec.attempt,
                         str(e),
@@ -766,9 +771,8 @@ class JobRunner:
                 alive = ticks is not None and ticks == rec.start_ticks
                 if ticks is not None and not alive:
                     log.warning(
-                        "event=launch_pid_reused node=%s job=%s attempt=%d pid=%d "
+                        "event=launch_pid_reused job=%s attempt=%d pid=%d "
                         "hint=the_launch_ended_and_its_pid_went_to_another_process",
-                        self._node,
                         rec.job,
                         rec.attempt,
                         rec.pid,
@@ -802,9 +806,8 @@ class JobRunner:
                 if alive:
                     adopted.append(rec.job)
                 log.info(
-                    "event=%s node=%s job=%s attempt=%d pid=%d unit=%s log=%s",
+                    "event=%s job=%s attempt=%d pid=%d unit=%s log=%s",
                     "job_adopted" if alive else "job_ended_while_agent_away",
-                    self._node,
                     rec.job,
                     rec.attempt,
                     rec.pid,
@@ -826,16 +829,13 @@ class JobRunner:
             cancelled = self._pending_starts.pop(job, None)
             if cancelled is not None:
                 log.info(
-                    "event=job_start_cancelled node=%s job=%s attempt=%d reason=stop_job",
-                    self._node,
+                    "event=job_start_cancelled job=%s attempt=%d reason=stop_job",
                     job,
                     cancelled.spec.attempt,
                 )
             j = self._jobs.get(job)
             if j is None or j.state == "exited":
-                log.info(
-                    "event=job_stop_ignored node=%s job=%s reason=not_running", self._node, job
-                )
+                log.info("event=job_stop_ignored job=%s reason=not_running", job)
                 return False
             self._stop_locked(j, grace_s=grace_s, reason=reason)
             return True
@@ -849,9 +849,8 @@ class JobRunner:
             if pending is not None and pending.spec.attempt < current_attempt:
                 del self._pending_starts[job]
                 log.warning(
-                    "event=job_start_cancelled node=%s job=%s attempt=%d reason=stale_attempt "
+                    "event=job_start_cancelled job=%s attempt=%d reason=stale_attempt "
                     "current_attempt=%d",
-                    self._node,
                     job,
                     pending.spec.attempt,
                     current_attempt,
@@ -862,8 +861,7 @@ class JobRunner:
             if j.state == "stopping" and j.stop_reason.startswith("stale_attempt"):
                 return False  # already on it
             log.warning(
-                "event=job_stale_attempt node=%s job=%s attempt=%d current_attempt=%d pid=%d",
-                self._node,
+                "event=job_stale_attempt job=%s attempt=%d current_attempt=%d pid=%d",
                 job,
                 j.spec.attempt,
                 current_attempt,
@@ -887,8 +885,7 @@ class JobRunner:
         j.stop_reason = reason or j.stop_reason
         self._signal(j, signal.SIGTERM)
         log.info(
-            "event=job_stopping node=%s job=%s attempt=%d pid=%d grace_s=%g reason=%s",
-            self._node,
+            "event=job_stopping job=%s attempt=%d pid=%d grace_s=%g reason=%s",
             j.spec.job,
             j.spec.attempt,
             j.pid,
@@ -911,8 +908,7 @@ class JobRunner:
                     left = self._signal(j, signal.SIGKILL, quiet=True)
                     if left:
                         log.warning(
-                            "event=job_leftovers_killed node=%s job=%s attempt=%d count=%d",
-                            self._node,
+                            "event=job_leftovers_killed job=%s attempt=%d count=%d",
                             j.spec.job,
                             j.spec.attempt,
                             left,
@@ -921,8 +917,7 @@ class JobRunner:
                 elif j.kill_at is not None and now >= j.kill_at and not j.killed:
                     j.killed = True
                     log.warning(
-                        "event=job_stop_escalated node=%s job=%s attempt=%d pid=%d signal=SIGKILL",
-                        self._node,
+                        "event=job_stop_escalated job=%s attempt=%d pid=%d signal=SIGKILL",
                         j.spec.job,
                         j.spec.attempt,
                         j.pid,
@@ -937,8 +932,7 @@ class JobRunner:
                     self._launch(pending.spec, user=pending.user, python=pending.python)
                 except JobError as e:
                     log.error(
-                        "event=job_start_failed node=%s job=%s attempt=%d reason=%r",
-                        self._node,
+                        "event=job_start_failed job=%s attempt=%d reason=%r",
                         name,
                         pending.spec.attempt,
                         str(e),
@@ -1018,9 +1012,8 @@ class JobRunner:
             running = [j for j in self._jobs.values() if j.state != "exited"]
             for j in running:
                 log.info(
-                    "event=job_left_running node=%s job=%s attempt=%d pid=%d state=%s "
+                    "event=job_left_running job=%s attempt=%d pid=%d state=%s "
                     "hint=the_next_agent_adopts_it",
-                    self._node,
                     j.spec.job,
                     j.spec.attempt,
                     j.pid,
@@ -1028,8 +1021,7 @@ class JobRunner:
                 )
             for name, pending in self._pending_starts.items():
                 log.warning(
-                    "event=job_start_dropped node=%s job=%s attempt=%d reason=agent_stopping",
-                    self._node,
+                    "event=job_start_dropped job=%s attempt=%d reason=agent_stopping",
                     name,
                     pending.spec.attempt,
                 )
@@ -1060,9 +1052,7 @@ class JobRunner:
             self._clock.sleep(0.05)
         for j in alive:
             # cannot happen short of an unkillable (D-state) process; never leave it unreaped
-            log.error(
-                "event=job_close_timeout node=%s job=%s pid=%d", self._node, j.spec.job, j.pid
-            )
+            log.error("event=job_close_timeout job=%s pid=%d", j.spec.job, j.pid)
             self._signal(j, signal.SIGKILL, quiet=True)
             if j.proc is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
@@ -1100,8 +1090,7 @@ class JobRunner:
             except PermissionError as e:
                 if not quiet:
                     log.error(
-                        "event=job_signal_failed node=%s job=%s pgid=%d signal=%s reason=%s",
-                        self._node,
+                        "event=job_signal_failed job=%s pgid=%d signal=%s reason=%s",
                         j.spec.job,
                         j.pgid,
                         sig.name,
@@ -1182,9 +1171,8 @@ class JobRunner:
             with contextlib.suppress(OSError):
                 path.unlink()
         log.info(
-            "event=job_exited node=%s job=%s attempt=%d pid=%d exit_code=%d known=%s "
+            "event=job_exited job=%s attempt=%d pid=%d exit_code=%d known=%s "
             "stopped=%s killed=%s adopted=%s",
-            self._node,
             j.spec.job,
             j.spec.attempt,
             j.pid,

@@ -100,7 +100,30 @@ def _inject_parser() -> argparse.ArgumentParser:
     add_fault_arguments(p)
     p.add_argument("--metrics-port", type=int, default=9500, help="the agent's /metrics port")
     p.add_argument("--timeout-s", type=float, default=5.0)
+    p.add_argument(
+        "-o", "--output", choices=["text", "json"], default="text",
+        help="text: one line saying what was injected (default); json: the agent's answer",
+    )  # fmt: skip
     return p
+
+
+def _fault_line(kind: str, body: dict[str, Any], answer: dict[str, Any]) -> str:
+    """`inject`'s human line: the fault, where, and the event it made (if any)."""
+    where = " ".join(
+        f"{name}={body[name]}"
+        for name in ("gpu", "link", "device", "port", "code", "rate_per_s", "duration_s")
+        if name in body
+    )
+    event = answer.get("event_id")
+    return " ".join(
+        part
+        for part in (
+            f"fault {kind} injected",
+            where,
+            f"(event {event})" if event is not None else "",
+        )
+        if part
+    )
 
 
 def _setup_logging(level: str, node: str) -> None:
@@ -134,7 +157,10 @@ def _inject(argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
         return 1
-    print(json.dumps(detail))
+    if args.output == "json":
+        print(json.dumps(detail))
+    else:
+        print(_fault_line(args.kind, body, detail))
     return 0
 
 

@@ -67,6 +67,8 @@ class AgentSnapshot:
     controller_switches_total: Mapping[str, int] = field(default_factory=dict)
     heartbeats_received_total: int = 0
     heartbeats_dropped_total: Mapping[str, int] = field(default_factory=dict)
+    # the `sender_not_allowed` drops by refusal (agent.senders.REFUSALS)
+    heartbeat_senders_refused_total: Mapping[str, int] = field(default_factory=dict)
     control_sent_total: int = 0
     control_errors_total: int = 0
     spool_events: int = 0
@@ -188,6 +190,13 @@ OWN_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "trainguard_agent_heartbeats_dropped_total": (
         "counter",
         "Heartbeat datagrams dropped, by reason.",
+        ("node", "reason"),
+    ),
+    "trainguard_agent_heartbeat_senders_refused_total": (
+        "counter",
+        "Heartbeats refused because the sending process may not speak for that job or rank, "
+        "by reason (other_job, not_the_jobs_process, owned_by_another_sender, rank_taken, "
+        "too_many_jobs).",
         ("node", "reason"),
     ),
     "trainguard_agent_control_sent_total": (
@@ -470,6 +479,11 @@ def _agent_families(snap: AgentSnapshot, node: str) -> Iterator[Metric]:
     )
     yield _labelled(
         "trainguard_agent_heartbeats_dropped_total", node, snap.heartbeats_dropped_total
+    )
+    yield _labelled(
+        "trainguard_agent_heartbeat_senders_refused_total",
+        node,
+        snap.heartbeat_senders_refused_total,
     )
     yield _single("trainguard_agent_control_sent_total", node, snap.control_sent_total)
     yield _single("trainguard_agent_control_errors_total", node, snap.control_errors_total)

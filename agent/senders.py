@@ -129,17 +129,28 @@ class SenderResolver:
         return origin
 
     def _resolve(self, pid: int, uid: int, entry: ProcEntry | None) -> Origin:
+        """The sender's origin. The uid the kernel gave must be the process's own (else the
+        pid was reused since the datagram was sent) and the job's owner's: the uid of the
+        job's first process below its launch leader or `slurmstepd` (else the sender is a
+        setuid program or a recycled pid inside another user's job). Anything else is a
+        plain user process of that uid."""
+        if entry is None or entry.uid != uid:
+            return Origin("user", uid)
         launches = self.launches()
         seen = 0
-        current, proc = pid, entry
+        current, below = pid, entry
+        proc: ProcEntry | None = entry
         while proc is not None and current > 1 and seen < MAX_ANCESTRY:
             job = launches.get((current, proc.start_ticks))
             if job is not None:
-                return Origin("launch", uid, job)
+                return Origin("launch", uid, job) if below.uid == uid else Origin("user", uid)
             if proc.comm == "slurmstepd" and proc.uid == 0:
                 slurm_id = self._slurm_job_id(current)
                 if slurm_id is not None:
+                    if below.uid != uid:
+                        return Origin("user", uid)
                     return Origin("slurm", uid, f"slurm-{slurm_id}")
+            below = proc
             current = proc.ppid
             proc = read_proc_entry(self.proc_root, current)
             seen += 1

@@ -439,7 +439,8 @@ class DevCluster:
             },
             "jobs": {
                 "work_dir": str(d / "jobs"),
-                "control_dir": str(sock_dir),
+                # control_dir: the default, ctl/ beside the socket (1777): the ranks of every
+                # user bind there, the agent's launches and Slurm tasks alike
                 "stop_grace_s": self.config.agent_stop_grace_s,
                 # A dev/test cluster on one machine, often run as root (CI, containers):
                 # its jobs may run as root. A real node sets jobs.run_as_user instead.

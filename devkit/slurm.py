@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pwd
 import re
 import shutil
 import signal
@@ -44,6 +45,50 @@ _DAEMONS = ("munged", "slurmctld", "slurmd")
 _CLIENTS = ("sbatch", "scontrol", "squeue", "sinfo", "srun")
 SPARE_RESERVATION = "trainguard_spares"
 SBATCH_EXAMPLE = REPO_ROOT / "examples" / "slurm" / "train.sbatch"
+# the unprivileged user the demo and the tests submit as: a site's jobs are an ordinary
+# user's, and trainguard must watch them (docs/slurm.md)
+SUBMIT_USER = "trainguard-user"
+
+
+def ensure_user(name: str = SUBMIT_USER) -> pwd.struct_passwd:
+    """The system user `name`, created (no home, no login) when missing. Needs root."""
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        subprocess.run(
+            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
+        return pwd.getpwnam(name)
+
+
+class OpenPaths:
+    """Search permission for others (o+x) on the directories above some paths, so an
+    unprivileged user reaches the interpreter, the code and the run dir; `restore()` puts
+    every changed mode back. Only search: nothing becomes listable or writable."""
+
+    def __init__(self) -> None:
+        self._changed: dict[Path, int] = {}
+
+    def open(self, *paths: Path | str) -> None:
+        for path in paths:
+            for p in dict.fromkeys((Path(os.path.abspath(path)), Path(path).resolve())):
+                self._open_dirs([p, *p.parents] if p.is_dir() else list(p.parents))
+
+    def _open_dirs(self, dirs: list[Path]) -> None:
+        for d in dirs:
+            mode = d.stat().st_mode & 0o7777
+            if not mode & 0o001 and d not in self._changed:
+                self._changed[d] = mode
+                os.chmod(d, mode | 0o001)
+
+    def restore(self) -> None:
+        for d, mode in reversed(list(self._changed.items())):
+            with contextlib.suppress(OSError):
+                os.chmod(d, mode)
+        self._changed.clear()
 
 
 def missing_reason() -> str | None:
@@ -127,6 +172,7 @@ class SlurmCluster:
         self.daemons: dict[str, _Daemon] = {}
         self.ctld_port = 0
         self.node_ports: dict[str, int] = {}
+        self.submit_users: list[str] = []  # whose jobs close() cancels, besides root's
         self._closed = False
 
     def __enter__(self) -> SlurmCluster:
@@ -162,7 +208,8 @@ class SlurmCluster:
             raise ClusterError(why)
         for sub in ("munge", "state", "spool", "log"):
             (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
-        os.chmod(self.run_dir / "munge", 0o700)
+        # 0711: another user's sbatch reaches munged's socket; the key stays root's (0400)
+        os.chmod(self.run_dir / "munge", 0o711)  # noqa: S103 - search only, no listing
         key = self.run_dir / "munge" / "munge.key"
         key.write_bytes(os.urandom(128))
         os.chmod(key, 0o400)
@@ -343,14 +390,20 @@ class SlurmCluster:
         *args: str,
         options: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
+        user: str | None = None,
+        cwd: Path | str | None = None,
     ) -> str:
-        """Submit a batch script with sbatch `options` and the script's own `args`; the job
-        id."""
+        """Submit a batch script with sbatch `options` and the script's own `args`, as `user`
+        (runuser; None: as this process's user) from `cwd`; the job id."""
+        argv = [_need("sbatch"), "--parsable", *options, str(script), *args]
+        if user is not None:
+            argv = ["runuser", "-u", user, "--", *argv]
         done = subprocess.run(
-            [_need("sbatch"), "--parsable", *options, str(script), *args],
+            argv,
             capture_output=True,
             text=True,
             env=self.env(env),
+            cwd=None if cwd is None else str(cwd),
             timeout=30,
             check=False,
         )
@@ -431,8 +484,9 @@ class SlurmCluster:
         self._closed = True
         ctld = self.daemons.get("slurmctld")
         if ctld is not None and ctld.alive():
-            with contextlib.suppress(ClusterError, OSError):
-                self.run("scancel", "--full", "--quiet", "-u", "root", timeout_s=10, check=False)
+            for user in dict.fromkeys(("root", *self.submit_users)):
+                with contextlib.suppress(ClusterError, OSError):
+                    self.run("scancel", "--full", "--quiet", "-u", user, timeout_s=10, check=False)
         for d in reversed(list(self.daemons.values())):
             if d.alive():
                 assert d.popen is not None
@@ -475,8 +529,12 @@ class SlurmSite:
         jobs: Mapping[str, Any] | None = None,
         safety: Mapping[str, Any] | None = None,
         sync_interval_s: float = 1.0,
+        user: str | None = SUBMIT_USER,
     ) -> None:
         self.run_dir = Path(run_dir).resolve()
+        # jobs are submitted as this unprivileged user (None: as root), as on a real site
+        self.user = user
+        self._open_paths = OpenPaths()
         sc = slurm or SlurmConfig()
         active = tuple(n for n in sc.nodes if n not in sc.spares)
         self.cluster = DevCluster(
@@ -498,6 +556,8 @@ class SlurmSite:
         )
         # one marker for both: closing the trainguard cluster ends the job processes too
         self.slurm = SlurmCluster(self.run_dir / "slurm", sc, run_id=self.cluster.run_id)
+        if user is not None:
+            self.slurm.submit_users.append(user)
 
     def __enter__(self) -> SlurmSite:
         return self
@@ -505,8 +565,22 @@ class SlurmSite:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def jobs_dir(self) -> Path:
+        """The submitting user's own directory: job output and checkpoints."""
+        return self.run_dir / "jobs"
+
     def start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.jobs_dir.mkdir(exist_ok=True)
+        if self.user is not None:
+            pw = ensure_user(self.user)
+            os.chown(self.jobs_dir, pw.pw_uid, pw.pw_gid)
+            # the user reaches slurm.conf, munged's socket, the agents' sockets, the code and
+            # the interpreter (search only), and writes only its jobs dir
+            self._open_paths.open(
+                self.jobs_dir, self.cluster.socket_root, REPO_ROOT, Path(sys.executable)
+            )
         self.slurm.start()
         self.cluster.start()
 
@@ -514,24 +588,30 @@ class SlurmSite:
         try:
             self.cluster.close()
         finally:
-            self.slurm.close()
+            try:
+                self.slurm.close()
+            finally:
+                self._open_paths.restore()
 
     def submit(
         self, tag: str, args: Sequence[str], *, script: Path = SBATCH_EXAMPLE
     ) -> tuple[str, Path]:
-        """sbatch the example (or `script`) with the trainer's `args`, every rank talking to
-        the agent named like its Slurm node; (job id, its output file)."""
-        out = self.run_dir / f"{tag}-%j.out"
+        """sbatch the example (or `script`) as the site's user with the trainer's `args`,
+        every rank talking to the agent named like its Slurm node; (job id, its output
+        file)."""
+        out = self.jobs_dir / f"{tag}-%j.out"
         job_id = self.slurm.sbatch(
             script,
             *args,
             options=[f"--output={out}"],
             env={
                 "TG_AGENT_SOCKET_PATTERN": str(self.cluster.socket_root / "%n" / "hb.sock"),
-                "TG_CKPT_DIR": str(self.run_dir / "ckpt" / tag),
+                "TG_CKPT_DIR": str(self.jobs_dir / "ckpt" / tag),
                 "TG_PYTHON": sys.executable,
                 "TG_REPO": str(REPO_ROOT),
             },
+            user=self.user,
+            cwd=self.jobs_dir,
         )
         return job_id, Path(str(out).replace("%j", job_id))
 

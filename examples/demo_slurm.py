@@ -2,7 +2,9 @@
 
 A Slurm cluster on this machine (munged, slurmctld, slurmd n1..n4; n4 a hot spare held in the
 `trainguard_spares` reservation), a sim agent per node, the trainguard controller with its
-Slurm backend, and examples/slurm/train.sbatch submitted with sbatch on n1..n3; in parallel
+Slurm backend, and examples/slurm/train.sbatch submitted with sbatch on n1..n3 as the
+unprivileged `trainguard-user` (created when missing), so its ranks are watched as an ordinary
+user's are; in parallel
 the same training uninterrupted (`torchrun --standalone`) as the reference. After some steps
 a DBE is injected into a GPU of n2: trainguard asks for a proactive checkpoint, drains n2 in
 Slurm (`sinfo -R` shows its reason), takes n4 out of the reservation and requeues the job
@@ -126,8 +128,8 @@ def run(args: argparse.Namespace) -> int:
         job_id, out = site.submit("demo", TRAIN_ARGS)
         name = f"slurm-{job_id}"
         where = ",".join(slurm.job_nodes(job_id)) or "n1..n3 (pending)"
-        print(f"sbatch examples/slurm/train.sbatch {' '.join(TRAIN_ARGS)} -> Slurm job"
-              f" {job_id} on {where}", flush=True)  # fmt: skip
+        print(f"sbatch examples/slurm/train.sbatch {' '.join(TRAIN_ARGS)} as {site.user}"
+              f" -> Slurm job {job_id} on {where}", flush=True)  # fmt: skip
         view = cluster.wait_job(
             name,
             lambda j: (j.get("last_step") or 0) >= args.fault_step,
@@ -135,6 +137,10 @@ def run(args: argparse.Namespace) -> int:
             what=f"Slurm job {job_id} to reach step {args.fault_step}",
         )
         fault_step = int(view["last_step"])
+        # the ranks run as an ordinary user: their heartbeats reached the agents all the same
+        print(f"watched: {name}, {site.user}'s ranks at step {fault_step} by their heartbeats",
+              flush=True)  # fmt: skip
+        report["submit_user"] = site.user
         t_fault = time.time()
         cluster.inject(args.fault_node, "dbe", gpu=args.fault_gpu)
         printer = Printer(t_fault)

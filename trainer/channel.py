@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import tempfile
 from pathlib import Path
 
@@ -54,6 +55,13 @@ _DROP_ERRNOS = {
     errno.EACCES,
     errno.EPERM,
 }
+# ... but these mean an agent is there and this user may not reach it: dropped too, and said
+# once (WARNING), since the job is then silently unwatched
+_DENIED_ERRNOS = {errno.EACCES, errno.EPERM}
+_DENIED_HINT = (
+    "hint=the_agent's_heartbeat.socket_mode_must_let_this_user_send:_0666_(the_default)_or_"
+    "0660_with_this_user_in_heartbeat.socket_group"
+)
 
 
 # Heartbeat fields whose defaults are not None: the generic encoder always writes them.
@@ -102,7 +110,10 @@ def agent_socket_path(env: dict[str, str] | None = None) -> str:
 def control_socket_path(
     *, job: str, rank: int, pid: int, agent_socket: str, env: dict[str, str] | None = None
 ) -> str:
-    """Where this rank listens: `$TRAINGUARD_CONTROL_DIR` or the agent socket's directory.
+    """Where this rank listens: in `$TRAINGUARD_CONTROL_DIR`, else in the agent's `ctl/`
+    beside its socket (where the agent made one), else in the agent socket's directory; in a
+    shared directory (sticky and world-writable, like the agent's `ctl/`) inside this user's
+    own `u<uid>/` (`_own_dir`).
 
     The agent must be able to reach the path: under its systemd unit (PrivateTmp) it sees
     /run/trainguard but not the rank's /tmp. So a path too long for a unix socket first
@@ -110,7 +121,8 @@ def control_socket_path(
     too long falls back to the temp directory, with a warning.
     """
     e = os.environ if env is None else env
-    directory = e.get("TRAINGUARD_CONTROL_DIR") or str(Path(agent_socket).parent)
+    directory = e.get("TRAINGUARD_CONTROL_DIR") or _agent_control_dir(agent_socket)
+    directory = _own_dir(directory)
     safe_job = "".join(c if c.isalnum() or c in "-_." else "_" for c in job)[:40]
     name = f"tg-ctl-{safe_job}-r{rank}-{pid}.sock"
     path = os.path.join(directory, name)
@@ -130,6 +142,39 @@ def control_socket_path(
     return path
 
 
+def _agent_control_dir(agent_socket: str) -> str:
+    ctl = Path(agent_socket).parent / "ctl"
+    return str(ctl) if ctl.is_dir() else str(ctl.parent)
+
+
+def _own_dir(directory: str) -> str:
+    """`<directory>/u<uid>` (mode 0700, made if missing) when `directory` is shared by every
+    user (sticky and world-writable): no other user can then squat this rank's socket name or
+    list it. A `u<uid>` that is not this user's own private directory (someone made it first)
+    is not used: the rank binds in `directory` itself (the sticky bit still keeps others from
+    removing its socket). Any other directory is used as it is."""
+    try:
+        st = os.stat(directory)
+    except OSError:
+        return directory
+    if not (st.st_mode & stat.S_ISVTX and st.st_mode & 0o002):
+        return directory
+    uid = os.geteuid()
+    own = os.path.join(directory, f"u{uid}")
+    with contextlib.suppress(OSError):
+        os.mkdir(own, 0o700)
+    try:
+        mine = os.lstat(own)
+    except OSError:
+        return directory
+    if stat.S_ISDIR(mine.st_mode) and mine.st_uid == uid and not mine.st_mode & 0o077:
+        return own
+    log.warning(
+        "event=control_dir_not_own path=%s owner_uid=%d using=%s", own, mine.st_uid, directory
+    )
+    return directory
+
+
 class AgentChannel:
     """Sends Heartbeats to the agent socket and receives Controls on this rank's own socket."""
 
@@ -137,6 +182,7 @@ class AgentChannel:
         self.agent_socket = agent_socket
         self.sent = 0
         self.dropped = 0
+        self._denied_said = False  # the one WARNING for an agent this user may not reach
         self._out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
         self._in: socket.socket | None = None
         self.control_socket: str | None = None
@@ -151,7 +197,20 @@ class AgentChannel:
             sock.bind(path)
         except OSError as e:
             sock.close()
-            log.info("event=control_socket_unavailable path=%s reason=%s", path, e.strerror or e)
+            if e.errno in _DENIED_ERRNOS:
+                # the agent is there (its directory is), this user may not bind beside it:
+                # the job gets no checkpoint or stop requests
+                log.warning(
+                    "event=control_socket_denied path=%s reason=%r hint=the_agent's_"
+                    "jobs.control_dir_must_be_writable_by_this_user:_leave_it_empty_(its_"
+                    "ctl/,_mode_1777)_or_set_TRAINGUARD_CONTROL_DIR",
+                    path,
+                    e.strerror or str(e),
+                )
+            else:
+                log.info(
+                    "event=control_socket_unavailable path=%s reason=%s", path, e.strerror or e
+                )
             return
         self._in = sock
         self.control_socket = path
@@ -187,7 +246,16 @@ class AgentChannel:
         try:
             self._out.sendto(raw, self.agent_socket)
         except OSError as e:
-            if e.errno not in _DROP_ERRNOS:
+            if e.errno in _DENIED_ERRNOS and not self._denied_said:
+                self._denied_said = True
+                log.warning(
+                    "event=agent_socket_denied path=%s uid=%d reason=%r %s",
+                    self.agent_socket,
+                    os.geteuid(),
+                    e.strerror or str(e),
+                    _DENIED_HINT,
+                )
+            elif e.errno not in _DROP_ERRNOS:
                 log.debug("event=heartbeat_send_failed reason=%s", e)
             self.dropped += 1
             return False

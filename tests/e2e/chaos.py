@@ -152,10 +152,10 @@ def check_recovery(
 
 
 # the agent's log lines for a launch of a job's node share (agent/jobs.py), stamped by its
-# log format `ts=%Y-%m-%d %H:%M:%S,mmm` (local time, milliseconds)
+# log format `ts=%Y-%m-%d %H:%M:%S,mmm level=L node=N` (local time, milliseconds)
 _LAUNCH_LINE = re.compile(
-    r"^ts=(?P<date>\S+) (?P<time>\d\d:\d\d:\d\d),(?P<ms>\d{3}) .*?"
-    r"event=job_(?P<what>started|exited) node=(?P<node>\S+) job=(?P<job>\S+) "
+    r"^ts=(?P<date>\S+) (?P<time>\d\d:\d\d:\d\d),(?P<ms>\d{3}) level=\S+ node=(?P<node>\S+) "
+    r".*?event=job_(?P<what>started|exited) job=(?P<job>\S+) "
     r"attempt=(?P<attempt>\d+) pid=(?P<pid>\d+)"
 )
 

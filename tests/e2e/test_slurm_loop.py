@@ -1,7 +1,9 @@
 """The closed loop on real Slurm: munged + slurmctld + 4 slurmd (n1..n4; n4 a spare held in
 the `trainguard_spares` reservation), four sim agents named n1..n4, and the controller with
 the Slurm backend, all started once for the module. A real `sbatch` of
-examples/slurm/train.sbatch trains on 3 nodes with the trainer library, and:
+examples/slurm/train.sbatch, submitted as the unprivileged `trainguard-user` (created when
+missing; its ranks are watched through the agents' open heartbeat socket, devkit.slurm), trains
+on 3 nodes with the trainer library, and:
 
 - a DBE on n2's agent -> proactive checkpoint -> `sinfo -R` shows n2 drained with
   trainguard's reason -> the job is requeued and runs on n1, n3, n4 -> every loss equals
@@ -21,7 +23,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +36,13 @@ import pytest
 from tests.e2e.chaos import STEPS, TRAIN_ARGS, new_incidents, now, reference_lines, start_reference
 from trainguard.controller.backends.slurm.cli import SlurmCli, SlurmCommands, SlurmError
 from trainguard.devkit.devcluster import DevCluster, compare_losses
-from trainguard.devkit.slurm import SlurmCluster, SlurmSite, attempt_lines, missing_reason
+from trainguard.devkit.slurm import (
+    SUBMIT_USER,
+    SlurmCluster,
+    SlurmSite,
+    attempt_lines,
+    missing_reason,
+)
 
 pytestmark = [
     pytest.mark.slow,
@@ -76,16 +86,22 @@ class World:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+def world() -> Iterator[World]:
     why = missing_reason()
     if why is not None:
         pytest.fail(f"{why}: `make deps` installs them (as root)")
     jobs = {"checkpoint_timeout_s": 5, "progress_timeout_s": 90, "spare_wait_s": 30}
-    with SlurmSite(tmp_path_factory.mktemp("slurm-loop"), jobs=jobs) as site:
-        site.start()
-        ref = start_reference(site.cluster)
-        yield World(site, reference_lines(site.cluster, ref))
-    assert site.cluster.leftover_pids() == set()
+    # not under pytest's base temp dir: every pytest run on the machine makes that 0700 again,
+    # and the job's user must reach slurm.conf and its own jobs dir in here
+    run_dir = Path(tempfile.mkdtemp(prefix="tg-slurm-loop-", dir="/tmp"))
+    try:
+        with SlurmSite(run_dir, jobs=jobs) as site:
+            site.start()
+            ref = start_reference(site.cluster)
+            yield World(site, reference_lines(site.cluster, ref))
+        assert site.cluster.leftover_pids() == set()
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _check_losses(world: World, out: Path, *, restarts: int) -> dict[int, list[dict[str, Any]]]:
@@ -115,7 +131,9 @@ def _incident_steps(world: World, since: float) -> dict[str, Any]:
 def test_dbe_drains_the_node_in_slurm_and_requeues_the_job_onto_the_spare(world: World) -> None:
     c, slurm = world.cluster, world.slurm
     job_id, out = world.submit("dbe")
+    # the job is an ordinary user's, and watched: its heartbeats give the controller its steps
     world.run_until_step(job_id, FAULT_STEP)
+    assert slurm.jobs()[job_id]["user_name"] == SUBMIT_USER
     assert slurm.job_nodes(job_id) == ["n1", "n2", "n3"]
     # agentctl get jobs shows the Slurm job with its id
     view = c.job(f"slurm-{job_id}")
@@ -125,6 +143,7 @@ def test_dbe_drains_the_node_in_slurm_and_requeues_the_job_onto_the_spare(world:
     detail = _incident_steps(world, since)
     incident = detail["incident"]
     checkpoint = next(a for a in detail["actions"] if a["kind"] == "checkpoint")
+    # the request reached the user's ranks through their control sockets
     assert checkpoint["state"] == "succeeded" and "committed" in checkpoint["result"]
     # sinfo -R: n2 drained with trainguard's reason naming the rule and the incident
     reason = slurm.drain_reasons()["n2"]

@@ -3,6 +3,7 @@ fault injection, trainer heartbeats, clean shutdown."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -61,6 +62,8 @@ def test_quickstart_exports_every_hardware_family_and_passes_promtool(
 def test_inject_subcommand_makes_the_fault_visible_on_metrics(agent: AgentProcess) -> None:
     done = agent.inject("dbe", "--gpu", "2")
     assert done.returncode == 0, done.stderr
+    # one human line; -o json gives the agent's answer
+    assert done.stdout == "fault dbe injected gpu=2\n"
     wait_for(
         lambda: (
             sample_value(agent.metrics(), "trainguard_gpu_xid_errors_total", gpu="2", xid="48") == 1
@@ -79,7 +82,8 @@ def test_inject_subcommand_makes_the_fault_visible_on_metrics(agent: AgentProces
     assert sample_value(body, "trainguard_gpu_remap_pending", gpu="1") == 0
     assert "event=fault_injected kind=dbe gpu=2" in agent.log()
 
-    assert agent.inject("ib_down", "--device", "mlx5_3").returncode == 0
+    done = agent.inject("ib_down", "--device", "mlx5_3", "-o", "json")
+    assert done.returncode == 0 and json.loads(done.stdout)["fault"] == "ib_down", done.stdout
     wait_for(
         lambda: sample_value(agent.metrics(), "trainguard_ib_port_up", device="mlx5_3") == 0,
         timeout_s=30,

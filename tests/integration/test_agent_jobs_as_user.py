@@ -1,6 +1,8 @@
 """A real agent running as root with `jobs.run_as_user` starts its job as that unprivileged
 user (uid, primary group, supplementary groups), the job reaches the heartbeat socket and
-binds in the control dir as that user, and a program off the allow-list is refused."""
+binds in the control dir as that user, and a program off the allow-list is refused. A torchrun
+job an ordinary user starts by hand, with the agent's defaults, is watched: its heartbeats get
+through and a checkpoint request reaches its ranks."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ import pytest
 from tests.fakes.controller_service import FakeController
 from tests.helpers import free_port, wait_for
 from tests.integration.agent_proc import AgentProcess
+from trainguard.devkit.devcluster import REPO_ROOT
+from trainguard.devkit.slurm import OpenPaths
 from trainguard.protocol import Command, Event
 
 pytestmark = pytest.mark.slow
@@ -170,4 +174,89 @@ def test_root_agent_runs_the_job_as_run_as_user_and_refuses_a_program_off_the_al
         assert refused.data["ok"] is False
         assert "is not under jobs.allowed_paths" in refused.data["message"], refused.data
     finally:
+        assert agent.terminate() == 0, agent.log()
+
+
+# A rank of a hand-started torchrun job: the trainer library's channel, as Trainguard opens it
+# (the job name is torchrun's run id), heartbeats every 0.1 s until a Control arrives.
+RANK = """\
+import json, os, time
+from trainguard.protocol import Heartbeat
+from trainguard.trainer.channel import (
+    AgentChannel, agent_socket_path, control_socket_path, job_name)
+job, rank, sock = job_name(), int(os.environ["RANK"]), agent_socket_path()
+ch = AgentChannel(agent_socket=sock, control_socket=control_socket_path(
+    job=job, rank=rank, pid=os.getpid(), agent_socket=sock))
+got, step, deadline = None, 0, time.monotonic() + 60
+while got is None and time.monotonic() < deadline:
+    step += 1
+    ch.send(Heartbeat(job=job, rank=rank, step=step, t=time.time(), pid=os.getpid(),
+                      control_socket=ch.control_socket))
+    got = next(iter(ch.poll()), None)
+    time.sleep(0.1)
+with open(os.path.join(os.environ["OUT_DIR"], f"rank{rank}.json"), "w") as f:
+    json.dump({"job": job, "uid": os.getuid(), "control_socket": ch.control_socket,
+               "control": got and got.action, "sent": ch.sent}, f)
+ch.close()
+"""
+
+
+def test_a_hand_started_torchrun_job_of_an_ordinary_user_is_watched(
+    short_tmp: Path, fake_controller: FakeController
+) -> None:
+    user = job_user()
+    short_tmp.chmod(0o755)
+    code = short_tmp / "code"
+    code.mkdir(mode=0o755)
+    (code / "rank.py").write_text(RANK)
+    (code / "rank.py").chmod(0o644)
+    out = short_tmp / "out"
+    out.mkdir(mode=0o700)
+    os.chown(out, user.pw_uid, user.pw_gid)
+    token = short_tmp / "token"
+    token.write_text(fake_controller.agent_token)
+    token.chmod(0o600)
+    # the agent's defaults: an open heartbeat socket, ctl/ (1777) beside it
+    agent = AgentProcess(
+        short_tmp, "--controller", fake_controller.url, "--token-file", str(token),
+        "--report-interval-s", "0.2", "--collect-interval-s", "0.2",
+    )  # fmt: skip
+    paths = OpenPaths()  # the user runs this checkout's interpreter (it may sit under /root)
+    paths.open(Path(sys.executable), REPO_ROOT)
+    torchrun = None
+    try:
+        torchrun = subprocess.Popen(
+            [
+                "runuser", "-u", user.pw_name, "--", sys.executable, "-m",
+                "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                str(code / "rank.py"),
+            ],
+            cwd=str(code),
+            env={**os.environ, "TRAINGUARD_AGENT_SOCKET": str(agent.socket_path),
+                 "OUT_DIR": str(out)},
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )  # fmt: skip
+
+        def both_ranks() -> str | None:
+            report = fake_controller.reports[-1] if fake_controller.reports else None
+            jobs = {r.job for r in report.ranks if r.step > 0} if report else set()
+            ranks = [r for r in (report.ranks if report else ()) if r.job in jobs]
+            return next(iter(jobs)) if len(jobs) == 1 and len(ranks) == 2 else None
+
+        job = wait_for(both_ranks, timeout_s=60, what="both ranks' heartbeats in a report")
+        done = send(fake_controller, Command(id="ckpt-1", kind="checkpoint", args={"job": job}))
+        assert done.data["ok"] is True, done.data
+        assert torchrun.wait(timeout=60) == 0, torchrun.stderr.read() if torchrun.stderr else ""
+        for rank in (0, 1):
+            seen = json.loads((out / f"rank{rank}.json").read_text())
+            assert (seen["job"], seen["uid"], seen["control"]) == (job, user.pw_uid, "checkpoint")
+            own = short_tmp / "ctl" / f"u{user.pw_uid}"
+            assert Path(seen["control_socket"]).parent == own, seen
+        assert "event=heartbeat_sender_refused" not in agent.log()
+        assert "event=agent_socket_denied" not in agent.log()
+    finally:
+        if torchrun is not None and torchrun.poll() is None:
+            torchrun.kill()
+            torchrun.wait(timeout=10)
+        paths.restore()
         assert agent.terminate() == 0, agent.log()

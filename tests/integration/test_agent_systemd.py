@@ -35,6 +35,8 @@ def test_installed_unit_runs_this_installation_and_verifies_clean(tmp_path: Path
         "NoNewPrivileges=true", "PrivateTmp=true", "ReadWritePaths=/run/trainguard",
         "DeviceAllow=/dev/nvidiactl rw", "DeviceAllow=/dev/kmsg r",
         "CapabilityBoundingSet=CAP_SYSLOG",
+        # requests reach the control sockets of every user's ranks (docs/security.md)
+        "CapabilityBoundingSet=CAP_DAC_OVERRIDE",
         # a configuration error exits 2 (tests/unit/agent/test_agent_main.py): no restart loop
         "RestartPreventExitStatus=2",
         # a restart kills the agent's own cgroup; jobs run in transient units of their own

@@ -28,7 +28,8 @@ def test_defaults_are_valid_and_documented_values() -> None:
     assert c.controller.spool_max_events == 10_000
     assert c.metrics.port == 9500
     assert c.heartbeat.socket_path == "/run/trainguard/heartbeat.sock"
-    assert c.heartbeat.mode == 0o660
+    assert c.heartbeat.mode == 0o666  # senders are authenticated (agent.senders)
+    assert c.jobs.control_dir == ""  # <socket dir>/ctl, 1777
 
 
 def test_missing_default_file_means_defaults_plus_flags(

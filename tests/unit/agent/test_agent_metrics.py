@@ -38,7 +38,8 @@ def sim_snapshot() -> AgentSnapshot:
         collect_duration_s={"gpu": 0.01},
         collect_errors_total={"gpu": 0},
         reports_total={"ok": 3, "error": 1, "rejected": 0},
-        heartbeats_dropped_total={"malformed": 2},
+        heartbeats_dropped_total={"malformed": 2, "sender_not_allowed": 3},
+        heartbeat_senders_refused_total={"other_job": 1, "owned_by_another_sender": 2},
     )
 
 
@@ -82,6 +83,9 @@ def test_gpu_nvlink_ib_trainer_and_agent_families_are_exported() -> None:
     assert sample(body, "trainguard_trainer_heartbeat_age_seconds", job="job-a", rank="0") == 1.5
     assert sample(body, "trainguard_agent_reports_total", result="error") == 1
     assert sample(body, "trainguard_agent_heartbeats_dropped_total", reason="malformed") == 2
+    refused = "trainguard_agent_heartbeat_senders_refused_total"
+    assert sample(body, refused, reason="owned_by_another_sender") == 2
+    assert sample(body, refused, reason="other_job") == 1
     assert sample(body, "trainguard_agent_info", version="0.1.0") == 1
     assert "trainguard_trainer_loss{" in body and "NaN" in body
 

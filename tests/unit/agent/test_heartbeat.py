@@ -240,6 +240,55 @@ def test_send_control_reaches_live_ranks_and_counts_dead_sockets(
         live.close()
 
 
+def test_send_control_goes_only_to_a_socket_of_the_user_who_named_it(
+    server: HeartbeatServer, sockdir: Path
+) -> None:
+    # A heartbeat names its control socket, so a sender could point the (root) agent at
+    # another user's rank socket, or at a symlink to one: only a socket owned by the sender's
+    # uid, reached as the very inode that was checked, gets the request.
+    me = os.getuid()
+    mine = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    mine.bind(str(sockdir / "mine.sock"))
+    mine.setblocking(False)
+    (sockdir / "link.sock").symlink_to(sockdir / "mine.sock")
+    try:
+        server.handle_datagram(
+            encode_json(
+                Heartbeat(
+                    job="mallory", rank=0, step=1, t=1.0, control_socket=str(sockdir / "mine.sock")
+                )
+            ),
+            pid=1,
+            uid=me + 1,
+        )
+        server.handle_datagram(
+            encode_json(
+                Heartbeat(
+                    job="mine", rank=0, step=1, t=1.0, control_socket=str(sockdir / "link.sock")
+                )
+            ),
+            pid=2,
+            uid=me,
+        )
+        assert server.send_control("mallory", Control(action="stop", request_id="r1")) == (0, 1)
+        assert server.send_control("mine", Control(action="stop", request_id="r2")) == (0, 1)
+        with pytest.raises(BlockingIOError):
+            mine.recv(4096)
+        server.handle_datagram(
+            encode_json(
+                Heartbeat(
+                    job="mine", rank=1, step=1, t=1.0, control_socket=str(sockdir / "mine.sock")
+                )
+            ),
+            pid=3,
+            uid=me,
+        )
+        assert server.send_control("mine", Control(action="stop", request_id="r3")) == (1, 1)
+        assert json.loads(mine.recv(4096))["request_id"] == "r3"
+    finally:
+        mine.close()
+
+
 _values = st.one_of(
     st.none(),
     st.booleans(),

@@ -30,6 +30,7 @@ from trainguard.agent.jobpolicy import (
     current_user,
     policy_from_config,
     prepare_access,
+    prepare_control_dir,
     resolve_user,
 )
 from trainguard.agent.jobs import JobRunner, build_env, job_handlers
@@ -82,8 +83,10 @@ def test_root_agent_without_run_as_user_refuses_every_job_naming_the_settings() 
     assert "jobs.run_as_user" in refusal and "jobs.allow_jobs_as_root" in refusal
     with pytest.raises(JobRefused, match=r"jobs\.run_as_user"):
         check(JobPolicy(user=None, refusal=refusal))
-    warnings = JobPolicy(user=None, refusal=refusal).startup_warnings()
-    assert [w.split()[0] for w in warnings] == ["event=jobs_refused"]
+    # jobs are off (a Slurm node's agent never launches any): nothing to warn about at start,
+    # the start line says so and a start_job's refusal names the settings
+    assert JobPolicy(user=None, refusal=refusal).startup_warnings() == []
+    assert JobPolicy(user=None, refusal=refusal).summary() == "off"
 
 
 def test_root_agent_with_allow_jobs_as_root_runs_jobs_as_itself_and_says_so() -> None:
@@ -328,7 +331,25 @@ def test_policy_from_config_carries_every_setting() -> None:
     assert (p.env_deny, p.allowed_paths, p.max_nproc_per_node) == (("X_*",), ("/opt",), 3)
 
 
-def test_a_switched_user_gets_the_socket_group_and_a_sticky_control_dir(short_tmp: Path) -> None:
+def test_the_control_dir_is_the_agents_and_open_to_every_user_like_tmp(short_tmp: Path) -> None:
+    sock = short_tmp / "hb.sock"
+    sock.write_text("")
+    ctl = prepare_control_dir(heartbeat_socket=sock, control_dir="")
+    assert ctl == str(short_tmp / "ctl")
+    st = os.lstat(ctl)
+    assert (st.st_uid, st.st_mode & 0o7777) == (os.geteuid(), 0o1777)
+    # a configured one is used as it is
+    assert prepare_control_dir(heartbeat_socket=sock, control_dir="/c") == "/c"
+
+
+def test_a_control_dir_someone_else_made_is_refused(short_tmp: Path) -> None:
+    sock = short_tmp / "hb.sock"
+    (short_tmp / "ctl").symlink_to("/tmp")
+    with pytest.raises(OSError, match="not a directory of the agent's"):
+        prepare_control_dir(heartbeat_socket=sock, control_dir="")
+
+
+def test_a_switched_user_gets_the_socket_group_only_for_a_closed_socket(short_tmp: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("chown to another group needs root")
     sock = short_tmp / "hb.sock"
@@ -336,16 +357,16 @@ def test_a_switched_user_gets_the_socket_group_and_a_sticky_control_dir(short_tm
     nobody = pwd.getpwnam("nobody")
     user, _ = resolve_user(run_as_user="nobody", allow_as_root=False, socket_gid=None, euid=0)
     assert user is not None
-    ctl = prepare_access(user, heartbeat_socket=sock, socket_group_set=False, control_dir="")
-    assert ctl == str(short_tmp / "ctl")
-    st = os.stat(ctl)
-    assert (st.st_gid, st.st_mode & 0o7777) == (nobody.pw_gid, 0o1770)
+    os.chmod(sock, 0o666)
+    prepare_access(user, heartbeat_socket=sock, socket_group_set=False)
+    assert sock.stat().st_gid == 0  # every user may send already
+    os.chmod(sock, 0o660)
+    prepare_access(user, heartbeat_socket=sock, socket_group_set=False)
     assert sock.stat().st_gid == nobody.pw_gid
-    # a configured control dir is left as it is; a configured socket group too
-    sock_gid = sock.stat().st_gid
+    # a configured socket group is left as it is
     os.chown(sock, -1, 0)
-    out = prepare_access(user, heartbeat_socket=sock, socket_group_set=True, control_dir="/c")
-    assert out == "/c" and sock.stat().st_gid == 0 != sock_gid
+    prepare_access(user, heartbeat_socket=sock, socket_group_set=True)
+    assert sock.stat().st_gid == 0
 
 
 def test_agent_start_warns_about_root_jobs_and_an_empty_allow_list(
@@ -363,3 +384,27 @@ def test_agent_start_warns_about_root_jobs_and_an_empty_allow_list(
     text = "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert "event=jobs_allowed_paths_empty" in text
     assert ("event=jobs_run_as_root" in text) == (os.geteuid() == 0)
+
+
+def test_agent_start_with_jobs_off_warns_nothing_and_says_so_once(
+    short_tmp: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # a root agent without jobs.run_as_user (a Slurm node's): jobs are off, which is no
+    # warning; every line the agent logs gets node= from the log format alone
+    cfg = AgentConfig(
+        hardware=HardwareConfig(gpu_backend="sim", sim_gpus=1, sim_ib_ports=1, kmsg_path=""),
+        heartbeat=HeartbeatConfig(socket_path=str(short_tmp / "hb.sock")),
+        jobs=JobsConfig(work_dir=str(short_tmp / "jobs")),
+    )
+    agent = Agent(cfg, clock=FakeClock(), serve_http=False)
+    with caplog.at_level(logging.INFO, logger="trainguard"):
+        agent.start()
+        agent.close()
+    records = [r for r in caplog.records if r.name.startswith("trainguard.agent")]
+    assert all("node=" not in r.getMessage() for r in records)
+    started = [r.getMessage() for r in records if "event=agent_started" in r.getMessage()]
+    assert len(started) == 1
+    if os.geteuid() == 0:
+        assert [r for r in records if r.levelno >= logging.WARNING] == []
+        assert " jobs=off " in started[0]
+    assert f" control_dir={short_tmp / 'ctl'} " in started[0]

@@ -106,6 +106,23 @@ def test_a_user_process_calling_itself_slurmstepd_is_not_slurm(proc: Path) -> No
     assert _resolver(proc).origin(301, MALLORY) == Origin("user", MALLORY)
 
 
+def test_a_pid_reused_by_another_users_process_is_not_that_process(proc: Path) -> None:
+    # Mallory sent, exited, and the kernel gave her pid to a rank of Alice's launch before the
+    # agent looked: the kernel's uid (Mallory's) is not that process's, so it is no launch
+    assert _resolver(proc).origin(102, MALLORY) == Origin("user", MALLORY)
+    assert _resolver(proc).origin(201, ALICE) == Origin("user", ALICE)
+
+
+def test_a_sender_of_another_uid_than_the_jobs_owner_is_not_the_job(proc: Path) -> None:
+    # a setuid program (or a recycled pid seen as the process's own) inside Mallory's Slurm
+    # job and Alice's launch: the job's first process runs as another user
+    _proc(proc, 202, ppid=201, uid=ALICE)
+    _proc(proc, 104, ppid=102, uid=MALLORY)
+
+    assert _resolver(proc).origin(202, ALICE) == Origin("user", ALICE)
+    assert _resolver(proc).origin(104, MALLORY) == Origin("user", MALLORY)
+
+
 def test_a_tree_deeper_than_the_bound_is_a_user_process(proc: Path) -> None:
     parent = 100
     for pid in range(1000, 1000 + MAX_ANCESTRY + 2):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
+import os
 import socket
 from pathlib import Path
 
@@ -110,6 +113,74 @@ def test_control_socket_path_uses_control_dir_and_names_job_rank_pid(tmp_path: P
     assert p == "/run/x/tg-ctl-j-r0-1.sock"
     deep = "/tmp/" + "d" * 120 + "/hb.sock"
     assert len(control_socket_path(job="j", rank=0, pid=1, agent_socket=deep, env={})) < 108
+
+
+def test_a_shared_control_dir_gets_a_private_directory_per_user(short_tmp: Path) -> None:
+    # the agent's ctl/ beside its socket, 1777 like /tmp: each user's ranks bind in their own
+    # u<uid>/ (0700), so no other user can take the socket's name first
+    ctl = short_tmp / "ctl"
+    ctl.mkdir()
+    ctl.chmod(0o1777)
+    p = control_socket_path(job="j", rank=0, pid=1, agent_socket=str(short_tmp / "hb.sock"), env={})
+    own = ctl / f"u{os.geteuid()}"
+    assert p == str(own / "tg-ctl-j-r0-1.sock")
+    assert own.is_dir() and own.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_private_directory_someone_else_made_first_is_not_used(short_tmp: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("making a directory owned by another user needs root")
+    ctl = short_tmp / "ctl"
+    ctl.mkdir()
+    ctl.chmod(0o1777)
+    squat = ctl / f"u{os.geteuid()}"
+    squat.mkdir(mode=0o777)
+    os.chown(squat, 65534, 65534)
+    p = control_socket_path(job="j", rank=0, pid=1, agent_socket=str(short_tmp / "hb.sock"), env={})
+    assert p == str(ctl / "tg-ctl-j-r0-1.sock")
+
+
+class _DeniedSocket:
+    """A socket whose sends are refused as the kernel refuses a user the socket's mode
+    leaves out (as root the real check cannot be provoked)."""
+
+    def __init__(self, err: int) -> None:
+        self.err = err
+
+    def sendto(self, data: bytes, path: str) -> int:
+        raise OSError(self.err, os.strerror(self.err))
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("err", [errno.EACCES, errno.EPERM], ids=["EACCES", "EPERM"])
+def test_an_agent_this_user_may_not_reach_is_one_warning_naming_the_fix(
+    short_tmp: Path, caplog: pytest.LogCaptureFixture, err: int
+) -> None:
+    ch = AgentChannel(agent_socket=str(short_tmp / "hb.sock"), control_socket=None)
+    ch._out.close()
+    ch._out = _DeniedSocket(err)  # type: ignore[assignment]
+    with caplog.at_level(logging.DEBUG, logger="trainguard.trainer"):
+        for step in range(50):
+            assert ch.send(Heartbeat(job="j", rank=0, step=step, t=0.0)) is False
+    ch.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and ch.dropped == 50
+    assert "event=agent_socket_denied" in warnings[0]
+    assert "heartbeat.socket_mode" in warnings[0] and "heartbeat.socket_group" in warnings[0]
+
+
+def test_no_agent_at_all_is_no_warning(short_tmp: Path, caplog: pytest.LogCaptureFixture) -> None:
+    ch = AgentChannel(
+        agent_socket=str(short_tmp / "absent.sock"),
+        control_socket=str(short_tmp / "no" / "such" / "c.sock"),
+    )
+    with caplog.at_level(logging.INFO, logger="trainguard.trainer"):
+        for step in range(5):
+            ch.send(Heartbeat(job="j", rank=0, step=step, t=0.0))
+    ch.close()
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 @pytest.mark.parametrize(
