@@ -11,6 +11,11 @@ With --ranks 3 it also runs the loop under torchrun (gloo, CPU) and reports the 
 `tg.step()` call itself on rank 0 (median, mean and p90 after the first call), which includes
 the agreement between ranks (ranks are aligned by a barrier first, as a data-parallel step's
 gradient all_reduce would). `--skip-single` runs only that part.
+
+`--integration hf` measures instead the HF Trainer callback's own events per step
+(on_step_begin, a forward pass under its hooks, on_step_end, on_log) in one process, against
+the same calibrated work, with real TrainerState/TrainerControl (no Trainer: its own cost is
+not ours).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -111,6 +118,65 @@ def single(steps: int, step_ms: float, block: int) -> dict[str, float]:
     }
 
 
+def hf_single(steps: int, step_ms: float) -> dict[str, float]:
+    """The HF callback's events of one step: their cost, and its share of a `step_ms` step."""
+    # deferred: transformers is heavy, and only this measurement needs it
+    from transformers import TrainerControl, TrainerState  # noqa: PLC0415
+
+    from trainguard.trainer.integrations.hf import TrainguardCallback  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    tmp = Path(tempfile.mkdtemp(prefix="tgbh-"))
+    sock = str(tmp / "hb.sock")
+    drain = subprocess.Popen([sys.executable, "-c", DRAIN, sock], stdout=subprocess.PIPE)
+    assert drain.stdout is not None and drain.stdout.readline().strip() == b"ready"
+    os.environ["TRAINGUARD_AGENT_SOCKET"] = sock
+    os.environ["TRAINGUARD_CONTROL_DIR"] = str(tmp)
+    model = torch.nn.Linear(8, 8)
+    x = torch.zeros(1, 8)
+    args: Any = SimpleNamespace(
+        output_dir=str(tmp / "out"),
+        save_steps=0,
+        save_strategy="no",
+        per_device_train_batch_size=32,
+        gradient_accumulation_steps=1,
+    )
+    state = TrainerState()
+    cb = TrainguardCallback(handle_sigterm=False)
+    cb.on_train_begin(args, state, TrainerControl(), model=model)
+    a, reps = calibrate(step_ms)
+    call_us: list[float] = []
+    work_s: list[float] = []
+    logs = {"loss": 2.5, "grad_norm": 1.0}
+    for _ in range(steps):
+        control = TrainerControl(should_log=True)
+        t0 = time.perf_counter()
+        work(a, reps)
+        t1 = time.perf_counter()
+        cb.on_step_begin(args, state, control)
+        model(x)
+        state.global_step += 1
+        cb.on_step_end(args, state, control)
+        cb.on_log(args, state, control, logs=logs)
+        t2 = time.perf_counter()
+        work_s.append(t1 - t0)
+        call_us.append((t2 - t1) * 1e6)
+    sent = cb.channel.sent
+    cb.on_train_end(args, state, TrainerControl())
+    drain.kill()
+    call_us = sorted(call_us[1:])
+    return {
+        "steps": steps,
+        "median_step_work_ms": statistics.median(work_s) * 1e3,
+        "callback_per_step_median_us": statistics.median(call_us),
+        "callback_per_step_p99_us": call_us[int(len(call_us) * 0.99) - 1],
+        "callback_share_of_median_step_pct": statistics.median(call_us)
+        / 1e4
+        / statistics.median(work_s),
+        "heartbeats_sent": sent,
+    }
+
+
 def dist_worker(steps: int, step_ms: float) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -174,7 +240,15 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=3, help="0 to skip the torchrun measurement")
     p.add_argument("--skip-single", action="store_true", help="only the torchrun measurement")
     p.add_argument("--dist-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--integration",
+        choices=("hf",),
+        help="measure a framework integration's callback instead (single process)",
+    )
     args = p.parse_args()
+    if args.integration == "hf":
+        print(json.dumps({"hf_callback": hf_single(args.steps, args.step_ms)}, indent=2))
+        return
     if args.dist_worker:
         dist_worker(args.steps, args.step_ms)
         return
