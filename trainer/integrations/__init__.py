@@ -1,0 +1,1 @@
+"""Integrations of the trainer library with the training loops people already run."""
