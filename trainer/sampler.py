@@ -140,8 +140,8 @@ class ResumableSampler(Sampler[int]):
                 raise ValueError("the loader yielded no batch for a whole epoch")
 
     def _check_loader(self, loader: object) -> None:
-        # loader.py imports this module: its sampler class is looked up here, when used
-        from trainguard.trainer.loader import PositionSampler
+        # loader.py imports this module (a cycle at the top)
+        from trainguard.trainer.loader import PositionSampler  # noqa: PLC0415
 
         workers = int(getattr(loader, "num_workers", 0) or 0)
         if self._warned_loader or workers <= 0:
