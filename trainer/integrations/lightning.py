@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -91,6 +93,7 @@ class TrainguardCallback(pl.Callback):
         self._trainer: pl.Trainer | None = None
         self._loaded_step: int | None = None
         self._compute: contextlib.ExitStack | None = None
+        self._lightning_sigterm: Any = None  # Lightning's handler while ours is in place
         self.last_action: StepAction | None = None  # what the newest step's call decided
 
     # --- resume ---------------------------------------------------------------------------
@@ -129,10 +132,19 @@ class TrainguardCallback(pl.Callback):
             return
         # Lightning put its own SIGTERM handler in place after setup(): on SIGTERM it leaves
         # the loop at the next step without a checkpoint. Ours takes over (an emergency save
-        # at the agreed step, then should_stop); Lightning's comes back when ours is restored.
-        self.guard.signals.install()
+        # at the agreed step, then should_stop) until on_train_end puts Lightning's back, so
+        # that Lightning's teardown and then close() restore the handlers in order.
+        if self._own_kwargs["handle_sigterm"] and (
+            threading.current_thread() is threading.main_thread()
+        ):
+            self._lightning_sigterm = signal.signal(signal.SIGTERM, self.guard.signals.on_sigterm)
         if self._loaded_step:
             self.guard.resumed(self._loaded_step)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._lightning_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._lightning_sigterm)
+            self._lightning_sigterm = None
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
