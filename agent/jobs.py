@@ -146,7 +146,11 @@ def torchrun_argv(spec: StartJobArgs, *, python: str) -> list[str]:
     addr = spec.advertised_addr()
     if addr is not None:
         argv += ["--local-addr", addr]
-    argv += spec.command
+    if spec.command[0] == "-m":
+        # torchrun's own form of `python -m`: the module, then its arguments
+        argv += ["--module", *spec.command[1:]]
+    else:
+        argv += spec.command
     return argv
 
 

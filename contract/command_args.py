@@ -35,6 +35,7 @@ __all__ = [
     "StartJobArgs",
     "StopJobArgs",
     "StopRanksArgs",
+    "check_job_command",
     "command",
     "command_kind",
     "decode_args",
@@ -58,6 +59,34 @@ RESERVED_ENV = frozenset(
         LAUNCH_ID_ENV,
     }
 )
+
+
+def check_job_command(command: list[str]) -> None:
+    """A job's `command` (the controller's job spec and `start_job` alike): the training
+    program's path and its arguments, or `-m` and a dotted module name (torchrun's
+    `--module`, as `python -m`) and its arguments. Raises Invalid naming the item."""
+    if not command:
+        raise Invalid("command", "must be a non-empty list of strings (the training program)")
+    for i, arg in enumerate(command):
+        if "\0" in arg:
+            raise Invalid(f"command[{i}]", "contains a NUL byte")
+    if command[0] == "-m":
+        if len(command) < 2:
+            raise Invalid("command[1]", "missing: '-m' must be followed by a module name")
+        module = command[1]
+        if not all(part.isidentifier() for part in module.split(".")):
+            raise Invalid(
+                "command[1]",
+                f"must be a dotted Python module name after '-m' (e.g. pkg.train), got {module!r}",
+            )
+        return
+    if not command[0] or command[0].startswith("-"):
+        # torchrun would read a leading option as its own (e.g. "--standalone")
+        raise Invalid(
+            "command[0]",
+            "must be the training program's path or '-m' and a module name, not an option: "
+            f"{command[0]!r}",
+        )
 
 
 def _require_job(job: str) -> None:
@@ -96,7 +125,8 @@ class StartJobArgs:
     """`start_job`: this node's share of a job, run by torchrun with c10d rendezvous.
 
     `command` is the training program and its arguments, run as
-    `python -m torch.distributed.run <launcher options> *command`.
+    `python -m torch.distributed.run <launcher options> *command`, or `["-m", "pkg.module",
+    *args]`, run as `... <launcher options> --module pkg.module *args` (`check_job_command`).
     """
 
     job: str
@@ -129,17 +159,7 @@ class StartJobArgs:
             raise Invalid("job", bad)
         if self.attempt < 0:
             raise Invalid("attempt", f"must be >= 0, got {self.attempt}")
-        if not self.command:
-            raise Invalid("command", "must be a non-empty list of strings (the training program)")
-        for i, arg in enumerate(self.command):
-            if "\0" in arg:
-                raise Invalid(f"command[{i}]", "contains a NUL byte")
-        if not self.command[0] or self.command[0].startswith("-"):
-            # torchrun would read a leading option as its own (e.g. "--standalone")
-            raise Invalid(
-                "command[0]",
-                f"must be the training program's path, not an option: {self.command[0]!r}",
-            )
+        check_job_command(self.command)
         if self.nproc_per_node < 1:
             raise Invalid("nproc_per_node", f"must be >= 1, got {self.nproc_per_node}")
         if self.nnodes < 1:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from trainguard.bounds import MAX_RANKS_PER_REPORT, bad_name_reason
-from trainguard.command_args import CommandArgs
+from trainguard.command_args import CommandArgs, check_job_command
 from trainguard.controller.actionkinds import ActionKind
 from trainguard.controller.config import JobsConfig
 from trainguard.controller.jobstate import JobState, check_job_transition
@@ -95,7 +95,9 @@ class JobSpec:
     """
 
     name: str
-    command: list[str]  # the training program and its arguments (torchrun runs it)
+    # the training program and its arguments, or "-m", a module and its arguments (torchrun
+    # runs it: check_job_command)
+    command: list[str]
     nodes: list[str]  # initial placement, in node-rank order
     nproc_per_node: int = 1
     min_nodes: int | None = None  # fewest nodes the job may run on; None = len(nodes)
@@ -118,10 +120,7 @@ class JobSpec:
         bad = bad_name_reason(self.name)
         if bad is not None:
             raise Invalid("name", bad)
-        if not self.command or not self.command[0] or self.command[0].startswith("-"):
-            raise Invalid("command", "must be a non-empty list starting with the program")
-        if any("\0" in a for a in self.command):
-            raise Invalid("command", "contains a NUL byte")
+        check_job_command(self.command)
         if not self.nodes:
             raise Invalid("nodes", "must name at least one node")
         for i, node in enumerate(self.nodes):

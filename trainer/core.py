@@ -173,7 +173,7 @@ class Trainguard:
             rules=chaos_rules, rank=self.rank, job=self.job, model=model, clock=clock
         )
         pid = os.getpid()
-        self.channel = _open_channel(job=self.job, rank=self.rank, pid=pid)
+        self.channel = open_channel(job=self.job, rank=self.rank, pid=pid)
         try:
             self.checkpoints = CheckpointManager(
                 state=self.state,
@@ -293,8 +293,8 @@ class Trainguard:
             if forced is not None:
                 forced_loss = forced
         compute_time_s = self.compute_timer.take()
-        loss_v = _as_float(loss)
-        grad_v = _as_float(grad_norm)
+        loss_v = as_float(loss)
+        grad_v = as_float(grad_norm)
         if forced_loss is not None:
             loss_v = forced_loss
         if self.nan.check(step, loss=loss_v, grad_norm=grad_v):
@@ -481,7 +481,7 @@ class Trainguard:
         return StepAction(rollback=True, reason="nan", next_step=good + 1)
 
 
-def _open_channel(*, job: str, rank: int, pid: int) -> AgentChannel:
+def open_channel(*, job: str, rank: int, pid: int) -> AgentChannel:
     """The rank's link to its agent: heartbeats out, control datagrams in."""
     agent_sock = agent_socket_path()
     return AgentChannel(
@@ -490,7 +490,7 @@ def _open_channel(*, job: str, rank: int, pid: int) -> AgentChannel:
     )
 
 
-def _as_float(v: float | torch.Tensor | None) -> float | None:
+def as_float(v: float | torch.Tensor | None) -> float | None:
     if v is None:
         return None
     if isinstance(v, torch.Tensor):

@@ -21,6 +21,7 @@ DistributedSampler epochs over M ranks.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Generator, Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -30,6 +31,8 @@ from torch.utils.data import DistributedSampler, Sampler
 from trainguard.trainer.workers import guard_workers, stop_signals_blocked
 
 __all__ = ["ResumableSampler"]
+
+log = logging.getLogger("trainguard.trainer")
 
 B = TypeVar("B")
 
@@ -48,6 +51,7 @@ class ResumableSampler(Sampler[int]):
         # Samples of this epoch (all ranks) consumed before this world size took over: non-zero
         # only after a resume at another world size or batch size, until the epoch ends.
         self.offset = 0
+        self._warned_loader = False
 
     @property
     def batches_per_epoch(self) -> int:
@@ -120,7 +124,10 @@ class ResumableSampler(Sampler[int]):
 
         A DataLoader with worker processes gets `WorkerInit` (trainer.workers) first: its
         workers ignore the SIGTERM/SIGINT meant for the rank, so a stop reaches the emergency
-        checkpoint instead of killing the loader."""
+        checkpoint instead of killing the loader. A loader with workers that is not a
+        `resumable_loader` gets a WARNING (once): its workers' random state follows the
+        worker, not the data position, so random augmentation does not resume exactly."""
+        self._check_loader(loader)
         guard_workers(loader)
         while True:
             empty = True
@@ -131,6 +138,25 @@ class ResumableSampler(Sampler[int]):
                 yield batch
             if empty:
                 raise ValueError("the loader yielded no batch for a whole epoch")
+
+    def _check_loader(self, loader: object) -> None:
+        # loader.py imports this module (a cycle at the top)
+        from trainguard.trainer.loader import PositionSampler  # noqa: PLC0415
+
+        workers = int(getattr(loader, "num_workers", 0) or 0)
+        if self._warned_loader or workers <= 0:
+            return
+        if isinstance(getattr(loader, "sampler", None), PositionSampler):
+            return
+        self._warned_loader = True
+        log.warning(
+            "event=loader_not_resumable num_workers=%d: random augmentation in DataLoader "
+            "workers will not resume exactly (each worker's random state follows the worker, "
+            "not the data position); fix: build the loader with "
+            "trainguard.trainer.resumable_loader(dataset, sampler=sampler, num_workers=%d)",
+            workers,
+            workers,
+        )
 
     def state_dict(self) -> dict[str, int]:
         return {

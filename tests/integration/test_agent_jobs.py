@@ -105,6 +105,20 @@ def test_two_nodes_on_one_host_rendezvous_and_all_reduce(tmp_path: Path) -> None
         assert "world_size=2" in log_text
 
 
+def test_a_module_command_runs_as_python_m(tmp_path: Path) -> None:
+    # ["-m", "allreduce"] from the fixtures' directory: torchrun's --module form, 2 ranks
+    runner = make_runner(tmp_path, "node-a")
+    job = spec("mod", ["-m", "allreduce"], nproc_per_node=2, cwd=str(FIXTURES))
+    try:
+        runner.start(job)
+        event = wait_exit(runner, "mod")
+    finally:
+        runner.close(grace_s=1)
+    tail = str(event.data["output_tail"])
+    assert event.exit_code == 0, f"{event.message}\n{tail}"
+    assert "world_size=2 sum=1 job=mod node=node-a" in tail, tail
+
+
 def test_failing_job_is_reaped_with_exit_code_tail_and_full_log(tmp_path: Path) -> None:
     runner = make_runner(tmp_path, "node-a", output_tail_lines=5)
     job = spec("fail", [str(FIXTURES / "exit_with.py"), "100", "7"], env={"EXTRA": "x y"})

@@ -1,3 +1,3 @@
-"""Integrations of the trainer library with training frameworks, one module per framework,
-each built from the trainer's parts; import the one you use explicitly (it imports its
-framework)."""
+"""Integrations of the trainer library with the training loops people already run, one module
+per framework (hf, lightning) or loop shape (own: a job's own checkpointer), each built from
+the trainer's parts; import the one you use explicitly (it imports its framework)."""

@@ -87,6 +87,24 @@ def test_parse_start_job_fills_defaults() -> None:
         pytest.param(
             {"command": ["x.py", "a\0b"]}, "args.command[1]: contains a NUL", id="command-nul"
         ),
+        pytest.param(
+            {"command": ["-m"]}, "args.command[1]: missing: '-m' must be", id="module-missing"
+        ),
+        pytest.param(
+            {"command": ["-m", "pkg/train.py"]},
+            "args.command[1]: must be a dotted Python module name",
+            id="module-a-path",
+        ),
+        pytest.param(
+            {"command": ["-m", "pkg..train"]},
+            "args.command[1]: must be a dotted Python module name",
+            id="module-empty-part",
+        ),
+        pytest.param(
+            {"command": ["--module", "pkg.train"]},
+            "args.command[0]: must be the training program's path or '-m'",
+            id="long-module-option-refused",
+        ),
         pytest.param({"job": "../etc"}, "args.job: must match", id="job-with-path"),
         pytest.param({"job": ""}, "args.job: must match", id="job-empty"),
         pytest.param({"attempt": -1}, "args.attempt: must be >= 0", id="attempt-negative"),
@@ -196,6 +214,14 @@ def test_torchrun_argv(changes: dict[str, Any], tail: list[str]) -> None:
     if "nnodes" in changes:
         head[4] = str(changes["nnodes"])
     assert argv == [*head, *tail, "examples/train.py", "--steps", "100"]
+
+
+def test_a_module_command_runs_as_torchruns_module_form() -> None:
+    spec = parse_start_job(args(command=["-m", "torchtitan.train", "--job.config_file", "x.toml"]))
+    argv = torchrun_argv(spec, python="/py")
+    # every launcher option first, then `--module MODULE` and the module's own arguments
+    assert argv[-4:] == ["--module", "torchtitan.train", "--job.config_file", "x.toml"]
+    assert argv.count("--module") == 1 and argv.index("--module") > argv.index("--max-restarts")
 
 
 @pytest.mark.parametrize(

@@ -63,6 +63,44 @@ def test_yaml_and_wire_reject_a_bad_spec_identically(
     assert str(from_yaml.value) == f"{path}: {key}: {reason}"
 
 
+MODULE_SPEC = "name: titan\nnodes: [node-1]\ncommand: [-m, {module}, --job.config_file, x.toml]\n"
+
+
+@pytest.mark.parametrize(
+    ("module", "reason"),
+    [
+        pytest.param("torchtitan.train", None, id="dotted-module"),
+        pytest.param("train", None, id="top-level-module"),
+        pytest.param("torchtitan/train.py", "must be a dotted Python module name", id="a-path"),
+        pytest.param("'.train'", "must be a dotted Python module name", id="relative"),
+    ],
+)
+def test_a_module_command_is_checked_the_same_from_yaml_and_the_wire(
+    tmp_path: Path, module: str, reason: str | None
+) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(MODULE_SPEC.format(module=module))
+    body = json.dumps(yaml.safe_load(path.read_text())).encode()
+    if reason is None:
+        spec = load_file(JobSpec, path)
+        assert spec.command[:2] == ["-m", module]
+        assert decoder(JobSpec).decode_json(body) == spec
+        return
+    with pytest.raises(ConfigError) as from_yaml:
+        load_file(JobSpec, path)
+    with pytest.raises(ProtocolError) as from_wire:
+        decoder(JobSpec).decode_json(body)
+    assert from_yaml.value.key == from_wire.value.field == "command[1]"
+    assert reason in from_yaml.value.reason and from_yaml.value.reason == from_wire.value.reason
+
+
+def test_the_example_module_job_spec_decodes() -> None:
+    repo = Path(__file__).resolve().parents[3]
+    spec = load_file(JobSpec, repo / "examples" / "own-ckpt-job.yaml")
+    assert spec.command[:2] == ["-m", "train_own_ckpt"]
+    assert (repo / "examples" / f"{spec.command[1]}.py").is_file()
+
+
 def test_a_good_spec_decodes_the_same_from_yaml_and_the_wire(tmp_path: Path) -> None:
     path = tmp_path / "job.yaml"
     path.write_text(GOOD)

@@ -119,3 +119,37 @@ def test_loader_arguments_that_contradict_the_sampler_are_refused() -> None:
         resumable_loader(data, sampler=sampler, shuffle=True)
     loader = resumable_loader(data, sampler=sampler, batch_size=2, drop_last=True)
     assert loader.batch_size == 2
+
+
+def _first_batch(sampler: ResumableSampler, loader: Any) -> None:
+    batches = sampler.batches(loader)
+    next(batches)
+    batches.close()
+
+
+@pytest.mark.parametrize(
+    ("resumable", "num_workers", "warns"),
+    [
+        pytest.param(False, 1, True, id="plain-loader-with-workers-warns"),
+        pytest.param(True, 1, False, id="resumable-loader-with-workers"),
+        pytest.param(False, 0, False, id="plain-loader-without-workers"),
+    ],
+)
+def test_a_plain_loader_with_workers_is_warned_about_once_naming_the_fix(
+    caplog: pytest.LogCaptureFixture, resumable: bool, num_workers: int, warns: bool
+) -> None:
+    data = NoisyDataset(torch.randn(16, 4), torch.randint(0, 3, (16,)))
+    sampler = ResumableSampler(DistributedSampler(data, num_replicas=1, rank=0), batch_size=4)
+    if resumable:
+        loader: Any = resumable_loader(data, sampler=sampler, num_workers=num_workers)
+    else:
+        loader = torch.utils.data.DataLoader(
+            data, batch_size=4, sampler=sampler, drop_last=True, num_workers=num_workers
+        )
+    with caplog.at_level("WARNING", logger="trainguard.trainer"):
+        _first_batch(sampler, loader)
+        _first_batch(sampler, loader)  # a rollback iterates again: no second warning
+    warnings = [r for r in caplog.records if "event=loader_not_resumable" in r.getMessage()]
+    assert len(warnings) == (1 if warns else 0)
+    if warns:
+        assert "resumable_loader(dataset, sampler=sampler" in warnings[0].getMessage()
