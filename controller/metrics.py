@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from trainguard.bounds import metric_value
+from trainguard.controller.nodestate import node_state_values
 from trainguard.controller.views import JobView
 
 # Report ingest is sub-millisecond when healthy; the 100 ms p99 target sits mid-range.
@@ -200,7 +201,7 @@ class ControllerMetrics:
 
     def set_nodes(self, counts: dict[tuple[str, str], int]) -> None:
         for role in ("active", "spare"):
-            for state in ("active", "draining", "drained"):
+            for state in node_state_values():
                 self.nodes.labels(role=role, state=state).set(counts.get((role, state), 0))
 
     def set_incidents(self, open_incidents: Iterable[tuple[str, str]]) -> None:

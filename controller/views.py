@@ -7,7 +7,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 NodeRole = Literal["active", "spare"]
-NodeState = Literal["active", "draining", "drained"]
+# controller.nodestate.NodeState's values
+NodeState = Literal[
+    "active", "draining", "drained", "diagnosing", "repairing", "validating", "retired"
+]
 IncidentState = Literal["open", "acting", "mitigated", "resolved", "suppressed"]
 ActionState = Literal["pending", "running", "succeeded", "failed", "skipped"]
 

@@ -402,6 +402,7 @@ CONTROLLER_LAYER_OF: dict[str, str] = {
     "records": "base",  # the store's record types: plain dataclasses every layer reads
     "storeurl": "base",  # store.url's schemes and password rule: the config checks them
     "actionkinds": "base",  # the ActionKind table: rules, jobs and actions all ask it
+    "nodestate": "base",  # the NodeState table: the store, metrics and the drain steps ask it
     "store": "store",
     "backup": "store",
     "livestate": "state",
