@@ -508,6 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
     api = [common, reads]
     _add_read_commands(sub, parents=api)
     _add_node_commands(sub, parents=api)
+    _add_lifecycle_commands(sub, parents=api)
     _add_silence_commands(sub, parents=api, common=common)
     _add_inject_command(sub, parents=api)
     _add_job_commands(sub, parents=api)
@@ -651,6 +652,69 @@ def _add_node_commands(sub: Any, *, parents: list[argparse.ArgumentParser]) -> N
     )
     role.add_argument("node")
     role.add_argument("role", choices=["active", "spare"])
+
+
+def _add_lifecycle_commands(sub: Any, *, parents: list[argparse.ArgumentParser]) -> None:
+    """node return|retire: a node's way back into service, or out for good."""
+    node = _command(
+        sub,
+        "node",
+        "Return a repaired node to service, or retire it.",
+        "agentctl node return node-12",
+    )
+    nsub = node.add_subparsers(dest="node_command", required=True, metavar="SUBCOMMAND")
+    ret = _command(
+        nsub,
+        "return",
+        "Validate a drained or retired node (a preflight) and bring it back into service on a"
+        " pass; prints the result (exit 1 when it fails).",
+        "agentctl node return node-12",
+        "agentctl node return node-12 --wait 20m",
+        parents=parents,
+    )
+    ret.add_argument("node")
+    ret.add_argument(
+        "--wait",
+        default="15m",
+        help="how long to wait for the preflight's result, e.g. 90s, 20m (default: 15m)",
+    )
+    retire = _command(
+        nsub,
+        "retire",
+        "Take a node out of service for good (an RMA), with the reason.",
+        "agentctl node retire node-12 --reason 'RMA 4411: GPU 3 row remap failures'",
+        parents=parents,
+    )
+    retire.add_argument("node")
+    retire.add_argument("--reason", required=True, help="why it leaves (recorded and shown)")
+
+
+def _node_return(api: Api, args: argparse.Namespace, out: IO[str]) -> None:
+    """POST the return, then read the node until its validation ends; print the result."""
+    try:
+        wait_s = parse_duration(args.wait)
+    except ValueError as e:
+        raise CliError(f"error: --wait: {e}", EXIT["usage"]) from None
+    path = f"/v1/nodes/{_quote(args.node)}"
+    data = api.request("POST", f"{path}/return")
+    deadline = SYSTEM_CLOCK.monotonic() + wait_s
+    while data.get("state") == "validating" and SYSTEM_CLOCK.monotonic() < deadline:
+        SYSTEM_CLOCK.sleep(1.0)
+        data = api.request("GET", path)
+    if args.output in ("json", "yaml"):
+        _print(out, args, "node", data)
+    state = data.get("state")
+    preflight = data.get("last_preflight") or {}
+    summary = preflight.get("summary") or data.get("drain_reason") or ""
+    if state == "validating":
+        raise CliError(f"error: node {args.node} still validating after {args.wait}", EXIT["error"])
+    if state != "active":
+        raise CliError(
+            f"error: node {args.node} stays {state}: {data.get('drain_reason') or summary}",
+            EXIT["error"],
+        )
+    if args.output not in ("json", "yaml"):
+        out.write(f"node {args.node} returned ({data.get('role')}): preflight {summary}\n")
 
 
 def _add_silence_commands(
@@ -945,6 +1009,16 @@ def _run_api(args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
     elif cmd == "undrain":
         body = {"force": True} if args.force else {}
         data = api.request("POST", f"/v1/nodes/{_quote(args.node)}/undrain", json=body)
+        _print(out, args, "node", data)
+    elif cmd == "node" and args.node_command == "return":
+        _node_return(api, args, out)
+    elif cmd == "node" and args.node_command == "retire":
+        why = bad_drain_reason(args.reason)
+        if why is not None or not args.reason.strip():
+            raise CliError(f"error: --reason: {why or 'must say why'}", EXIT["usage"])
+        data = api.request(
+            "POST", f"/v1/nodes/{_quote(args.node)}/retire", json={"reason": args.reason}
+        )
         _print(out, args, "node", data)
     elif cmd == "spares":
         _print(out, args, "spares", api.request("GET", "/v1/spares"))

@@ -17,9 +17,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from trainguard.clock import SYSTEM_CLOCK, Clock
-from trainguard.command_args import CommandArgs
+from trainguard.command_args import CommandArgs, PreflightArgs
 from trainguard.controller.actions.base import ActionHandler, HandlerRegistry
 from trainguard.controller.actions.drain import DrainBackend, DrainHandler, UndrainHandler
+from trainguard.controller.actions.lifecycle import RetireHandler, ValidateHandler
 from trainguard.controller.actions.notify import (
     Notifier,
     NotifyHandler,
@@ -164,6 +165,20 @@ class Controller:
             )
         )
         self.registry.register(UndrainHandler(backend=drain_backend))
+        lifecycle = config.lifecycle
+        self.registry.register(
+            ValidateHandler(
+                backend=drain_backend,
+                ops=live,
+                preflight=PreflightArgs(
+                    ckpt_dir=lifecycle.preflight_ckpt_dir or None,
+                    tolerance=lifecycle.preflight_tolerance,
+                    burn_s=lifecycle.preflight_burn_s,
+                ),
+                timeout_s=lifecycle.preflight_timeout_s,
+            )
+        )
+        self.registry.register(RetireHandler(backend=drain_backend, ops=live))
         for job_handler in step_handlers(self.backend):
             self.registry.register(job_handler)
         for handler in backends.handlers:
@@ -407,6 +422,12 @@ class Controller:
 
     def undrain(self, name: str, *, actor: str, force: bool = False) -> NodeView:
         return self.operations.undrain(name, actor=actor, force=force)
+
+    def return_node(self, name: str, *, actor: str) -> NodeView:
+        return self.operations.return_node(name, actor=actor)
+
+    def retire(self, name: str, *, reason: str, actor: str) -> NodeView:
+        return self.operations.retire(name, reason=reason, actor=actor)
 
     def inject_fault(self, node: str, spec: FaultSpec, *, actor: str) -> str:
         return self.operations.inject_fault(node, spec, actor=actor)

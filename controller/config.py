@@ -491,6 +491,34 @@ class JobsConfig:
             )
 
 
+@dataclass(frozen=True)
+class LifecycleConfig:
+    """The node lifecycle (docs/controller.md "Node lifecycle"): the preflight a node passes
+    before it goes back into service."""
+
+    # How long a preflight may take to answer before the node stays drained, s. The checks
+    # take seconds (a burn of preflight_burn_s per GPU, an all-reduce); 10 min covers an agent
+    # that is still coming back from a reboot.
+    preflight_timeout_s: float = 600.0
+    # Seconds of compute burn per GPU. 2 s is enough for a matmul's result and rate to settle.
+    preflight_burn_s: float = 2.0
+    # Fraction below the reference figures (compute, bandwidth) that still passes.
+    preflight_tolerance: float = 0.1
+    # The checkpoint directory the ckpt_storage check writes to; empty: the agent's own.
+    preflight_ckpt_dir: str = ""
+
+    def __post_init__(self) -> None:
+        _positive("preflight_timeout_s", self.preflight_timeout_s)
+        if not 0 < self.preflight_burn_s <= 600:
+            raise Invalid("preflight_burn_s", f"must be in (0, 600], got {self.preflight_burn_s}")
+        if not 0 <= self.preflight_tolerance < 1:
+            raise Invalid(
+                "preflight_tolerance", f"must be in [0, 1), got {self.preflight_tolerance}"
+            )
+        if "\0" in self.preflight_ckpt_dir:
+            raise Invalid("preflight_ckpt_dir", "must not contain NUL bytes")
+
+
 _DAY_S = 86400.0
 
 
@@ -703,6 +731,7 @@ class ControllerConfig:
     notify: NotifyConfig = field(default_factory=NotifyConfig)
     actions: ActionsConfig = field(default_factory=ActionsConfig)
     jobs: JobsConfig = field(default_factory=JobsConfig)
+    lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
     # Where jobs run: torchrun launched by the agents (default) or Slurm (docs/slurm.md).
     backend: BackendConfig = field(default_factory=BackendConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -757,6 +786,7 @@ __all__ = [
     "DEFAULT_CONFIG_PATH",
     "DEFAULT_STORE_PATH",
     "HaConfig",
+    "LifecycleConfig",
     "SEVERITY_RANK",
     "ActionsConfig",
     "ApiConfig",

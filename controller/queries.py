@@ -28,8 +28,10 @@ from trainguard.controller.views import (
     IncidentView,
     JobView,
     NodeView,
+    PreflightView,
     SilenceView,
 )
+from trainguard.kinds import CommandKind
 
 __all__ = ["LastAnswers", "QueryService"]
 
@@ -138,7 +140,25 @@ class QueryService:
             rec = self._live.nodes.get(name)
             if rec is None:
                 raise NotFound(f"node {name!r} not found")
-            return self._node_view(rec, now=now, open_counts=counts)
+            view = self._node_view(rec, now=now, open_counts=counts)
+        return dataclasses.replace(view, last_preflight=self._last_preflight(name))
+
+    def _last_preflight(self, node: str) -> PreflightView | None:
+        cmd = self._store.commands.last_done(node, kind=CommandKind.PREFLIGHT.value)
+        if cmd is None or cmd.done_at is None:
+            return None
+        checks = cmd.data.get("checks")
+        duration = cmd.data.get("duration_s")
+        return PreflightView(
+            command_id=cmd.id,
+            passed=bool(cmd.ok),
+            summary=cmd.result,
+            done_at=cmd.done_at,
+            checks=tuple(c for c in checks if isinstance(c, dict))
+            if isinstance(checks, list)
+            else (),
+            duration_s=float(duration) if isinstance(duration, int | float) else None,
+        )
 
     def list_spares(self) -> list[NodeView]:
         return [n for n in self.list_nodes() if n.role == "spare" and n.state == "active"]

@@ -26,6 +26,19 @@ class UnknownXidView:
 
 
 @dataclass(frozen=True)
+class PreflightView:
+    """The result of a node's last preflight (controller.actions.lifecycle)."""
+
+    command_id: str
+    passed: bool
+    summary: str  # "passed (...)" or "failed: check: detail; ..."
+    done_at: float  # unix s
+    # one {"name", "passed", "detail", optional "value", "reference"} per check
+    checks: tuple[dict[str, Any], ...] = ()
+    duration_s: float | None = None
+
+
+@dataclass(frozen=True)
 class NodeView:
     name: str
     role: NodeRole
@@ -42,6 +55,8 @@ class NodeView:
     agent_version: str = ""
     # XID codes the node reported that the catalog does not list, the most recent first
     unknown_xids: tuple[UnknownXidView, ...] = ()
+    # the last preflight's result; filled by `describe node` (get_node), not by lists
+    last_preflight: PreflightView | None = None
 
 
 @dataclass(frozen=True)
