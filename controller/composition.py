@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from trainguard.clock import SYSTEM_CLOCK, Clock
-from trainguard.command_args import CommandArgs, PreflightArgs
+from trainguard.command_args import CommandArgs
 from trainguard.controller.actions.base import ActionHandler, HandlerRegistry
 from trainguard.controller.actions.drain import DrainBackend, DrainHandler, UndrainHandler
 from trainguard.controller.actions.lifecycle import RetireHandler, ValidateHandler
@@ -27,6 +27,7 @@ from trainguard.controller.actions.notify import (
     build_notifiers,
     channels_for,
 )
+from trainguard.controller.actions.sparecheck import preflight_args
 from trainguard.controller.actions.worker import ActionRunner
 from trainguard.controller.backends.base import Capability, step_handlers
 from trainguard.controller.backends.build import build_backend
@@ -170,11 +171,7 @@ class Controller:
             ValidateHandler(
                 backend=drain_backend,
                 ops=live,
-                preflight=PreflightArgs(
-                    ckpt_dir=lifecycle.preflight_ckpt_dir or None,
-                    tolerance=lifecycle.preflight_tolerance,
-                    burn_s=lifecycle.preflight_burn_s,
-                ),
+                preflight=preflight_args(lifecycle),
                 timeout_s=lifecycle.preflight_timeout_s,
             )
         )

@@ -9,6 +9,7 @@ that is where `LoadCredential=` puts the files a `DynamicUser=` service could no
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -506,6 +507,9 @@ class LifecycleConfig:
     preflight_tolerance: float = 0.1
     # The checkpoint directory the ckpt_storage check writes to; empty: the agent's own.
     preflight_ckpt_dir: str = ""
+    # A spare joins a job only after a passing preflight: a result at most this old is taken
+    # as it is, an older one (or none) runs a preflight first, s. 0: every time.
+    spare_preflight_max_age_s: float = 3600.0
 
     def __post_init__(self) -> None:
         _positive("preflight_timeout_s", self.preflight_timeout_s)
@@ -515,6 +519,10 @@ class LifecycleConfig:
             raise Invalid(
                 "preflight_tolerance", f"must be in [0, 1), got {self.preflight_tolerance}"
             )
+        if not (
+            math.isfinite(self.spare_preflight_max_age_s) and self.spare_preflight_max_age_s >= 0
+        ):
+            raise Invalid("spare_preflight_max_age_s", "must be a finite number >= 0")
         if "\0" in self.preflight_ckpt_dir:
             raise Invalid("preflight_ckpt_dir", "must not contain NUL bytes")
 
