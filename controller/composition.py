@@ -36,6 +36,7 @@ from trainguard.controller.config import ControllerConfig
 from trainguard.controller.incidents import IncidentManager
 from trainguard.controller.jobnames import JobNames
 from trainguard.controller.jobs import JobManager, JobSpec
+from trainguard.controller.lemons import LemonPolicy
 from trainguard.controller.livestate import LiveState
 from trainguard.controller.maintenance import MaintenanceScheduler
 from trainguard.controller.metrics import ControllerMetrics
@@ -114,6 +115,7 @@ class Controller:
             key = "store.path" if config.store.url is None else "store.url"
             raise ConfigError("", key, str(e)) from None
         self.store.fence = fence
+        self.lemons = LemonPolicy(store=self.store, config=config.lifecycle, now=clock.now)
         rules = load_rule_set(config)
         self.metrics.known_rules(rules.names())
         self.signals = SignalState(
@@ -163,6 +165,7 @@ class Controller:
                 stale_after_s=config.stale_after_s,
                 stale_exempt_rules=tuple(config.safety.stale_exempt_rules),
                 presence=self.jobs.presence,
+                lemon=self.lemons.verdict,
             )
         )
         self.registry.register(UndrainHandler(backend=drain_backend))
@@ -228,6 +231,7 @@ class Controller:
             clock=clock,
             node_silent_after_s=config.node_silent_after_s,
             scheduler_jobs=self.backend.job_views,
+            lemons=self.lemons,
         )
         self.operations = OperatorService(
             live=live,
@@ -254,6 +258,7 @@ class Controller:
             wake=wake,
             can_grow=Capability.GROW in self.backend.capabilities,
             expire_job_names=self.reports.expire_job_names,
+            lemons=self.lemons,
         )
         self.maintenance = MaintenanceScheduler(
             store=self.store, config=config.maintenance, metrics=self.metrics, clock=clock

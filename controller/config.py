@@ -510,6 +510,11 @@ class LifecycleConfig:
     # A spare joins a job only after a passing preflight: a result at most this old is taken
     # as it is, an older one (or none) runs a preflight first, s. 0: every time.
     spare_preflight_max_age_s: float = 3600.0
+    # Lemon nodes: a node with this many hardware incidents (a plan that drains it, or an xid /
+    # ecc / gpu lost rule) within lemon_window_s is retired for RMA the next time it is drained
+    # or leaves the spare pool. 0: never.
+    lemon_incidents: int = 3
+    lemon_window_s: float = 30 * 86400.0
 
     def __post_init__(self) -> None:
         _positive("preflight_timeout_s", self.preflight_timeout_s)
@@ -523,6 +528,9 @@ class LifecycleConfig:
             math.isfinite(self.spare_preflight_max_age_s) and self.spare_preflight_max_age_s >= 0
         ):
             raise Invalid("spare_preflight_max_age_s", "must be a finite number >= 0")
+        if self.lemon_incidents < 0:
+            raise Invalid("lemon_incidents", f"must be >= 0, got {self.lemon_incidents}")
+        _positive("lemon_window_s", self.lemon_window_s)
         if "\0" in self.preflight_ckpt_dir:
             raise Invalid("preflight_ckpt_dir", "must not contain NUL bytes")
 

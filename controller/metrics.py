@@ -227,6 +227,10 @@ class ControllerMetrics:
         """Unresolved incidents per known node (0 included, so every node has a series)."""
         self.jobs.node_incidents = dict(open_counts)
 
+    def set_node_hardware_incidents(self, counts: Mapping[str, int]) -> None:
+        """Hardware incidents per known node within lifecycle.lemon_window_s (controller.lemons)."""
+        self.jobs.node_hardware = dict(counts)
+
     def watch_store_size(self, sizes: Callable[[], tuple[int, int]]) -> None:
         """Export `sizes()` = (db bytes, wal bytes) as store_size_bytes, read at each scrape."""
         self.store_size_bytes.labels(file="db").set_function(lambda: float(sizes()[0]))
@@ -288,6 +292,7 @@ class _JobsCollector:
         self.jobs: tuple[JobView, ...] = ()
         self.spares: dict[str, int] = {DEFAULT_SPARE_POOL: 0}
         self.node_incidents: dict[str, int] = {}
+        self.node_hardware: dict[str, int] = {}
         self.skips = _Skips()
 
     def describe(self) -> Iterable[Metric]:
@@ -364,6 +369,16 @@ class _JobsCollector:
         for node, n in sorted(node_incidents.items()):
             per_node.add_metric([node], n)
         yield per_node
+        hardware = _SafeGauge(
+            "trainguard_controller_node_hardware_incidents",
+            "Hardware incidents per node within lifecycle.lemon_window_s (one series per known"
+            " node); at lifecycle.lemon_incidents the node is a lemon and is retired.",
+            labels=["node"],
+            skips=self.skips,
+        )
+        for node, n in sorted(dict(self.node_hardware).items()):
+            hardware.add_metric([node], n)
+        yield hardware
         skipped = CounterMetricFamily(
             "trainguard_controller_metric_values_skipped",
             "Samples left out of /metrics because their value could not be exported.",

@@ -18,6 +18,7 @@ from typing import TypeVar
 from trainguard.clock import Clock
 from trainguard.controller.errors import BadRequest, NotFound
 from trainguard.controller.jobs import JobManager
+from trainguard.controller.lemons import LemonPolicy
 from trainguard.controller.livestate import JobSeen, LiveState
 from trainguard.controller.records import NodeRecord
 from trainguard.controller.store import Store
@@ -84,8 +85,10 @@ class QueryService:
         clock: Clock,
         node_silent_after_s: float,
         scheduler_jobs: Callable[..., list[JobView]] = lambda *, now: [],
+        lemons: LemonPolicy | None = None,
     ) -> None:
         self._live = live
+        self._lemons = lemons  # the hardware incident history `describe node` shows
         # jobs a scheduler (Slurm) runs beyond the job table: shown instead of their
         # heartbeat-only view
         self._scheduler_jobs = scheduler_jobs
@@ -141,7 +144,11 @@ class QueryService:
             if rec is None:
                 raise NotFound(f"node {name!r} not found")
             view = self._node_view(rec, now=now, open_counts=counts)
-        return dataclasses.replace(view, last_preflight=self._last_preflight(name))
+        return dataclasses.replace(
+            view,
+            last_preflight=self._last_preflight(name),
+            hardware_incidents=self._lemons.history(name) if self._lemons is not None else (),
+        )
 
     def _last_preflight(self, node: str) -> PreflightView | None:
         cmd = self._store.commands.last_done(node, kind=CommandKind.PREFLIGHT.value)

@@ -39,6 +39,16 @@ class PreflightView:
 
 
 @dataclass(frozen=True)
+class HardwareIncidentView:
+    """One of a node's hardware incidents (controller.lemons)."""
+
+    id: int
+    rule: str
+    opened_at: float  # unix s
+    summary: str = ""
+
+
+@dataclass(frozen=True)
 class NodeView:
     name: str
     role: NodeRole
@@ -57,6 +67,8 @@ class NodeView:
     unknown_xids: tuple[UnknownXidView, ...] = ()
     # the last preflight's result; filled by `describe node` (get_node), not by lists
     last_preflight: PreflightView | None = None
+    # hardware incidents within lifecycle.lemon_window_s, oldest first; filled by get_node
+    hardware_incidents: tuple[HardwareIncidentView, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -220,6 +220,9 @@ class DrainHandler:
     # Given: a node unknown after a controller restart is waited for (its stored report
     # age would make the stale check, and the drain, guess)
     presence: PresenceOf | None = None
+    # Given: node -> the retire reason when it is a lemon (controller.lemons); a lemon is
+    # retired once drained instead of staying drained
+    lemon: Callable[[str], str | None] | None = None
 
     def idempotent(self, params: dict[str, Any]) -> bool:
         return True
@@ -264,6 +267,9 @@ class DrainHandler:
             progress = {**data, "phase": "draining"}
         if state == "drained":
             note = progress.get("note")
+            retired = self._retire_lemon(node)
+            if retired is not None:
+                note = f"{note}; {retired}" if note else retired
             return Outcome(
                 message=f"{node} drained" + (f" ({note})" if note else ""),
                 output={"node": node, "phase": "drained", **({"note": note} if note else {})},
@@ -274,6 +280,15 @@ class DrainHandler:
             done=False,
             poll_after_s=self.poll_interval_s,
         )
+
+    def _retire_lemon(self, node: str) -> str | None:
+        """Retire a drained lemon (flagged for RMA); the note for the step, or None."""
+        why = self.lemon(node) if self.lemon is not None else None
+        if why is None or self.ops.node_state(node) != NodeState.DRAINED.value:
+            return None
+        self.ops.set_node_state(node, NodeState.RETIRED.value, reason=why)
+        log.warning("event=lemon_retired node=%s reason=%r", node, why)
+        return f"retired, {why}"
 
 
 @dataclass

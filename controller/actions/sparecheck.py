@@ -7,7 +7,8 @@ re-run after a controller restart finds the same command instead of starting ano
 step waits for the answer within its progress (`spare_preflights`: node -> command id and
 start time). A spare whose preflight fails, or does not answer within `timeout_s`, is drained
 with the reason `preflight failed: ...` (out of the pool until `node return` validates it) and
-the next spare is tried.
+the next spare is tried. A lemon (controller.lemons) is retired from the pool instead, before
+any preflight.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class SparePreflight:
     last_preflight: Callable[[str], CommandRecord | None]
     max_age_s: float
     timeout_s: float
+    # node -> the retire reason when it is a lemon: a failing spare is retired, not drained
+    lemon: Callable[[str], str | None] = lambda node: None
 
     def check(
         self, spares: list[str], *, need: int, now: float, key: str, progress: dict[str, Any]
@@ -58,6 +61,11 @@ class SparePreflight:
         for node in spares:
             if len(ready) + len(waiting) >= need:
                 break
+            lemon = self.lemon(node)
+            if lemon is not None:  # a lemon leaves the pool for good, pass or not
+                failed[node] = lemon
+                self._take_out(node, lemon, retire=True)
+                continue
             entry = entries.get(node)
             if entry is None:
                 if self._fresh_pass(node, now=now):
@@ -76,7 +84,7 @@ class SparePreflight:
                 ready.append(node)
             else:
                 failed[node] = verdict
-                self._take_out(node, verdict)
+                self._take_out(node, verdict, retire=False)
         progress[PROGRESS_KEY] = entries
         return SpareGate(ready=ready, waiting=waiting, failed=failed)
 
@@ -104,11 +112,13 @@ class SparePreflight:
         summary = record.result or "failed"
         return summary if summary.startswith("preflight") else f"preflight {summary}"
 
-    def _take_out(self, node: str, reason: str) -> None:
+    def _take_out(self, node: str, reason: str, *, retire: bool) -> None:
+        """Out of the pool: drained with the reason, or retired (a lemon, flagged for RMA)."""
         state = NodeState.parse(self.ops.node_state(node) or "")
         if state is NodeState.ACTIVE:
-            self.ops.set_node_state(node, NodeState.DRAINED.value, reason=reason)
-        log.info("event=spare_preflight_failed node=%s reason=%r", node, reason)
+            wanted = NodeState.RETIRED if retire else NodeState.DRAINED
+            self.ops.set_node_state(node, wanted.value, reason=reason)
+        log.warning("event=spare_taken_out node=%s retired=%s reason=%r", node, retire, reason)
 
 
 def preflight_args(lifecycle: LifecycleConfig) -> PreflightArgs:
@@ -125,8 +135,10 @@ def spare_preflight(
     *,
     ops: NodeOps,
     last_preflight: Callable[[str], CommandRecord | None],
+    lemon: Callable[[str], str | None] = lambda node: None,
 ) -> SparePreflight:
     return SparePreflight(
+        lemon=lemon,
         ops=ops,
         preflight=preflight_args(lifecycle),
         last_preflight=last_preflight,

@@ -411,6 +411,7 @@ CONTROLLER_LAYER_OF: dict[str, str] = {
     "jobs": "state",
     "jobstate": "state",
     "unknownxids": "state",  # XID codes the catalog does not list, per node
+    "lemons": "state",  # the per-node hardware incident history and the lemon verdict
     "rules": "rules",
     "model": "rules",  # what a rule is about and what the engine decided
     "incidents": "rules",

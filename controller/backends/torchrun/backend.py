@@ -22,6 +22,7 @@ from trainguard.controller.actions.recovery import PhaseObserver
 from trainguard.controller.actions.sparecheck import SparePreflight, spare_preflight
 from trainguard.controller.backends.base import BackendDeps, Capability
 from trainguard.controller.jobs import JobManager
+from trainguard.controller.lemons import LemonPolicy
 from trainguard.controller.views import JobView
 from trainguard.kinds import CommandKind
 
@@ -139,6 +140,9 @@ def build(deps: BackendDeps) -> TorchrunBackend:
             last_preflight=lambda node: deps.live.store.commands.last_done(
                 node, kind=CommandKind.PREFLIGHT.value
             ),
+            lemon=LemonPolicy(
+                store=deps.live.store, config=config.lifecycle, now=deps.clock.now
+            ).verdict,
         ),
     )
 
