@@ -8,6 +8,7 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 
 from tests.builders import gpu
+from tests.integration.postgres_proc import BOTH_STORES
 from tests.unit.controller.job_sim import Sim, running
 
 _DAY_S = 86400.0
@@ -33,6 +34,7 @@ def _past_incident(sim: Sim, node: str, *, rule: str = "gpu_dbe", days_ago: floa
     return incident_id
 
 
+@BOTH_STORES
 def test_a_node_over_the_threshold_is_retired_when_it_is_drained_next(sim: Sim) -> None:
     _past_incident(sim, "n1", days_ago=20)
     _past_incident(sim, "n1", rule="xid_fatal", days_ago=3)
