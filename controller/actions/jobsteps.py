@@ -459,11 +459,29 @@ class RestartHandler(JobStep):
         if phase is RestartPhase.STOP:
             fenced = self._fence(ctx, job, progress)
             if fenced is not None:
+                self._preflight_early(ctx, job, progress)
                 return fenced
             phase = advance(phase, RestartPhase.START)
         if phase is RestartPhase.START:
             return self._start(ctx, job, progress)
         return self._confirm(ctx, job, progress)
+
+    def _preflight_early(
+        self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]
+    ) -> None:
+        """While the old attempt is being stopped, start the preflights of the spares the
+        start will swap in (for the nodes unusable now), so they overlap the wait; `progress`
+        keeps them and the start finds them."""
+        if self.spare_check is None or self.open_incident_nodes is None:
+            return
+        unusable = self._unusable(job)
+        if not unusable or job.attempt_key == ctx.action.idempotency_key:
+            return
+        spec = self.jobs.spec(job)
+        free = self.jobs.spares(
+            spec.spare_selector, open_incident_nodes=self.open_incident_nodes(), exclude=job.nodes
+        )
+        gate_spares(self.spare_check, free, need=len(unusable), ctx=ctx, progress=progress)
 
     def _fence(
         self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]
