@@ -239,8 +239,8 @@ class CollectStacksArgs:
         _require_job(self.job)
 
 
-# The checks a preflight can run, in the order it runs them (docs/nodes.md says what each
-# measures and its pass mark).
+# The checks a preflight can run, in the order it runs them (docs/hardware.md, "Preflight and
+# repair", says what each measures and its pass mark).
 PREFLIGHT_CHECKS = (
     "nvml_health",  # every GPU answers NVML, none lost or fallen off the bus
     "row_remaps",  # no pending or failed row remapping

@@ -26,6 +26,8 @@ class ActionKind(str, Enum):
     COLLECT_STACKS = "collect_stacks"
     UNDRAIN = "undrain"  # an operator's (agentctl undrain), never a rule's
     GROW = "grow"  # planned by the tick (controller.growplan), never by a rule
+    VALIDATE = "validate"  # a preflight, then back into service (agentctl node return)
+    RETIRE = "retire"  # out for good, with the reason (agentctl node retire)
 
     @classmethod
     def parse(cls, kind: str) -> ActionKind | None:
@@ -128,6 +130,8 @@ _ROWS: dict[ActionKind, _KindRow] = {
     _K.COLLECT_STACKS: _row(job_step=True, capability="collect_stacks"),
     _K.UNDRAIN: _row(in_rules=False),
     _K.GROW: _row(in_rules=False, stops_job=True, job_step=True, capability="grow"),
+    _K.VALIDATE: _row(in_rules=False),
+    _K.RETIRE: _row(in_rules=False),
 }
 
 

@@ -20,12 +20,14 @@ from trainguard.clock import SYSTEM_CLOCK, Clock
 from trainguard.command_args import CommandArgs
 from trainguard.controller.actions.base import ActionHandler, HandlerRegistry
 from trainguard.controller.actions.drain import DrainBackend, DrainHandler, UndrainHandler
+from trainguard.controller.actions.lifecycle import RetireHandler, ValidateHandler
 from trainguard.controller.actions.notify import (
     Notifier,
     NotifyHandler,
     build_notifiers,
     channels_for,
 )
+from trainguard.controller.actions.sparecheck import preflight_args
 from trainguard.controller.actions.worker import ActionRunner
 from trainguard.controller.backends.base import Capability, step_handlers
 from trainguard.controller.backends.build import build_backend
@@ -34,6 +36,7 @@ from trainguard.controller.config import ControllerConfig
 from trainguard.controller.incidents import IncidentManager
 from trainguard.controller.jobnames import JobNames
 from trainguard.controller.jobs import JobManager, JobSpec
+from trainguard.controller.lemons import LemonPolicy
 from trainguard.controller.livestate import LiveState
 from trainguard.controller.maintenance import MaintenanceScheduler
 from trainguard.controller.metrics import ControllerMetrics
@@ -112,6 +115,7 @@ class Controller:
             key = "store.path" if config.store.url is None else "store.url"
             raise ConfigError("", key, str(e)) from None
         self.store.fence = fence
+        self.lemons = LemonPolicy(store=self.store, config=config.lifecycle, now=clock.now)
         rules = load_rule_set(config)
         self.metrics.known_rules(rules.names())
         self.signals = SignalState(
@@ -161,9 +165,20 @@ class Controller:
                 stale_after_s=config.stale_after_s,
                 stale_exempt_rules=tuple(config.safety.stale_exempt_rules),
                 presence=self.jobs.presence,
+                lemon=self.lemons.verdict,
             )
         )
         self.registry.register(UndrainHandler(backend=drain_backend))
+        lifecycle = config.lifecycle
+        self.registry.register(
+            ValidateHandler(
+                backend=drain_backend,
+                ops=live,
+                preflight=preflight_args(lifecycle),
+                timeout_s=lifecycle.preflight_timeout_s,
+            )
+        )
+        self.registry.register(RetireHandler(backend=drain_backend, ops=live))
         for job_handler in step_handlers(self.backend):
             self.registry.register(job_handler)
         for handler in backends.handlers:
@@ -216,6 +231,7 @@ class Controller:
             clock=clock,
             node_silent_after_s=config.node_silent_after_s,
             scheduler_jobs=self.backend.job_views,
+            lemons=self.lemons,
         )
         self.operations = OperatorService(
             live=live,
@@ -242,6 +258,7 @@ class Controller:
             wake=wake,
             can_grow=Capability.GROW in self.backend.capabilities,
             expire_job_names=self.reports.expire_job_names,
+            lemons=self.lemons,
         )
         self.maintenance = MaintenanceScheduler(
             store=self.store, config=config.maintenance, metrics=self.metrics, clock=clock
@@ -407,6 +424,12 @@ class Controller:
 
     def undrain(self, name: str, *, actor: str, force: bool = False) -> NodeView:
         return self.operations.undrain(name, actor=actor, force=force)
+
+    def return_node(self, name: str, *, actor: str) -> NodeView:
+        return self.operations.return_node(name, actor=actor)
+
+    def retire(self, name: str, *, reason: str, actor: str) -> NodeView:
+        return self.operations.retire(name, reason=reason, actor=actor)
 
     def inject_fault(self, node: str, spec: FaultSpec, *, actor: str) -> str:
         return self.operations.inject_fault(node, spec, actor=actor)

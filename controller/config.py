@@ -9,6 +9,7 @@ that is where `LoadCredential=` puts the files a `DynamicUser=` service could no
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -491,6 +492,49 @@ class JobsConfig:
             )
 
 
+@dataclass(frozen=True)
+class LifecycleConfig:
+    """The node lifecycle (docs/controller.md "Node lifecycle"): the preflight a node passes
+    before it goes back into service."""
+
+    # How long a preflight may take to answer before the node stays drained, s. The checks
+    # take seconds (a burn of preflight_burn_s per GPU, an all-reduce); 10 min covers an agent
+    # that is still coming back from a reboot.
+    preflight_timeout_s: float = 600.0
+    # Seconds of compute burn per GPU. 2 s is enough for a matmul's result and rate to settle.
+    preflight_burn_s: float = 2.0
+    # Fraction below the reference figures (compute, bandwidth) that still passes.
+    preflight_tolerance: float = 0.1
+    # The checkpoint directory the ckpt_storage check writes to; empty: the agent's own.
+    preflight_ckpt_dir: str = ""
+    # A spare joins a job only after a passing preflight: a result at most this old is taken
+    # as it is, an older one (or none) runs a preflight first, s. 0: every time.
+    spare_preflight_max_age_s: float = 3600.0
+    # Lemon nodes: a node with this many hardware incidents (a plan that drains it, or an xid /
+    # ecc / gpu lost rule) within lemon_window_s is retired for RMA the next time it is drained
+    # or leaves the spare pool. 0: never.
+    lemon_incidents: int = 3
+    lemon_window_s: float = 30 * 86400.0
+
+    def __post_init__(self) -> None:
+        _positive("preflight_timeout_s", self.preflight_timeout_s)
+        if not 0 < self.preflight_burn_s <= 600:
+            raise Invalid("preflight_burn_s", f"must be in (0, 600], got {self.preflight_burn_s}")
+        if not 0 <= self.preflight_tolerance < 1:
+            raise Invalid(
+                "preflight_tolerance", f"must be in [0, 1), got {self.preflight_tolerance}"
+            )
+        if not (
+            math.isfinite(self.spare_preflight_max_age_s) and self.spare_preflight_max_age_s >= 0
+        ):
+            raise Invalid("spare_preflight_max_age_s", "must be a finite number >= 0")
+        if self.lemon_incidents < 0:
+            raise Invalid("lemon_incidents", f"must be >= 0, got {self.lemon_incidents}")
+        _positive("lemon_window_s", self.lemon_window_s)
+        if "\0" in self.preflight_ckpt_dir:
+            raise Invalid("preflight_ckpt_dir", "must not contain NUL bytes")
+
+
 _DAY_S = 86400.0
 
 
@@ -703,6 +747,7 @@ class ControllerConfig:
     notify: NotifyConfig = field(default_factory=NotifyConfig)
     actions: ActionsConfig = field(default_factory=ActionsConfig)
     jobs: JobsConfig = field(default_factory=JobsConfig)
+    lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
     # Where jobs run: torchrun launched by the agents (default) or Slurm (docs/slurm.md).
     backend: BackendConfig = field(default_factory=BackendConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -757,6 +802,7 @@ __all__ = [
     "DEFAULT_CONFIG_PATH",
     "DEFAULT_STORE_PATH",
     "HaConfig",
+    "LifecycleConfig",
     "SEVERITY_RANK",
     "ActionsConfig",
     "ApiConfig",

@@ -58,7 +58,7 @@ class GrowJob:
 class GrowNode:
     name: str
     role: str  # "active" | "spare"
-    state: str  # "active" | "draining" | "drained"
+    state: str  # a NodeState value
     reporting: bool
     labels: dict[str, str] = field(default_factory=dict)
     job: str | None = None  # the job the node is assigned to

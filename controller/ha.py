@@ -454,6 +454,14 @@ class HaController:
         """Write: the leader does it; a standby's store fence refuses it (NotLeader)."""
         return self._current.undrain(name, actor=actor, force=force)
 
+    def return_node(self, name: str, *, actor: str) -> NodeView:
+        """Write: the leader does it; a standby's store fence refuses it (NotLeader)."""
+        return self._current.return_node(name, actor=actor)
+
+    def retire(self, name: str, *, reason: str, actor: str) -> NodeView:
+        """Write: the leader does it; a standby's store fence refuses it (NotLeader)."""
+        return self._current.retire(name, reason=reason, actor=actor)
+
     def list_spares(self) -> list[NodeView]:
         """Read: served by leader and standby alike."""
         return self._current.list_spares()

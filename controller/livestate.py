@@ -20,6 +20,7 @@ from typing import Any
 
 from trainguard.clock import Clock
 from trainguard.command_args import CommandArgs, command_kind
+from trainguard.controller.nodestate import NodeState, check_node_transition
 from trainguard.controller.records import CommandRecord, FreshNode, NodeRecord
 from trainguard.controller.signals import SignalState
 from trainguard.controller.store import Store
@@ -211,8 +212,17 @@ class LiveState:
         return sorted(resumed)
 
     def set_node_state(self, node: str, state: str, *, reason: str | None) -> None:
+        """Move the node to `state` (a NodeState value); InvalidNodeTransition for a move the
+        table does not allow, KeyError for an unknown node."""
+        wanted = NodeState(state)
         with self.lock:
-            rec = self.store.nodes.update(node, state=state, drain_reason=reason)
+            held = self.nodes.get(node) or self.store.nodes.get(node)
+            if held is None:
+                raise KeyError(node)
+            current = NodeState.parse(held.state)
+            if current is not None:
+                check_node_transition(node, current, wanted)
+            rec = self.store.nodes.update(node, state=wanted.value, drain_reason=reason)
             self.put_node(rec)
         log.info("event=node_state node=%s state=%s", node, state)
 

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from trainguard.bounds import metric_value
+from trainguard.controller.nodestate import node_state_values
 from trainguard.controller.views import JobView
 
 # Report ingest is sub-millisecond when healthy; the 100 ms p99 target sits mid-range.
@@ -200,7 +201,7 @@ class ControllerMetrics:
 
     def set_nodes(self, counts: dict[tuple[str, str], int]) -> None:
         for role in ("active", "spare"):
-            for state in ("active", "draining", "drained"):
+            for state in node_state_values():
                 self.nodes.labels(role=role, state=state).set(counts.get((role, state), 0))
 
     def set_incidents(self, open_incidents: Iterable[tuple[str, str]]) -> None:
@@ -225,6 +226,10 @@ class ControllerMetrics:
     def set_node_incidents(self, open_counts: Mapping[str, int]) -> None:
         """Unresolved incidents per known node (0 included, so every node has a series)."""
         self.jobs.node_incidents = dict(open_counts)
+
+    def set_node_hardware_incidents(self, counts: Mapping[str, int]) -> None:
+        """Hardware incidents per known node within lifecycle.lemon_window_s (controller.lemons)."""
+        self.jobs.node_hardware = dict(counts)
 
     def watch_store_size(self, sizes: Callable[[], tuple[int, int]]) -> None:
         """Export `sizes()` = (db bytes, wal bytes) as store_size_bytes, read at each scrape."""
@@ -287,6 +292,7 @@ class _JobsCollector:
         self.jobs: tuple[JobView, ...] = ()
         self.spares: dict[str, int] = {DEFAULT_SPARE_POOL: 0}
         self.node_incidents: dict[str, int] = {}
+        self.node_hardware: dict[str, int] = {}
         self.skips = _Skips()
 
     def describe(self) -> Iterable[Metric]:
@@ -363,6 +369,16 @@ class _JobsCollector:
         for node, n in sorted(node_incidents.items()):
             per_node.add_metric([node], n)
         yield per_node
+        hardware = _SafeGauge(
+            "trainguard_controller_node_hardware_incidents",
+            "Hardware incidents per node within lifecycle.lemon_window_s (one series per known"
+            " node); at lifecycle.lemon_incidents the node is a lemon and is retired.",
+            labels=["node"],
+            skips=self.skips,
+        )
+        for node, n in sorted(dict(self.node_hardware).items()):
+            hardware.add_metric([node], n)
+        yield hardware
         skipped = CounterMetricFamily(
             "trainguard_controller_metric_values_skipped",
             "Samples left out of /metrics because their value could not be exported.",

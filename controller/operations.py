@@ -78,6 +78,24 @@ class OperatorService:
         self._operator_step("undrain", name, actor=actor, detail=detail)
         return self._queries.get_node(name)
 
+    def return_node(self, name: str, *, actor: str) -> NodeView:
+        """`agentctl node return`: a `validate` step (a preflight, then back into service on
+        a pass). It answers with the node validating; the step goes on in the worker."""
+        state = self._live.node_state(name)
+        if state is None:
+            raise NotFound(f"node {name!r} not found")
+        if state not in ("drained", "retired"):
+            raise Conflict(f"node {name} is {state}: only a drained or retired node returns")
+        self._operator_step("validate", name, actor=actor, detail={})
+        return self._queries.get_node(name)
+
+    def retire(self, name: str, *, reason: str, actor: str) -> NodeView:
+        """`agentctl node retire`: out of service for good, with the reason (an RMA)."""
+        if not reason.strip():
+            raise BadRequest("reason: must say why the node is retired")
+        self._operator_step("retire", name, actor=actor, detail={"reason": reason.strip()})
+        return self._queries.get_node(name)
+
     def inject_fault(self, node: str, spec: FaultSpec, *, actor: str) -> str:
         if self._live.node_state(node) is None:
             raise NotFound(f"node {node!r} not found")

@@ -18,6 +18,7 @@ from typing import TypeVar
 from trainguard.clock import Clock
 from trainguard.controller.errors import BadRequest, NotFound
 from trainguard.controller.jobs import JobManager
+from trainguard.controller.lemons import LemonPolicy
 from trainguard.controller.livestate import JobSeen, LiveState
 from trainguard.controller.records import NodeRecord
 from trainguard.controller.store import Store
@@ -28,8 +29,10 @@ from trainguard.controller.views import (
     IncidentView,
     JobView,
     NodeView,
+    PreflightView,
     SilenceView,
 )
+from trainguard.kinds import CommandKind
 
 __all__ = ["LastAnswers", "QueryService"]
 
@@ -82,8 +85,10 @@ class QueryService:
         clock: Clock,
         node_silent_after_s: float,
         scheduler_jobs: Callable[..., list[JobView]] = lambda *, now: [],
+        lemons: LemonPolicy | None = None,
     ) -> None:
         self._live = live
+        self._lemons = lemons  # the hardware incident history `describe node` shows
         # jobs a scheduler (Slurm) runs beyond the job table: shown instead of their
         # heartbeat-only view
         self._scheduler_jobs = scheduler_jobs
@@ -138,7 +143,29 @@ class QueryService:
             rec = self._live.nodes.get(name)
             if rec is None:
                 raise NotFound(f"node {name!r} not found")
-            return self._node_view(rec, now=now, open_counts=counts)
+            view = self._node_view(rec, now=now, open_counts=counts)
+        return dataclasses.replace(
+            view,
+            last_preflight=self._last_preflight(name),
+            hardware_incidents=self._lemons.history(name) if self._lemons is not None else (),
+        )
+
+    def _last_preflight(self, node: str) -> PreflightView | None:
+        cmd = self._store.commands.last_done(node, kind=CommandKind.PREFLIGHT.value)
+        if cmd is None or cmd.done_at is None:
+            return None
+        checks = cmd.data.get("checks")
+        duration = cmd.data.get("duration_s")
+        return PreflightView(
+            command_id=cmd.id,
+            passed=bool(cmd.ok),
+            summary=cmd.result,
+            done_at=cmd.done_at,
+            checks=tuple(c for c in checks if isinstance(c, dict))
+            if isinstance(checks, list)
+            else (),
+            duration_s=float(duration) if isinstance(duration, int | float) else None,
+        )
 
     def list_spares(self) -> list[NodeView]:
         return [n for n in self.list_nodes() if n.role == "spare" and n.state == "active"]

@@ -32,6 +32,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from trainguard.clock import Clock
+from trainguard.controller.actions.lifecycle import preflight_summary
 from trainguard.controller.errors import LimitReached
 from trainguard.controller.jobnames import JobNames, job_names_of, without_jobs
 from trainguard.controller.jobs import JobManager
@@ -299,6 +300,20 @@ class ReportService:
                             ok=bool(e.data.get("ok", False)),
                             message=str(e.data.get("message", "")),
                             data={k: v for k, v in e.data.items() if k not in _RESULT_FIELDS},
+                        )
+                    )
+            elif e.kind == EventKind.PREFLIGHT_RESULT:
+                # the preflight command's result: ok = passed, the checks kept in its data
+                command_id = e.data.get("command_id")
+                checks = e.data.get("checks")
+                if isinstance(command_id, str) and isinstance(checks, list):
+                    passed = e.data.get("passed") is True
+                    results.append(
+                        CommandResultRow(
+                            command_id=command_id,
+                            ok=passed,
+                            message=preflight_summary(checks, passed=passed),
+                            data={k: v for k, v in e.data.items() if k != "command_id"},
                         )
                     )
         self._store.events.insert(

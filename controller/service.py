@@ -45,6 +45,14 @@ class ControllerService(Protocol):
 
     def undrain(self, name: str, *, actor: str, force: bool = False) -> NodeView: ...
 
+    def return_node(self, name: str, *, actor: str) -> NodeView:
+        """Validate a drained or retired node (a preflight) and bring it back into service on
+        a pass; answers at once with the node `validating`. Raises NotFound, BadRequest."""
+
+    def retire(self, name: str, *, reason: str, actor: str) -> NodeView:
+        """Take a node out of service for good (an RMA) with the reason. Raises NotFound,
+        BadRequest."""
+
     def list_spares(self) -> list[NodeView]: ...
 
     def list_incidents(

@@ -32,6 +32,7 @@ from trainguard.controller.growplan import (
 from trainguard.controller.incidents import IncidentManager
 from trainguard.controller.jobs import JobManager
 from trainguard.controller.jobstate import JobState
+from trainguard.controller.lemons import LemonPolicy
 from trainguard.controller.livestate import LiveState
 from trainguard.controller.metrics import DEFAULT_SPARE_POOL, ControllerMetrics
 from trainguard.controller.model import Decision, Target
@@ -102,8 +103,10 @@ class TickService:
         wake: threading.Event,
         can_grow: bool = True,
         expire_job_names: Callable[[float], int] = lambda now: 0,
+        lemons: LemonPolicy | None = None,
     ) -> None:
         self._config = config
+        self._lemons = lemons  # the hardware incident gauge
         self._expire_job_names = expire_job_names  # ReportService.expire_job_names
         self._can_grow = can_grow  # the backend declares Capability.GROW
         self._clock = clock
@@ -550,6 +553,8 @@ class TickService:
         metrics.set_jobs(self._queries.list_jobs())
         open_counts = self._store.incidents.open_counts()
         metrics.set_node_incidents({n: open_counts.get(n, 0) for n in live.nodes_known()})
+        if self._lemons is not None:
+            metrics.set_node_hardware_incidents(self._lemons.counts(list(live.nodes_known())))
         severities = {inc.id: inc.severity for inc in self._store.incidents.unresolved()}
         metrics.set_incidents(
             (rule, severities.get(i, "info")) for rule, _, i, _ in self._incidents.open_incidents()

@@ -7,7 +7,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 NodeRole = Literal["active", "spare"]
-NodeState = Literal["active", "draining", "drained"]
+# controller.nodestate.NodeState's values
+NodeState = Literal[
+    "active", "draining", "drained", "diagnosing", "repairing", "validating", "retired"
+]
 IncidentState = Literal["open", "acting", "mitigated", "resolved", "suppressed"]
 ActionState = Literal["pending", "running", "succeeded", "failed", "skipped"]
 
@@ -20,6 +23,29 @@ class UnknownXidView:
     count: int  # reports since the controller started (or within its replayed history)
     first_at: float  # unix s
     last_at: float  # unix s
+
+
+@dataclass(frozen=True)
+class PreflightView:
+    """The result of a node's last preflight (controller.actions.lifecycle)."""
+
+    command_id: str
+    passed: bool
+    summary: str  # "passed (...)" or "failed: check: detail; ..."
+    done_at: float  # unix s
+    # one {"name", "passed", "detail", optional "value", "reference"} per check
+    checks: tuple[dict[str, Any], ...] = ()
+    duration_s: float | None = None
+
+
+@dataclass(frozen=True)
+class HardwareIncidentView:
+    """One of a node's hardware incidents (controller.lemons)."""
+
+    id: int
+    rule: str
+    opened_at: float  # unix s
+    summary: str = ""
 
 
 @dataclass(frozen=True)
@@ -39,6 +65,10 @@ class NodeView:
     agent_version: str = ""
     # XID codes the node reported that the catalog does not list, the most recent first
     unknown_xids: tuple[UnknownXidView, ...] = ()
+    # the last preflight's result; filled by `describe node` (get_node), not by lists
+    last_preflight: PreflightView | None = None
+    # hardware incidents within lifecycle.lemon_window_s, oldest first; filled by get_node
+    hardware_incidents: tuple[HardwareIncidentView, ...] = ()
 
 
 @dataclass(frozen=True)

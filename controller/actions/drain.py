@@ -21,6 +21,7 @@ from typing import Any, Literal, Protocol
 from trainguard.bounds import clip_drain_reason
 from trainguard.command_args import CommandArgs, StopJobArgs
 from trainguard.controller.actions.base import ActionContext, Outcome, PermanentError
+from trainguard.controller.nodestate import NodeState
 from trainguard.controller.records import CommandRecord
 from trainguard.controller.safety import stale_drain_reason
 
@@ -35,7 +36,7 @@ class NodeOps(Protocol):
     """What the local backend needs from the controller (the Controller implements it)."""
 
     def node_state(self, node: str) -> str | None:
-        """ "active" | "draining" | "drained", or None for an unknown node."""
+        """A NodeState value, or None for an unknown node."""
 
     def node_job(self, node: str) -> str | None:
         """The job whose processes run on the node now, if any."""
@@ -109,6 +110,10 @@ class LocalDrainBackend:
             raise PermanentError(f"unknown node {node!r}")
         if state == "drained":
             return "drained", {}
+        held = NodeState.parse(state)
+        if held is not None and held.in_lifecycle:
+            # already out of service: a lifecycle step (or a retirement) holds it
+            return "drained", {"note": f"already out of service: {state}"}
         self._ops.set_node_state(node, "draining", reason=reason)
         if self._presence is not None and self._presence(node) == "unknown":
             # not heard from since the controller started: which job it runs is not known yet
@@ -136,7 +141,8 @@ class LocalDrainBackend:
         return age is None or age > self._silent_after_s
 
     def poll(self, node: str, *, key: str, progress: dict[str, Any]) -> DrainState:
-        if self._ops.node_state(node) == "drained":
+        held = NodeState.parse(self._ops.node_state(node) or "")
+        if held is NodeState.DRAINED or (held is not None and held.in_lifecycle):
             return "drained"
         if self._silent(node):
             self._ops.set_node_state(node, "drained", reason=progress.get("reason"))
@@ -155,8 +161,15 @@ class LocalDrainBackend:
         return "drained"
 
     def undrain(self, node: str, *, key: str, force: bool = False) -> None:
-        if self._ops.node_state(node) is None:
+        state = self._ops.node_state(node)
+        if state is None:
             raise PermanentError(f"unknown node {node!r}")
+        held = NodeState.parse(state)
+        if held is not None and held.in_lifecycle:
+            raise PermanentError(
+                f"{node} is {state}: the node lifecycle holds it"
+                " (`agentctl node return` validates it and brings it back)"
+            )
         self._ops.set_node_state(node, "active", reason=None)
 
 
@@ -207,6 +220,9 @@ class DrainHandler:
     # Given: a node unknown after a controller restart is waited for (its stored report
     # age would make the stale check, and the drain, guess)
     presence: PresenceOf | None = None
+    # Given: node -> the retire reason when it is a lemon (controller.lemons); a lemon is
+    # retired once drained instead of staying drained
+    lemon: Callable[[str], str | None] | None = None
 
     def idempotent(self, params: dict[str, Any]) -> bool:
         return True
@@ -251,6 +267,9 @@ class DrainHandler:
             progress = {**data, "phase": "draining"}
         if state == "drained":
             note = progress.get("note")
+            retired = self._retire_lemon(node)
+            if retired is not None:
+                note = f"{note}; {retired}" if note else retired
             return Outcome(
                 message=f"{node} drained" + (f" ({note})" if note else ""),
                 output={"node": node, "phase": "drained", **({"note": note} if note else {})},
@@ -261,6 +280,15 @@ class DrainHandler:
             done=False,
             poll_after_s=self.poll_interval_s,
         )
+
+    def _retire_lemon(self, node: str) -> str | None:
+        """Retire a drained lemon (flagged for RMA); the note for the step, or None."""
+        why = self.lemon(node) if self.lemon is not None else None
+        if why is None or self.ops.node_state(node) != NodeState.DRAINED.value:
+            return None
+        self.ops.set_node_state(node, NodeState.RETIRED.value, reason=why)
+        log.warning("event=lemon_retired node=%s reason=%r", node, why)
+        return f"retired, {why}"
 
 
 @dataclass

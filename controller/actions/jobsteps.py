@@ -34,6 +34,7 @@ from trainguard.controller.actions.recovery import (
     rolled_back_in_process,
 )
 from trainguard.controller.actions.restartphase import RestartPhase, advance
+from trainguard.controller.actions.sparecheck import PROGRESS_KEY, SparePreflight
 from trainguard.controller.jobs import RESUME_SKIP_ENV, JobManager, JobSpec, shrink_plan
 from trainguard.controller.jobstate import JobState
 from trainguard.controller.records import CommandRecord, JobRecord
@@ -202,13 +203,44 @@ class CheckpointHandler(JobStep):
         )
 
 
+def gate_spares(
+    check: SparePreflight | None,
+    spares: list[str],
+    *,
+    need: int,
+    ctx: ActionContext,
+    progress: dict[str, Any],
+) -> tuple[list[str], str | None]:
+    """The spares that may join the job now (a passing preflight, fresh or just run, when
+    `check` is given) and, while a spare's preflight still runs, what the step waits for.
+    `progress` gains the running preflights."""
+    if check is None:
+        return spares, None
+    gate = check.check(
+        spares, need=need, now=ctx.now, key=ctx.action.idempotency_key, progress=progress
+    )
+    skipped = "".join(f"; skipped {n}: {why}" for n, why in gate.failed.items())
+    if gate.waiting:
+        return gate.ready, f"waiting for the preflight of spare(s) {', '.join(gate.waiting)}" + (
+            skipped
+        )
+    return gate.ready, None
+
+
 def swap_or_shrink(
-    jobs: JobManager, job: JobRecord, spec: JobSpec, *, bad: list[str], open_nodes: set[str]
+    jobs: JobManager,
+    job: JobRecord,
+    spec: JobSpec,
+    *,
+    bad: list[str],
+    open_nodes: set[str],
+    spares: list[str] | None = None,
 ) -> tuple[str, dict[str, Any]] | None:
-    """Place the job on a node set without `bad`: swap them for hot spares, else shrink
-    when the spec allows (`shrink: pack` keeps the world size, `shrink: world` runs fewer
-    ranks); (message, output) or None when neither fits."""
-    spares = jobs.spares(spec.spare_selector, open_incident_nodes=open_nodes, exclude=job.nodes)
+    """Place the job on a node set without `bad`: swap them for hot spares (`spares`, else
+    every free one), else shrink when the spec allows (`shrink: pack` keeps the world size,
+    `shrink: world` runs fewer ranks); (message, output) or None when neither fits."""
+    if spares is None:
+        spares = jobs.spares(spec.spare_selector, open_incident_nodes=open_nodes, exclude=job.nodes)
     healthy = [n for n in job.nodes if n not in bad]
     if len(spares) >= len(bad):
         chosen = iter(spares)
@@ -302,6 +334,8 @@ class ReplaceHandler(JobStep):
     poll_interval_s: float = 5.0
     kind: str = "replace"
     remediation: bool = True
+    # Given: a spare joins only after a passing preflight (controller.actions.sparecheck)
+    spare_check: SparePreflight | None = None
 
     def run_job(self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]) -> Outcome:
         wait = _await_unknown(
@@ -321,15 +355,31 @@ class ReplaceHandler(JobStep):
             )
         if job.state in (JobState.RUNNING, JobState.STARTING, JobState.CRASHED):
             self.jobs.set_state(job.name, JobState.RESTARTING, reason=f"replacing {', '.join(bad)}")
-        placed = swap_or_shrink(
-            self.jobs, job, spec, bad=bad, open_nodes=self.open_incident_nodes()
+        open_nodes = self.open_incident_nodes()
+        if PROGRESS_KEY in progress:
+            base[PROGRESS_KEY] = progress[PROGRESS_KEY]
+        spares, checking = gate_spares(
+            self.spare_check,
+            self.jobs.spares(
+                spec.spare_selector, open_incident_nodes=open_nodes, exclude=job.nodes
+            ),
+            need=len(bad),
+            ctx=ctx,
+            progress=base,
         )
+        if checking is not None:
+            if "wait_since" in progress:
+                base["wait_since"] = progress["wait_since"]
+            return Outcome(
+                message=checking,
+                output=base,
+                done=False,
+                poll_after_s=min(self.poll_interval_s, _UNKNOWN_POLL_S),
+            )
+        placed = swap_or_shrink(self.jobs, job, spec, bad=bad, open_nodes=open_nodes, spares=spares)
         if placed is not None:
             message, extra = placed
             return Outcome(message=message, output={**base, **extra})
-        spares = self.jobs.spares(
-            spec.spare_selector, open_incident_nodes=self.open_incident_nodes(), exclude=job.nodes
-        )
         world = len(job.nodes) * job.nproc_per_node
         candidates = [n for n in job.nodes if n not in bad] + spares
         why = self._why_no_shrink(spec, job, world=world, available=len(candidates))
@@ -389,6 +439,8 @@ class RestartHandler(JobStep):
     # False (a grow back to full size): the new attempt is no restart, neither counted nor
     # held to max_restarts
     counts_restart: bool = True
+    # Given: a spare swapped in at start joins only after a passing preflight
+    spare_check: SparePreflight | None = None
 
     def run_job(self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]) -> Outcome:
         key = ctx.action.idempotency_key
@@ -407,11 +459,29 @@ class RestartHandler(JobStep):
         if phase is RestartPhase.STOP:
             fenced = self._fence(ctx, job, progress)
             if fenced is not None:
+                self._preflight_early(ctx, job, progress)
                 return fenced
             phase = advance(phase, RestartPhase.START)
         if phase is RestartPhase.START:
             return self._start(ctx, job, progress)
         return self._confirm(ctx, job, progress)
+
+    def _preflight_early(
+        self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]
+    ) -> None:
+        """While the old attempt is being stopped, start the preflights of the spares the
+        start will swap in (for the nodes unusable now), so they overlap the wait; `progress`
+        keeps them and the start finds them."""
+        if self.spare_check is None or self.open_incident_nodes is None:
+            return
+        unusable = self._unusable(job)
+        if not unusable or job.attempt_key == ctx.action.idempotency_key:
+            return
+        spec = self.jobs.spec(job)
+        free = self.jobs.spares(
+            spec.spare_selector, open_incident_nodes=self.open_incident_nodes(), exclude=job.nodes
+        )
+        gate_spares(self.spare_check, free, need=len(unusable), ctx=ctx, progress=progress)
 
     def _fence(
         self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]
@@ -566,8 +636,25 @@ class RestartHandler(JobStep):
             # a node died or is being drained since the plan began (or this restart has no
             # replace step, e.g. rank_silent): restart on healthy nodes, swapping only the
             # unusable ones for spares (or shrinking), instead of failing the restart
+            open_nodes = self.open_incident_nodes()
+            spares, checking = gate_spares(
+                self.spare_check,
+                self.jobs.spares(
+                    spec.spare_selector, open_incident_nodes=open_nodes, exclude=job.nodes
+                ),
+                need=len(unusable),
+                ctx=ctx,
+                progress=progress,
+            )
+            if checking is not None:
+                return Outcome(
+                    message=checking,
+                    output=progress,
+                    done=False,
+                    poll_after_s=min(self.poll_interval_s, _UNKNOWN_POLL_S),
+                )
             placed = swap_or_shrink(
-                self.jobs, job, spec, bad=unusable, open_nodes=self.open_incident_nodes()
+                self.jobs, job, spec, bad=unusable, open_nodes=open_nodes, spares=spares
             )
             if placed is not None:
                 progress["replaced"] = placed[1]

@@ -1,5 +1,5 @@
-"""The node routes: list and read nodes and hot spares, drain and undrain, set a node's role,
-and queue a fault for a node's agent (sim backend)."""
+"""The node routes: list and read nodes and hot spares, drain and undrain, return (validate)
+and retire, set a node's role, and queue a fault for a node's agent (sim backend)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,14 @@ from trainguard.controller.service import ControllerService
 from trainguard.controller.views import NodeRole, NodeView
 from trainguard.protocol import FaultSpec
 
-__all__ = ["CLIENT_HEADER", "DrainRequest", "RoleRequest", "UndrainRequest", "add_node_routes"]
+__all__ = [
+    "CLIENT_HEADER",
+    "DrainRequest",
+    "RetireRequest",
+    "RoleRequest",
+    "UndrainRequest",
+    "add_node_routes",
+]
 
 log = logging.getLogger("trainguard.controller.api")
 
@@ -39,6 +46,11 @@ class DrainRequest:
 class UndrainRequest:
     # also undo a drain trainguard did not make (an admin's or a health check's, e.g. in Slurm)
     force: bool = False
+
+
+@dataclass(frozen=True)
+class RetireRequest:
+    reason: DrainReason  # why it leaves for good (an RMA ticket, the failing part)
 
 
 @dataclass(frozen=True)
@@ -102,6 +114,26 @@ def add_node_routes(
         req = await bodies.decode(request, UndrainRequest, if_empty=UndrainRequest())
         view = await run_in_threadpool(service.undrain, name, actor=who.name, force=req.force)
         log.info("event=undrain node=%s actor=%s force=%s", name, who.name, req.force)
+        return ok(view)
+
+    @routes.add("POST", "/v1/nodes/{name}/return", "nodes", node_changed)
+    async def return_node(name: str, who: Principal = Depends(writer)) -> Response:
+        # no body: the preflight's settings are the controller's (lifecycle.*)
+        view = await run_in_threadpool(service.return_node, name, actor=who.name)
+        log.info("event=node_return node=%s actor=%s", name, who.name)
+        return ok(view)
+
+    @routes.add(
+        "POST",
+        "/v1/nodes/{name}/retire",
+        "nodes",
+        node_changed,
+        openapi_extra=routes.request_body(RetireRequest),
+    )
+    async def retire(request: Request, name: str, who: Principal = Depends(writer)) -> Response:
+        req = await bodies.decode(request, RetireRequest)
+        view = await run_in_threadpool(service.retire, name, reason=req.reason, actor=who.name)
+        log.info("event=node_retire node=%s actor=%s", name, who.name)
         return ok(view)
 
     @routes.add(

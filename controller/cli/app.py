@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import IO
 
 from trainguard.clock import SYSTEM_CLOCK, Clock
-from trainguard.controller.cli import jobs, nodes, reads, rules, silences, tokens
+from trainguard.controller.cli import jobs, lifecycle, nodes, reads, rules, silences, tokens
 from trainguard.controller.cli.client import REQUEST_TIMEOUT_S, Api
 from trainguard.controller.cli.errors import EXIT, CliError
 from trainguard.controller.cli.parser import COMMAND_OF, build_parser
@@ -37,6 +37,8 @@ API_COMMANDS: dict[tuple[str, ...], Handler] = {
     ("checkpoint",): jobs.job_step,
     ("restart",): jobs.job_step,
     ("rules", "reload"): rules.reload,
+    ("node", "return"): lifecycle.node_return,
+    ("node", "retire"): lifecycle.node_retire,
 }
 
 
@@ -50,6 +52,8 @@ def command_path(args: argparse.Namespace) -> tuple[str, ...]:
         return ("job", args.job_command)
     if args.command == "rules":
         return ("rules", args.rules_command)
+    if args.command == "node":
+        return ("node", args.node_command)
     return (args.command,)
 
 

@@ -7,7 +7,7 @@ import argparse
 from typing import Any
 
 from trainguard import __version__
-from trainguard.controller.cli import jobs, nodes, reads, rules, silences, tokens
+from trainguard.controller.cli import jobs, lifecycle, nodes, reads, rules, silences, tokens
 from trainguard.controller.cli.client import REQUEST_TIMEOUT_S
 from trainguard.controller.cli.commandhelp import add_command
 from trainguard.controller.cli.format import FORMATS, JSONPATH, output_flag
@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     api = [common, read_opts]
     reads.add_read_commands(sub, parents=api)
     nodes.add_node_commands(sub, parents=api)
+    lifecycle.add_lifecycle_commands(sub, parents=api)
     silences.add_silence_commands(sub, parents=api, common=common)
     nodes.add_inject_command(sub, parents=api)
     jobs.add_job_commands(sub, parents=api)

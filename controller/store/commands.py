@@ -43,6 +43,16 @@ class CommandRepository:
         rows = self._db.query("SELECT * FROM commands WHERE id = ?", (command_id,))
         return self._command(rows[0]) if rows else None
 
+    def last_done(self, node: str, *, kind: str) -> CommandRecord | None:
+        """The node's most recently finished command of `kind` (its last preflight), if the
+        retention has kept one."""
+        rows = self._db.query(
+            "SELECT * FROM commands WHERE node = ? AND kind = ? AND done_at IS NOT NULL"
+            " ORDER BY done_at DESC LIMIT 1",
+            (node, kind),
+        )
+        return self._command(rows[0]) if rows else None
+
     def pending(self, node: str | None = None) -> list[CommandRecord]:
         if node is None:
             rows = self._db.query(

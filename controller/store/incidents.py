@@ -13,6 +13,9 @@ from trainguard.controller.store.database import Database
 from trainguard.controller.store.rows import TIMELINE_INSERT, add_note, from_row, to_json
 from trainguard.controller.views import IncidentView, TimelineEntry
 
+# rule names about the GPU itself: their incidents count as hardware ones (controller.lemons)
+_HARDWARE_RULE_PATTERNS = ("%xid%", "%ecc%", "%dbe%", "%gpu_lost%")
+
 
 class IncidentRepository:
     """The incident rows and their timelines."""
@@ -147,6 +150,21 @@ class IncidentRepository:
             (rule, since),
         )
         return {r[0] for r in rows}
+
+    def hardware_history(self, *, since: float, node: str | None = None) -> list[IncidentView]:
+        """Hardware incidents opened at or after `since` (of `node`, else every node), oldest
+        first: a node's incidents whose plan drains it, or whose rule is about the GPU itself
+        (xid, ecc, gpu lost; controller.lemons counts them)."""
+        rows = self._db.query(
+            "SELECT i.* FROM incidents i WHERE i.node IS NOT NULL AND i.opened_at >= ?"
+            " AND (? = '' OR i.node = ?)"
+            " AND (EXISTS (SELECT 1 FROM actions a WHERE a.incident_id = i.id"
+            " AND a.kind = 'drain') OR i.rule LIKE ? OR i.rule LIKE ? OR i.rule LIKE ?"
+            " OR i.rule LIKE ?)"
+            " ORDER BY i.opened_at, i.id",
+            (since, node or "", node or "", *_HARDWARE_RULE_PATTERNS),
+        )
+        return [self._incident(r) for r in rows]
 
     def open_counts(self) -> dict[str, int]:
         """Unresolved incidents per node."""

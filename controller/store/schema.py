@@ -13,7 +13,7 @@ import sqlite3
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from trainguard.controller.store.connection import Connection
+from trainguard.controller.store.connection import Connection, PgConnection
 from trainguard.controller.store.errors import StoreError
 
 if TYPE_CHECKING:
@@ -219,6 +219,48 @@ def _migration_5(c: Connection) -> None:
     )
 
 
+def _migration_6(c: Connection) -> None:
+    """The node lifecycle's states (controller/nodestate.py) in the nodes table's CHECK. SQLite
+    cannot change a CHECK in place: the table is rebuilt (no index or foreign key refers to
+    it); PostgreSQL replaces the constraint. The list is written out: a migration is history,
+    and a later state comes with its own migration."""
+    if isinstance(c, PgConnection):
+        _run_script(
+            c,
+            """
+            ALTER TABLE nodes DROP CONSTRAINT IF EXISTS nodes_state_check;
+            ALTER TABLE nodes ADD CONSTRAINT nodes_state_check CHECK (state IN ('active',
+                'draining', 'drained', 'diagnosing', 'repairing', 'validating', 'retired'))
+            """,
+        )
+        return
+    _run_script(
+        c,
+        """
+        CREATE TABLE nodes_v6 (
+            name TEXT PRIMARY KEY,
+            role TEXT NOT NULL CHECK (role IN ('active', 'spare')),
+            state TEXT NOT NULL CHECK (state IN ('active', 'draining', 'drained',
+                'diagnosing', 'repairing', 'validating', 'retired')),
+            labels TEXT NOT NULL DEFAULT '{}',
+            last_report_at REAL,
+            instance TEXT,
+            agent_version TEXT NOT NULL DEFAULT '',
+            drain_reason TEXT,
+            job TEXT,
+            created_at REAL NOT NULL,
+            updated_at REAL NOT NULL
+        );
+        INSERT INTO nodes_v6 (name, role, state, labels, last_report_at, instance,
+            agent_version, drain_reason, job, created_at, updated_at)
+        SELECT name, role, state, labels, last_report_at, instance, agent_version,
+            drain_reason, job, created_at, updated_at FROM nodes;
+        DROP TABLE nodes;
+        ALTER TABLE nodes_v6 RENAME TO nodes
+        """,
+    )
+
+
 # Migration N (index N-1) takes a database at version N-1 to version N. Append only.
 # The scripts are SQLite's spelling; on PostgreSQL store/dialect.py maps the types.
 MIGRATIONS: tuple[Callable[[Connection], None], ...] = (
@@ -227,6 +269,7 @@ MIGRATIONS: tuple[Callable[[Connection], None], ...] = (
     _migration_3,
     _migration_4,
     _migration_5,
+    _migration_6,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 

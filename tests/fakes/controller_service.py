@@ -31,6 +31,7 @@ from trainguard.controller.views import (
     JobView,
     NodeRole,
     NodeView,
+    PreflightView,
     SilenceView,
     TimelineEntry,
 )
@@ -67,6 +68,10 @@ class FakeService:
         self.reload_error: str | None = None
         # fencing: node -> {job: current attempt}, sent as ReportResponse.job_attempts
         self.job_attempts: dict[str, dict[str, int]] = {}
+        # `node return`: the next read of a validating node finds its preflight done, with
+        # this failure (None: it passes)
+        self.preflight_failure: str | None = None
+        self._validating: dict[str, NodeView] = {}
         self._ids = itertools.count(1)
         # held while a report is ingested (on the server's thread): hold it to read
         # reports/events/pending consistently from a test
@@ -206,6 +211,9 @@ class FakeService:
 
     def get_node(self, name: str) -> NodeView:
         self._record("get_node", name)
+        done = self._validating.pop(name, None)
+        if done is not None:
+            self.nodes[name] = done
         return self._node(name)
 
     def set_role(self, name: str, *, role: NodeRole, actor: str) -> NodeView:
@@ -227,6 +235,39 @@ class FakeService:
         view = replace(self._node(name), state="active", drain_reason=None)
         self.nodes[name] = view
         self._audit(actor, "undrain", name)
+        return view
+
+    def return_node(self, name: str, *, actor: str) -> NodeView:
+        self._record("return_node", name, actor=actor)
+        node = self._node(name)
+        if node.state not in ("drained", "retired"):
+            raise Conflict(f"node {name} is {node.state}: only a drained or retired node returns")
+        view = replace(node, state="validating", drain_reason="validating")
+        self.nodes[name] = view
+        failure = self.preflight_failure
+        preflight = PreflightView(
+            command_id=f"preflight-{name}",
+            passed=failure is None,
+            summary="passed (ecc)" if failure is None else f"failed: {failure}",
+            done_at=self.clock.now(),
+            checks=({"name": "ecc", "passed": failure is None, "detail": failure or "ok"},),
+        )
+        self._validating[name] = replace(
+            view,
+            state="active" if failure is None else "drained",
+            drain_reason=None if failure is None else f"preflight failed: {failure}",
+            last_preflight=preflight,
+        )
+        self._audit(actor, "validate", name)
+        return view
+
+    def retire(self, name: str, *, reason: str, actor: str) -> NodeView:
+        self._record("retire", name, reason=reason, actor=actor)
+        if not reason.strip():
+            raise BadRequest("reason: must say why the node is retired")
+        view = replace(self._node(name), state="retired", drain_reason=f"retired: {reason}")
+        self.nodes[name] = view
+        self._audit(actor, "retire", name, reason=reason)
         return view
 
     def list_spares(self) -> list[NodeView]:

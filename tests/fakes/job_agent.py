@@ -57,6 +57,10 @@ class FakeJobAgent:
         # set: every launch dies before its first step with this output (e.g. the launch lock
         # on a full disk): start_job succeeds, then a job_exit with code 1 follows
         self.fail_start: str | None = None
+        # a `preflight` answers with a preflight_result: these checks fail with their detail
+        # (name -> detail); `preflight_answers` False: it never answers (a hung agent)
+        self.preflight_fails: dict[str, str] = {}
+        self.preflight_answers = True
         self.commands: list[Command] = []
         self._done: set[str] = set()
         self._events: list[Event] = []
@@ -120,6 +124,10 @@ class FakeJobAgent:
                 continue
             self._done.add(cmd.id)
             self.commands.append(cmd)
+            if cmd.kind == "preflight":
+                if self.preflight_answers:
+                    self._preflight(cmd)
+                continue
             ok, message = self._execute(cmd)
             data: dict[str, Any] = {"command_id": cmd.id, "ok": ok, "message": message}
             if cmd.kind == "collect_stacks":
@@ -127,6 +135,21 @@ class FakeJobAgent:
                     stacks=self.stacks, log_path=f"/var/lib/trainguard/{cmd.args['job']}.log"
                 )
             self.event("command_result", data=data)
+
+    def _preflight(self, cmd: Command) -> None:
+        checks = [
+            {
+                "name": name,
+                "passed": name not in self.preflight_fails,
+                "detail": self.preflight_fails.get(name, "ok"),
+            }
+            for name in cmd.args["checks"]
+        ]
+        passed = all(c["passed"] for c in checks)
+        self.event(
+            "preflight_result",
+            data={"command_id": cmd.id, "passed": passed, "checks": checks, "duration_s": 3.0},
+        )
 
     # --- the training loop, one call per simulated second -------------------------------
 

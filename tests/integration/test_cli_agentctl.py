@@ -737,3 +737,40 @@ def test_get_follows_pages_to_show_every_job_incident_and_audit_entry(
     code, out, err = run("get", "jobs", "-o", "json")
     assert code == 0 and len(json.loads(out)) == 2000
     assert "showing the first 2,000 jobs" in err
+
+
+def test_node_retire_records_the_reason_and_prints_the_node(env: Path, svc: FakeService) -> None:
+    code, out, err = run("node", "retire", "node-2", "--reason", "RMA 4411: row remaps")
+    assert code == 0, err
+    assert svc.nodes["node-2"].state == "retired"
+    assert svc.nodes["node-2"].drain_reason == "retired: RMA 4411: row remaps"
+    assert "retired" in out
+
+
+def test_node_retire_without_a_reason_is_a_usage_error(env: Path, svc: FakeService) -> None:
+    code, _, err = run("node", "retire", "node-2", "--reason", "  ")
+    assert code == 2 and "--reason" in err
+    assert svc.nodes["node-2"].state == "active"
+
+
+def test_node_return_waits_for_the_preflight_and_prints_its_result(
+    env: Path, svc: FakeService
+) -> None:
+    run("node", "retire", "node-2", "--reason", "RMA")
+    code, out, err = run("node", "return", "node-2")
+    assert code == 0, err
+    assert out == "node node-2 returned (spare): preflight passed (ecc)\n"
+    assert svc.nodes["node-2"].state == "active"
+
+
+def test_node_return_that_fails_validation_exits_1_with_the_reason(
+    env: Path, svc: FakeService
+) -> None:
+    svc.preflight_failure = "ecc: 2 uncorrectable errors"
+    try:
+        run("drain", "node-2")
+        code, _, err = run("node", "return", "node-2")
+    finally:
+        svc.preflight_failure = None
+    assert code == 1
+    assert "node node-2 stays drained: preflight failed: ecc: 2 uncorrectable errors" in err

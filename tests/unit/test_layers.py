@@ -403,6 +403,7 @@ CONTROLLER_LAYER_OF: dict[str, str] = {
     "hostlist": "base",  # Slurm hostlist expressions: the Slurm backend and the token tools
     "storeurl": "base",  # store.url's schemes and password rule: the config checks them
     "actionkinds": "base",  # the ActionKind table: rules, jobs and actions all ask it
+    "nodestate": "base",  # the NodeState table: the store, metrics and the drain steps ask it
     "store": "store",
     "backup": "store",
     "livestate": "state",
@@ -411,6 +412,7 @@ CONTROLLER_LAYER_OF: dict[str, str] = {
     "jobs": "state",
     "jobstate": "state",
     "unknownxids": "state",  # XID codes the catalog does not list, per node
+    "lemons": "state",  # the per-node hardware incident history and the lemon verdict
     "rules": "rules",
     "model": "rules",  # what a rule is about and what the engine decided
     "incidents": "rules",

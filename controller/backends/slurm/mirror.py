@@ -17,6 +17,7 @@ from trainguard.controller.backends.config import SlurmBackendConfig
 from trainguard.controller.backends.slurm.cli import SlurmCommands, SlurmError, SlurmJob, SlurmNode
 from trainguard.controller.backends.slurm.failures import as_step_error
 from trainguard.controller.livestate import LiveState
+from trainguard.controller.nodestate import NodeState
 
 __all__ = ["REASON_PREFIX", "SlurmMirror", "node_state_of", "trainguard_reason"]
 
@@ -221,7 +222,10 @@ class SlurmMirror:
             if sn is None:
                 continue  # an agent on a host Slurm does not schedule
             state, reason = node_state_of(sn)
-            if (rec.state, rec.drain_reason) != (state, reason):
+            held = NodeState.parse(rec.state)
+            if held is not None and held.in_lifecycle:
+                pass  # diagnosed, repaired, validated or retired: trainguard owns the state
+            elif (rec.state, rec.drain_reason) != (state, reason):
                 self._live.set_node_state(rec.name, state, reason=reason)
             role = "spare" if sn.name in spares else "active"
             if have_spares and rec.role != role:

@@ -19,9 +19,12 @@ from trainguard.controller.actions.jobsteps import (
     StopHandler,
 )
 from trainguard.controller.actions.recovery import PhaseObserver
+from trainguard.controller.actions.sparecheck import SparePreflight, spare_preflight
 from trainguard.controller.backends.base import BackendDeps, Capability
 from trainguard.controller.jobs import JobManager
+from trainguard.controller.lemons import LemonPolicy
 from trainguard.controller.views import JobView
+from trainguard.kinds import CommandKind
 
 
 class TorchrunBackend:
@@ -48,13 +51,20 @@ class TorchrunBackend:
         jobs: JobManager,
         open_incident_nodes: Callable[[], set[str]],
         observe: PhaseObserver,
+        spare_check: SparePreflight | None = None,
     ) -> None:
         self._drain = drain
         self._checkpoint = CheckpointHandler(jobs)
-        self._replace = ReplaceHandler(jobs, open_incident_nodes)
-        self._restart = RestartHandler(jobs, observe, open_incident_nodes=open_incident_nodes)
+        self._replace = ReplaceHandler(jobs, open_incident_nodes, spare_check=spare_check)
+        self._restart = RestartHandler(
+            jobs, observe, open_incident_nodes=open_incident_nodes, spare_check=spare_check
+        )
         self._rollback = RestartHandler(
-            jobs, observe, kind="rollback", open_incident_nodes=open_incident_nodes
+            jobs,
+            observe,
+            kind="rollback",
+            open_incident_nodes=open_incident_nodes,
+            spare_check=spare_check,
         )
         self._stop = StopHandler(jobs)
         self._stacks = CollectStacksHandler(jobs)
@@ -124,6 +134,16 @@ def build(deps: BackendDeps) -> TorchrunBackend:
         jobs=deps.jobs,
         open_incident_nodes=deps.open_incident_nodes,
         observe=deps.observe,
+        spare_check=spare_preflight(
+            config.lifecycle,
+            ops=deps.live,
+            last_preflight=lambda node: deps.live.store.commands.last_done(
+                node, kind=CommandKind.PREFLIGHT.value
+            ),
+            lemon=LemonPolicy(
+                store=deps.live.store, config=config.lifecycle, now=deps.clock.now
+            ).verdict,
+        ),
     )
 
 

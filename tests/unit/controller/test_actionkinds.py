@@ -50,6 +50,8 @@ JOB_STEPS = (
 STOPPING_KINDS = {"checkpoint", "drain", "grow", "replace", "restart", "rollback", "stop"}
 NODE_REMOVING = {"drain", "replace"}  # controller/incidents.py
 NOT_REMEDIATION = {"notify", "page"}  # the handlers' `remediation = False`
+# kinds added since the sets were replaced: the node lifecycle's operator steps
+LIFECYCLE_KINDS = {"validate", "retire"}  # controller/actions/lifecycle.py
 
 
 def _members(prop: str) -> set[str]:
@@ -69,7 +71,7 @@ def _flag(kind: ActionKind, prop: str) -> bool:
 
 
 def test_every_kind_the_old_sets_named_is_a_member_and_stored_as_the_same_string() -> None:
-    every = KNOWN_KINDS | set(JOB_STEPS) | set(RULE_ACTIONS) | STOPPING_KINDS
+    every = KNOWN_KINDS | set(JOB_STEPS) | set(RULE_ACTIONS) | STOPPING_KINDS | LIFECYCLE_KINDS
     assert {k.value for k in ActionKind} == every
     for value in every:
         assert ActionKind(value).value == value
@@ -123,7 +125,7 @@ def test_a_rule_with_an_unknown_action_gets_the_same_message_as_before(tmp_path:
 
 
 def test_a_rule_may_not_list_an_operator_or_tick_kind(tmp_path: Path) -> None:
-    for kind in ("undrain", "grow"):
+    for kind in ("undrain", "grow", "validate", "retire"):
         path = tmp_path / f"{kind}.yaml"
         path.write_text(
             "rules:\n  - name: r1\n    scope: gpu\n    condition: lost == 1\n"

@@ -196,6 +196,53 @@ def test_drain_and_undrain_record_actor_and_reason(client: TestClient, svc: Fake
     ]
 
 
+def test_retire_and_return_a_node(client: TestClient, svc: FakeService) -> None:
+    r = client.post("/v1/nodes/node-2/retire", json={"reason": "RMA 4411"}, headers=OP)
+    assert r.status_code == 200, r.text
+    assert (r.json()["state"], r.json()["drain_reason"]) == ("retired", "retired: RMA 4411")
+    r = client.post("/v1/nodes/node-2/return", headers=OP)
+    assert r.status_code == 200, r.text
+    assert r.json()["state"] == "validating"
+    r = client.get("/v1/nodes/node-2", headers=VIEWER)
+    assert r.json()["state"] == "active"
+    assert r.json()["last_preflight"]["passed"] is True
+    audit = client.get("/v1/audit", headers=VIEWER).json()
+    assert [(a["actor"], a["action"]) for a in audit][:2] == [
+        ("ops-alice", "validate"),
+        ("ops-alice", "retire"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        pytest.param(None, "reason", id="no-body"),
+        pytest.param({}, "reason", id="no-reason"),
+        pytest.param({"reason": 7}, "reason", id="reason-not-a-string"),
+        pytest.param({"reason": "x" * 5000}, "reason", id="reason-too-long"),
+        pytest.param({"reason": "rma", "extra": 1}, "extra", id="unknown-field"),
+    ],
+)
+def test_retire_refuses_bad_input_naming_the_field(
+    client: TestClient, svc: FakeService, body: Any, field: str
+) -> None:
+    r = client.post("/v1/nodes/node-2/retire", json=body, headers=OP)
+    assert 400 <= r.status_code < 500, r.text
+    assert field in r.text
+    assert svc.nodes["node-2"].state == "active"
+
+
+def test_retire_and_return_need_an_operator(client: TestClient) -> None:
+    for path in ("/v1/nodes/node-2/retire", "/v1/nodes/node-2/return"):
+        assert client.post(path, json={"reason": "x"}, headers=VIEWER).status_code == 403
+
+
+def test_return_of_a_node_in_service_is_a_conflict(client: TestClient) -> None:
+    r = client.post("/v1/nodes/node-1/return", headers=OP)
+    assert r.status_code == 409
+    assert "only a drained or retired node returns" in r.json()["error"]
+
+
 @pytest.mark.parametrize(
     ("body", "headers", "reason"),
     [

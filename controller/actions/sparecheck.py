@@ -1,0 +1,150 @@
+"""A spare joins a job only after a passing preflight: the gate the replace and restart steps
+put the free hot spares through before they swap one into a job.
+
+A spare whose last preflight passed within `max_age_s` is taken as it is. Any other is sent a
+`preflight` command (its id derives from the step's idempotency key and the node, so a step
+re-run after a controller restart finds the same command instead of starting another) and the
+step waits for the answer within its progress (`spare_preflights`: node -> command id and
+start time). A spare whose preflight fails, or does not answer within `timeout_s`, is drained
+with the reason `preflight failed: ...` (out of the pool until `node return` validates it) and
+the next spare is tried. A lemon (controller.lemons) is retired from the pool instead, before
+any preflight.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainguard.command_args import PreflightArgs
+from trainguard.controller.actions.drain import NodeOps
+from trainguard.controller.config import LifecycleConfig
+from trainguard.controller.nodestate import NodeState
+from trainguard.controller.records import CommandRecord
+
+log = logging.getLogger("trainguard.controller.sparecheck")
+
+PROGRESS_KEY = "spare_preflights"
+
+
+@dataclass(frozen=True)
+class SpareGate:
+    """What the gate found: the spares that may join now (in the order given), whether a
+    preflight is still running (the step waits), and the spares it took out of the pool."""
+
+    ready: list[str]
+    waiting: list[str]
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class SparePreflight:
+    ops: NodeOps
+    preflight: PreflightArgs
+    last_preflight: Callable[[str], CommandRecord | None]
+    max_age_s: float
+    timeout_s: float
+    # node -> the retire reason when it is a lemon: a failing spare is retired, not drained
+    lemon: Callable[[str], str | None] = lambda node: None
+
+    def check(
+        self, spares: list[str], *, need: int, now: float, key: str, progress: dict[str, Any]
+    ) -> SpareGate:
+        """Put up to `need` of `spares` (in order) through the preflight; `progress` is the
+        step's saved output and gains the running preflights (the caller saves it)."""
+        entries: dict[str, Any] = dict(progress.get(PROGRESS_KEY) or {})
+        ready: list[str] = []
+        waiting: list[str] = []
+        failed: dict[str, str] = {}
+        for node in spares:
+            if len(ready) + len(waiting) >= need:
+                break
+            lemon = self.lemon(node)
+            if lemon is not None:  # a lemon leaves the pool for good, pass or not
+                failed[node] = lemon
+                self._take_out(node, lemon, retire=True)
+                continue
+            entry = entries.get(node)
+            if entry is None:
+                if self._fresh_pass(node, now=now):
+                    ready.append(node)
+                    continue
+                entry = {"command_id": f"preflight-{key}-{node}", "started_at": now}
+                entries[node] = entry
+                self.ops.queue_command(node, self.preflight, command_id=entry["command_id"])
+                log.info(
+                    "event=spare_preflight_queued node=%s command=%s", node, entry["command_id"]
+                )
+            verdict = self._verdict(node, entry, now=now)
+            if verdict is None:
+                waiting.append(node)
+            elif verdict == "passed":
+                ready.append(node)
+            else:
+                failed[node] = verdict
+                self._take_out(node, verdict, retire=False)
+        progress[PROGRESS_KEY] = entries
+        return SpareGate(ready=ready, waiting=waiting, failed=failed)
+
+    def _fresh_pass(self, node: str, *, now: float) -> bool:
+        last = self.last_preflight(node)
+        return (
+            last is not None
+            and bool(last.ok)
+            and last.done_at is not None
+            and now - last.done_at <= self.max_age_s
+        )
+
+    def _verdict(self, node: str, entry: dict[str, Any], *, now: float) -> str | None:
+        """ "passed", the failure reason, or None while the preflight runs."""
+        command_id = str(entry["command_id"])
+        record = self.ops.command_status(command_id)
+        if record is None or record.done_at is None:
+            if record is None:  # lost with a restored store: ask again (the agent dedupes)
+                self.ops.queue_command(node, self.preflight, command_id=command_id)
+            if now - float(entry["started_at"]) > self.timeout_s:
+                return f"preflight failed: no answer within {self.timeout_s:g} s"
+            return None
+        if record.ok:
+            return "passed"
+        summary = record.result or "failed"
+        return summary if summary.startswith("preflight") else f"preflight {summary}"
+
+    def _take_out(self, node: str, reason: str, *, retire: bool) -> None:
+        """Out of the pool: drained with the reason, or retired (a lemon, flagged for RMA)."""
+        state = NodeState.parse(self.ops.node_state(node) or "")
+        if state is NodeState.ACTIVE:
+            wanted = NodeState.RETIRED if retire else NodeState.DRAINED
+            self.ops.set_node_state(node, wanted.value, reason=reason)
+        log.warning("event=spare_taken_out node=%s retired=%s reason=%r", node, retire, reason)
+
+
+def preflight_args(lifecycle: LifecycleConfig) -> PreflightArgs:
+    """The preflight the lifecycle config asks for (validation and spares alike)."""
+    return PreflightArgs(
+        ckpt_dir=lifecycle.preflight_ckpt_dir or None,
+        tolerance=lifecycle.preflight_tolerance,
+        burn_s=lifecycle.preflight_burn_s,
+    )
+
+
+def spare_preflight(
+    lifecycle: LifecycleConfig,
+    *,
+    ops: NodeOps,
+    last_preflight: Callable[[str], CommandRecord | None],
+    lemon: Callable[[str], str | None] = lambda node: None,
+) -> SparePreflight:
+    return SparePreflight(
+        lemon=lemon,
+        ops=ops,
+        preflight=preflight_args(lifecycle),
+        last_preflight=last_preflight,
+        max_age_s=lifecycle.spare_preflight_max_age_s,
+        timeout_s=lifecycle.preflight_timeout_s,
+    )
+
+
+__all__ = ["PROGRESS_KEY", "SpareGate", "SparePreflight", "preflight_args", "spare_preflight"]
