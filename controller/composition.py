@@ -27,7 +27,7 @@ from trainguard.controller.actions.notify import (
     build_notifiers,
     channels_for,
 )
-from trainguard.controller.actions.sparecheck import preflight_args
+from trainguard.controller.actions.sparecheck import preflight_args, spare_preflight
 from trainguard.controller.actions.worker import ActionRunner
 from trainguard.controller.backends.base import Capability, step_handlers
 from trainguard.controller.backends.build import build_backend
@@ -60,6 +60,7 @@ from trainguard.controller.views import (
     NodeView,
     SilenceView,
 )
+from trainguard.kinds import CommandKind
 from trainguard.protocol import FaultSpec, Report, ReportResponse
 from trainguard.strict import ConfigError
 from trainguard.xid_catalog import XidCatalog
@@ -244,6 +245,15 @@ class Controller:
             wake=wake,
             max_silences=config.api.max_silences,
         )
+        # the free spares' preflights kept fresh ahead of need, so a swap seldom waits for one
+        spare_keeper = spare_preflight(
+            lifecycle,
+            ops=live,
+            last_preflight=lambda node: self.store.commands.last_done(
+                node, kind=CommandKind.PREFLIGHT.value
+            ),
+            lemon=self.lemons.verdict,
+        )
         self.ticker = TickService(
             config=config,
             clock=clock,
@@ -259,6 +269,13 @@ class Controller:
             can_grow=Capability.GROW in self.backend.capabilities,
             expire_job_names=self.reports.expire_job_names,
             lemons=self.lemons,
+            keep_spares_warm=lambda now: lifecycle.spare_preflight_ahead
+            and spare_keeper.keep_warm(
+                self.jobs.spares(
+                    {}, open_incident_nodes=set(self.store.incidents.open_counts()), exclude=()
+                ),
+                now=now,
+            ),
         )
         self.maintenance = MaintenanceScheduler(
             store=self.store, config=config.maintenance, metrics=self.metrics, clock=clock

@@ -510,6 +510,9 @@ class LifecycleConfig:
     # A spare joins a job only after a passing preflight: a result at most this old is taken
     # as it is, an older one (or none) runs a preflight first, s. 0: every time.
     spare_preflight_max_age_s: float = 3600.0
+    # Keep the free spares' passes fresh ahead of need (a preflight when the last pass is older
+    # than half of spare_preflight_max_age_s), so a swap seldom waits for one.
+    spare_preflight_ahead: bool = True
     # Lemon nodes: a node with this many hardware incidents (a plan that drains it, or an xid /
     # ecc / gpu lost rule) within lemon_window_s is retired for RMA the next time it is drained
     # or leaves the spare pool. 0: never.

@@ -9,6 +9,12 @@ start time). A spare whose preflight fails, or does not answer within `timeout_s
 with the reason `preflight failed: ...` (out of the pool until `node return` validates it) and
 the next spare is tried. A lemon (controller.lemons) is retired from the pool instead, before
 any preflight.
+
+So that a swap seldom waits, the tick keeps the free spares' results fresh (`keep_warm`): a
+spare without a pass in the last half of `max_age_s` gets a preflight ahead of need (its id
+names the node and the half-period, so a restarted controller finds it), a gate that meets one
+still running waits for it rather than starting another, and a spare whose warm preflight
+fails leaves the pool with the reason at once.
 """
 
 from __future__ import annotations
@@ -48,6 +54,36 @@ class SparePreflight:
     timeout_s: float
     # node -> the retire reason when it is a lemon: a failing spare is retired, not drained
     lemon: Callable[[str], str | None] = lambda node: None
+    warm_every_s: float = 15.0  # how often keep_warm looks at the pool (the tick calls it)
+    _warmed_at: float = field(default=float("-inf"), init=False)
+
+    def keep_warm(self, spares: list[str], *, now: float) -> list[str]:
+        """Queue a preflight for each free spare whose last pass is older than half of
+        `max_age_s` (none already queued for this half-period), and take out of the pool a
+        spare whose warm preflight failed. Returns the nodes a preflight was queued for."""
+        if self.max_age_s <= 0 or now - self._warmed_at < self.warm_every_s:
+            return []  # max_age_s 0: every swap runs its own preflight
+        self._warmed_at = now
+        queued: list[str] = []
+        for node in spares:
+            if self.lemon(node) is not None:
+                continue  # the gate retires it when a job would take it
+            if self._fresh_pass(node, now=now, max_age_s=self.max_age_s / 2):
+                continue
+            command_id = self._warm_id(node, now=now)
+            record = self.ops.command_status(command_id)
+            if record is None:
+                self.ops.queue_command(node, self.preflight, command_id=command_id)
+                log.info("event=spare_preflight_queued node=%s command=%s", node, command_id)
+                queued.append(node)
+            elif record.done_at is not None and not record.ok:
+                summary = record.result or "failed"
+                reason = summary if summary.startswith("preflight") else f"preflight {summary}"
+                self._take_out(node, reason, retire=False)
+        return queued
+
+    def _warm_id(self, node: str, *, now: float) -> str:
+        return f"preflight-warm-{node}-{int(now // max(1.0, self.max_age_s / 2))}"
 
     def check(
         self, spares: list[str], *, need: int, now: float, key: str, progress: dict[str, Any]
@@ -71,12 +107,19 @@ class SparePreflight:
                 if self._fresh_pass(node, now=now):
                     ready.append(node)
                     continue
-                entry = {"command_id": f"preflight-{key}-{node}", "started_at": now}
-                entries[node] = entry
-                self.ops.queue_command(node, self.preflight, command_id=entry["command_id"])
-                log.info(
-                    "event=spare_preflight_queued node=%s command=%s", node, entry["command_id"]
-                )
+                warm = self.ops.command_status(self._warm_id(node, now=now))
+                if warm is not None and warm.done_at is None:  # keep_warm's, still running
+                    entry = {"command_id": warm.id, "started_at": now}
+                    entries[node] = entry
+                else:
+                    entry = {"command_id": f"preflight-{key}-{node}", "started_at": now}
+                    entries[node] = entry
+                    self.ops.queue_command(node, self.preflight, command_id=entry["command_id"])
+                    log.info(
+                        "event=spare_preflight_queued node=%s command=%s",
+                        node,
+                        entry["command_id"],
+                    )
             verdict = self._verdict(node, entry, now=now)
             if verdict is None:
                 waiting.append(node)
@@ -88,13 +131,13 @@ class SparePreflight:
         progress[PROGRESS_KEY] = entries
         return SpareGate(ready=ready, waiting=waiting, failed=failed)
 
-    def _fresh_pass(self, node: str, *, now: float) -> bool:
+    def _fresh_pass(self, node: str, *, now: float, max_age_s: float | None = None) -> bool:
         last = self.last_preflight(node)
         return (
             last is not None
             and bool(last.ok)
             and last.done_at is not None
-            and now - last.done_at <= self.max_age_s
+            and now - last.done_at <= (self.max_age_s if max_age_s is None else max_age_s)
         )
 
     def _verdict(self, node: str, entry: dict[str, Any], *, now: float) -> str | None:

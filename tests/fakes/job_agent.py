@@ -61,6 +61,7 @@ class FakeJobAgent:
         # (name -> detail); `preflight_answers` False: it never answers (a hung agent)
         self.preflight_fails: dict[str, str] = {}
         self.preflight_answers = True
+        self._held_preflights: list[Command] = []  # unanswered while preflight_answers is False
         self.commands: list[Command] = []
         self._done: set[str] = set()
         self._events: list[Event] = []
@@ -127,6 +128,8 @@ class FakeJobAgent:
             if cmd.kind == "preflight":
                 if self.preflight_answers:
                     self._preflight(cmd)
+                else:
+                    self._held_preflights.append(cmd)
                 continue
             ok, message = self._execute(cmd)
             data: dict[str, Any] = {"command_id": cmd.id, "ok": ok, "message": message}
@@ -135,6 +138,13 @@ class FakeJobAgent:
                     stacks=self.stacks, log_path=f"/var/lib/trainguard/{cmd.args['job']}.log"
                 )
             self.event("command_result", data=data)
+
+    def answer_held_preflights(self) -> None:
+        """Answer the preflights held while `preflight_answers` was False (a slow one ends)."""
+        self.preflight_answers = True
+        held, self._held_preflights = self._held_preflights, []
+        for cmd in held:
+            self._preflight(cmd)
 
     def _preflight(self, cmd: Command) -> None:
         checks = [

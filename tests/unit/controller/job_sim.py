@@ -66,6 +66,8 @@ class Sim:
                 "progress_timeout_s": 60.0,
                 "start_timeout_s": 90.0,
             },
+            # spares are preflighted when a job needs one; tests of keep_warm turn this on
+            lifecycle={"spare_preflight_ahead": False},
         )
 
     def add(self, name: str, *, role: str = "active", **labels: str) -> FakeJobAgent:

@@ -1,7 +1,9 @@
 """A spare joins a job only after a passing preflight, on the FakeClock sim: a spare whose
 preflight fails is drained with the reason and skipped for the next one; a fresh passing result
 is taken without a new preflight, an old one is not; a controller killed while a spare's
-preflight runs finds the same preflight again."""
+preflight runs finds the same preflight again. Ahead of need, the tick keeps the free spares'
+passes fresh: a swap then waits for none, a spare failing its preflight leaves the pool at once,
+and a swap that meets a running one waits for it rather than starting another."""
 
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ def test_an_old_passing_preflight_is_run_again(make_core, core_clock, tmp_path: 
     sim.c = sim.make_core(
         rules=[sim.rules],
         jobs={"spare_wait_s": 10.0, "stop_grace_s": 2.0, "stop_timeout_s": 5.0},
-        lifecycle={"spare_preflight_max_age_s": 5.0},
+        lifecycle={"spare_preflight_max_age_s": 5.0, "spare_preflight_ahead": False},
     )
     for name in ("n1", "n2"):
         sim.add(name)
@@ -82,3 +84,64 @@ def test_a_controller_killed_while_a_spare_is_preflighted_finds_the_same_preflig
     assert set(sim.c.get_job("job").nodes) == {"n2", "n3"}
     assert len(sim.cmds("n3", "preflight")) == 1
     assert [a["attempt"] for a in sim.cmds("n3", "start_job")] == [2]
+
+
+def _ahead(make_core, core_clock, tmp_path: Path, **lifecycle: object) -> Sim:
+    sim = Sim(make_core, core_clock, tmp_path)
+    sim.c = sim.make_core(
+        rules=[sim.rules],
+        jobs={"spare_wait_s": 10.0, "stop_grace_s": 2.0, "stop_timeout_s": 5.0},
+        lifecycle={"spare_preflight_ahead": True, **lifecycle},
+    )
+    for name in ("n1", "n2"):
+        sim.add(name)
+    sim.add("n3", role="spare")
+    return sim
+
+
+def test_a_free_spare_is_preflighted_ahead_of_need_and_the_swap_waits_for_none(
+    make_core, core_clock, tmp_path: Path
+) -> None:
+    sim = _ahead(make_core, core_clock, tmp_path)
+    sim.until(
+        lambda: (last := sim.c.store.commands.last_done("n3", kind="preflight")) and last.ok,
+        max_s=30,
+        what="the spare's preflight ahead of need",
+    )
+    sim.second(20)  # later ticks: the pass is fresh, no second preflight
+    assert len(sim.cmds("n3", "preflight")) == 1
+    _sick_n1(sim)
+    sim.until(running(sim, attempt=2), max_s=30, what="restart onto the spare")
+    assert set(sim.c.get_job("job").nodes) == {"n2", "n3"}
+    assert len(sim.cmds("n3", "preflight")) == 1  # the swap took the pass it found
+
+
+def test_a_spare_failing_its_preflight_ahead_of_need_leaves_the_pool_at_once(
+    make_core, core_clock, tmp_path: Path
+) -> None:
+    sim = _ahead(make_core, core_clock, tmp_path)
+    sim.agents["n3"].preflight_fails = {"ecc": "2 uncorrectable errors on gpu 1"}
+    sim.until(lambda: sim.c.get_node("n3").state == "drained", max_s=60, what="n3 out")
+    assert (
+        sim.c.get_node("n3").drain_reason
+        == "preflight failed: ecc: 2 uncorrectable errors on gpu 1"
+    )
+    assert "n3" not in [n.name for n in sim.c.list_spares()]
+
+
+def test_a_swap_that_meets_a_running_preflight_ahead_of_need_waits_for_it(
+    make_core, core_clock, tmp_path: Path
+) -> None:
+    sim = _ahead(make_core, core_clock, tmp_path)
+    sim.agents["n3"].preflight_answers = False  # it runs, and does not answer yet
+    _sick_n1(sim)
+    sim.until(
+        lambda: any(c.kind == "preflight" for c in sim.c.store.commands.pending("n3")),
+        max_s=30,
+        what="the spare's preflight queued",
+    )
+    sim.second(5)
+    sim.agents["n3"].answer_held_preflights()
+    sim.until(running(sim, attempt=2), max_s=60, what="restart onto the spare")
+    assert set(sim.c.get_job("job").nodes) == {"n2", "n3"}
+    assert len(sim.cmds("n3", "preflight")) == 1
