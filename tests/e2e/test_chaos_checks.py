@@ -39,7 +39,7 @@ def line(node: str, hms: str, what: str, attempt: int, pid: int) -> str:
     tail = " user=root uid=0" if what == "started" else " exit_code=0 stopped=False"
     return (
         f"ts=2026-01-02 {hms} level=INFO node={node} logger=trainguard.agent.jobs "
-        f"event=job_{what} node={node} job=j attempt={attempt} pid={pid}{tail}"
+        f"event=job_{what} job=j attempt={attempt} pid={pid}{tail}"
     )
 
 
