@@ -144,11 +144,24 @@ class QueryService:
             if rec is None:
                 raise NotFound(f"node {name!r} not found")
             view = self._node_view(rec, now=now, open_counts=counts)
-        return dataclasses.replace(
-            view,
-            last_preflight=self._last_preflight(name),
-            hardware_incidents=self._lemons.history(name) if self._lemons is not None else (),
-        )
+        # the store's part of a node's view: the last answer while the store is away, and left
+        # out (not a 503 for the whole node, which memory holds) when there is none
+        try:
+            preflight = self.last_answers.ask(
+                ("last_preflight", name), lambda: self._last_preflight(name)
+            )
+        except StoreUnavailable:
+            preflight = None
+        lemons = self._lemons
+        try:
+            history = (
+                self.last_answers.ask(("hardware_incidents", name), lambda: lemons.history(name))
+                if lemons is not None
+                else ()
+            )
+        except StoreUnavailable:
+            history = ()
+        return dataclasses.replace(view, last_preflight=preflight, hardware_incidents=history)
 
     def _last_preflight(self, node: str) -> PreflightView | None:
         cmd = self._store.commands.last_done(node, kind=CommandKind.PREFLIGHT.value)
