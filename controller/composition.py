@@ -269,12 +269,14 @@ class Controller:
             can_grow=Capability.GROW in self.backend.capabilities,
             expire_job_names=self.reports.expire_job_names,
             lemons=self.lemons,
-            keep_spares_warm=lambda now: lifecycle.spare_preflight_ahead
-            and spare_keeper.keep_warm(
-                self.jobs.spares(
-                    {}, open_incident_nodes=set(self.store.incidents.open_counts()), exclude=()
-                ),
-                now=now,
+            keep_spares_warm=lambda now: (
+                lifecycle.spare_preflight_ahead
+                and spare_keeper.keep_warm(
+                    self.jobs.spares(
+                        {}, open_incident_nodes=set(self.store.incidents.open_counts()), exclude=()
+                    ),
+                    now=now,
+                )
             ),
         )
         self.maintenance = MaintenanceScheduler(
