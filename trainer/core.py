@@ -402,7 +402,7 @@ class Trainguard:
             return self._rollback(step)
         if nan_action == "stop":
             if ag.action in _CHECKPOINT_ACTIONS:
-                self._checkpoint_skipped(step, request_id)
+                self.telemetry.checkpoint_skipped(step=step, request_id=request_id)
             self.telemetry.event(TrainerEdge.STOP, {"step": step, "reason": "nan"})
             log.error("event=stop job=%s rank=%d step=%d reason=nan", self.job, self.rank, step)
             return StepAction(stop=True, reason="nan")
@@ -417,7 +417,7 @@ class Trainguard:
                     step,
                 )
                 if ckpt_rid is not None or ag.sigterm:
-                    self._checkpoint_skipped(step, ckpt_rid)
+                    self.telemetry.checkpoint_skipped(step=step, request_id=ckpt_rid)
             else:
                 deadline = self.signals.deadline() if ag.sigterm else None
                 started = self.checkpoints.save(step, request_id=ckpt_rid, deadline=deadline)
@@ -437,25 +437,9 @@ class Trainguard:
                     step,
                 )
             self.checkpoints.collect()
-        self.telemetry.event(
-            TrainerEdge.STOP, {"step": step, "reason": stop_reason, "request_id": request_id}
-        )
-        log.info(
-            "event=stop job=%s rank=%d step=%d reason=%s request_id=%s",
-            self.job,
-            self.rank,
-            step,
-            stop_reason,
-            request_id or "-",
-        )
+        self.telemetry.stopping(step=step, reason=stop_reason, request_id=request_id)
         return StepAction(
             stop=True, reason=stop_reason, checkpoint_started=started, request_id=request_id
-        )
-
-    def _checkpoint_skipped(self, step: int, request_id: str | None) -> None:
-        self.telemetry.event(
-            TrainerEdge.CHECKPOINT_FAILED,
-            {"step": step, "reason": "nonfinite_state", "request_id": request_id},
         )
 
     def _rollback(self, step: int) -> StepAction:

@@ -128,6 +128,26 @@ class Telemetry:
         """Queue an edge event for the next heartbeat."""
         self._events.append((name, data))
 
+    def stopping(self, *, step: int, reason: str, request_id: str | None) -> None:
+        """The run stops at `step` (a stop request, a checkpoint-and-stop, SIGTERM): the
+        `stop` edge for the next heartbeat, and its log line."""
+        self.event(TrainerEdge.STOP, {"step": step, "reason": reason, "request_id": request_id})
+        log.info(
+            "event=stop job=%s rank=%d step=%d reason=%s request_id=%s",
+            self.job,
+            self.rank,
+            step,
+            reason,
+            request_id or "-",
+        )
+
+    def checkpoint_skipped(self, *, step: int, request_id: str | None) -> None:
+        """A checkpoint asked for at `step` is not written: the state is not finite."""
+        self.event(
+            TrainerEdge.CHECKPOINT_FAILED,
+            {"step": step, "reason": "nonfinite_state", "request_id": request_id},
+        )
+
     def checkpoint_loaded(self, *, step: int, request_id: str | None) -> None:
         """The run continues from the checkpoint of `step` (resume): it is the newest one."""
         self.ckpt_step = step

@@ -272,7 +272,7 @@ class OwnCheckpointer:
         wants_save = self._periodic(step) or ckpt_rid is not None or ag.sigterm
         if self.nan.action(nonfinite=ag.nonfinite) == "stop":
             if ckpt_rid is not None:
-                self._skipped(step, ckpt_rid)
+                self.telemetry.checkpoint_skipped(step=step, request_id=ckpt_rid)
             self.telemetry.event(TrainerEdge.STOP, {"step": step, "reason": "nan"})
             log.error("event=stop job=%s rank=%d step=%d reason=nan", self.job, self.rank, step)
             return StepAction(stop=True, reason="nan")
@@ -285,7 +285,7 @@ class OwnCheckpointer:
                 step,
             )
             if ckpt_rid is not None or ag.sigterm:
-                self._skipped(step, ckpt_rid)
+                self.telemetry.checkpoint_skipped(step=step, request_id=ckpt_rid)
         elif wants_save:
             self.save(step, request_id=ckpt_rid)
             started = True
@@ -296,23 +296,7 @@ class OwnCheckpointer:
             stop_reason = ag.action
         if stop_reason is None:
             return StepAction(checkpoint_started=started, request_id=ckpt_rid)
-        self.telemetry.event(
-            TrainerEdge.STOP, {"step": step, "reason": stop_reason, "request_id": request_id}
-        )
-        log.info(
-            "event=stop job=%s rank=%d step=%d reason=%s request_id=%s",
-            self.job,
-            self.rank,
-            step,
-            stop_reason,
-            request_id or "-",
-        )
+        self.telemetry.stopping(step=step, reason=stop_reason, request_id=request_id)
         return StepAction(
             stop=True, reason=stop_reason, checkpoint_started=started, request_id=request_id
-        )
-
-    def _skipped(self, step: int, request_id: str | None) -> None:
-        self.telemetry.event(
-            TrainerEdge.CHECKPOINT_FAILED,
-            {"step": step, "reason": "nonfinite_state", "request_id": request_id},
         )
