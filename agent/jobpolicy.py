@@ -102,8 +102,10 @@ class JobPolicy:
         python: str | None,
         program: str,
         cwd: str | None,
+        module: str | None = None,
     ) -> JobUser:
-        """Refuse what this node does not allow; the user to run the job as otherwise."""
+        """Refuse what this node does not allow; the user to run the job as otherwise.
+        `module`: the job runs `-m module` (then `program` is unused)."""
         if self.user is None:
             raise JobRefused(self.refusal)
         if nproc_per_node > self.max_nproc_per_node:
@@ -129,8 +131,18 @@ class JobPolicy:
                     f"({', '.join(self.allowed_paths)})"
                 )
             base = cwd if cwd is not None else os.getcwd()
-            resolved = os.path.realpath(os.path.join(base, program))
             allowed = [os.path.realpath(p) for p in self.allowed_paths]
+            if module is not None:
+                # `-m` imports from the working directory first, then from the interpreter's
+                # own paths (checked above; PYTHONPATH is denied by default)
+                if not any(is_under(os.path.realpath(base), p) for p in allowed):
+                    raise JobRefused(
+                        f"module {module!r}: its working directory {base!r} is not under "
+                        f"jobs.allowed_paths ({', '.join(self.allowed_paths)}); `-m` imports "
+                        "from the working directory first"
+                    )
+                return self.user
+            resolved = os.path.realpath(os.path.join(base, program))
             if not any(is_under(resolved, p) for p in allowed):
                 shown = repr(program) if resolved == program else f"{program!r} (= {resolved})"
                 raise JobRefused(

@@ -579,6 +579,7 @@ class JobRunner:
                 python=spec.python,
                 program=spec.command[0],
                 cwd=spec.cwd,
+                module=spec.command[1] if spec.command[0] == "-m" else None,
             )
         except JobRefused as e:
             log.warning(

@@ -213,6 +213,24 @@ def test_program_under_an_allowed_path_runs_and_one_outside_is_refused(tree: Pat
         check(p, program="../outside/evil.py", cwd=str(tree / "allowed"))
 
 
+def test_a_module_job_is_allowed_only_from_a_working_directory_under_the_allowed_paths(
+    tree: Path,
+) -> None:
+    p = policy(allowed_paths=(str(tree / "allowed"),))
+    assert check(p, program="-m", module="pkg.train", cwd=str(tree / "allowed")) == ME
+    with pytest.raises(
+        JobRefused,
+        match=r"module 'pkg\.train': its working directory '.*/outside' is not under "
+        r"jobs\.allowed_paths \(.*/allowed\); `-m` imports from the working directory first",
+    ):
+        check(p, program="-m", module="pkg.train", cwd=str(tree / "outside"))
+    # a link inside an allowed dir to a directory outside it does not count as inside
+    (tree / "allowed" / "away").symlink_to(tree / "outside")
+    with pytest.raises(JobRefused, match=r"module 'pkg\.train': its working directory"):
+        check(p, program="-m", module="pkg.train", cwd=str(tree / "allowed" / "away"))
+    assert check(policy(), program="-m", module="pkg.train", cwd=str(tree / "outside")) == ME
+
+
 def test_a_symlink_inside_an_allowed_dir_pointing_outside_is_refused(tree: Path) -> None:
     p = policy(allowed_paths=(str(tree / "allowed"),))
     with pytest.raises(JobRefused, match=r"escape.py' \(= .*/outside/evil.py\) is not under"):
