@@ -334,8 +334,8 @@ class AlertmanagerNotifier:
         self._client = httpx.Client(timeout=timeout_s, headers={"User-Agent": USER_AGENT})
 
     def _alert(self, n: Notification, *, severity: str, ends_at: float) -> dict[str, Any]:
-        labels = dict(n.labels) or {"alertname": n.rule, "target": n.target}
-        labels.update(self._labels)
+        # as Prometheus adds its external labels: only where the alert has no such label
+        labels = {**self._labels, **(n.labels or {"alertname": n.rule, "target": n.target})}
         labels.update(severity=severity, source=self.SOURCE)
         annotations = dict(n.annotations) or {"summary": n.summary or n.headline()}
         if n.incident_id:
