@@ -1,9 +1,11 @@
-"""`install-unit`: write a shipped systemd unit whose ExecStart runs this installation's script.
+"""`install-unit`: write a shipped systemd unit whose ExecStart runs this installation's script
+and whose Documentation= names this installation's copy of the docs.
 
-The units ship in the wheel as data files under `<prefix>/share/trainguard/systemd/` (where
-importlib.resources cannot see them), so the template is found through the installed
-distribution's RECORD, which also names the console script: a virtualenv, `pip --user` and
-`/usr/local` installs all get an absolute ExecStart that exists. `render_unit` is pure.
+The units ship in the wheel as data files under `<prefix>/share/trainguard/systemd/`, the docs
+under `<prefix>/share/doc/trainguard/` (where importlib.resources cannot see them), so the
+template and the docs are found through the installed distribution's RECORD, which also
+names the console script: a virtualenv, `pip --user` and `/usr/local` installs all get an
+absolute ExecStart and Documentation= files that exist. `render_unit` is pure.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ from pathlib import Path
 
 UNIT_DIR = "/etc/systemd/system"
 SHARE_SUBDIR = Path("share/trainguard/systemd")
+DOCS_SUBDIR = Path("share/doc/trainguard")
+# What a shipped unit's Documentation= names: the docs of an install under /usr, which
+# install-unit re-points at this installation's copy.
+SHIPPED_DOCS_URI = f"file:///usr/{DOCS_SUBDIR}/"
 
 EXIT_OK = 0
 EXIT_WRITE_FAILED = 1
@@ -29,11 +35,27 @@ class UnitError(ValueError):
     """A unit template that cannot be rendered, or an installation that lacks a piece."""
 
 
-def render_unit(template: str, *, executable: str) -> str:
-    """The unit text with the program of its one `ExecStart=` replaced by `executable`.
+def shipped_docs(template: str) -> list[str]:
+    """The doc files (names) the unit's Documentation= lines name under SHIPPED_DOCS_URI."""
+    return [
+        uri.removeprefix(SHIPPED_DOCS_URI)
+        for line in template.splitlines()
+        if line.startswith("Documentation=")
+        for uri in line[len("Documentation=") :].split()
+        if uri.startswith(SHIPPED_DOCS_URI)
+    ]
+
+
+def render_unit(template: str, *, executable: str, docs: Path | None = None) -> str:
+    """The unit text with the program of its one `ExecStart=` replaced by `executable`, and
+    with each shipped doc its Documentation= names re-pointed into directory `docs`.
 
     Arguments after the program and every other line are kept as they are.
     """
+    if docs is not None:
+        if not docs.is_absolute():
+            raise UnitError(f"Documentation= needs an absolute path, got {str(docs)!r}")
+        template = "".join(_docs_line(line, docs) for line in template.splitlines(True))
     if not os.path.isabs(executable):
         raise UnitError(f"ExecStart needs an absolute path, got {executable!r}")
     lines = template.splitlines(keepends=True)
@@ -47,6 +69,18 @@ def render_unit(template: str, *, executable: str) -> str:
         rest = value[len(value.rstrip("\r\n")) :]
     lines[i] = f"ExecStart={_quote(executable)}{sep}{rest}"
     return "".join(lines)
+
+
+def _docs_line(line: str, docs: Path) -> str:
+    if not line.startswith("Documentation="):
+        return line
+    body = line[len("Documentation=") :]
+    ending = body[len(body.rstrip("\r\n")) :]
+    uris = [
+        (docs / u.removeprefix(SHIPPED_DOCS_URI)).as_uri() if u.startswith(SHIPPED_DOCS_URI) else u
+        for u in body.split()
+    ]
+    return "Documentation=" + " ".join(uris) + ending
 
 
 def _quote(path: str) -> str:
@@ -88,6 +122,27 @@ def _template_candidates(unit: str, *, prefix: Path | None) -> Iterator[Path]:
     yield Path(sysconfig.get_path("data")) / SHARE_SUBDIR / unit
     # a source checkout (an editable install records no data files): <checkout>/systemd/
     yield Path(__file__).resolve().parents[1] / "systemd" / unit
+
+
+def _docs_candidates(*, prefix: Path | None) -> Iterator[Path]:
+    if prefix is not None:
+        yield prefix / DOCS_SUBDIR
+        return
+    recorded = _installed_files()
+    yield from (f.parent for f in recorded if f.parent.match(str(DOCS_SUBDIR)))
+    yield Path(sysconfig.get_path("data")) / DOCS_SUBDIR
+    # a source checkout (an editable install records no data files): <checkout>/docs/
+    yield Path(__file__).resolve().parents[1] / "docs"
+
+
+def find_docs(names: Sequence[str], *, prefix: Path | None) -> Path:
+    """The directory of this installation's (or `prefix`'s) docs that holds every file of
+    `names`."""
+    tried = list(dict.fromkeys(_docs_candidates(prefix=prefix)))
+    for path in tried:
+        if all((path / name).is_file() for name in names):
+            return path.absolute()
+    raise UnitError(f"no {', '.join(names)} in: {', '.join(str(p) for p in tried)}")
 
 
 def find_script(script: str, *, prefix: Path | None) -> Path:
@@ -133,14 +188,16 @@ def _parser(prog: str, unit: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=f"{prog} install-unit",
         description=f"Write {unit} with ExecStart= running this installation's {prog} "
-        "(a virtualenv's included). It does not run systemctl.",
+        "(a virtualenv's included) and Documentation= naming its docs. It does not run "
+        "systemctl.",
     )
     p.add_argument(
         "--prefix",
         "--venv",
         type=Path,
         help="the virtualenv or install prefix to run (PREFIX/bin/"
-        f"{prog}, template from PREFIX/{SHARE_SUBDIR}); default: this installation",
+        f"{prog}, template from PREFIX/{SHARE_SUBDIR}, docs in PREFIX/{DOCS_SUBDIR}); "
+        "default: this installation",
     )
     p.add_argument(
         "--unit-file", type=Path, help="render this unit file instead of the shipped one"
@@ -163,7 +220,9 @@ def install_unit_main(argv: Sequence[str], *, prog: str) -> int:
             text = template.read_text(encoding="utf-8")
         except OSError as e:
             raise UnitError(f"cannot read {template}: {e.strerror or e}") from None
-        rendered = render_unit(text, executable=str(script))
+        names = shipped_docs(text)
+        docs = find_docs(names, prefix=prefix) if names else None
+        rendered = render_unit(text, executable=str(script), docs=docs)
     except UnitError as e:
         print(f"{prog}: install-unit: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -185,8 +244,10 @@ def install_unit_main(argv: Sequence[str], *, prog: str) -> int:
 __all__ = [
     "UNIT_DIR",
     "UnitError",
+    "find_docs",
     "find_script",
     "find_template",
     "install_unit_main",
     "render_unit",
+    "shipped_docs",
 ]

@@ -45,6 +45,7 @@ from trainguard.controller.operations import OperatorService
 from trainguard.controller.queries import QueryService
 from trainguard.controller.records import CommandRecord, NodeRecord
 from trainguard.controller.reports import ReportService
+from trainguard.controller.rules.loader import Rule
 from trainguard.controller.safety import Safety
 from trainguard.controller.signals import SignalState
 from trainguard.controller.store import Store, WriteFence
@@ -146,6 +147,7 @@ class Controller:
                 notifiers={n.channel: n for n in self.notifiers},
                 base_url=config.notify.base_url,
                 on_failure=self._notification_failed,
+                rule_of=self._rule,
             )
         )
         # where jobs run (torchrun on the agents, or Slurm): every job step asks it
@@ -285,6 +287,10 @@ class Controller:
         if not standby:
             self.runner.recover(now=clock.now())
         self.ticker.update_gauges(clock.now())
+
+    def _rule(self, name: str) -> Rule | None:
+        # the ticker is built after the handlers; a notify step runs only once it is
+        return self.ticker.rule(name)
 
     def _notification_failed(self, channel: str) -> None:
         self.metrics.notifications_failed_total.labels(channel=channel).inc()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -354,6 +355,42 @@ class PagerDutyConfig:
         _positive("timeout_s", self.timeout_s)
 
 
+# Labels the controller sets on its alerts itself (controller/rules/export.py alert_labels):
+# the exported alert's own, the targets' identity labels and `source`.
+ALERT_LABELS_OF_TRAINGUARD = frozenset(
+    "alertname severity scope source node gpu link device port job rank".split()
+)
+
+
+@dataclass(frozen=True)
+class AlertmanagerChannelConfig:
+    # Alertmanager's base URL (its API v2 is under /api/v2/alerts). Incidents go there as
+    # alerts labelled like the exported Prometheus alert of the same rule and target, so
+    # Alertmanager groups both into one notification with one PagerDuty dedup key.
+    url: str
+    # Only incidents at or above this severity are sent; escalations always are.
+    min_severity: Severity = "info"
+    # Extra labels on every alert: the `external_labels` your Prometheus adds to its alerts
+    # (e.g. cluster), so routes and group_by on them see the controller's alerts too.
+    labels: dict[str, str] = field(default_factory=dict)
+    # How long Alertmanager keeps an incident's alert firing when no resolve comes (a
+    # controller gone for good), s. A resolve ends it at once. 24 h: far past a restart or
+    # an HA failover, short enough that a lost resolve does not page for days.
+    hold_s: float = 86400.0
+    timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise Invalid("url", f"must start with http:// or https://, got {self.url!r}")
+        for name in self.labels:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                raise Invalid("labels", f"invalid label name {name!r}")
+            if name in ALERT_LABELS_OF_TRAINGUARD:
+                raise Invalid("labels", f"{name!r} is set by trainguard itself")
+        _positive("hold_s", self.hold_s)
+        _positive("timeout_s", self.timeout_s)
+
+
 @dataclass(frozen=True)
 class WebhookConfig:
     # Channel name: appears in metrics labels and idempotency keys, so short and stable.
@@ -379,12 +416,14 @@ class NotifyConfig:
     slack: SlackConfig | None = None
     pagerduty: PagerDutyConfig | None = None
     webhooks: list[WebhookConfig] = field(default_factory=list)
+    # Incidents as alerts to Alertmanager, which then pages (docs/deploy.md, "Paging").
+    alertmanager: AlertmanagerChannelConfig | None = None
     # Link shown in notifications, e.g. the dashboard or the API URL; empty = none.
     base_url: str = ""
 
     def __post_init__(self) -> None:
         names = [w.name for w in self.webhooks]
-        for reserved in ("slack", "pagerduty"):
+        for reserved in ("slack", "pagerduty", "alertmanager"):
             if reserved in names:
                 raise Invalid("webhooks", f"name {reserved!r} is reserved")
         if len(set(names)) != len(names):
@@ -807,6 +846,8 @@ __all__ = [
     "HaConfig",
     "LifecycleConfig",
     "SEVERITY_RANK",
+    "ALERT_LABELS_OF_TRAINGUARD",
+    "AlertmanagerChannelConfig",
     "ActionsConfig",
     "ApiConfig",
     "BackendConfig",

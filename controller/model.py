@@ -52,6 +52,26 @@ class Target:
                 parts += [str(self.device), str(self.port)]
         return ":".join(parts)
 
+    @classmethod
+    def from_key(cls, key: str) -> Target:
+        """The Target whose `key` this is (a rank's node is not in its key: None here)."""
+        scope, *parts = key.split(":")
+        if scope == "rank" and len(parts) == 2:
+            return cls("rank", job=parts[0], rank=int(parts[1]))
+        if scope == "job" and len(parts) == 1:
+            return cls("job", job=parts[0])
+        if scope == "controller" and not parts:
+            return cls("controller")
+        if scope == "node" and len(parts) == 1:
+            return cls("node", node=parts[0])
+        if scope == "gpu" and len(parts) == 2:
+            return cls("gpu", node=parts[0], gpu=int(parts[1]))
+        if scope == "nvlink" and len(parts) == 3:
+            return cls("nvlink", node=parts[0], gpu=int(parts[1]), link=int(parts[2]))
+        if scope == "ib_port" and len(parts) == 3:
+            return cls("ib_port", node=parts[0], device=parts[1], port=int(parts[2]))
+        raise ValueError(f"not a target key: {key!r}")
+
     def describe(self) -> str:
         """Human text: "node-1 gpu 3", "node-2 mlx5_0 port 1", "job-a rank 5 (node-3)"."""
         if self.scope == "gpu":

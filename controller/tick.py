@@ -41,7 +41,7 @@ from trainguard.controller.records import NewAction
 from trainguard.controller.rules import engine
 from trainguard.controller.rules.cost import check_costs, limits_of
 from trainguard.controller.rules.engine import EngineMemory, EvalTiming, MemoryEntry
-from trainguard.controller.rules.loader import RuleError, RuleSet, load_rules
+from trainguard.controller.rules.loader import Rule, RuleError, RuleSet, load_rules
 from trainguard.controller.rules.overrun import OverrunGuard, disabled_decision
 from trainguard.controller.signals import SIGNAL_EVENT_KINDS
 from trainguard.controller.stallguard import Stall, StallGuard
@@ -136,6 +136,10 @@ class TickService:
     @property
     def rule_count(self) -> int:
         return len(self._rules.rules)
+
+    def rule(self, name: str) -> Rule | None:
+        """The loaded rule of this name (the rules of the last good load)."""
+        return self._rules.get(name)
 
     # --- rebuilt after a restart ----------------------------------------------------------
 

@@ -1,5 +1,5 @@
-"""Notifications: the Notifier Protocol, Slack / PagerDuty Events v2 / signed-webhook
-backends over httpx, a recording fake, and the `notify` action handler.
+"""Notifications: the Notifier Protocol, Slack / PagerDuty Events v2 / signed-webhook /
+Alertmanager API v2 backends over httpx, a recording fake, and the `notify` action handler.
 
 Delivery errors are classified for the action worker: connection errors, timeouts, HTTP 429
 and 5xx are transient (retried with backoff); any other 4xx is permanent. Secrets (the Slack
@@ -28,6 +28,10 @@ from trainguard.controller.actions.base import (
     TransientError,
 )
 from trainguard.controller.config import SEVERITY_RANK, NotifyConfig
+from trainguard.controller.model import Target
+from trainguard.controller.rules.export import alert_annotations, alert_labels
+from trainguard.controller.rules.loader import Rule
+from trainguard.controller.views import IncidentView
 
 log = logging.getLogger("trainguard.controller.notify")
 # httpx logs every request URL at INFO; a Slack webhook URL is itself the credential.
@@ -61,6 +65,10 @@ class Notification:
     # the alert key when not an incident's (incident_id 0: the controller's own page, e.g.
     # its store unreachable, controller/storewatch.py)
     dedup: str = ""
+    # the labels and annotations of the exported Prometheus alert of this rule and target
+    # (controller/rules/export.py alert_labels); empty for the controller's own pages
+    labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
 
     @property
     def dedup_key(self) -> str:
@@ -258,7 +266,10 @@ class WebhookNotifier:
     @staticmethod
     def payload(n: Notification) -> dict[str, Any]:
         incident = asdict(n)
-        for key in ("event", "sent_at", "idempotency_key", "page", "reason", "dedup"):
+        for key in (
+            "event", "sent_at", "idempotency_key", "page", "reason", "dedup", "labels",
+            "annotations",
+        ):  # fmt: skip
             incident.pop(key)
         incident["id"] = incident.pop("incident_id")
         return {
@@ -282,6 +293,81 @@ class WebhookNotifier:
         if self._secret is not None:
             headers["X-Trainguard-Signature"] = sign(self._secret, body)
         _post(self._client, self._url, channel=self.channel, body=body, headers=headers)
+
+
+def _rfc3339(ts: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"
+
+
+class AlertmanagerNotifier:
+    """Alertmanager API v2: an incident is an alert labelled like the exported Prometheus
+    alert of its rule and target, plus `source="controller"`.
+
+    Alertmanager groups by labels the two share (the shipped route: alertname, node, job), so
+    a fault seen by both Prometheus and the controller is one group: one notification, one
+    PagerDuty dedup key (Alertmanager's hash of the group key), resolved when both alerts
+    are. The `source` label keeps them two alerts, so one source's resolve cannot end the
+    other's. A trigger's endsAt is `hold_s` ahead; the resolve posts endsAt = now.
+
+    An escalation (page) of an incident below critical is a second alert labelled critical,
+    so the critical route pages it; a resolve ends both. Alertmanager dedupes a re-sent
+    alert, so a re-send after a crash is safe.
+    """
+
+    idempotent = True
+    SOURCE = "controller"
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        min_severity: str = "info",
+        labels: dict[str, str] | None = None,
+        hold_s: float = 86400.0,
+        timeout_s: float = 5.0,
+    ) -> None:
+        self.channel = "alertmanager"
+        self.min_severity = min_severity
+        self._url = url.rstrip("/") + "/api/v2/alerts"
+        self._labels = dict(labels or {})
+        self._hold_s = hold_s
+        self._client = httpx.Client(timeout=timeout_s, headers={"User-Agent": USER_AGENT})
+
+    def _alert(self, n: Notification, *, severity: str, ends_at: float) -> dict[str, Any]:
+        # as Prometheus adds its external labels: only where the alert has no such label
+        labels = {**self._labels, **(n.labels or {"alertname": n.rule, "target": n.target})}
+        labels.update(severity=severity, source=self.SOURCE)
+        annotations = dict(n.annotations) or {"summary": n.summary or n.headline()}
+        if n.incident_id:
+            annotations["incident"] = str(n.incident_id)
+        if n.reason and n.event == "trigger":
+            annotations["escalation"] = n.reason
+        alert: dict[str, Any] = {
+            "labels": labels,
+            "annotations": annotations,
+            "startsAt": _rfc3339(n.opened_at),
+            "endsAt": _rfc3339(ends_at),
+        }
+        if n.url:
+            alert["generatorURL"] = n.url
+        return alert
+
+    def payload(self, n: Notification) -> list[dict[str, Any]]:
+        """The alerts to post: the incident's, and its critical twin for a page."""
+        if n.event == "resolve":
+            severities = sorted({n.severity, "critical"})
+            return [self._alert(n, severity=s, ends_at=n.sent_at) for s in severities]
+        severity = "critical" if n.page else n.severity
+        return [self._alert(n, severity=severity, ends_at=n.sent_at + self._hold_s)]
+
+    def send(self, notification: Notification) -> None:
+        _post(
+            self._client,
+            self._url,
+            channel=self.channel,
+            body=_json_bytes(self.payload(notification)),
+            headers={"Content-Type": "application/json"},
+        )
 
 
 class RecordingNotifier:
@@ -331,6 +417,17 @@ def build_notifiers(config: NotifyConfig) -> list[Notifier]:
                 timeout_s=pd.timeout_s,
             )
         )
+    if config.alertmanager is not None:
+        am = config.alertmanager
+        out.append(
+            AlertmanagerNotifier(
+                url=am.url,
+                min_severity=am.min_severity,
+                labels=am.labels,
+                hold_s=am.hold_s,
+                timeout_s=am.timeout_s,
+            )
+        )
     for hook in config.webhooks:
         out.append(
             WebhookNotifier(
@@ -350,13 +447,35 @@ def channels_for(notifiers: list[Notifier], *, severity: str, page: bool) -> lis
     return [n.channel for n in notifiers if page or rank >= SEVERITY_RANK.get(n.min_severity, 0)]
 
 
+def exported_alert(
+    incident: IncidentView, rule: Rule | None
+) -> tuple[dict[str, str], dict[str, str]]:
+    """(labels, annotations) of the exported Prometheus alert this incident matches."""
+    try:
+        target = Target.from_key(incident.target)
+    except ValueError:
+        return {}, {}
+    labels = alert_labels(
+        rule=incident.rule,
+        severity=incident.severity,
+        target=target,
+        rule_labels=rule.labels if rule is not None else {},
+    )
+    annotations = alert_annotations(rule) if rule is not None else {}
+    return labels, annotations
+
+
 @dataclass
 class NotifyHandler:
-    """The `notify` step: one row per channel, params {"channel", "event", "page", "reason"}."""
+    """The `notify` step: one row per channel, params {"channel", "event", "page", "reason"}.
+
+    `rule_of` names the loaded rule of an incident (None once it is gone): its labels and
+    annotations ride on the notification as the exported alert's (AlertmanagerNotifier)."""
 
     notifiers: dict[str, Notifier]
     base_url: str = ""
     on_failure: Callable[[str], None] = field(default=lambda channel: None)
+    rule_of: Callable[[str], Rule | None] = field(default=lambda name: None)
     kind: str = "notify"
     remediation: bool = False
 
@@ -375,6 +494,7 @@ class NotifyHandler:
         if incident is None:
             raise PermanentError("notify needs an incident")
         url = f"{self.base_url.rstrip('/')}/v1/incidents/{incident.id}" if self.base_url else ""
+        labels, annotations = exported_alert(incident, self.rule_of(incident.rule))
         notification = Notification(
             event="resolve" if ctx.params.get("event") == "resolve" else "trigger",
             incident_id=incident.id,
@@ -392,6 +512,8 @@ class NotifyHandler:
             page=bool(ctx.params.get("page", False)),
             reason=str(ctx.params.get("reason", "")),
             url=url,
+            labels=labels,
+            annotations=annotations,
         )
         try:
             notifier.send(notification)
@@ -411,6 +533,7 @@ class NotifyHandler:
 
 
 __all__ = [
+    "AlertmanagerNotifier",
     "Notification",
     "Notifier",
     "NotifyHandler",

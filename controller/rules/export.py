@@ -11,10 +11,12 @@ under `not`) are skipped with a warning naming them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import dataclasses
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from trainguard.controller.model import Target
 from trainguard.controller.rules.lang import (
     And,
     Arith,
@@ -38,6 +40,8 @@ __all__ = [
     "IDENTITY",
     "PROM_SIGNALS",
     "PromSignal",
+    "alert_annotations",
+    "alert_labels",
     "prom_signals",
     "to_prometheus_rules",
 ]
@@ -160,9 +164,7 @@ def to_prometheus_rules(rules: RuleSet) -> tuple[dict[str, Any], list[str]]:
         except _Unexpressible as e:
             warnings.append(f"rule {rule.name}: not exported to Prometheus: {e}")
             continue
-        annotations = {"summary": rule.summary}
-        if rule.description:
-            annotations["description"] = rule.description
+        annotations = alert_annotations(rule)
         labels = {"severity": rule.severity, "scope": rule.scope, **dict(rule.labels)}
         out.append(
             {
@@ -174,6 +176,28 @@ def to_prometheus_rules(rules: RuleSet) -> tuple[dict[str, Any], list[str]]:
             }
         )
     return {"groups": [{"name": GROUP_NAME, "rules": out}]}, warnings
+
+
+def alert_annotations(rule: Rule) -> dict[str, str]:
+    """The annotations of `rule`'s exported alert."""
+    annotations = {"summary": rule.summary}
+    if rule.description:
+        annotations["description"] = rule.description
+    return annotations
+
+
+def alert_labels(
+    *, rule: str, severity: str, target: Target, rule_labels: Mapping[str, str]
+) -> dict[str, str]:
+    """The labels Prometheus puts on the exported alert of `rule` firing for `target`: the
+    alert name, the rule's labels (as `to_prometheus_rules` writes them) and the scope's
+    identity labels (`IDENTITY`, what every exported expression is aggregated by)."""
+    labels = {"alertname": rule, "severity": severity, "scope": target.scope, **rule_labels}
+    values = dataclasses.asdict(target)
+    for name in IDENTITY.get(target.scope, "").split(", "):
+        if name and values.get(name) is not None:
+            labels[name] = str(values[name])
+    return labels
 
 
 def _num(v: float) -> str:

@@ -34,6 +34,10 @@ from tests.integration.prometheus_proc import (
     start_prometheus,
     stop,
 )
+from trainguard.controller.model import Target
+from trainguard.controller.rules.export import alert_labels
+from trainguard.controller.rules.loader import load_rules
+from trainguard.rules import shipped_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = ROOT / "dashboards"
@@ -204,6 +208,19 @@ def test_first_xid_and_first_dbe_reach_the_receiver_through_alertmanager(stack: 
         assert alert["labels"]["severity"] == "critical"
         assert alert["labels"]["scope"] == "gpu"
         assert alert["annotations"]["summary"]
+    # exactly the labels the controller's alertmanager channel gives its incident on that GPU
+    # (less its source label), so Alertmanager groups the two (test_alertmanager_paging.py)
+    rules = load_rules([shipped_dir() / "default.yaml"])
+    for alert, gpu in ((fatal, 0), (ecc_alert, 2)):
+        rule = rules.get(alert["labels"]["alertname"])
+        assert rule is not None
+        ours = alert_labels(
+            rule=rule.name,
+            severity=rule.severity,
+            target=Target("gpu", node=NODE, gpu=gpu),
+            rule_labels=rule.labels,
+        )
+        assert alert["labels"] == ours
     # The XID series was born at 1 and never moved, so increase() alone reads 0 on it: the
     # alert above fired through the export's born-in-the-window branch.
     wait_for(

@@ -16,6 +16,7 @@ import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 import httpx
 import pytest
@@ -111,6 +112,8 @@ def test_the_wheel_installs_one_namespace_with_its_data(installed: Installed) ->
         "share/trainguard/systemd/trainguard-controller.service",
         "share/trainguard/examples/controller.yaml",
         "share/trainguard/examples/agent.yaml",
+        "share/doc/trainguard/README.md",
+        "share/doc/trainguard/deploy.md",
     ):
         assert data in shared, data
     # and they are where an operator looks for them after the install
@@ -159,6 +162,14 @@ def test_install_unit_runs_the_virtualenv_with_the_shipped_units(installed: Inst
         unit = dest / f"{cmd}.service"
         assert exec_start_program(unit) == Path(installed.bin(cmd))
         assert_verifies_clean(analyze, unit)
+        # Documentation= names the wheel's copy of the docs, and it is there
+        (line,) = [ln for ln in unit.read_text().splitlines() if ln.startswith("Documentation=")]
+        uris = line.removeprefix("Documentation=").split()
+        assert uris, line
+        for uri in uris:
+            path = Path(unquote(urlsplit(uri).path))
+            assert uri.startswith("file://") and path.is_file(), uri
+            assert path.is_relative_to(installed.venv / "share/doc/trainguard"), uri
 
 
 def _start(installed: Installed, name: str, args: list[str]) -> subprocess.Popen[bytes]:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.unitfile import UnitError, install_unit_main, render_unit
+from trainguard.unitfile import UnitError, install_unit_main, render_unit, shipped_docs
 
 TEMPLATE = """# comment ExecStart=/not/this
 [Service]
@@ -137,3 +137,41 @@ def test_an_unwritable_destination_exits_1(
     argv = ["--prefix", str(prefix), "--dest", str(tmp_path / "absent")]
     assert install_unit_main(argv, prog="trainguard-agent") == 1
     assert "cannot write" in capsys.readouterr().err
+
+
+DOCUMENTED = (
+    "[Unit]\nDocumentation=file:///usr/share/doc/trainguard/deploy.md https://example.org/x\n"
+    + TEMPLATE
+)
+
+
+def test_render_points_the_shipped_docs_at_the_installations_copy() -> None:
+    out = render_unit(DOCUMENTED, executable="/x", docs=Path("/opt/my tg/share/doc/trainguard"))
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("Documentation=")]
+    # a URI: the space is percent-encoded; a link that is not a shipped doc is kept
+    assert line == (
+        "Documentation=file:///opt/my%20tg/share/doc/trainguard/deploy.md https://example.org/x"
+    )
+    assert render_unit(DOCUMENTED, executable="/x").startswith(DOCUMENTED.splitlines()[0])
+
+
+def test_install_names_the_prefixs_docs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prefix, dest = _prefix(tmp_path), tmp_path / "units"
+    dest.mkdir()
+    (prefix / "share/trainguard/systemd/trainguard-agent.service").write_text(DOCUMENTED)
+    args = ["--prefix", str(prefix), "--dest", str(dest)]
+    assert install_unit_main(args, prog="trainguard-agent") == 2  # no docs in the prefix
+    assert "deploy.md" in capsys.readouterr().err
+    docs = prefix / "share/doc/trainguard"
+    docs.mkdir(parents=True)
+    (docs / "deploy.md").write_text("# deploy\n")
+    assert install_unit_main(args, prog="trainguard-agent") == 0
+    text = (dest / "trainguard-agent.service").read_text()
+    assert f"Documentation={(docs / 'deploy.md').as_uri()} https://example.org/x\n" in text
+
+
+@pytest.mark.parametrize("unit", ["trainguard-agent.service", "trainguard-controller.service"])
+def test_the_shipped_units_name_docs_that_exist_in_the_checkout(unit: str) -> None:
+    repo = Path(__file__).resolve().parents[3]
+    names = shipped_docs((repo / "systemd" / unit).read_text())
+    assert names and all((repo / "docs" / name).is_file() for name in names), names
