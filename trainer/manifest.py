@@ -345,10 +345,16 @@ def manifest_milestones(manifest: Manifest) -> tuple[str, ...]:
 
 
 def apply_retention(
-    ckpt_dir: Path, *, policy: RetentionPolicy, now: float, newest_good_step: int
+    ckpt_dir: Path,
+    *,
+    policy: RetentionPolicy,
+    now: float,
+    newest_good_step: int,
+    dry_run: bool = False,
 ) -> list[Path]:
     """Delete the committed checkpoints no tier of `policy` keeps (trainer/retention.py);
-    never `newest_good_step` or anything newer.
+    never `newest_good_step` or anything newer. Returns what it deleted (`dry_run`: what it
+    would delete, deleting nothing).
 
     Called only after a newer checkpoint committed (or verified), so an older one is never the
     last copy.
@@ -366,8 +372,10 @@ def apply_retention(
     for step, path in committed:
         if tiers[step] or step >= newest_good_step:
             continue
-        shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
+        if dry_run:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
         log.info("event=checkpoint_deleted step=%d dir=%s reason=retention", step, path)
     return removed
 

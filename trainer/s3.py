@@ -95,6 +95,13 @@ class S3Store:
             self._key(directory.name),
         )
 
+    def listed_steps(self) -> list[int]:
+        """Every step with any object in the bucket (complete or not), newest first."""
+        return self._step_prefixes()
+
+    def has_manifest(self, step: int) -> bool:
+        return self._has_manifest(step)
+
     def _step_prefixes(self) -> list[int]:
         """Every step with any object in the bucket (complete or not), newest first."""
         steps: list[int] = []
@@ -142,11 +149,11 @@ class S3Store:
         )
 
     def apply_retention(
-        self, *, policy: RetentionPolicy, now: float, newest_step: int
+        self, *, policy: RetentionPolicy, now: float, newest_step: int, dry_run: bool = False
     ) -> list[int]:
         """Delete the remote checkpoints no tier of `policy` keeps, and incomplete uploads
         older than `newest_step` (a complete upload); never `newest_step` or anything newer.
-        Returns the steps deleted."""
+        Returns the steps deleted (`dry_run`: the steps it would delete, deleting nothing)."""
         if policy.keeps_all:
             return []
         steps = self._step_prefixes()
@@ -163,9 +170,11 @@ class S3Store:
         for step in steps:
             if step >= newest_step or tiers.get(step):
                 continue
+            deleted.append(step)
+            if dry_run:
+                continue
             self._delete_step(step)
             self._manifests.pop(step, None)
-            deleted.append(step)
             log.info(
                 "event=checkpoint_deleted step=%d bucket=%s key=%s reason=retention",
                 step,
