@@ -46,7 +46,7 @@ from trainguard.trainer.fence import LaunchLocked, StaleAttempt, epoch_from_env
 from trainguard.trainer.hooks import StepHook
 from trainguard.trainer.launch import LaunchMismatch, check_launch
 from trainguard.trainer.nan_guard import NanGuard, NanPolicy, NanSettings
-from trainguard.trainer.retention import RetentionPolicy
+from trainguard.trainer.retention import RetentionPolicy, retention_from_env
 from trainguard.trainer.s3 import S3Config
 from trainguard.trainer.signals import SignalGuard, SignalSettings
 from trainguard.trainer.sync import Agreement, Coordinator, DistCoordinator, LocalCoordinator
@@ -132,7 +132,7 @@ class Trainguard:
             ckpt_dir=Path(ckpt_dir),
             checkpoint_every=checkpoint_every,
             keep_last=keep_last,
-            retention=retention,
+            retention=retention if retention is not None else retention_from_env(),
             s3=s3,
             checkpoint_timeout_s=checkpoint_timeout_s,
             epoch=epoch if epoch is not None else epoch_from_env(),

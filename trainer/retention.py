@@ -12,6 +12,8 @@ apply the same `select` to what they list.
 from __future__ import annotations
 
 import enum
+import json
+import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
@@ -22,8 +24,12 @@ __all__ = [
     "RetentionPolicy",
     "Tier",
     "check_milestone_name",
+    "retention_from_env",
     "select",
 ]
+
+# A job spec sets the policy without code: `env: {TRAINGUARD_RETENTION: '{"daily_days": 7}'}`.
+RETENTION_ENV = "TRAINGUARD_RETENTION"
 
 _DAY_S = 86400.0
 # 1970-01-01 was a Thursday: day 4 since the epoch is the first Monday.
@@ -108,6 +114,20 @@ class RetentionPolicy:
             return cls(**dict(data))
         except ValueError as e:
             raise ValueError(str(e).replace("retention.", f"{where}.", 1)) from None
+
+
+def retention_from_env(env: Mapping[str, str] | None = None) -> RetentionPolicy | None:
+    """The policy in `TRAINGUARD_RETENTION` (a JSON object of RetentionPolicy fields;
+    unset or empty: None). Strict: bad JSON, an unknown key or a bad value raise ValueError
+    naming the variable and the key."""
+    raw = (os.environ if env is None else env).get(RETENTION_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        data = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"{RETENTION_ENV}: not a JSON object: {e}") from None
+    return RetentionPolicy.from_json(data, where=RETENTION_ENV)
 
 
 @dataclass(frozen=True)

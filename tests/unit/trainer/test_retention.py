@@ -15,7 +15,13 @@ from trainguard.clock import FakeClock
 from trainguard.trainer import RetentionPolicy
 from trainguard.trainer.checkpoint_manager import CheckpointSettings
 from trainguard.trainer.manifest import list_committed, read_manifest
-from trainguard.trainer.retention import CheckpointInfo, Tier, check_milestone_name, select
+from trainguard.trainer.retention import (
+    CheckpointInfo,
+    Tier,
+    check_milestone_name,
+    retention_from_env,
+    select,
+)
 
 HOUR = 3600.0
 DAY = 24 * HOUR
@@ -234,3 +240,22 @@ def test_the_trainer_prunes_by_tier_and_keeps_a_marked_milestone(tmp_path: Path)
     assert manifest.extra["milestones"] == ["best-val"]
     assert manifest.extra["retention"] == policy.to_json()
     assert "milestones" not in read_manifest(tmp_path / "step_000006").extra
+
+
+def test_a_job_spec_sets_the_policy_through_its_environment_strictly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TRAINGUARD_RETENTION", '{"recent_last": 1, "daily_days": 7}')
+    assert retention_from_env() == RetentionPolicy(recent_last=1, daily_days=7)
+    tg = TinyJob().guard(tmp_path, job="env")
+    assert tg.checkpoints.settings.policy == RetentionPolicy(recent_last=1, daily_days=7)
+    tg.close()
+    for raw, message in [
+        ('{"dayly_days": 7}', r"TRAINGUARD_RETENTION\.dayly_days: unknown key"),
+        ('{"daily_days": 99999}', r"TRAINGUARD_RETENTION\.daily_days must be in \[0, 3660\]"),
+        ("daily", r"TRAINGUARD_RETENTION: not a JSON object"),
+        ("[1]", r"TRAINGUARD_RETENTION must be a mapping"),
+    ]:
+        monkeypatch.setenv("TRAINGUARD_RETENTION", raw)
+        with pytest.raises(ValueError, match=message):
+            TinyJob().guard(tmp_path / "x", job="env")
