@@ -162,8 +162,8 @@ class S3Source:
         return verify_dir(dest, expected_step=step)
 
     def verify(self, step: int) -> Manifest:
-        with self.fetch(step) as _:
-            return read_manifest(_)
+        with self.fetch(step) as directory:
+            return read_manifest(directory)
 
     @contextlib.contextmanager
     def fetch(self, step: int) -> Iterator[Path]:
@@ -186,5 +186,8 @@ def open_source(
     location: str, *, endpoint_url: str | None = None, region_name: str | None = None
 ) -> Source:
     if location.startswith("s3://"):
-        return S3Source(location, endpoint_url=endpoint_url, region_name=region_name)
+        try:
+            return S3Source(location, endpoint_url=endpoint_url, region_name=region_name)
+        except ImportError as e:  # boto3 is the `aws` extra's
+            raise CheckpointInvalid(location, f"s3:// needs boto3 (the aws extra): {e}") from None
     return LocalSource(Path(location))
