@@ -30,6 +30,7 @@ from trainguard.trainer.manifest import (
     verify_dir,
 )
 from trainguard.trainer.nan_guard import NanPolicy
+from trainguard.trainer.retention import RetentionPolicy
 from trainguard.trainer.s3 import S3Config
 from trainguard.trainer.sampler import ResumableSampler
 from trainguard.trainer.workers import WorkerInit, guard_workers, worker_init_fn
@@ -45,6 +46,7 @@ __all__ = [
     "Manifest",
     "NanPolicy",
     "ResumableSampler",
+    "RetentionPolicy",
     "S3Config",
     "StaleAttempt",
     "Stateful",

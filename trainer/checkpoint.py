@@ -39,6 +39,7 @@ from trainguard.trainer.manifest import (
     step_dir_name,
     write_manifest,
 )
+from trainguard.trainer.retention import RetentionPolicy
 from trainguard.trainer.s3 import S3Store
 from trainguard.trainer.sync import Coordinator
 
@@ -262,7 +263,7 @@ class CheckpointWriter:
         *,
         ckpt_dir: Path,
         coordinator: Coordinator,
-        keep_last: int,
+        retention: RetentionPolicy,
         job: str,
         version: str,
         run_nonce: str,
@@ -273,7 +274,7 @@ class CheckpointWriter:
     ) -> None:
         self.ckpt_dir = ckpt_dir
         self.coord = coordinator
-        self.keep_last = keep_last
+        self.retention = retention
         self.job = job
         self.version = version
         self.run_nonce = run_nonce
@@ -311,8 +312,10 @@ class CheckpointWriter:
         rank_state: dict[str, Any],
         tensors: dict[str, torch.Tensor],
         snapshot_bytes: int,
+        milestones: tuple[str, ...] = (),
     ) -> None:
-        """Start writing a snapshot (the caller has waited for any previous save)."""
+        """Start writing a snapshot (the caller has waited for any previous save);
+        `milestones`: the names the job marked for this checkpoint (its manifest keeps them)."""
         if self.busy():
             raise RuntimeError("a checkpoint save is already in flight")
         self._counter += 1
@@ -327,6 +330,7 @@ class CheckpointWriter:
                 "tensors": tensors,
                 "tmp": tmp,
                 "snapshot_bytes": snapshot_bytes,
+                "milestones": milestones,
             },
             daemon=True,  # a stuck write must never keep a finished or preempted job alive
         )
@@ -384,6 +388,7 @@ class CheckpointWriter:
         tensors: dict[str, torch.Tensor],
         tmp: Path,
         snapshot_bytes: int,
+        milestones: tuple[str, ...] = (),
     ) -> None:
         """The save thread: never dies silently. Whatever a save raises, of any class (DCP's
         `CheckpointException` is a `BaseException`), ends in a failed result, a log line and
@@ -398,6 +403,7 @@ class CheckpointWriter:
                 tmp=tmp,
                 snapshot_bytes=snapshot_bytes,
                 t0=t0,
+                milestones=milestones,
             )
         except BaseException as e:  # the thread's last word: report, never die
             rank = self.coord.rank
@@ -445,6 +451,7 @@ class CheckpointWriter:
         tmp: Path,
         snapshot_bytes: int,
         t0: float,
+        milestones: tuple[str, ...] = (),
     ) -> bool:
         """Write, agree, commit or give up, report; True when this rank (0) committed."""
         rank = self.coord.rank
@@ -471,6 +478,7 @@ class CheckpointWriter:
                     final=final,
                     everyone=everyone,
                     failures=failures,
+                    milestones=milestones,
                 )
                 if committed == _STALE and self.epoch is not None:
                     reason = str(self._stale)
@@ -553,6 +561,7 @@ class CheckpointWriter:
         final: Path,
         everyone: list[Any],
         failures: list[str],
+        milestones: tuple[str, ...] = (),
     ) -> int:
         """Rank 0: commit, or refuse (stale attempt) or give up (a rank failed); the outcome.
 
@@ -563,7 +572,14 @@ class CheckpointWriter:
             if failures:
                 shutil.rmtree(tmp, ignore_errors=True)
                 return _FAILED
-            self._commit(step, request_id, tmp, final, everyone)
+            self._commit(
+                step,
+                request_id=request_id,
+                tmp=tmp,
+                final=final,
+                everyone=everyone,
+                milestones=milestones,
+            )
             return _COMMITTED
         with epoch_lock(self.ckpt_dir):
             try:
@@ -575,7 +591,14 @@ class CheckpointWriter:
             if failures:
                 shutil.rmtree(tmp, ignore_errors=True)
                 return _FAILED
-            self._commit(step, request_id, tmp, final, everyone)
+            self._commit(
+                step,
+                request_id=request_id,
+                tmp=tmp,
+                final=final,
+                everyone=everyone,
+                milestones=milestones,
+            )
         try:
             check_epoch(self.ckpt_dir, self.epoch)
         except StaleAttempt as e:
@@ -594,7 +617,14 @@ class CheckpointWriter:
         return _COMMITTED
 
     def _commit(
-        self, step: int, request_id: str | None, tmp: Path, final: Path, everyone: list[Any]
+        self,
+        step: int,
+        *,
+        request_id: str | None,
+        tmp: Path,
+        final: Path,
+        everyone: list[Any],
+        milestones: tuple[str, ...] = (),
     ) -> None:
         files: dict[str, dict[str, Any]] = {}
         for r in everyone:
@@ -618,15 +648,26 @@ class CheckpointWriter:
             trainguard_version=self.version,
             request_id=request_id,
             job=self.job,
-            # provenance: which attempt wrote it (the fence itself is the EPOCH file)
-            extra={} if self.epoch is None else {"epoch": self.epoch},
+            extra=self._extra(milestones),
         )
         write_manifest(tmp, manifest)
         commit_dir(tmp, final)
 
+    def _extra(self, milestones: tuple[str, ...]) -> dict[str, Any]:
+        """The manifest's `extra`: provenance (which attempt wrote it; the fence itself is the
+        EPOCH file), the job's retention policy (so trainguard-ckpt shows the tiers the job
+        keeps) and the milestones marked for this checkpoint."""
+        extra: dict[str, Any] = {"retention": self.retention.to_json()}
+        if self.epoch is not None:
+            extra["epoch"] = self.epoch
+        if milestones:
+            extra["milestones"] = sorted(set(milestones))
+        return extra
+
     def _after_commit(self, step: int, final: Path) -> None:
+        now = self.clock.now()
         with contextlib.suppress(Exception):
-            apply_retention(self.ckpt_dir, keep_last=self.keep_last, newest_good_step=step)
+            apply_retention(self.ckpt_dir, policy=self.retention, now=now, newest_good_step=step)
         if self.s3 is not None:
             try:
                 self.s3.upload(final)
@@ -640,7 +681,7 @@ class CheckpointWriter:
                 return
             # Only after this upload succeeded: the bucket then holds the newest copy.
             try:
-                self.s3.apply_retention(keep_last=self.keep_last, newest_step=step)
+                self.s3.apply_retention(policy=self.retention, now=now, newest_step=step)
             except Exception as e:
                 log.error(
                     "event=checkpoint_remote_retention_failed job=%s step=%d reason=%s",

@@ -45,6 +45,7 @@ from trainguard.trainer.manifest import (
     step_dir_name,
     verify_dir,
 )
+from trainguard.trainer.retention import RetentionPolicy, check_milestone_name
 from trainguard.trainer.s3 import S3Config, S3Store
 from trainguard.trainer.state import (
     SnapshotPool,
@@ -67,6 +68,7 @@ __all__ = [
 
 log = logging.getLogger("trainguard.trainer")
 
+_DEFAULT_KEEP_LAST = 3
 _FOREIGN = -2  # broadcast by rank 0 when the newest checkpoint belongs to another job
 
 
@@ -108,12 +110,21 @@ class CheckpointSettings:
     # Committed checkpoints kept (0: all); older ones go only after a newer one committed.
     keep_last: int = 3
     s3: S3Config | None = None
+    # Tiered retention (trainer/retention.py); None: the newest `keep_last` (its recent tier).
+    retention: RetentionPolicy | None = None
     # How long a new save, a stop or close() waits for the save in flight.
     checkpoint_timeout_s: float = 600.0
     # This launch's attempt epoch (trainer/fence.py); None: no fencing.
     epoch: int | None = None
     # With an epoch: how long rank 0 waits at start for its attempt's launch lock.
     launch_lock_timeout_s: float = 60.0
+
+    @property
+    def policy(self) -> RetentionPolicy:
+        """The retention policy in force: `retention`, or the newest `keep_last`."""
+        if self.retention is not None:
+            return self.retention
+        return RetentionPolicy(recent_last=self.keep_last)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ckpt_dir", Path(self.ckpt_dir).absolute())
@@ -123,6 +134,11 @@ class CheckpointSettings:
             )
         if self.keep_last < 0:
             raise ValueError(f"keep_last must be >= 0 (0 = keep all), got {self.keep_last}")
+        if self.retention is not None and self.keep_last != _DEFAULT_KEEP_LAST:
+            raise ValueError(
+                "keep_last and retention are both given: set retention.recent_last instead "
+                "(retention replaces keep_last)"
+            )
         if self.checkpoint_timeout_s <= 0:
             raise ValueError(
                 f"checkpoint_timeout_s must be positive, got {self.checkpoint_timeout_s}"
@@ -176,7 +192,7 @@ class CheckpointManager:
         self.writer = CheckpointWriter(
             ckpt_dir=self.ckpt_dir,
             coordinator=coordinator,
-            keep_last=settings.keep_last,
+            retention=settings.policy,
             job=job,
             version=__version__,
             run_nonce=run_nonce,
@@ -186,8 +202,16 @@ class CheckpointManager:
             clock=clock,
         )
         self.pool = SnapshotPool(clock=clock)
+        # Milestone names for the next checkpoint that starts (mark_milestone).
+        self._milestones: set[str] = set()
+        self._milestones_in_flight: tuple[str, ...] = ()
 
     # --- saving -----------------------------------------------------------------------------
+
+    def mark_milestone(self, name: str) -> None:
+        """Name the next checkpoint a milestone (e.g. "best-val"): retention keeps the newest
+        checkpoint of each name forever. A save that fails passes the name on to the next."""
+        self._milestones.add(check_milestone_name(name))
 
     def is_periodic(self, step: int) -> bool:
         every = self.settings.checkpoint_every
@@ -232,12 +256,15 @@ class CheckpointManager:
             )
             self._failed(step, request_id, str(e))
             return False
+        self._milestones_in_flight = tuple(sorted(self._milestones))
+        self._milestones.clear()
         self.writer.start(
             step=step,
             request_id=request_id,
             rank_state=snap["rank"],
             tensors=snap["tensors"],
             snapshot_bytes=self.pool.bytes,
+            milestones=self._milestones_in_flight,
         )
         return True
 
@@ -270,6 +297,9 @@ class CheckpointManager:
         """Report the outcomes of finished saves to `on_result`."""
         for r in self.writer.take_results():
             self.stale = self.stale or r.stale
+            if not r.ok:
+                self._milestones.update(self._milestones_in_flight)
+            self._milestones_in_flight = ()
             self._on_result(r)
 
     def close(self, timeout_s: float | None = None) -> None:

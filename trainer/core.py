@@ -46,6 +46,7 @@ from trainguard.trainer.fence import LaunchLocked, StaleAttempt, epoch_from_env
 from trainguard.trainer.hooks import StepHook
 from trainguard.trainer.launch import LaunchMismatch, check_launch
 from trainguard.trainer.nan_guard import NanGuard, NanPolicy, NanSettings
+from trainguard.trainer.retention import RetentionPolicy, retention_from_env
 from trainguard.trainer.s3 import S3Config
 from trainguard.trainer.signals import SignalGuard, SignalSettings
 from trainguard.trainer.sync import Agreement, Coordinator, DistCoordinator, LocalCoordinator
@@ -107,6 +108,7 @@ class Trainguard:
         ckpt_dir: str | os.PathLike[str],
         checkpoint_every: int = 0,
         keep_last: int = 3,
+        retention: RetentionPolicy | None = None,
         s3: S3Config | None = None,
         nan_policy: NanPolicy = "continue",
         skip_batches: int = 0,
@@ -130,6 +132,7 @@ class Trainguard:
             ckpt_dir=Path(ckpt_dir),
             checkpoint_every=checkpoint_every,
             keep_last=keep_last,
+            retention=retention if retention is not None else retention_from_env(),
             s3=s3,
             checkpoint_timeout_s=checkpoint_timeout_s,
             epoch=epoch if epoch is not None else epoch_from_env(),
@@ -340,6 +343,11 @@ class Trainguard:
         done). With DistributedDataParallel the backward pass contains the gradient
         all-reduce: wrap the forward pass and the loss only."""
         return self.compute_timer.measure(step=self._last_step + 1)
+
+    def mark_milestone(self, name: str) -> None:
+        """Name the next checkpoint a milestone (e.g. "best-val"), kept by retention forever
+        (the newest of each name); call `save()` after it to checkpoint now."""
+        self.checkpoints.mark_milestone(name)
 
     def save(self, step: int, *, wait: bool = False) -> bool:
         """Checkpoint the state after `step` now (every rank must call it at the same step).

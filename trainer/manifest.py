@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from trainguard.trainer.retention import CheckpointInfo, RetentionPolicy, select
+
 __all__ = [
     "MANIFEST_NAME",
     "CheckpointInvalid",
@@ -36,13 +38,16 @@ __all__ = [
     "Manifest",
     "apply_retention",
     "check_job",
+    "checkpoint_info",
     "clean_stale",
     "commit_dir",
     "find_latest_good",
     "fsync_dir",
     "hash_file",
     "list_committed",
+    "manifest_milestones",
     "new_tmp_dir",
+    "parse_manifest",
     "read_manifest",
     "step_dir_name",
     "verify_dir",
@@ -229,18 +234,24 @@ def read_manifest(directory: Path) -> Manifest:
         raise CheckpointInvalid(str(path), "manifest missing") from None
     except OSError as e:
         raise CheckpointInvalid(str(path), f"unreadable: {e.strerror or e}") from None
+    return parse_manifest(raw, where=str(path))
+
+
+def parse_manifest(raw: bytes, *, where: str) -> Manifest:
+    """A manifest from its bytes (a file, an S3 object); CheckpointInvalid naming `where`."""
+    path = where
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointInvalid(str(path), f"not valid JSON: {e}") from None
+        raise CheckpointInvalid(path, f"not valid JSON: {e}") from None
     try:
         if data.get("manifest_version") != MANIFEST_VERSION:
             raise CheckpointInvalid(
-                str(path), f"unsupported manifest_version {data.get('manifest_version')!r}"
+                path, f"unsupported manifest_version {data.get('manifest_version')!r}"
             )
         files = data["files"]
         if not isinstance(files, dict) or not files:
-            raise CheckpointInvalid(str(path), "files: empty or not a mapping")
+            raise CheckpointInvalid(path, "files: empty or not a mapping")
         for name, meta in files.items():
             if (
                 not isinstance(meta, dict)
@@ -249,7 +260,7 @@ def read_manifest(directory: Path) -> Manifest:
                 or os.path.isabs(name)
                 or ".." in Path(name).parts
             ):
-                raise CheckpointInvalid(str(path), f"files[{name!r}]: malformed entry")
+                raise CheckpointInvalid(path, f"files[{name!r}]: malformed entry")
         return Manifest(
             step=int(data["step"]),
             world_size=int(data["world_size"]),
@@ -265,7 +276,7 @@ def read_manifest(directory: Path) -> Manifest:
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         if isinstance(e, CheckpointInvalid):
             raise
-        raise CheckpointInvalid(str(path), f"malformed manifest: {e!r}") from None
+        raise CheckpointInvalid(path, f"malformed manifest: {e!r}") from None
 
 
 def verify_dir(directory: Path, *, expected_step: int | None = None) -> Manifest:
@@ -314,20 +325,57 @@ def find_latest_good(ckpt_dir: Path) -> tuple[int, Path, Manifest] | None:
     return next(iter_good(ckpt_dir), None)
 
 
-def apply_retention(ckpt_dir: Path, *, keep_last: int, newest_good_step: int) -> list[Path]:
-    """Delete committed checkpoints beyond the newest `keep_last`; never `newest_good_step`.
+def checkpoint_info(step: int, directory: Path) -> CheckpointInfo:
+    """What retention needs of a committed directory (its manifest unread or bad: no time)."""
+    try:
+        manifest = read_manifest(directory)
+    except CheckpointInvalid:
+        return CheckpointInfo(step=step, created_at=None)
+    return CheckpointInfo(
+        step=step, created_at=manifest.created_at, milestones=manifest_milestones(manifest)
+    )
 
-    Called only after a newer checkpoint committed, so an older one is never the last copy.
+
+def manifest_milestones(manifest: Manifest) -> tuple[str, ...]:
+    """The milestone names a manifest carries (`extra.milestones`); malformed ones ignored."""
+    names = manifest.extra.get("milestones")
+    if not isinstance(names, list):
+        return ()
+    return tuple(n for n in names if isinstance(n, str))
+
+
+def apply_retention(
+    ckpt_dir: Path,
+    *,
+    policy: RetentionPolicy,
+    now: float,
+    newest_good_step: int,
+    dry_run: bool = False,
+) -> list[Path]:
+    """Delete the committed checkpoints no tier of `policy` keeps (trainer/retention.py);
+    never `newest_good_step` or anything newer. Returns what it deleted (`dry_run`: what it
+    would delete, deleting nothing).
+
+    Called only after a newer checkpoint committed (or verified), so an older one is never the
+    last copy.
     """
     removed: list[Path] = []
-    if keep_last <= 0:
+    if policy.keeps_all:
         return removed
     committed = list_committed(ckpt_dir)
-    for step, path in committed[keep_last:]:
-        if step >= newest_good_step:
+    tiers = select(
+        policy=policy,
+        checkpoints=[checkpoint_info(step, path) for step, path in committed],
+        now=now,
+        newest_good_step=newest_good_step,
+    )
+    for step, path in committed:
+        if tiers[step] or step >= newest_good_step:
+            continue
+        removed.append(path)
+        if dry_run:
             continue
         shutil.rmtree(path, ignore_errors=True)
-        removed.append(path)
         log.info("event=checkpoint_deleted step=%d dir=%s reason=retention", step, path)
     return removed
 

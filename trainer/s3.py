@@ -1,13 +1,13 @@
 """Optional S3 copy of committed checkpoints (boto3, imported here and only when configured).
 
 Upload: every file of a committed checkpoint, `manifest.json` last, so an object listing that
-has the manifest has the whole checkpoint. Retention: after an upload, the bucket keeps the
-same newest `keep_last` checkpoints as the disk; an older one loses its manifest first, so a
-deletion cut short never leaves something that looks complete. Download: the newest remote
-checkpoint whose manifest exists, into a temporary local directory that the caller verifies
-and commits; a manifest of another job stops the download before any other file is fetched.
-Keys live under `prefix`, by default `trainguard/<job>`, so jobs sharing a bucket never see
-each other's checkpoints.
+has the manifest has the whole checkpoint. Retention: after an upload, the bucket keeps what
+the job's retention policy keeps (trainer/retention.py, as on disk); an older checkpoint loses
+its manifest first, so a deletion cut short never leaves something that looks complete.
+Download: the newest remote checkpoint whose manifest exists, into a temporary local
+directory that the caller verifies and commits; a manifest of another job stops the download
+before any other file is fetched. Keys live under `prefix`, by default `trainguard/<job>`, so
+jobs sharing a bucket never see each other's checkpoints.
 """
 
 from __future__ import annotations
@@ -18,7 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainguard.trainer.manifest import MANIFEST_NAME, check_job, read_manifest
+from trainguard.trainer.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    check_job,
+    manifest_milestones,
+    parse_manifest,
+    read_manifest,
+)
+from trainguard.trainer.retention import CheckpointInfo, RetentionPolicy, select
 
 __all__ = ["S3Config", "S3Store"]
 
@@ -60,6 +68,9 @@ class S3Store:
         self._client: Any = boto3.client(
             "s3", endpoint_url=config.endpoint_url, region_name=config.region_name
         )
+        # Manifests read for retention, by step: a committed step's manifest does not change
+        # (an upload of the same step again replaces the entry).
+        self._manifests: dict[int, Manifest] = {}
 
     def _key(self, *parts: str) -> str:
         return "/".join(p for p in (self.prefix, *parts) if p)
@@ -76,12 +87,20 @@ class S3Store:
             self.config.bucket,
             self._key(directory.name, MANIFEST_NAME),
         )
+        self._manifests[manifest.step] = manifest
         log.info(
             "event=checkpoint_uploaded step=%d bucket=%s key=%s",
             manifest.step,
             self.config.bucket,
             self._key(directory.name),
         )
+
+    def listed_steps(self) -> list[int]:
+        """Every step with any object in the bucket (complete or not), newest first."""
+        return self._step_prefixes()
+
+    def has_manifest(self, step: int) -> bool:
+        return self._has_manifest(step)
 
     def _step_prefixes(self) -> list[int]:
         """Every step with any object in the bucket (complete or not), newest first."""
@@ -109,24 +128,53 @@ class S3Store:
         """Steps with a manifest in the bucket, newest first."""
         return [s for s in self._step_prefixes() if self._has_manifest(s)]
 
-    def apply_retention(self, *, keep_last: int, newest_step: int) -> list[int]:
-        """Delete remote checkpoints beyond the newest `keep_last` complete ones (0 = keep all),
-        and incomplete uploads older than those; never `newest_step` or anything newer.
-        Returns the steps deleted."""
-        if keep_last <= 0:
+    def manifest(self, step: int) -> Manifest:
+        """The manifest of remote checkpoint `step` (CheckpointInvalid when it is malformed)."""
+        cached = self._manifests.get(step)
+        if cached is not None:
+            return cached
+        key = self._key(f"step_{step:06d}", MANIFEST_NAME)
+        raw = self._client.get_object(Bucket=self.config.bucket, Key=key)["Body"].read()
+        manifest = parse_manifest(raw, where=f"s3://{self.config.bucket}/{key}")
+        self._manifests[step] = manifest
+        return manifest
+
+    def _info(self, step: int) -> CheckpointInfo:
+        try:
+            manifest = self.manifest(step)
+        except Exception:  # unreadable or malformed: only the count-based tiers hold it
+            return CheckpointInfo(step=step, created_at=None)
+        return CheckpointInfo(
+            step=step, created_at=manifest.created_at, milestones=manifest_milestones(manifest)
+        )
+
+    def apply_retention(
+        self, *, policy: RetentionPolicy, now: float, newest_step: int, dry_run: bool = False
+    ) -> list[int]:
+        """Delete the remote checkpoints no tier of `policy` keeps, and incomplete uploads
+        older than `newest_step` (a complete upload); never `newest_step` or anything newer.
+        Returns the steps deleted (`dry_run`: the steps it would delete, deleting nothing)."""
+        if policy.keeps_all:
             return []
         steps = self._step_prefixes()
         complete = [s for s in steps if self._has_manifest(s)]
-        kept = complete[:keep_last]
-        if len(kept) < keep_last:
+        if newest_step not in complete:
             return []
-        oldest_kept = min(kept)
+        tiers = select(
+            policy=policy,
+            checkpoints=[self._info(s) for s in complete],
+            now=now,
+            newest_good_step=newest_step,
+        )
         deleted: list[int] = []
         for step in steps:
-            if step >= oldest_kept or step >= newest_step:
+            if step >= newest_step or tiers.get(step):
+                continue
+            deleted.append(step)
+            if dry_run:
                 continue
             self._delete_step(step)
-            deleted.append(step)
+            self._manifests.pop(step, None)
             log.info(
                 "event=checkpoint_deleted step=%d bucket=%s key=%s reason=retention",
                 step,
@@ -149,15 +197,18 @@ class S3Store:
                     Bucket=self.config.bucket, Delete={"Objects": batch, "Quiet": True}
                 )
 
-    def download(self, step: int, dest: Path) -> None:
-        """Fetch checkpoint `step` into `dest` (manifest first, then the files it lists)."""
+    def download(self, step: int, dest: Path, *, any_job: bool = False) -> None:
+        """Fetch checkpoint `step` into `dest` (manifest first, then the files it lists);
+        `any_job`: no check that it is this store's job's (an operator's tool reading it)."""
         name = f"step_{step:06d}"
         dest.mkdir(parents=True, exist_ok=True)
         self._client.download_file(
             self.config.bucket, self._key(name, MANIFEST_NAME), str(dest / MANIFEST_NAME)
         )
         manifest = read_manifest(dest)
-        check_job(manifest, job=self.job, where=f"s3://{self.config.bucket}/{self._key(name)}")
+        if not any_job:
+            where = f"s3://{self.config.bucket}/{self._key(name)}"
+            check_job(manifest, job=self.job, where=where)
         for fname in sorted(manifest.files):
             target = dest / fname
             target.parent.mkdir(parents=True, exist_ok=True)

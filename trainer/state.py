@@ -37,6 +37,7 @@ __all__ = [
     "fill_tensors",
     "restore_rng",
     "split_tensors",
+    "tensor_refs",
 ]
 
 _TENSOR_REF = "__trainguard_tensor__"
@@ -144,6 +145,17 @@ def split_tensors(obj: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor], 
 
     skeleton = walk(obj, prefix)
     return flat, skeleton
+
+
+def tensor_refs(skeleton: Any) -> list[str]:
+    """The flat names a skeleton refers to (the keys `fill_tensors` will look up)."""
+    if isinstance(skeleton, Mapping):
+        if set(skeleton.keys()) == {_TENSOR_REF}:
+            return [str(skeleton[_TENSOR_REF])]
+        return [r for v in skeleton.values() for r in tensor_refs(v)]
+    if isinstance(skeleton, list | tuple):
+        return [r for v in skeleton for r in tensor_refs(v)]
+    return []
 
 
 def fill_tensors(skeleton: Any, flat: Mapping[str, torch.Tensor]) -> Any:

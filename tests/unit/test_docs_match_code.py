@@ -1,7 +1,7 @@
 """What docs/*.md and README.md quote exists in the code: every metric name, rule name,
-agentctl and trainguard-controller subcommand, and controller or agent config key. A doc that
-names something the code does not have (a renamed rule, a removed subcommand, a misspelt
-key) fails here with the file and the name."""
+agentctl, trainguard-controller and trainguard-ckpt subcommand, and controller or agent config
+key. A doc that names something the code does not have (a renamed rule, a removed subcommand,
+a misspelt key) fails here with the file and the name."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from trainguard.controller.cli.parser import build_parser
 from trainguard.controller.config import ControllerConfig
 from trainguard.controller.main import SUBCOMMANDS as CONTROLLER_SUBCOMMANDS
 from trainguard.signals import SIGNALS
+from trainguard.trainer.ckpttool.cli import build_parser as build_ckpt_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
@@ -188,6 +189,17 @@ def test_every_controller_subcommand_the_docs_quote_exists() -> None:
         for doc, quote in _doc_quotes()
         for m in re.finditer(r"\btrainguard-controller\s+([a-z][a-z-]*)", quote)
         if m.group(1) not in CONTROLLER_SUBCOMMANDS
+    }
+    assert not wrong, wrong
+
+
+def test_every_trainguard_ckpt_subcommand_the_docs_quote_exists() -> None:
+    ckpt = _subcommands(build_ckpt_parser())
+    wrong = {
+        f"{doc}: trainguard-ckpt {m.group(1)}"
+        for doc, quote in _doc_quotes()
+        for m in re.finditer(r"\btrainguard-ckpt\s+([a-z][a-z-]*)", quote)
+        if m.group(1) not in ckpt
     }
     assert not wrong, wrong
 

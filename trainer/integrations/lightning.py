@@ -37,6 +37,7 @@ from trainguard.trainer.manifest import (
     step_dir_name,
     write_manifest,
 )
+from trainguard.trainer.retention import RetentionPolicy
 from trainguard.trainer.sampler import ResumableSampler
 
 __all__ = ["CKPT_FILE", "TrainguardCallback"]
@@ -229,7 +230,12 @@ class TrainguardCallback(pl.Callback):
         )
         write_manifest(tmp, manifest)
         commit_dir(tmp, self.ckpt_dir / step_dir_name(step))
-        apply_retention(self.ckpt_dir, keep_last=self.keep_last, newest_good_step=step)
+        apply_retention(
+            self.ckpt_dir,
+            policy=RetentionPolicy(recent_last=self.keep_last),
+            now=self._clock.now(),
+            newest_good_step=step,
+        )
 
     def _end_compute(self) -> None:
         if self._compute is not None:

@@ -84,7 +84,7 @@ def test_equal_and_newer_attempts_commit(tmp_path: Path, directory_epoch: int) -
     job.run(tg, tg.resume(first_step=1), 10)
     tg.close()
     assert committed_steps(ckpt) == [5, 10]
-    assert [read_manifest(p).extra for _, p in list_committed(ckpt)] == [{"epoch": 2}] * 2
+    assert [read_manifest(p).extra["epoch"] for _, p in list_committed(ckpt)] == [2] * 2
 
 
 def test_without_an_epoch_there_is_no_fencing(

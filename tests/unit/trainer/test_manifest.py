@@ -28,6 +28,7 @@ from trainguard.trainer.manifest import (
     verify_dir,
     write_manifest,
 )
+from trainguard.trainer.retention import RetentionPolicy
 
 
 def make_checkpoint(ckpt_dir: Path, step: int, payload: bytes = b"") -> Path:
@@ -174,7 +175,9 @@ def test_commit_over_an_existing_step_replaces_it(tmp_path: Path) -> None:
 def test_retention_keeps_the_newest_k(tmp_path: Path) -> None:
     for s in (10, 20, 30, 40):
         make_checkpoint(tmp_path, s)
-    removed = apply_retention(tmp_path, keep_last=2, newest_good_step=40)
+    removed = apply_retention(
+        tmp_path, policy=RetentionPolicy(recent_last=2), now=0.0, newest_good_step=40
+    )
     assert sorted(p.name for p in removed) == ["step_000010", "step_000020"]
     assert [s for s, _ in list_committed(tmp_path)] == [40, 30]
 
@@ -184,7 +187,7 @@ def test_retention_never_deletes_the_newest_good_checkpoint(tmp_path: Path) -> N
     # one must survive even when it falls outside keep-last.
     for s in (10, 20, 30):
         make_checkpoint(tmp_path, s)
-    apply_retention(tmp_path, keep_last=1, newest_good_step=10)
+    apply_retention(tmp_path, policy=RetentionPolicy(recent_last=1), now=0.0, newest_good_step=10)
     assert 10 in [s for s, _ in list_committed(tmp_path)]
 
 

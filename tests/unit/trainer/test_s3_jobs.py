@@ -5,35 +5,14 @@ from __future__ import annotations
 
 import logging
 import shutil
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import boto3
 import pytest
-from moto.server import ThreadedMotoServer
 
 from tests.unit.trainer.trainer_helpers import TinyJob
 from trainguard.trainer import ForeignCheckpoint, S3Config
 from trainguard.trainer.manifest import Manifest, check_job, list_committed
-
-
-@pytest.fixture
-def endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    # Credentials for the local server only; boto3 reads them from the environment.
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    url = f"http://{host}:{port}"
-    # moto keeps its buckets in this process, across servers: start and leave it empty
-    urllib.request.urlopen(urllib.request.Request(f"{url}/moto-api/reset", method="POST"))
-    boto3.client("s3", endpoint_url=url).create_bucket(Bucket="ckpts")
-    yield url
-    urllib.request.urlopen(urllib.request.Request(f"{url}/moto-api/reset", method="POST"))
-    server.stop()
 
 
 def remote_steps(endpoint: str, prefix: str) -> dict[int, set[str]]:

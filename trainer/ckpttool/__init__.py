@@ -1,0 +1,6 @@
+"""`trainguard-ckpt`: list, verify, show, prune and export a job's checkpoints (local or S3).
+
+cli.py parses and prints; sources.py reads a checkpoint directory or bucket through the
+trainer's own reader and verifier; export.py consolidates a checkpoint's model weights from
+its per-rank shards into one safetensors file.
+"""
