@@ -16,6 +16,7 @@ from collections.abc import Callable, Hashable
 from typing import TypeVar
 
 from trainguard.clock import Clock
+from trainguard.controller.ckptadvisor import CheckpointAdvisor
 from trainguard.controller.errors import BadRequest, NotFound
 from trainguard.controller.jobs import JobManager
 from trainguard.controller.lemons import LemonPolicy
@@ -86,8 +87,10 @@ class QueryService:
         node_silent_after_s: float,
         scheduler_jobs: Callable[..., list[JobView]] = lambda *, now: [],
         lemons: LemonPolicy | None = None,
+        advisor: CheckpointAdvisor | None = None,
     ) -> None:
         self._live = live
+        self._advisor = advisor  # each job's checkpoint interval, current against optimal
         self._lemons = lemons  # the hardware incident history `describe node` shows
         # jobs a scheduler (Slurm) runs beyond the job table: shown instead of their
         # heartbeat-only view
@@ -220,6 +223,12 @@ class QueryService:
 
     # --- jobs -------------------------------------------------------------------------------
 
+    def _with_advice(self, view: JobView) -> JobView:
+        if self._advisor is None:
+            return view
+        advice = self._advisor.advice(view.name, nodes=len(view.nodes))
+        return view if advice is None else dataclasses.replace(view, checkpoint_interval=advice)
+
     def _with_ckpt_health(self, view: JobView) -> JobView:
         age_s, failures = self._jobs.checkpoint_health(view.name)
         return dataclasses.replace(view, ckpt_age_s=age_s, ckpt_failures=failures)
@@ -251,9 +260,12 @@ class QueryService:
         # outside the live lock: the ranks' checkpoint health takes the job manager's lock
         for view in seen_only:
             views[view.name] = self._with_ckpt_health(view)
-        return [views[n] for n in sorted(views)]
+        return [self._with_advice(views[n]) for n in sorted(views)]
 
     def get_job(self, name: str) -> JobView:
+        return self._with_advice(self._job_view(name))
+
+    def _job_view(self, name: str) -> JobView:
         rec = self._jobs.get(name)
         if rec is not None:
             return self._jobs.view(rec, now=self._clock.now())

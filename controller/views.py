@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from trainguard.controller.ckptinterval import IntervalAdvice
+
 NodeRole = Literal["active", "spare"]
 # controller.nodestate.NodeState's values
 NodeState = Literal[
@@ -144,6 +146,10 @@ class JobView:
     # job's id there (the Slurm job id)
     scheduler: str = ""
     scheduler_job_id: str = ""
+    # the checkpoint interval the job runs with against the optimal one (Young/Daly from the
+    # measured checkpoint cost, restart time and MTBF), with the expected waste of each; None
+    # before a checkpoint of the job committed
+    checkpoint_interval: IntervalAdvice | None = None
 
 
 @dataclass(frozen=True)
