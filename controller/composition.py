@@ -238,6 +238,7 @@ class Controller:
                 store=self.store,
                 jobs=self.jobs,
                 config=config.economics,
+                cost=config.cost,
                 clock=clock,
                 node_count=lambda: len(live.nodes),
                 started_at=clock.now(),

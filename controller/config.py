@@ -569,6 +569,20 @@ class EconomicsConfig:
             raise Invalid("restart_prior_s", "must be a finite number >= 0")
 
 
+@dataclass(frozen=True)
+class CostConfig:
+    """What failures cost in money (docs/controller.md "Cost of failures")."""
+
+    # Price of one GPU-hour, in the operator's currency; unset: GPU-hours only.
+    gpu_hour: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.gpu_hour is not None and not (
+            math.isfinite(self.gpu_hour) and 0 < self.gpu_hour <= 1_000_000
+        ):
+            raise Invalid("gpu_hour", f"must be a number in (0, 1000000], got {self.gpu_hour}")
+
+
 _DAY_S = 86400.0
 
 
@@ -784,6 +798,8 @@ class ControllerConfig:
     lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
     # The checkpoint interval advice's priors (docs/controller.md "Checkpoint interval").
     economics: EconomicsConfig = field(default_factory=EconomicsConfig)
+    # The price of a GPU-hour, for the cost of failures in money.
+    cost: CostConfig = field(default_factory=CostConfig)
     # Where jobs run: torchrun launched by the agents (default) or Slurm (docs/slurm.md).
     backend: BackendConfig = field(default_factory=BackendConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -847,6 +863,7 @@ __all__ = [
     "ConfigError",
     "ConnectionsConfig",
     "ControllerConfig",
+    "CostConfig",
     "EconomicsConfig",
     "JobsConfig",
     "LogConfig",

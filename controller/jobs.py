@@ -227,6 +227,9 @@ class _Live:
     ckpt_failed: list[tuple[float, str]] = field(default_factory=list)  # (ts, request_id)
     # (step, s): what each committed checkpoint cost the loop, per rank's commit event
     ckpt_costs: list[tuple[int, float]] = field(default_factory=list)
+    # seconds the job's saves held its loop since this controller started (per step, the
+    # slowest rank's): the checkpoint overhead of controller.failurecost
+    ckpt_block_total_s: float = 0.0
     # the highest step and newest checkpoint any rank reported, kept after the ranks are
     # gone: a job outside the job table (Slurm) has no stored values to fall back on
     top_step: int | None = None
@@ -654,11 +657,19 @@ class JobManager:
                 cost = _checkpoint_cost_s(e.data)
                 step = e.data.get("step")
                 if cost is not None and isinstance(step, int):
-                    self._push(e.job, "ckpt_costs", (step, cost))
+                    self._note_commit(e.job, step, cost)
             elif e.kind == EventKind.CHECKPOINT_FAILED and e.job:
                 rid = e.data.get("request_id")
                 if isinstance(rid, str):
                     self._push(e.job, "ckpt_failed", (now, rid))
+
+    def _note_commit(self, job: str, step: int, cost_s: float) -> None:
+        with self._lock:
+            live = self._live.setdefault(job, _Live())
+            before = max((c for st, c in live.ckpt_costs if st == step), default=0.0)
+            live.ckpt_block_total_s += max(0.0, cost_s - before)
+            live.ckpt_costs.append((step, cost_s))
+            del live.ckpt_costs[:-_KEEP_EVENTS]
 
     def _push(self, job: str, attr: str, item: Any) -> None:
         with self._lock:
@@ -845,6 +856,13 @@ class JobManager:
         for step, cost in costs:
             per_step[step] = max(cost, per_step.get(step, 0.0))
         return sum(per_step.values()) / len(per_step) if per_step else None
+
+    def checkpoint_block_total_s(self, job: str) -> float | None:
+        """Seconds the job's saves held its loop since this controller started (None before
+        one committed)."""
+        with self._lock:
+            live = self._live.get(job)
+            return live.ckpt_block_total_s if live is not None and live.ckpt_costs else None
 
     def step_time_s(self, job: str) -> float | None:
         """The job's step time, s: the slowest reporting rank's (None before one timed)."""

@@ -360,6 +360,15 @@ class _JobsCollector:
                     gauges["current"].add_metric(labels, advice.current_s)
                 if advice.current_waste is not None:
                     gauges["current_waste"].add_metric(labels, advice.current_waste)
+            cost = job.failure_cost
+            if cost is not None:
+                gauges["lost_gpu_hours"].add_metric(labels, cost.lost_gpu_hours)
+                if cost.checkpoint_overhead_gpu_hours is not None:
+                    gauges["overhead_gpu_hours"].add_metric(
+                        labels, cost.checkpoint_overhead_gpu_hours
+                    )
+                if cost.lost_money is not None:
+                    gauges["lost_money"].add_metric(labels, cost.lost_money)
             restarts.add_metric(labels, job.restarts)
         yield from gauges.values()
         yield restarts
@@ -429,6 +438,20 @@ _INTERVAL_GAUGES = {
     "optimal_waste": (
         "trainguard_controller_job_checkpoint_waste_optimal_ratio",
         "Expected fraction of time lost with the optimal interval.",
+    ),
+    # the cost of failures per job (controller.failurecost)
+    "lost_gpu_hours": (
+        "trainguard_controller_job_lost_gpu_hours",
+        "GPU-hours the job's failures cost within economics.mtbf_window_s (downtime and redone"
+        " steps, times its GPUs).",
+    ),
+    "overhead_gpu_hours": (
+        "trainguard_controller_job_checkpoint_overhead_gpu_hours",
+        "GPU-hours the job's checkpoints held its loop since the controller started.",
+    ),
+    "lost_money": (
+        "trainguard_controller_job_lost_cost",
+        "What the job's lost GPU-hours cost at cost.gpu_hour (absent without a price).",
     ),
 }
 

@@ -210,10 +210,12 @@ class QueryService:
             incident = self._store.incidents.get(incident_id)
             if incident is None:
                 return None
-            return IncidentDetail(
-                incident=incident,
-                timeline=tuple(self._store.incidents.timeline(incident_id)),
-                actions=tuple(self._store.actions.for_incident(incident_id)),
+            return self._incident_cost(
+                IncidentDetail(
+                    incident=incident,
+                    timeline=tuple(self._store.incidents.timeline(incident_id)),
+                    actions=tuple(self._store.actions.for_incident(incident_id)),
+                )
             )
 
         detail = self.last_answers.ask(("incident", incident_id), read)
@@ -224,10 +226,32 @@ class QueryService:
     # --- jobs -------------------------------------------------------------------------------
 
     def _with_advice(self, view: JobView) -> JobView:
+        """The job's checkpoint interval advice and failure cost (controller.ckptadvisor)."""
         if self._advisor is None:
             return view
-        advice = self._advisor.advice(view.name, nodes=len(view.nodes))
-        return view if advice is None else dataclasses.replace(view, checkpoint_interval=advice)
+        return dataclasses.replace(
+            view,
+            checkpoint_interval=self._advisor.advice(view.name, nodes=len(view.nodes)),
+            failure_cost=self._advisor.job_cost(view.name, gpus=view.world_size or view.ranks),
+        )
+
+    def _incident_cost(self, detail: IncidentDetail) -> IncidentDetail:
+        """The cost of the incident's restart or rollback to its job (store reads: called
+        inside the remembered read)."""
+        outputs = [
+            self._store.actions.output(a.id)
+            for a in detail.actions
+            if a.kind in ("restart", "rollback") and a.state == "succeeded"
+        ]
+        job = detail.incident.job or next(
+            (str(o["job"]) for o in outputs if isinstance(o.get("job"), str)), None
+        )
+        if self._advisor is None or job is None or not outputs:
+            return detail
+        rec = self._jobs.get(job)
+        gpus = len(rec.nodes) * rec.nproc_per_node if rec is not None else 0
+        cost = self._advisor.incident_cost(job=job, outputs=outputs, gpus=gpus)
+        return detail if cost is None else dataclasses.replace(detail, cost=cost)
 
     def _with_ckpt_health(self, view: JobView) -> JobView:
         age_s, failures = self._jobs.checkpoint_health(view.name)

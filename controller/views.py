@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from trainguard.controller.ckptinterval import IntervalAdvice
+from trainguard.controller.failurecost import FailureCost
 
 NodeRole = Literal["active", "spare"]
 # controller.nodestate.NodeState's values
@@ -117,6 +118,8 @@ class IncidentDetail:
     incident: IncidentView
     timeline: tuple[TimelineEntry, ...] = ()
     actions: tuple[ActionView, ...] = ()
+    # GPU-hours (and money) the incident's restart or rollback cost its job; None without one
+    cost: FailureCost | None = None
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,9 @@ class JobView:
     # measured checkpoint cost, restart time and MTBF), with the expected waste of each; None
     # before a checkpoint of the job committed
     checkpoint_interval: IntervalAdvice | None = None
+    # GPU-hours (and money at cost.gpu_hour) its failures cost within economics.mtbf_window_s,
+    # and its checkpoints since the controller started; None while there is neither
+    failure_cost: FailureCost | None = None
 
 
 @dataclass(frozen=True)

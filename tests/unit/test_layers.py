@@ -405,6 +405,7 @@ CONTROLLER_LAYER_OF: dict[str, str] = {
     "actionkinds": "base",  # the ActionKind table: rules, jobs and actions all ask it
     "nodestate": "base",  # the NodeState table: the store, metrics and the drain steps ask it
     "ckptinterval": "base",  # Young/Daly and the expected waste: pure arithmetic
+    "failurecost": "base",  # GPU-hours and money lost to failures: pure arithmetic
     "store": "store",
     "backup": "store",
     "livestate": "state",
