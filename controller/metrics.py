@@ -362,10 +362,11 @@ class _JobsCollector:
                     gauges["current_waste"].add_metric(labels, advice.current_waste)
             cost = job.failure_cost
             if cost is not None:
-                gauges["lost_gpu_hours"].add_metric(labels, cost.lost_gpu_hours)
+                # GPU-seconds: Prometheus' base unit (the views say GPU-hours)
+                gauges["lost_gpu_s"].add_metric(labels, cost.lost_gpu_hours * 3600.0)
                 if cost.checkpoint_overhead_gpu_hours is not None:
-                    gauges["overhead_gpu_hours"].add_metric(
-                        labels, cost.checkpoint_overhead_gpu_hours
+                    gauges["overhead_gpu_s"].add_metric(
+                        labels, cost.checkpoint_overhead_gpu_hours * 3600.0
                     )
                 if cost.lost_money is not None:
                     gauges["lost_money"].add_metric(labels, cost.lost_money)
@@ -440,14 +441,14 @@ _INTERVAL_GAUGES = {
         "Expected fraction of time lost with the optimal interval.",
     ),
     # the cost of failures per job (controller.failurecost)
-    "lost_gpu_hours": (
-        "trainguard_controller_job_lost_gpu_hours",
-        "GPU-hours the job's failures cost within economics.mtbf_window_s (downtime and redone"
+    "lost_gpu_s": (
+        "trainguard_controller_job_lost_gpu_seconds",
+        "GPU-seconds the job's failures cost within economics.mtbf_window_s (downtime and redone"
         " steps, times its GPUs).",
     ),
-    "overhead_gpu_hours": (
-        "trainguard_controller_job_checkpoint_overhead_gpu_hours",
-        "GPU-hours the job's checkpoints held its loop since the controller started.",
+    "overhead_gpu_s": (
+        "trainguard_controller_job_checkpoint_overhead_gpu_seconds",
+        "GPU-seconds the job's checkpoints held its loop since the controller started.",
     ),
     "lost_money": (
         "trainguard_controller_job_lost_cost",

@@ -87,6 +87,6 @@ def test_a_restart_costs_the_job_and_its_incident_gpu_hours(sim: Sim) -> None:
     assert after is not None and after.failures == 1
     assert after.lost_gpu_hours == pytest.approx(incident.lost_gpu_hours, rel=0.5)
     text = generate_latest(sim.c.metrics.registry).decode()
-    assert 'trainguard_controller_job_lost_gpu_hours{job="job"}' in text
-    assert 'trainguard_controller_job_checkpoint_overhead_gpu_hours{job="job"}' in text
+    assert 'trainguard_controller_job_lost_gpu_seconds{job="job"}' in text
+    assert 'trainguard_controller_job_checkpoint_overhead_gpu_seconds{job="job"}' in text
     assert "trainguard_controller_job_lost_cost{" not in text
