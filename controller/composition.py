@@ -32,6 +32,7 @@ from trainguard.controller.actions.worker import ActionRunner
 from trainguard.controller.backends.base import Capability, step_handlers
 from trainguard.controller.backends.build import build_backend
 from trainguard.controller.backends.slurm.cli import SlurmRunner
+from trainguard.controller.ckptadvisor import CheckpointAdvisor
 from trainguard.controller.config import ControllerConfig
 from trainguard.controller.incidents import IncidentManager
 from trainguard.controller.jobnames import JobNames
@@ -235,6 +236,15 @@ class Controller:
             node_silent_after_s=config.node_silent_after_s,
             scheduler_jobs=self.backend.job_views,
             lemons=self.lemons,
+            advisor=CheckpointAdvisor(
+                store=self.store,
+                jobs=self.jobs,
+                config=config.economics,
+                cost=config.cost,
+                clock=clock,
+                node_count=lambda: len(live.nodes),
+                started_at=clock.now(),
+            ),
         )
         self.operations = OperatorService(
             live=live,

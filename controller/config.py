@@ -577,6 +577,51 @@ class LifecycleConfig:
             raise Invalid("preflight_ckpt_dir", "must not contain NUL bytes")
 
 
+@dataclass(frozen=True)
+class EconomicsConfig:
+    """The checkpoint interval advice (docs/controller.md "Checkpoint interval"): the priors
+    it starts from until the cluster has a history of its own."""
+
+    # A node's MTBF before the cluster has history, s. 8000 h is Llama 3's hardware rate
+    # (about 330 hardware interruptions in 54 days on 2048 nodes of 8 GPUs).
+    node_mtbf_prior_s: float = 8000 * 3600.0
+    # How many node incidents the prior weighs as: with fewer seen, the prior dominates.
+    node_mtbf_prior_incidents: float = 3.0
+    # The hardware incidents counted (and the node-time they are counted over), s.
+    mtbf_window_s: float = 30 * 86400.0
+    # A job's restart time until one of its restarts was measured, s (detect + restart).
+    restart_prior_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        for key, value in (
+            ("node_mtbf_prior_s", self.node_mtbf_prior_s),
+            ("mtbf_window_s", self.mtbf_window_s),
+        ):
+            if not (math.isfinite(value) and value > 0):
+                raise Invalid(key, f"must be a finite number > 0, got {value}")
+        if not 0 < self.node_mtbf_prior_incidents <= 1000:
+            raise Invalid(
+                "node_mtbf_prior_incidents",
+                f"must be in (0, 1000], got {self.node_mtbf_prior_incidents}",
+            )
+        if not (math.isfinite(self.restart_prior_s) and self.restart_prior_s >= 0):
+            raise Invalid("restart_prior_s", "must be a finite number >= 0")
+
+
+@dataclass(frozen=True)
+class CostConfig:
+    """What failures cost in money (docs/controller.md "Cost of failures")."""
+
+    # Price of one GPU-hour, in the operator's currency; unset: GPU-hours only.
+    gpu_hour: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.gpu_hour is not None and not (
+            math.isfinite(self.gpu_hour) and 0 < self.gpu_hour <= 1_000_000
+        ):
+            raise Invalid("gpu_hour", f"must be a number in (0, 1000000], got {self.gpu_hour}")
+
+
 _DAY_S = 86400.0
 
 
@@ -790,6 +835,10 @@ class ControllerConfig:
     actions: ActionsConfig = field(default_factory=ActionsConfig)
     jobs: JobsConfig = field(default_factory=JobsConfig)
     lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
+    # The checkpoint interval advice's priors (docs/controller.md "Checkpoint interval").
+    economics: EconomicsConfig = field(default_factory=EconomicsConfig)
+    # The price of a GPU-hour, for the cost of failures in money.
+    cost: CostConfig = field(default_factory=CostConfig)
     # Where jobs run: torchrun launched by the agents (default) or Slurm (docs/slurm.md).
     backend: BackendConfig = field(default_factory=BackendConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -855,6 +904,8 @@ __all__ = [
     "ConfigError",
     "ConnectionsConfig",
     "ControllerConfig",
+    "CostConfig",
+    "EconomicsConfig",
     "JobsConfig",
     "LogConfig",
     "MaintenanceConfig",

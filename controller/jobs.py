@@ -29,7 +29,7 @@ import logging
 import math
 import re
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -204,6 +204,17 @@ class NodeAccess(Protocol):
         """Re-read a node row the job manager changed in the store."""
 
 
+def _checkpoint_cost_s(data: Mapping[str, Any]) -> float | None:
+    """A commit event's cost to the loop: `block_s` (an async save's snapshot), else
+    `duration_s` (a trainer that does not say how long it blocked: the save in full)."""
+    for key in ("block_s", "duration_s"):
+        value = data.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            if math.isfinite(value) and value >= 0:
+                return float(value)
+    return None
+
+
 @dataclass
 class _Live:
     """What the agents report now about one job (in memory; rebuilt from reports)."""
@@ -214,6 +225,11 @@ class _Live:
     nan_steps: list[tuple[float, int]] = field(default_factory=list)  # (ts, step)
     rollbacks: list[tuple[float, int]] = field(default_factory=list)  # (ts, to_step)
     ckpt_failed: list[tuple[float, str]] = field(default_factory=list)  # (ts, request_id)
+    # (step, s): what each committed checkpoint cost the loop, per rank's commit event
+    ckpt_costs: list[tuple[int, float]] = field(default_factory=list)
+    # seconds the job's saves held its loop since this controller started (per step, the
+    # slowest rank's): the checkpoint overhead of controller.failurecost
+    ckpt_block_total_s: float = 0.0
     # the highest step and newest checkpoint any rank reported, kept after the ranks are
     # gone: a job outside the job table (Slurm) has no stored values to fall back on
     top_step: int | None = None
@@ -637,10 +653,23 @@ class JobManager:
             ):
                 to_step = e.data.get("to_step")
                 self._push(e.job, "rollbacks", (now, to_step if isinstance(to_step, int) else -1))
+            elif e.kind == EventKind.CHECKPOINT_COMMITTED and e.job:
+                cost = _checkpoint_cost_s(e.data)
+                step = e.data.get("step")
+                if cost is not None and isinstance(step, int):
+                    self._note_commit(e.job, step, cost)
             elif e.kind == EventKind.CHECKPOINT_FAILED and e.job:
                 rid = e.data.get("request_id")
                 if isinstance(rid, str):
                     self._push(e.job, "ckpt_failed", (now, rid))
+
+    def _note_commit(self, job: str, step: int, cost_s: float) -> None:
+        with self._lock:
+            live = self._live.setdefault(job, _Live())
+            before = max((c for st, c in live.ckpt_costs if st == step), default=0.0)
+            live.ckpt_block_total_s += max(0.0, cost_s - before)
+            live.ckpt_costs.append((step, cost_s))
+            del live.ckpt_costs[:-_KEEP_EVENTS]
 
     def _push(self, job: str, attr: str, item: Any) -> None:
         with self._lock:
@@ -815,6 +844,36 @@ class JobManager:
         stored = rec.ckpt_step
         ckpt = max([*ckpts, *([stored] if stored is not None else [])], default=None)
         return step, ckpt
+
+    def checkpoint_cost_s(self, job: str) -> float | None:
+        """What a checkpoint costs the job's loop, s: the mean over its recent commits of the
+        slowest rank's cost (a save holds every rank until the slowest is done); None before
+        one committed."""
+        with self._lock:
+            live = self._live.get(job)
+            costs = list(live.ckpt_costs) if live else []
+        per_step: dict[int, float] = {}
+        for step, cost in costs:
+            per_step[step] = max(cost, per_step.get(step, 0.0))
+        return sum(per_step.values()) / len(per_step) if per_step else None
+
+    def checkpoint_block_total_s(self, job: str) -> float | None:
+        """Seconds the job's saves held its loop since this controller started (None before
+        one committed)."""
+        with self._lock:
+            live = self._live.get(job)
+            return live.ckpt_block_total_s if live is not None and live.ckpt_costs else None
+
+    def step_time_s(self, job: str) -> float | None:
+        """The job's step time, s: the slowest reporting rank's (None before one timed)."""
+        times = [r.step_time_s for _, r in self.ranks(job) if r.step_time_s]
+        return max(times) if times else None
+
+    def checkpoint_interval_s(self, job: str) -> float | None:
+        """The periodic checkpoint interval the ranks report, s (the longest; None without
+        periodic checkpoints)."""
+        times = [r.ckpt_interval_s for _, r in self.ranks(job) if r.ckpt_interval_s]
+        return max(times) if times else None
 
     def checkpoint_health(self, job: str) -> tuple[float | None, int]:
         """(highest ckpt_age_s, highest ckpt_failures) over the job's reporting ranks."""

@@ -331,6 +331,7 @@ class _JobsCollector:
                 labels=["job"],
                 skips=self.skips,
             ),
+            **_interval_gauges(self.skips),
         }
         restarts = _SafeCounter(
             "trainguard_controller_job_restarts",
@@ -348,6 +349,27 @@ class _JobsCollector:
             if job.ckpt_step is not None:
                 gauges["ckpt"].add_metric(labels, job.ckpt_step)
             gauges["nodes"].add_metric(labels, len(job.nodes))
+            advice = job.checkpoint_interval
+            if advice is not None:
+                gauges["ckpt_cost"].add_metric(labels, advice.checkpoint_s)
+                gauges["restart"].add_metric(labels, advice.restart_s)
+                gauges["mtbf"].add_metric(labels, advice.mtbf_s)
+                gauges["optimal"].add_metric(labels, advice.optimal_s)
+                gauges["optimal_waste"].add_metric(labels, advice.optimal_waste)
+                if advice.current_s is not None:
+                    gauges["current"].add_metric(labels, advice.current_s)
+                if advice.current_waste is not None:
+                    gauges["current_waste"].add_metric(labels, advice.current_waste)
+            cost = job.failure_cost
+            if cost is not None:
+                # GPU-seconds: Prometheus' base unit (the views say GPU-hours)
+                gauges["lost_gpu_s"].add_metric(labels, cost.lost_gpu_hours * 3600.0)
+                if cost.checkpoint_overhead_gpu_hours is not None:
+                    gauges["overhead_gpu_s"].add_metric(
+                        labels, cost.checkpoint_overhead_gpu_hours * 3600.0
+                    )
+                if cost.lost_money is not None:
+                    gauges["lost_money"].add_metric(labels, cost.lost_money)
             restarts.add_metric(labels, job.restarts)
         yield from gauges.values()
         yield restarts
@@ -385,6 +407,61 @@ class _JobsCollector:
         )
         skipped.add_metric([], self.skips.total)
         yield skipped
+
+
+# the checkpoint interval advice per job (controller.ckptinterval): key -> (name, help)
+_INTERVAL_GAUGES = {
+    "ckpt_cost": (
+        "trainguard_controller_job_checkpoint_cost_seconds",
+        "What one checkpoint costs the job's training loop (mean of recent commits).",
+    ),
+    "restart": (
+        "trainguard_controller_job_restart_seconds",
+        "The job's restart time, fault to training again (mean of recent restarts, or the prior).",
+    ),
+    "mtbf": (
+        "trainguard_controller_job_mtbf_seconds",
+        "The job's expected time between failures (node MTBF / nodes).",
+    ),
+    "current": (
+        "trainguard_controller_job_checkpoint_interval_seconds",
+        "The periodic checkpoint interval the job runs with.",
+    ),
+    "optimal": (
+        "trainguard_controller_job_checkpoint_interval_optimal_seconds",
+        "The optimal checkpoint interval (Daly's refinement of Young's sqrt(2 C MTBF)).",
+    ),
+    "current_waste": (
+        "trainguard_controller_job_checkpoint_waste_ratio",
+        "Expected fraction of time lost with the current interval (checkpoints, redone work,"
+        " restarts).",
+    ),
+    "optimal_waste": (
+        "trainguard_controller_job_checkpoint_waste_optimal_ratio",
+        "Expected fraction of time lost with the optimal interval.",
+    ),
+    # the cost of failures per job (controller.failurecost)
+    "lost_gpu_s": (
+        "trainguard_controller_job_lost_gpu_seconds",
+        "GPU-seconds the job's failures cost within economics.mtbf_window_s (downtime and redone"
+        " steps, times its GPUs).",
+    ),
+    "overhead_gpu_s": (
+        "trainguard_controller_job_checkpoint_overhead_gpu_seconds",
+        "GPU-seconds the job's checkpoints held its loop since the controller started.",
+    ),
+    "lost_money": (
+        "trainguard_controller_job_lost_cost",
+        "What the job's lost GPU-hours cost at cost.gpu_hour (absent without a price).",
+    ),
+}
+
+
+def _interval_gauges(skips: _Skips) -> dict[str, _SafeGauge]:
+    return {
+        key: _SafeGauge(name, text, labels=["job"], skips=skips)
+        for key, (name, text) in _INTERVAL_GAUGES.items()
+    }
 
 
 __all__ = [

@@ -16,6 +16,7 @@ from collections.abc import Callable, Hashable
 from typing import TypeVar
 
 from trainguard.clock import Clock
+from trainguard.controller.ckptadvisor import CheckpointAdvisor
 from trainguard.controller.errors import BadRequest, NotFound
 from trainguard.controller.jobs import JobManager
 from trainguard.controller.lemons import LemonPolicy
@@ -86,8 +87,10 @@ class QueryService:
         node_silent_after_s: float,
         scheduler_jobs: Callable[..., list[JobView]] = lambda *, now: [],
         lemons: LemonPolicy | None = None,
+        advisor: CheckpointAdvisor | None = None,
     ) -> None:
         self._live = live
+        self._advisor = advisor  # each job's checkpoint interval, current against optimal
         self._lemons = lemons  # the hardware incident history `describe node` shows
         # jobs a scheduler (Slurm) runs beyond the job table: shown instead of their
         # heartbeat-only view
@@ -207,10 +210,12 @@ class QueryService:
             incident = self._store.incidents.get(incident_id)
             if incident is None:
                 return None
-            return IncidentDetail(
-                incident=incident,
-                timeline=tuple(self._store.incidents.timeline(incident_id)),
-                actions=tuple(self._store.actions.for_incident(incident_id)),
+            return self._incident_cost(
+                IncidentDetail(
+                    incident=incident,
+                    timeline=tuple(self._store.incidents.timeline(incident_id)),
+                    actions=tuple(self._store.actions.for_incident(incident_id)),
+                )
             )
 
         detail = self.last_answers.ask(("incident", incident_id), read)
@@ -219,6 +224,34 @@ class QueryService:
         return detail
 
     # --- jobs -------------------------------------------------------------------------------
+
+    def _with_advice(self, view: JobView) -> JobView:
+        """The job's checkpoint interval advice and failure cost (controller.ckptadvisor)."""
+        if self._advisor is None:
+            return view
+        return dataclasses.replace(
+            view,
+            checkpoint_interval=self._advisor.advice(view.name, nodes=len(view.nodes)),
+            failure_cost=self._advisor.job_cost(view.name, gpus=view.world_size or view.ranks),
+        )
+
+    def _incident_cost(self, detail: IncidentDetail) -> IncidentDetail:
+        """The cost of the incident's restart or rollback to its job (store reads: called
+        inside the remembered read)."""
+        outputs = [
+            self._store.actions.output(a.id)
+            for a in detail.actions
+            if a.kind in ("restart", "rollback") and a.state == "succeeded"
+        ]
+        job = detail.incident.job or next(
+            (str(o["job"]) for o in outputs if isinstance(o.get("job"), str)), None
+        )
+        if self._advisor is None or job is None or not outputs:
+            return detail
+        rec = self._jobs.get(job)
+        gpus = len(rec.nodes) * rec.nproc_per_node if rec is not None else 0
+        cost = self._advisor.incident_cost(job=job, outputs=outputs, gpus=gpus)
+        return detail if cost is None else dataclasses.replace(detail, cost=cost)
 
     def _with_ckpt_health(self, view: JobView) -> JobView:
         age_s, failures = self._jobs.checkpoint_health(view.name)
@@ -251,9 +284,12 @@ class QueryService:
         # outside the live lock: the ranks' checkpoint health takes the job manager's lock
         for view in seen_only:
             views[view.name] = self._with_ckpt_health(view)
-        return [views[n] for n in sorted(views)]
+        return [self._with_advice(views[n]) for n in sorted(views)]
 
     def get_job(self, name: str) -> JobView:
+        return self._with_advice(self._job_view(name))
+
+    def _job_view(self, name: str) -> JobView:
         rec = self._jobs.get(name)
         if rec is not None:
             return self._jobs.view(rec, now=self._clock.now())

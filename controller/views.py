@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from trainguard.controller.ckptinterval import IntervalAdvice
+from trainguard.controller.failurecost import FailureCost
+
 NodeRole = Literal["active", "spare"]
 # controller.nodestate.NodeState's values
 NodeState = Literal[
@@ -115,6 +118,8 @@ class IncidentDetail:
     incident: IncidentView
     timeline: tuple[TimelineEntry, ...] = ()
     actions: tuple[ActionView, ...] = ()
+    # GPU-hours (and money) the incident's restart or rollback cost its job; None without one
+    cost: FailureCost | None = None
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,13 @@ class JobView:
     # job's id there (the Slurm job id)
     scheduler: str = ""
     scheduler_job_id: str = ""
+    # the checkpoint interval the job runs with against the optimal one (Young/Daly from the
+    # measured checkpoint cost, restart time and MTBF), with the expected waste of each; None
+    # before a checkpoint of the job committed
+    checkpoint_interval: IntervalAdvice | None = None
+    # GPU-hours (and money at cost.gpu_hour) its failures cost within economics.mtbf_window_s,
+    # and its checkpoints since the controller started; None while there is neither
+    failure_cost: FailureCost | None = None
 
 
 @dataclass(frozen=True)

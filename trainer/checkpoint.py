@@ -253,6 +253,9 @@ class SaveResult:
     bytes: int = 0
     reason: str = ""
     stale: bool = False  # refused: a newer attempt of the job owns the directory
+    # seconds the save held the training loop (waiting for the previous save, the snapshot);
+    # None where not measured. What a checkpoint costs the job (controller.ckptinterval).
+    block_s: float | None = None
 
 
 class CheckpointWriter:

@@ -11,6 +11,7 @@ is a collective in a distributed job: every rank calls it at the same point.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import shutil
@@ -205,6 +206,7 @@ class CheckpointManager:
         # Milestone names for the next checkpoint that starts (mark_milestone).
         self._milestones: set[str] = set()
         self._milestones_in_flight: tuple[str, ...] = ()
+        self._block_s: dict[int, float] = {}  # step -> how long its save() held the loop
 
     # --- saving -----------------------------------------------------------------------------
 
@@ -224,6 +226,7 @@ class CheckpointManager:
         background. Waits for the save in flight first, until `deadline` (monotonic) or for
         `checkpoint_timeout_s`. False when not started (the previous save still running, the
         state not capturable, or this attempt stale)."""
+        t0 = self.clock.monotonic()
         timeout_s = self.settings.checkpoint_timeout_s
         if deadline is not None:
             timeout_s = max(0.0, deadline - self.clock.monotonic())
@@ -266,6 +269,7 @@ class CheckpointManager:
             snapshot_bytes=self.pool.bytes,
             milestones=self._milestones_in_flight,
         )
+        self._block_s[step] = self.clock.monotonic() - t0
         return True
 
     def prepare_snapshot(self, step: int) -> None:
@@ -300,7 +304,8 @@ class CheckpointManager:
             if not r.ok:
                 self._milestones.update(self._milestones_in_flight)
             self._milestones_in_flight = ()
-            self._on_result(r)
+            block_s = self._block_s.pop(r.step, None)
+            self._on_result(r if block_s is None else dataclasses.replace(r, block_s=block_s))
 
     def close(self, timeout_s: float | None = None) -> None:
         """Wait (bounded) for the save in flight, report, release the buffers and the launch

@@ -168,6 +168,7 @@ class Telemetry:
                     "step": result.step,
                     "request_id": result.request_id,
                     "duration_s": result.duration_s,
+                    "block_s": result.block_s,
                     "path": result.path,
                 },
             )

@@ -14,6 +14,7 @@ from typing import IO, Any
 
 import yaml
 
+from trainguard.controller.cli.ckptview import for_humans
 from trainguard.controller.cli.errors import EXIT, CliError
 from trainguard.controller.cli.jsonpath import TemplateError, parse_template
 
@@ -290,7 +291,7 @@ def render(kind: str, data: Any, *, output: str, now: float, headers: bool = Tru
     if kind in COLUMNS:
         write_table(buf, COLUMNS[kind], data, now, wide=output == "wide", headers=headers)
     else:
-        write_object(buf, data, now)
+        write_object(buf, for_humans(kind, data), now)
     return buf.getvalue()
 
 

@@ -98,6 +98,20 @@ class ActionRepository:
         )
         return self._action(rows[0]) if rows else None
 
+    def recoveries(self, job: str, *, since: float, limit: int = 20) -> list[dict[str, Any]]:
+        """The outputs of `job`'s restart and rollback steps of incidents (not a start or an
+        operator's restart) that succeeded since `since`, newest first (each holds the phases
+        measured, `phases_s`, and `lost_steps`)."""
+        field = self._db.dialect.json_text
+        rows = self._db.query(
+            "SELECT output FROM actions WHERE incident_id IS NOT NULL"  # noqa: S608
+            " AND kind IN ('restart', 'rollback')"
+            f" AND state = 'succeeded' AND {field('output', 'job')} = ? AND updated_at >= ?"
+            " ORDER BY id DESC LIMIT ?",
+            (job, since, limit),
+        )
+        return [json.loads(r[0]) for r in rows if r[0]]
+
     def output(self, action_id: int) -> dict[str, Any]:
         rows = self._db.query("SELECT output FROM actions WHERE id = ?", (action_id,))
         return json.loads(rows[0][0]) if rows else {}

@@ -165,6 +165,8 @@ def _start_controller(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
     cfg.write_text(
         f"store: {{path: {workdir / 'controller.db'}}}\n"
         f"api: {{host: 127.0.0.1, port: 0, tokens_file: {workdir / 'tokens.yaml'}}}\n"
+        # a price, so the cost-of-failures panel's money has a series
+        "cost: {gpu_hour: 2.5}\n"
     )
     log = workdir / "controller.log"
     with log.open("wb") as out:

@@ -404,6 +404,8 @@ CONTROLLER_LAYER_OF: dict[str, str] = {
     "storeurl": "base",  # store.url's schemes and password rule: the config checks them
     "actionkinds": "base",  # the ActionKind table: rules, jobs and actions all ask it
     "nodestate": "base",  # the NodeState table: the store, metrics and the drain steps ask it
+    "ckptinterval": "base",  # Young/Daly and the expected waste: pure arithmetic
+    "failurecost": "base",  # GPU-hours and money lost to failures: pure arithmetic
     "store": "store",
     "backup": "store",
     "livestate": "state",
@@ -413,6 +415,7 @@ CONTROLLER_LAYER_OF: dict[str, str] = {
     "jobstate": "state",
     "unknownxids": "state",  # XID codes the catalog does not list, per node
     "lemons": "state",  # the per-node hardware incident history and the lemon verdict
+    "ckptadvisor": "state",  # each job's checkpoint interval advice from what was measured
     "rules": "rules",
     "model": "rules",  # what a rule is about and what the engine decided
     "incidents": "rules",

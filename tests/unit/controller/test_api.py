@@ -16,6 +16,8 @@ from trainguard.clock import FakeClock
 from trainguard.controller.api.app import create_app
 from trainguard.controller.api.errors import STORE_RETRY_AFTER_S
 from trainguard.controller.auth import TokenStore
+from trainguard.controller.ckptinterval import advise
+from trainguard.controller.failurecost import failure_cost
 from trainguard.controller.store.errors import StoreUnavailable
 from trainguard.controller.views import JobView
 from trainguard.protocol import Event, RankState, Report, encode_json
@@ -345,6 +347,25 @@ def test_job_with_nan_ettr_is_sent_as_string(client: TestClient, svc: FakeServic
     assert r.status_code == 200
     assert json.loads(r.content)["ettr"] == "NaN"
     assert client.get("/v1/jobs/missing", headers=VIEWER).status_code == 404
+
+
+def test_job_view_carries_its_checkpoint_interval_and_failure_cost(
+    client: TestClient, svc: FakeService
+) -> None:
+    advice = advise(checkpoint_s=300, restart_s=600, node_mtbf_s=43200, nodes=1, current_s=1800)
+    cost = failure_cost(recoveries=[{"phases_s": {"mttr": 360.0}}], gpus=10, step_time_s=None)
+    svc.jobs["j"] = JobView(
+        name="j", state="running", checkpoint_interval=advice, failure_cost=cost
+    )
+    got = client.get("/v1/jobs/j", headers=VIEWER).json()
+    assert round(got["checkpoint_interval"]["optimal_s"]) == 4893
+    assert got["checkpoint_interval"]["current_s"] == 1800
+    assert got["failure_cost"]["lost_gpu_hours"] == 1.0
+    doc = client.get("/v1/openapi.json").json()["components"]["schemas"]
+    assert {"optimal_s", "optimal_waste", "current_waste"} <= set(
+        doc["IntervalAdvice"]["properties"]
+    )
+    assert "lost_gpu_hours" in doc["FailureCost"]["properties"]
 
 
 def test_silence_lifecycle(client: TestClient, svc: FakeService) -> None:

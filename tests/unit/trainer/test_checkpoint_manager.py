@@ -151,3 +151,18 @@ def test_bad_settings_fail_naming_the_argument(
 def test_the_directory_is_made_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     assert CheckpointSettings(ckpt_dir=Path("ck")).ckpt_dir == tmp_path / "ck"
+
+
+def test_a_commit_says_how_long_the_save_held_the_loop(tmp_path: Path) -> None:
+    """`block_s`: what save() itself took (the snapshot), at most the whole save's
+    `duration_s` plus that; the controller takes it as the job's checkpoint cost."""
+    results: list[SaveResult] = []
+    job = TinyJob()
+    m = manager(job, tmp_path, results)
+    train(job, 2)
+    assert m.save(2)
+    assert m.wait()
+    m.collect()
+    (r,) = results
+    assert r.ok and r.block_s is not None and 0 <= r.block_s < 60
+    m.close()

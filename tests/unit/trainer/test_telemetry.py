@@ -61,7 +61,11 @@ def test_results_set_the_checkpoint_every_later_heartbeat_carries(agent: FakeAge
     t = telemetry(agent)
     t.checkpoint_loaded(step=10, request_id=None)
     assert (t.ckpt_step, t.ckpt_request_id) == (10, None)
-    t.report(SaveResult(step=20, request_id="r1", ok=True, duration_s=0.25, path="/c/step_20"))
+    t.report(
+        SaveResult(
+            step=20, request_id="r1", ok=True, duration_s=0.25, path="/c/step_20", block_s=0.01
+        )
+    )
     t.report(SaveResult(step=30, request_id=None, ok=False, duration_s=0.0, path="", reason="x"))
     assert (t.ckpt_step, t.ckpt_request_id) == (20, "r1")  # a failure changes neither
     t.send(step=30, phase="train")
@@ -74,6 +78,7 @@ def test_results_set_the_checkpoint_every_later_heartbeat_carries(agent: FakeAge
         "step": 20,
         "request_id": "r1",
         "duration_s": 0.25,
+        "block_s": 0.01,  # what the save cost the loop (the controller's checkpoint cost)
         "path": "/c/step_20",
     }
     assert failed.event == "checkpoint_failed"
