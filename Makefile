@@ -38,12 +38,16 @@ typecheck: venv
 
 # unit, red-team and integration tests in TEST_WORKERS processes (a module's tests stay on one,
 # with its shared server); the end-to-end scenarios one at a time after them: their clusters,
-# torchrun jobs and Slurm are timed against each other's load
+# torchrun jobs and Slurm are timed against each other's load. E2E_WORKERS=2 runs two e2e
+# modules at a time (each on its own ports and dirs; a module mostly waits, ~0.4 of a core):
+# a trial, not the default, until it has proven itself on a loaded machine
 TEST_WORKERS ?= 2
+E2E_WORKERS ?= 1
+E2E_DIST := $(if $(filter 1,$(E2E_WORKERS)),,-n $(E2E_WORKERS) --dist loadfile)
 
 test: venv deps lint typecheck
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile tests/unit tests/redteam tests/integration
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests/e2e
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(E2E_DIST) tests/e2e
 
 demo: venv
 	$(BIN)/python examples/demo.py

@@ -29,10 +29,9 @@ from tests.e2e.chaos import (
     job_spec,
     new_incidents,
     now,
-    reference_lines,
     run_until_step,
-    start_reference,
 )
+from tests.e2e.reference import Reference
 from trainguard.devkit.devcluster import REPO_ROOT, ClusterConfig, DevCluster, compare_losses
 
 pytestmark = pytest.mark.slow
@@ -162,7 +161,8 @@ def write_rules(path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def crash(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Crash]:
+def crash(tmp_path_factory: pytest.TempPathFactory, reference: Reference) -> Iterator[Crash]:
+    reference.start()  # trains while the cluster comes up
     base = Path(tmp_path_factory.mktemp("crash"))
     rules_file = base / "rules.yaml"
     write_rules(rules_file)
@@ -183,12 +183,11 @@ def crash(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Crash]:
     try:
         with DevCluster(base / "cluster", config) as cluster:
             cluster.start()
-            ref = start_reference(cluster, step_time_s=0.05)
             world = Crash(cluster, hook)
             cfg = world.config()
             cfg["notify"] = {"webhooks": [{"name": "hook", "url": hook.url}]}
             world.restart_controller(cfg)
-            world.reference = reference_lines(cluster, ref)
+            world.reference = reference.lines()
             yield world
         assert cluster.leftover_pids() == set()
     finally:

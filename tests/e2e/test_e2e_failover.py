@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.chaos import reference_lines, start_reference
 from tests.e2e.ha_cluster import HaCluster, remediate_through_failover, stop_job
+from tests.e2e.reference import Reference
 from tests.e2e.test_e2e_crash import Crash, Hook, write_rules
 from tests.integration.postgres_proc import PgServer
 from trainguard.devkit.devcluster import ClusterConfig
@@ -53,7 +53,10 @@ def ha_config(rules_file: Path, *, spares: int) -> ClusterConfig:
 
 
 @pytest.fixture(scope="module")
-def failover(tmp_path_factory: pytest.TempPathFactory, pg_server: PgServer) -> Iterator[Crash]:
+def failover(
+    tmp_path_factory: pytest.TempPathFactory, pg_server: PgServer, reference: Reference
+) -> Iterator[Crash]:
+    reference.start()  # trains while the cluster comes up (the crash module may have run it)
     base = Path(tmp_path_factory.mktemp("failover"))
     rules_file = base / "rules.yaml"
     write_rules(rules_file)
@@ -70,7 +73,7 @@ def failover(tmp_path_factory: pytest.TempPathFactory, pg_server: PgServer) -> I
         ) as cluster:
             cluster.start()
             world = Crash(cluster, hook)
-            world.reference = reference_lines(cluster, start_reference(cluster, step_time_s=0.05))
+            world.reference = reference.lines()
             yield world
         assert cluster.leftover_pids() == set()
     finally:

@@ -33,7 +33,8 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.chaos import STEPS, TRAIN_ARGS, new_incidents, now, reference_lines, start_reference
+from tests.e2e.chaos import STEPS, TRAIN_ARGS, new_incidents, now
+from tests.e2e.reference import Reference
 from trainguard.controller.backends.slurm.cli import SlurmCli, SlurmCommands, SlurmError
 from trainguard.devkit.devcluster import DevCluster, compare_losses
 from trainguard.devkit.slurm import (
@@ -86,10 +87,11 @@ class World:
 
 
 @pytest.fixture(scope="module")
-def world() -> Iterator[World]:
+def world(reference: Reference) -> Iterator[World]:
     why = missing_reason()
     if why is not None:
         pytest.fail(f"{why}: `make deps` installs them (as root)")
+    reference.start()  # trains while the Slurm site comes up
     jobs = {"checkpoint_timeout_s": 5, "progress_timeout_s": 90, "spare_wait_s": 30}
     # not under pytest's base temp dir: every pytest run on the machine makes that 0700 again,
     # and the job's user must reach slurm.conf and its own jobs dir in here
@@ -97,8 +99,7 @@ def world() -> Iterator[World]:
     try:
         with SlurmSite(run_dir, jobs=jobs) as site:
             site.start()
-            ref = start_reference(site.cluster)
-            yield World(site, reference_lines(site.cluster, ref))
+            yield World(site, reference.lines())
         assert site.cluster.leftover_pids() == set()
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
