@@ -201,6 +201,10 @@ class RepairPlanner:
             )
         )
 
+    def repair_refused(self, method: str) -> str | None:
+        """Why `method` may not start now (a reboot the policy or the rate limit refuses)."""
+        return self.reboot_refused() if method == "reboot" else None
+
     def reboot_refused(self) -> str | None:
         """Why a lifecycle reboot may not start now, or None."""
         with self._lock:

@@ -38,6 +38,8 @@ class RepairPlan(Protocol):
 
     def start_validation(self, node: str, *, root: str) -> None: ...
 
+    def repair_refused(self, method: str) -> str | None: ...
+
 
 def _keep_out(ops: NodeOps, node: str, *, held: NodeState, why: str) -> None:
     """Back to drained with the reason, if the step's own state still holds the node."""
@@ -136,23 +138,31 @@ class DiagnoseHandler:
             why = f"diagnosis: preflight {summary}; {verdict.why}"
             _keep_out(self.ops, node, held=NodeState.DIAGNOSING, why=why)
             raise PermanentError(f"{node}: {why}")
+        gpus = [int(g) for g in ctx.params.get("gpus") or [] if isinstance(g, int)]
+        why = str(ctx.params.get("why") or "")
         if state is NodeState.DIAGNOSING:
-            gpus = [int(g) for g in ctx.params.get("gpus") or [] if isinstance(g, int)]
-            why = str(ctx.params.get("why") or "")
+            # moved first, the row second: the repair step finds the node repairing
+            refused = self.plan.repair_refused(verdict.method)
+            if refused is None:
+                self.ops.set_node_state(
+                    node,
+                    NodeState.REPAIRING.value,
+                    reason=clip_drain_reason(f"repairing: {verdict.method} ({verdict.why})"),
+                )
+                state = NodeState.REPAIRING
+        else:
+            refused = None
+        if state is not NodeState.REPAIRING:
+            if refused is None:
+                return Outcome(message=f"skipped: {node} is {state.value}", skipped=True)
+        else:  # a re-run finds its row already there (the store ignores the key again)
             refused = self.plan.start_repair(
                 node, method=verdict.method, gpus=gpus, root=root, why=why
             )
-            if refused is not None:
-                why = f"diagnosis: {why + ': ' if why else ''}{refused}"
-                _keep_out(self.ops, node, held=NodeState.DIAGNOSING, why=why)
-                raise PermanentError(f"{node}: {why}")
-            self.ops.set_node_state(
-                node,
-                NodeState.REPAIRING.value,
-                reason=clip_drain_reason(f"repairing: {verdict.method} ({verdict.why})"),
-            )
-        elif state is not NodeState.REPAIRING:
-            return Outcome(message=f"skipped: {node} is {state.value}", skipped=True)
+        if refused is not None:
+            text = f"diagnosis: {why + ': ' if why else ''}{refused}"
+            _keep_out(self.ops, node, held=state, why=text)
+            raise PermanentError(f"{node}: {text}")
         log.info("event=diagnosed node=%s method=%s preflight=%r", node, verdict.method, summary)
         return Outcome(
             message=f"{node} diagnosed: {verdict.method} ({verdict.why}); preflight {summary}",
@@ -206,7 +216,8 @@ class RepairHandler:
                 poll_after_s=self.poll_interval_s,
             )
         if not record.ok:
-            self._failed(node, f"{method} failed: {record.result or 'no detail'}")
+            # the agent's message names the method ("gpu_reset failed: GPU 0: ...")
+            self._failed(node, record.result or f"{method} failed: no detail")
         if state is NodeState.REPAIRING:
             self.ops.set_node_state(
                 node, NodeState.VALIDATING.value, reason=f"validating after {method}"

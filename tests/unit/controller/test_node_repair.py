@@ -143,9 +143,7 @@ def test_a_failing_reset_keeps_the_node_drained_with_the_reason(
     sim.until(lambda: ("repair", "failed") in _steps(sim), max_s=20, what="repair fails")
     node = sim.c.get_node("n1")
     assert node.state == "drained"
-    assert node.drain_reason == (
-        "repair: gpu_reset failed: gpu_reset failed: GPU 0: reset failed (simulated)"
-    )
+    assert node.drain_reason == ("repair: gpu_reset failed: GPU 0: reset failed (simulated)")
     assert _steps(sim) == [("diagnose", "succeeded"), ("repair", "failed")]
     assert [h.rule for h in node.hardware_incidents] == ["gpu_dbe", "repair_failed"]
 
@@ -269,3 +267,32 @@ def test_the_reboot_rate_limit_counts_reboots_in_the_window(
 def test_lifecycle_repair_config_is_strict(key: str, value: Any, reason: str) -> None:
     with pytest.raises(Exception, match=reason.replace("(", r"\(").replace("[", r"\[")):
         build(LifecycleConfig, {key: value}, source="test")
+
+
+class _Killed(BaseException):
+    """A kill -9 at one exact point: nothing of the process runs on."""
+
+
+@pytest.mark.parametrize("point", ["start_repair", "start_validation"])
+def test_a_controller_killed_between_a_move_and_the_next_row_loses_no_step(
+    make_sim: Callable[..., RepairSim], monkeypatch: pytest.MonkeyPatch, point: str
+) -> None:
+    sim = make_sim()
+
+    def die(*args: Any, **kwargs: Any) -> None:
+        raise _Killed(point)
+
+    monkeypatch.setattr(sim.c.repairs, point, die)
+    with pytest.raises(_Killed):
+        _fault(sim, "n1")
+        sim.until(lambda: False, max_s=20, what="the kill")
+    held = sim.c.get_node("n1").state
+    assert held == ("repairing" if point == "start_repair" else "validating")
+    sim.c = sim.new_controller()  # the row that was running is resumed
+    sim.until(lambda: sim.c.get_node("n1").state == "active", max_s=20, what="back")
+    assert _steps(sim) == [
+        ("diagnose", "succeeded"),
+        ("repair", "succeeded"),
+        ("validate", "succeeded"),
+    ]
+    assert (_commands(sim, "preflight"), _commands(sim, "repair")) == (2, 1)
