@@ -11,6 +11,7 @@ node state and its lock (`LiveState`, controller/livestate.py). The methods here
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Iterable, Sequence
@@ -45,7 +46,7 @@ from trainguard.controller.model import Decision
 from trainguard.controller.operations import OperatorService
 from trainguard.controller.queries import QueryService
 from trainguard.controller.records import CommandRecord, NodeRecord
-from trainguard.controller.repairplan import RepairPlanner
+from trainguard.controller.repairplan import DIAGNOSIS_CHECKS, RepairPlanner
 from trainguard.controller.reports import ReportService
 from trainguard.controller.safety import Safety
 from trainguard.controller.signals import SignalState
@@ -194,7 +195,9 @@ class Controller:
             DiagnoseHandler(
                 ops=live,
                 plan=self.repairs,
-                preflight=preflight_args(lifecycle),
+                preflight=dataclasses.replace(
+                    preflight_args(lifecycle), checks=list(DIAGNOSIS_CHECKS)
+                ),
                 timeout_s=lifecycle.preflight_timeout_s,
             )
         )

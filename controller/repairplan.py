@@ -36,6 +36,9 @@ KEY_VALIDATE = "lifecycle:validate:"
 HARDWARE_FAILURE_KEYS = (KEY_RESET, KEY_REBOOT, KEY_VALIDATE)
 # the preflight checks a GPU reset or reboot can fix (ckpt_storage is not the GPU's)
 GPU_CHECKS = frozenset({"nvml_health", "row_remaps", "ecc", "compute_burn", "collective_bandwidth"})
+# what a diagnosis runs: the GPU's own state and a burn (silent data corruption), in seconds;
+# the all-reduce and the storage write wait for the validation, which runs every check
+DIAGNOSIS_CHECKS = ("nvml_health", "row_remaps", "ecc", "compute_burn")
 # XIDs reported this long before the incident opened still count for its repair, s
 EVENT_LOOKBACK_S = 600.0
 _EVENT_KINDS = (EventKind.XID.value, EventKind.GPU_LOST.value, EventKind.FALLEN_OFF_BUS.value)
@@ -240,6 +243,7 @@ class RepairPlanner:
 
 
 __all__ = [
+    "DIAGNOSIS_CHECKS",
     "GPU_CHECKS",
     "HARDWARE_FAILURE_KEYS",
     "Diagnosis",

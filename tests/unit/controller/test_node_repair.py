@@ -15,9 +15,10 @@ import pytest
 from tests.builders import gpu
 from tests.unit.controller.job_sim import Sim, running
 from trainguard.clock import FakeClock
+from trainguard.command_args import PREFLIGHT_CHECKS
 from trainguard.controller.composition import Controller
 from trainguard.controller.config import LifecycleConfig
-from trainguard.controller.repairplan import RepairNeed, diagnose, repair_need
+from trainguard.controller.repairplan import DIAGNOSIS_CHECKS, RepairNeed, diagnose, repair_need
 from trainguard.strict import build
 from trainguard.xid_catalog import XidCatalog
 
@@ -110,7 +111,9 @@ def test_a_dbe_drain_is_diagnosed_reset_validated_and_back_as_a_spare(
         ("validate", "succeeded"),
     ]
     assert sim.cmds("n1", "repair") == [{"method": "gpu_reset", "gpus": [0]}]
-    assert len(sim.cmds("n1", "preflight")) == 2  # the diagnosis and the validation
+    diagnosis, validation = sim.cmds("n1", "preflight")
+    assert diagnosis["checks"] == list(DIAGNOSIS_CHECKS)
+    assert validation["checks"] == list(PREFLIGHT_CHECKS)
     drain = next(a for a in sim.incident("gpu_dbe").actions if a.kind == "drain")
     assert "diagnosis planned (XID 48 on GPU 0: reset_gpu)" in drain.result
     assert node.last_preflight is not None and node.last_preflight.passed
