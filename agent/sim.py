@@ -6,8 +6,9 @@ it is the production path. `inject(FaultSpec)` applies every FaultKind of the wi
 `nvml_hang` makes the GPU collect block (as NVML does when a GPU falls off the bus) while
 the IB and XID sides keep answering. For the preflight and repair it also stands in for what
 only a GPU can do: the figures a compute burn and an all-reduce reach (lower under its faults),
-silent data corruption and a failing reset (`inject_sim`, faults the wire protocol does not
-carry), and a GPU reset or node reboot that clears its fault state.
+silent data corruption and a failing reset (the `sdc` and `reset_fail` faults, which last
+until the GPU's reset, a reboot or `clear`), and a GPU reset or node reboot that clears its
+fault state.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import random
 import threading
 import uuid
 from dataclasses import dataclass, field
-from typing import Literal
 
 from trainguard.clock import Clock
 from trainguard.model import GpuCollection, GpuSample, HardwareEvent, IbPortSample, NvLinkSample
@@ -64,9 +64,9 @@ _IB_STATES = {"ACTIVE": 4, "DOWN": 1}
 _IB_PHYS = {"LinkUp": 5, "Polling": 2, "Disabled": 3}
 
 
-# Faults only the sim has (not on the wire): a GPU whose products are silently wrong, and one
-# whose reset fails.
-SimOnlyFault = Literal["sdc", "reset_fail"]
+# Faults a GPU keeps until it is reset (or the node reboots, or `clear`): a GPU whose products
+# are silently wrong, and one whose reset fails. No `duration_s`: a reset is what ends them.
+_UNTIL_RESET = ("sdc", "reset_fail")
 
 
 class SimResetError(RuntimeError):
@@ -144,7 +144,7 @@ class SimHardware:
         self._last_mono = clock.monotonic()
         self._start_mono = self._last_mono
         self._gpus = [self._new_gpu(i) for i in range(gpus)]
-        self._sim_faults: set[tuple[SimOnlyFault, int]] = set()
+        self._sim_faults: set[tuple[str, int]] = set()
         self.resets: list[int] = []  # every GPU reset done, in order
         self.reboots_total = 0
         self._ib = [self._new_ib(i) for i in range(ib_ports)]
@@ -209,6 +209,12 @@ class SimHardware:
                 ib = self._find_ib(spec.device, spec.port)
                 if spec.kind == "ib_down":
                     ib.counters["link_downed"] += 1
+            elif spec.kind in _UNTIL_RESET:
+                self._find_gpu(spec.gpu)
+                if spec.duration_s is not None:
+                    raise ValueError(f"duration_s: {spec.kind} lasts until the GPU is reset")
+                self._sim_faults.add((spec.kind, spec.gpu))
+                return
             else:
                 gpu = self._find_gpu(spec.gpu)
                 if spec.kind == "nvlink_down" and not 0 <= spec.link < NVLINKS_PER_GPU:
@@ -455,13 +461,6 @@ class SimHardware:
             return [f.spec for f in self._faults]
 
     # -- preflight and repair ---------------------------------------------------------------
-
-    def inject_sim(self, kind: SimOnlyFault, *, gpu: int) -> None:
-        """A fault the wire protocol does not carry: `sdc` (the GPU's products are wrong) or
-        `reset_fail` (resetting it fails). Until a reset, a reboot or `clear`."""
-        with self._lock:
-            self._find_gpu(gpu)
-            self._sim_faults.add((kind, gpu))
 
     def sdc_gpus(self) -> frozenset[int]:
         """The GPUs whose compute burn must come out wrong."""

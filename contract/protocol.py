@@ -393,6 +393,8 @@ FaultKind = Literal[
     "thermal",  # HW thermal slowdown, hot
     "slowdown",  # HW slowdown clocks
     "nvml_hang",  # every NVML call blocks (a GPU off the bus) until cleared or `duration_s`
+    "sdc",  # silent data corruption: `gpu`'s compute products come out wrong (a burn catches it)
+    "reset_fail",  # resetting `gpu` fails (nvidia-smi --gpu-reset exits non-zero)
     "clear",  # remove every injected fault (counters keep their values)
 ]
 

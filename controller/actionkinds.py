@@ -28,6 +28,8 @@ class ActionKind(str, Enum):
     GROW = "grow"  # planned by the tick (controller.growplan), never by a rule
     VALIDATE = "validate"  # a preflight, then back into service (agentctl node return)
     RETIRE = "retire"  # out for good, with the reason (agentctl node retire)
+    DIAGNOSE = "diagnose"  # a preflight on a node drained for hardware (lifecycle.auto_repair)
+    REPAIR = "repair"  # the GPU reset or node reboot its diagnosis chose (lifecycle.auto_repair)
 
     @classmethod
     def parse(cls, kind: str) -> ActionKind | None:
@@ -132,6 +134,8 @@ _ROWS: dict[ActionKind, _KindRow] = {
     _K.GROW: _row(in_rules=False, stops_job=True, job_step=True, capability="grow"),
     _K.VALIDATE: _row(in_rules=False),
     _K.RETIRE: _row(in_rules=False),
+    _K.DIAGNOSE: _row(in_rules=False),
+    _K.REPAIR: _row(in_rules=False),
 }
 
 

@@ -11,6 +11,7 @@ node state and its lock (`LiveState`, controller/livestate.py). The methods here
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Iterable, Sequence
@@ -27,6 +28,7 @@ from trainguard.controller.actions.notify import (
     build_notifiers,
     channels_for,
 )
+from trainguard.controller.actions.repairsteps import DiagnoseHandler, RepairHandler
 from trainguard.controller.actions.sparecheck import preflight_args, spare_preflight
 from trainguard.controller.actions.worker import ActionRunner
 from trainguard.controller.backends.base import Capability, step_handlers
@@ -45,6 +47,7 @@ from trainguard.controller.model import Decision
 from trainguard.controller.operations import OperatorService
 from trainguard.controller.queries import QueryService
 from trainguard.controller.records import CommandRecord, NodeRecord
+from trainguard.controller.repairplan import DIAGNOSIS_CHECKS, RepairPlanner
 from trainguard.controller.reports import ReportService
 from trainguard.controller.rules.loader import Rule
 from trainguard.controller.safety import Safety
@@ -121,9 +124,8 @@ class Controller:
         self.lemons = LemonPolicy(store=self.store, config=config.lifecycle, now=clock.now)
         rules = load_rule_set(config)
         self.metrics.known_rules(rules.names())
-        self.signals = SignalState(
-            xid_catalog=XidCatalog.load(config.xid_catalog or None), history_s=config.history_s
-        )
+        catalog = XidCatalog.load(config.xid_catalog or None)
+        self.signals = SignalState(xid_catalog=catalog, history_s=config.history_s)
         self.signals.track(rules.history_needs())
         # in-memory node state (the store is written on change, freshness in batches)
         self.live = live = LiveState(store=self.store, signals=self.signals, clock=clock)
@@ -162,6 +164,12 @@ class Controller:
             slurm_runner=backends.slurm_runner,
         )
         drain_backend = backends.drain or self.backend
+        wake = threading.Event()  # the action worker: new or due steps
+        lifecycle = config.lifecycle
+        # the node lifecycle after a hardware drain: diagnose -> repair -> validate
+        self.repairs = RepairPlanner(
+            store=self.store, config=lifecycle, catalog=catalog, now=clock.now, wake=wake.set
+        )
         self.registry.register(
             DrainHandler(
                 backend=drain_backend,
@@ -170,16 +178,38 @@ class Controller:
                 stale_exempt_rules=tuple(config.safety.stale_exempt_rules),
                 presence=self.jobs.presence,
                 lemon=self.lemons.verdict,
+                after_drain=lambda node, incident, key: self.repairs.after_drain(
+                    node, incident=incident, key=key
+                ),
             )
         )
         self.registry.register(UndrainHandler(backend=drain_backend))
-        lifecycle = config.lifecycle
         self.registry.register(
             ValidateHandler(
                 backend=drain_backend,
                 ops=live,
                 preflight=preflight_args(lifecycle),
                 timeout_s=lifecycle.preflight_timeout_s,
+                set_role=self._set_role,
+                lemon=lambda node: self.lemons.verdict(node, failing=1),
+            )
+        )
+        self.registry.register(
+            DiagnoseHandler(
+                ops=live,
+                plan=self.repairs,
+                preflight=dataclasses.replace(
+                    preflight_args(lifecycle), checks=list(DIAGNOSIS_CHECKS)
+                ),
+                timeout_s=lifecycle.preflight_timeout_s,
+            )
+        )
+        self.registry.register(
+            RepairHandler(
+                ops=live,
+                plan=self.repairs,
+                timeout_s=lifecycle.repair_timeout_s,
+                lemon=lambda node: self.lemons.verdict(node, failing=1),
             )
         )
         self.registry.register(RetireHandler(backend=drain_backend, ops=live))
@@ -191,7 +221,6 @@ class Controller:
         self.safety.job_floor = lambda node: self.jobs.drain_floor_reason(
             node, open_incident_nodes=set(self.store.incidents.open_counts())
         )
-        wake = threading.Event()  # the action worker: new or due steps
         self.incidents = IncidentManager(
             store=self.store,
             safety=self.safety,
@@ -301,6 +330,13 @@ class Controller:
     def _rule(self, name: str) -> Rule | None:
         # the ticker is built after the handlers; a notify step runs only once it is
         return self.ticker.rule(name)
+
+    def _set_role(self, node: str, role: str) -> None:
+        """A node's role, as the lifecycle brings it back (a repaired node returns a spare)."""
+        with self.live.lock:
+            if node in self.live.nodes:
+                self.live.put_node(self.store.nodes.update(node, role=role))
+        log.info("event=node_role node=%s role=%s actor=lifecycle", node, role)
 
     def _notification_failed(self, channel: str) -> None:
         self.metrics.notifications_failed_total.labels(channel=channel).inc()

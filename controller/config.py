@@ -557,9 +557,43 @@ class LifecycleConfig:
     # or leaves the spare pool. 0: never.
     lemon_incidents: int = 3
     lemon_window_s: float = 30 * 86400.0
+    # After a drain for a hardware incident whose XIDs the catalog answers with reset_gpu or
+    # reboot_node: diagnose (a preflight), repair (that reset or reboot, through the agent),
+    # validate (a preflight), and back into service; a failure keeps the node drained with
+    # the reason. Off: a drained node waits for `agentctl node return`.
+    auto_repair: bool = False
+    # The role a node repaired by the lifecycle comes back in: "spare" (the hot-spare pool; its
+    # job has moved on) or "active" (general service).
+    repair_return_role: Literal["spare", "active"] = "spare"
+    # How long the agent may take to answer a repair command, s. A GPU reset takes seconds;
+    # the answer to a reboot comes before the reboot (the validation's preflight_timeout_s
+    # waits for the node to come back).
+    repair_timeout_s: float = 300.0
+    # May the lifecycle reboot a node (the catalog's reboot_node, or a GPU that no longer
+    # answers NVML)? Off: such a node stays drained, saying it needs a reboot. The agent must
+    # also allow it (its repair.allow_reboot).
+    reboot_enabled: bool = False
+    # At most reboot_max lifecycle reboots in any reboot_window_s across the cluster: a bad
+    # driver or firmware push makes every node ask for one, and that should reach a person,
+    # not reboot the fleet. A node over the limit stays drained, saying so.
+    reboot_max: int = 2
+    reboot_window_s: float = 3600.0
 
     def __post_init__(self) -> None:
         _positive("preflight_timeout_s", self.preflight_timeout_s)
+        if not 0 < self.repair_timeout_s <= 3600:
+            raise Invalid("repair_timeout_s", f"must be in (0, 3600], got {self.repair_timeout_s}")
+        if not 0 <= self.reboot_max <= 1000:
+            raise Invalid("reboot_max", f"must be in [0, 1000], got {self.reboot_max}")
+        if not 0 < self.reboot_window_s <= 7 * 86400.0:
+            raise Invalid(
+                "reboot_window_s", f"must be in (0, 604800] (a week), got {self.reboot_window_s}"
+            )
+        if self.repair_return_role not in ("spare", "active"):
+            raise Invalid(
+                "repair_return_role",
+                f"must be 'spare' or 'active', got {self.repair_return_role!r}",
+            )
         if not 0 < self.preflight_burn_s <= 600:
             raise Invalid("preflight_burn_s", f"must be in (0, 600], got {self.preflight_burn_s}")
         if not 0 <= self.preflight_tolerance < 1:

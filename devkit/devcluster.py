@@ -203,6 +203,8 @@ class ClusterConfig:
     jobs: Mapping[str, Any] = field(default_factory=dict)
     actions: Mapping[str, Any] = field(default_factory=dict)
     safety: Mapping[str, Any] = field(default_factory=dict)
+    # controller `lifecycle:` section overrides (auto_repair, preflight_burn_s, ...)
+    lifecycle: Mapping[str, Any] = field(default_factory=dict)
     # controller `backend:` section (kind: slurm + its settings); empty = torchrun
     backend: Mapping[str, Any] = field(default_factory=dict)
     agent_stop_grace_s: float = 5.0
@@ -366,6 +368,8 @@ class DevCluster:
             cfg["actions"] = dict(c.actions)
         if c.safety:
             cfg["safety"] = dict(c.safety)
+        if c.lifecycle:
+            cfg["lifecycle"] = dict(c.lifecycle)
         if c.backend:
             cfg["backend"] = dict(c.backend)
         # JSON is YAML: no need to format YAML by hand

@@ -23,7 +23,9 @@ from trainguard.command_args import CommandArgs, StopJobArgs
 from trainguard.controller.actions.base import ActionContext, Outcome, PermanentError
 from trainguard.controller.nodestate import NodeState
 from trainguard.controller.records import CommandRecord
+from trainguard.controller.repairplan import FollowUp
 from trainguard.controller.safety import stale_drain_reason
+from trainguard.controller.views import IncidentView
 
 log = logging.getLogger("trainguard.controller.drain")
 
@@ -223,6 +225,10 @@ class DrainHandler:
     # Given: node -> the retire reason when it is a lemon (controller.lemons); a lemon is
     # retired once drained instead of staying drained
     lemon: Callable[[str], str | None] | None = None
+    # Given: (node, incident, drain key) -> the node lifecycle's follow-up of an incident's
+    # drain (controller.repairplan: diagnose -> repair -> validate), planned before the step
+    # ends so a crash in between re-plans it under the same key
+    after_drain: Callable[[str, IncidentView, str], FollowUp | None] | None = None
 
     def idempotent(self, params: dict[str, Any]) -> bool:
         return True
@@ -268,6 +274,8 @@ class DrainHandler:
         if state == "drained":
             note = progress.get("note")
             retired = self._retire_lemon(node)
+            if retired is None:
+                retired = self._follow_up(node, ctx, reason=reason)
             if retired is not None:
                 note = f"{note}; {retired}" if note else retired
             return Outcome(
@@ -280,6 +288,23 @@ class DrainHandler:
             done=False,
             poll_after_s=self.poll_interval_s,
         )
+
+    def _follow_up(self, node: str, ctx: ActionContext, *, reason: str) -> str | None:
+        """The lifecycle's follow-up of an incident's drain of a node now drained; its note."""
+        if self.after_drain is None or ctx.incident is None:
+            return None
+        if self.ops.node_state(node) != NodeState.DRAINED.value:
+            return None  # a lifecycle step (or a retirement) already holds it
+        follow = self.after_drain(node, ctx.incident, ctx.action.idempotency_key)
+        if follow is None:
+            return None
+        if follow.keep_out is not None:
+            self.ops.set_node_state(
+                node,
+                NodeState.DRAINED.value,
+                reason=clip_drain_reason(f"{reason}; {follow.keep_out}"),
+            )
+        return follow.note
 
     def _retire_lemon(self, node: str) -> str | None:
         """Retire a drained lemon (flagged for RMA); the note for the step, or None."""

@@ -1,5 +1,6 @@
 """The node lifecycle's steps: `validate` (a preflight on the node, then back into service on
 a pass; stays drained with the reason on a fail) and `retire` (out for good, with the reason).
+The automatic steps before a `validate` (diagnose, repair) are controller.actions.repairsteps.
 
 Both are action rows, so a controller killed mid-step resumes them: `validate` keeps its
 preflight command's id and start time in its progress, and its command id is derived from the
@@ -11,7 +12,7 @@ command with it (ok = passed, the checks in its data), in the transaction that s
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +44,9 @@ class ValidateHandler:
     """The `validate` step, params {"node"}: the node goes to `validating`, a `preflight`
     command runs there, and on a pass the drain backend undrains it (active, in the pool its
     role names); on a fail or no answer within `timeout_s` it goes back to `drained` with the
-    reason and the step fails."""
+    reason and the step fails. The lifecycle's own validation after a repair (params "root",
+    controller.repairplan) also names the `role` the node comes back in, and a fail there is
+    a hardware failure: a node `lemon` calls one is retired."""
 
     backend: DrainBackend
     ops: NodeOps
@@ -52,6 +55,10 @@ class ValidateHandler:
     poll_interval_s: float = 1.0
     kind: str = "validate"
     remediation: bool = True
+    # Given: (node, role) -> sets the node's role (a repaired node comes back as a spare)
+    set_role: Callable[[str, str], None] | None = None
+    # Given: node -> the retire reason when it is a lemon (controller.lemons)
+    lemon: Callable[[str], str | None] | None = None
 
     def idempotent(self, params: dict[str, Any]) -> bool:
         return True  # the command id is the step's own: a re-run finds the same preflight
@@ -82,7 +89,7 @@ class ValidateHandler:
                 self.ops.queue_command(node, self.preflight, command_id=command_id)
             if ctx.now - started_at > self.timeout_s:
                 why = f"preflight did not answer within {self.timeout_s:g} s"
-                self._keep_out(node, state, why)
+                why = self._keep_out(node, state, why, repaired="root" in ctx.params)
                 raise PermanentError(f"{node}: {why}")
             return Outcome(
                 message=f"{node} validating: waiting for its preflight",
@@ -93,9 +100,12 @@ class ValidateHandler:
         summary = record.result or ("passed" if record.ok else "failed")
         if not record.ok:
             why = f"preflight {summary}" if not summary.startswith("preflight") else summary
-            self._keep_out(node, state, why)
+            why = self._keep_out(node, state, why, repaired="root" in ctx.params)
             raise PermanentError(f"{node}: {why}")
         if state in (NodeState.VALIDATING, NodeState.DRAINED):
+            role = ctx.params.get("role")
+            if self.set_role is not None and role in ("spare", "active"):
+                self.set_role(node, str(role))
             # drained first, then the backend's undrain: the one way back into service, and
             # under Slurm it resumes the node there too. A re-run after a crash in between
             # finds the node drained and undrains it again (a no-op where done).
@@ -107,10 +117,17 @@ class ValidateHandler:
             output={**progress, "passed": True},
         )
 
-    def _keep_out(self, node: str, state: NodeState, why: str) -> None:
+    def _keep_out(self, node: str, state: NodeState, why: str, *, repaired: bool) -> str:
+        """Back to drained with the reason; after a repair, a lemon is retired. The reason."""
         if state is NodeState.VALIDATING or self.ops.node_state(node) == "validating":
             self.ops.set_node_state(node, NodeState.DRAINED.value, reason=why)
         log.info("event=node_validation_failed node=%s reason=%r", node, why)
+        retired = self.lemon(node) if repaired and self.lemon is not None else None
+        if retired is not None and self.ops.node_state(node) == NodeState.DRAINED.value:
+            self.ops.set_node_state(node, NodeState.RETIRED.value, reason=retired)
+            log.warning("event=lemon_retired node=%s reason=%r", node, retired)
+            return f"{why}; retired, {retired}"
+        return why
 
 
 @dataclass

@@ -175,5 +175,33 @@ class ActionRepository:
         )
         return int(rows[0][0])
 
+    def count_keyed_since(self, prefix: str, *, since: float) -> int:
+        """Rows whose idempotency key starts with `prefix`, created at or after `since` and not
+        skipped (the node lifecycle's reboot rate limit counts its reboot steps this way)."""
+        rows = self._db.query(
+            "SELECT COUNT(*) FROM actions WHERE idempotency_key LIKE ? ESCAPE '\\'"
+            " AND created_at >= ? AND state != 'skipped'",
+            (_like_prefix(prefix), since),
+        )
+        return int(rows[0][0])
+
+    def failed_keyed(
+        self, prefix: str, *, since: float, target: str | None = None
+    ) -> list[ActionView]:
+        """Failed rows whose idempotency key starts with `prefix`, created at or after `since`
+        (of `target`, else every target), oldest first."""
+        rows = self._db.query(
+            "SELECT * FROM actions WHERE idempotency_key LIKE ? ESCAPE '\\'"
+            " AND created_at >= ? AND state = 'failed' AND (? = '' OR target = ?)"
+            " ORDER BY id",
+            (_like_prefix(prefix), since, target or "", target or ""),
+        )
+        return [self._action(r) for r in rows]
+
+
+def _like_prefix(prefix: str) -> str:
+    escaped = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return escaped + "%"
+
 
 __all__ = ["ActionRepository"]

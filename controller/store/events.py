@@ -70,5 +70,20 @@ class EventRepository:
         )
         return [(str(r[0]), float(r[1]), json.loads(r[3])) for r in rows if r[2] in kinds]
 
+    def of_node_since(
+        self, node: str, since: float, *, kinds: Collection[str], limit: int = 200
+    ) -> list[dict[str, Any]]:
+        """The events of `kinds` that `node` sent, received at or after `since`, oldest first,
+        at most `limit` (the newest): what the node lifecycle reads its repair from."""
+        if not kinds:
+            return []
+        marks = ", ".join("?" for _ in kinds)  # placeholders only: the values are bound
+        rows = self._db.query(
+            f"SELECT body FROM events WHERE received_at >= ? AND node = ? AND kind IN ({marks})"  # noqa: S608
+            " ORDER BY id DESC LIMIT ?",
+            (since, node, *kinds, limit),
+        )
+        return [json.loads(r[0]) for r in reversed(rows)]
+
 
 __all__ = ["EventRepository"]

@@ -4,7 +4,10 @@ a slow rank (a straggler); kill -9 of the controller at each remediation step is
 test_e2e_crash.py. Each
 scenario runs a fresh job on the node set the previous one left, injects its fault, and ends
 with the job trained to its last step, every loss equal to an uninterrupted run's, one
-incident with one restart and a complete timeline (tests/e2e/chaos.py)."""
+incident with one restart and a complete timeline (tests/e2e/chaos.py). Last, the node
+lifecycle on a free spare (no job): a DBE is drained, diagnosed, reset, validated and the
+node is back as a spare; a second one on a GPU whose reset fails stays out with the
+reason."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -81,6 +85,9 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         active=("node-1", "node-2", "node-3"),
         spares=("spare-1", "spare-2", "spare-3", "spare-4"),
         safety={"drain_budget": 100, "breaker_threshold": 100},
+        # the node lifecycle's repairs on (the last scenario); no lemon verdict: a DBE is two
+        # hardware incidents (its ECC rule and its XID's), so the scenario's second would retire
+        lifecycle={"auto_repair": True, "preflight_burn_s": 1.0, "lemon_incidents": 0},
         jobs={
             "checkpoint_timeout_s": 5,
             "stop_grace_s": 5,
@@ -300,3 +307,50 @@ def test_a_slow_rank_is_told_by_its_compute_time_and_its_node_replaced(world: Wo
     assert c.node(slow.node)["state"] == "drained"
     check_one_live_attempt(c, "straggler")
     world.after("straggler")
+
+
+def test_a_dbe_on_a_free_spare_is_repaired_and_a_failed_reset_keeps_it_out(
+    world: World,
+) -> None:
+    c = world.cluster
+    spare = next(
+        n["name"]
+        for n in sorted(c.nodes(), key=lambda n: str(n["name"]), reverse=True)
+        if n["role"] == "spare" and n["state"] == "active" and not n.get("job")
+    )
+    agent_log = c.agents[spare].proc
+    # its warm preflight first (the agent runs one preflight at a time)
+    c.wait(
+        lambda: c.node(spare).get("last_preflight") is not None,
+        timeout_s=180,
+        what=f"{spare}'s warm preflight",
+    )
+    started = time.monotonic()
+    # a DBE on GPU 1 (XID 48: the catalog's reset_gpu): drained, diagnosed, reset, validated
+    c.inject(spare, "dbe", gpu=1)
+    c.wait(lambda: c.node(spare)["state"] != "active", timeout_s=30, what=f"{spare} drained")
+    c.wait(
+        lambda: c.node(spare)["state"] == "active" and "event=gpu_reset gpu=1" in agent_log.log(),
+        timeout_s=240,
+        what=f"{spare} repaired and back",
+    )
+    node = c.node(spare)
+    assert (node["role"], node.get("drain_reason")) == ("spare", None), node
+    assert node["last_preflight"]["passed"], node["last_preflight"]
+    repaired_s = time.monotonic() - started
+    # a DBE on GPU 0, whose reset fails: diagnosed, the reset fails, kept out with the reason
+    c.inject(spare, "reset_fail", gpu=0)
+    c.inject(spare, "dbe", gpu=0)
+    c.wait(
+        lambda: (
+            c.node(spare)["state"] == "drained"
+            and str(c.node(spare).get("drain_reason")).startswith("repair: gpu_reset failed: GPU 0")
+        ),
+        timeout_s=180,
+        what=f"{spare} kept out by its failed reset",
+    )
+    assert "event=gpu_reset_failed gpu=0" in agent_log.log()
+    assert spare not in [n["name"] for n in c.api("GET", "/v1/spares")]
+    rules = [h["rule"] for h in c.node(spare)["hardware_incidents"]]
+    assert "repair_failed" in rules, rules
+    print(f"lifecycle: repaired in {repaired_s:.1f} s, both in {time.monotonic() - started:.1f} s")

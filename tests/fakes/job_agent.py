@@ -6,6 +6,7 @@ recorded, so tests assert the exact commands the controller sent at each step.""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +63,10 @@ class FakeJobAgent:
         self.preflight_fails: dict[str, str] = {}
         self.preflight_answers = True
         self._held_preflights: list[Command] = []  # unanswered while preflight_answers is False
+        # a `repair` (GPU reset / reboot) fails with this message; else it clears preflight_fails
+        # (as a reset clears a GPU's faults) unless `repair_fixes` is False
+        self.repair_fails: str | None = None
+        self.repair_fixes = True
         self.commands: list[Command] = []
         self._done: set[str] = set()
         self._events: list[Event] = []
@@ -240,4 +245,15 @@ class FakeJobAgent:
             return True, f"sent to {launch.nproc} ranks"
         if cmd.kind == "collect_stacks":
             return True, "stacks of 1 of 1 rank(s)"
+        if cmd.kind == "repair":
+            if self.repair_fails is not None:
+                return False, self.repair_fails
+            if self.repair_fixes:
+                self.preflight_fails = {}
+                self.gpus = tuple(
+                    dataclasses.replace(g, ecc_uncorrected_volatile_total=0) for g in self.gpus
+                )
+            if a.get("method") == "reboot":
+                return True, "reboot started"
+            return True, f"reset GPU {','.join(map(str, a.get('gpus') or [0]))}"
         return False, f"unknown command {cmd.kind}"

@@ -416,6 +416,7 @@ CONTROLLER_LAYER_OF: dict[str, str] = {
     "unknownxids": "state",  # XID codes the catalog does not list, per node
     "lemons": "state",  # the per-node hardware incident history and the lemon verdict
     "ckptadvisor": "state",  # each job's checkpoint interval advice from what was measured
+    "repairplan": "state",  # the lifecycle's repair after a hardware drain: rows and rate limit
     "rules": "rules",
     "model": "rules",  # what a rule is about and what the engine decided
     "incidents": "rules",

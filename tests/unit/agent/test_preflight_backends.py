@@ -82,7 +82,7 @@ def test_a_failing_child_fails_the_check_with_its_reason(
 
 def test_sim_burn_catches_the_sdc_gpu_and_reports_the_slow_one() -> None:
     hw = sim()
-    hw.inject_sim("sdc", gpu=2)
+    hw.inject(FaultSpec(kind="sdc", gpu=2))
     hw.inject(FaultSpec(kind="slowdown", gpu=3))
     burner = SimBurner(hw, ProcessBurner(device="cpu", run=WorkerRun(startup_s=60)))
     r = check_compute_burn(

@@ -50,7 +50,7 @@ def test_reset_applies_pending_remaps_and_clears_the_gpus_faults() -> None:
     hw.inject(FaultSpec(kind="dbe", gpu=1))
     hw.inject(FaultSpec(kind="slowdown", gpu=1))
     hw.inject(FaultSpec(kind="slowdown", gpu=2))
-    hw.inject_sim("sdc", gpu=1)
+    hw.inject(FaultSpec(kind="sdc", gpu=1))
     result = executor(hw).execute(command("r1", RepairArgs(method="gpu_reset", gpus=[1])))
     assert (result.ok, result.message) == (True, "reset GPU 1")
     g1 = hw.collect().gpus[1]
@@ -73,7 +73,7 @@ def test_reset_of_every_gpu_by_default_brings_a_lost_one_back() -> None:
 def test_a_failing_reset_says_which_gpu_and_changes_nothing() -> None:
     hw = sim()
     hw.inject(FaultSpec(kind="remap_pending", gpu=2))
-    hw.inject_sim("reset_fail", gpu=2)
+    hw.inject(FaultSpec(kind="reset_fail", gpu=2))
     result = executor(hw).execute(command("r1", RepairArgs(gpus=[0, 2])))
     assert not result.ok
     assert "GPU 2: GPU 2: reset failed" in result.message
@@ -107,7 +107,7 @@ def test_sim_reboot_comes_back_without_faults(tmp_path: Path) -> None:
     hw = sim()
     hw.inject(FaultSpec(kind="remap_failure", gpu=0))
     hw.inject(FaultSpec(kind="ib_down", device="mlx5_0", port=1))
-    hw.inject_sim("reset_fail", gpu=0)
+    hw.inject(FaultSpec(kind="reset_fail", gpu=0))
     reboot = executor(hw, allow_reboot=True, record=tmp_path / "last-reboot-command")
     result = reboot.execute(command("r1", RepairArgs(method="reboot")))
     assert (result.ok, result.message) == (True, "reboot started")

@@ -8,7 +8,7 @@ from typing import get_args
 import pytest
 
 from tests.helpers import wait_for
-from trainguard.agent.sim import GPU_MEMORY_BYTES, NVLINKS_PER_GPU, SimHardware
+from trainguard.agent.sim import GPU_MEMORY_BYTES, NVLINKS_PER_GPU, SimHardware, SimResetError
 from trainguard.clock import FakeClock
 from trainguard.model import GpuCollection
 from trainguard.protocol import FaultKind, FaultSpec
@@ -207,8 +207,28 @@ def _fault_view(sim: SimHardware) -> tuple[object, ...]:
 
 
 # "clear" has its own test: test_clear_removes_faults_but_keeps_counters; "nvml_hang" blocks
-# the GPU collect, so its tests collect in a thread: test_nvml_hang_*
-FAULT_KINDS = [k for k in get_args(FaultKind) if k not in ("clear", "nvml_hang")]
+# the GPU collect, so its tests collect in a thread: test_nvml_hang_*; "sdc" and "reset_fail"
+# are silent until a burn or a reset: test_sdc_and_reset_fail_show_in_the_burn_and_the_reset
+FAULT_KINDS = [
+    k for k in get_args(FaultKind) if k not in ("clear", "nvml_hang", "sdc", "reset_fail")
+]
+
+
+def test_sdc_and_reset_fail_show_in_the_burn_and_the_reset() -> None:
+    sim = make(FakeClock())
+    sim.inject(FaultSpec(kind="sdc", gpu=1))
+    sim.inject(FaultSpec(kind="reset_fail", gpu=0))
+    assert sim.sdc_gpus() == frozenset({1})
+    with pytest.raises(SimResetError, match="GPU 0: reset failed"):
+        sim.reset_gpu(0)
+    sim.reset_gpu(1)  # a reset ends the GPU's sdc
+    assert sim.sdc_gpus() == frozenset()
+    with pytest.raises(ValueError, match=r"^duration_s: sdc lasts until the GPU is reset"):
+        sim.inject(FaultSpec(kind="sdc", gpu=1, duration_s=5.0))
+    with pytest.raises(ValueError, match=r"^gpu: "):
+        sim.inject(FaultSpec(kind="reset_fail", gpu=9))
+    sim.inject(FaultSpec(kind="clear"))
+    sim.reset_gpu(0)
 
 
 @pytest.mark.parametrize("kind", FAULT_KINDS, ids=str)

@@ -52,6 +52,7 @@ NODE_REMOVING = {"drain", "replace"}  # controller/incidents.py
 NOT_REMEDIATION = {"notify", "page"}  # the handlers' `remediation = False`
 # kinds added since the sets were replaced: the node lifecycle's operator steps
 LIFECYCLE_KINDS = {"validate", "retire"}  # controller/actions/lifecycle.py
+REPAIR_KINDS = {"diagnose", "repair"}  # controller/actions/repairsteps.py (lifecycle.auto_repair)
 
 
 def _members(prop: str) -> set[str]:
@@ -71,7 +72,14 @@ def _flag(kind: ActionKind, prop: str) -> bool:
 
 
 def test_every_kind_the_old_sets_named_is_a_member_and_stored_as_the_same_string() -> None:
-    every = KNOWN_KINDS | set(JOB_STEPS) | set(RULE_ACTIONS) | STOPPING_KINDS | LIFECYCLE_KINDS
+    every = (
+        KNOWN_KINDS
+        | set(JOB_STEPS)
+        | set(RULE_ACTIONS)
+        | STOPPING_KINDS
+        | LIFECYCLE_KINDS
+        | REPAIR_KINDS
+    )
     assert {k.value for k in ActionKind} == every
     for value in every:
         assert ActionKind(value).value == value
@@ -125,7 +133,7 @@ def test_a_rule_with_an_unknown_action_gets_the_same_message_as_before(tmp_path:
 
 
 def test_a_rule_may_not_list_an_operator_or_tick_kind(tmp_path: Path) -> None:
-    for kind in ("undrain", "grow", "validate", "retire"):
+    for kind in ("undrain", "grow", "validate", "retire", "diagnose", "repair"):
         path = tmp_path / f"{kind}.yaml"
         path.write_text(
             "rules:\n  - name: r1\n    scope: gpu\n    condition: lost == 1\n"

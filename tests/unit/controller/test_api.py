@@ -99,6 +99,14 @@ def test_queued_command_rides_on_report_response(client: TestClient) -> None:
     assert cmds[0]["args"]["gpu"] == 2
 
 
+@pytest.mark.parametrize("kind", ["sdc", "reset_fail"])
+def test_the_lifecycle_faults_are_on_the_wire(client: TestClient, kind: str) -> None:
+    r = client.post("/v1/nodes/node-1/faults", json={"kind": kind, "gpu": 1}, headers=OP)
+    assert r.status_code == 202, r.text
+    r = client.post("/v1/nodes/node-1/faults", json={"kind": kind + "x", "gpu": 1}, headers=OP)
+    assert 400 <= r.status_code < 500 and "kind" in r.text, r.text
+
+
 @pytest.mark.parametrize(
     ("body", "status", "field"),
     [
