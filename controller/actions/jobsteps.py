@@ -33,10 +33,11 @@ from trainguard.controller.actions.recovery import (
     restart_confirmed,
     rolled_back_in_process,
 )
+from trainguard.controller.actions.restartloop import LOOP_KEY, RestartLoop, restart_loop
 from trainguard.controller.actions.restartphase import RestartPhase, advance
 from trainguard.controller.actions.sparecheck import PROGRESS_KEY, SparePreflight
 from trainguard.controller.jobs import RESUME_SKIP_ENV, JobManager, JobSpec, shrink_plan
-from trainguard.controller.jobstate import JobState
+from trainguard.controller.jobstate import TRANSITIONS, JobState
 from trainguard.controller.records import CommandRecord, JobRecord
 
 log = logging.getLogger("trainguard.controller.jobsteps")
@@ -427,7 +428,11 @@ class RestartHandler(JobStep):
 
     rollback: same nodes, from the newest committed checkpoint (the trainer never commits a
     non-finite one), with the skip window in TRAINGUARD_RESUME_SKIP_BATCHES; skipped when the
-    trainer already rolled back in process."""
+    trainer already rolled back in process.
+
+    A rule's restart of a job that crash-loops without checkpoint progress does not restart
+    it (controller.actions.restartloop): the verdict is stored first, then the job is held
+    and the step fails with the evidence (the incident pages)."""
 
     observe: PhaseObserver = field(default=lambda phases, lost: None)
     poll_interval_s: float = 0.5
@@ -444,6 +449,9 @@ class RestartHandler(JobStep):
 
     def run_job(self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]) -> Outcome:
         key = ctx.action.idempotency_key
+        loop = progress.get(LOOP_KEY)
+        if isinstance(loop, dict):  # the breaker decided (maybe before a controller restart)
+            return self._hold(ctx, job, RestartLoop.from_output(loop))
         phase = RestartPhase.stored(progress)
         if job.attempt_key == key and phase is RestartPhase.STOP:
             # this step began its attempt before a controller restart
@@ -546,6 +554,26 @@ class RestartHandler(JobStep):
             )
         baseline = restart_baseline(self.jobs, job.name, ctx)
         ckpt = baseline["ckpt_step"]
+        if not first and self.counts_restart and ctx.incident is not None:
+            loop = restart_loop(
+                self.jobs, job.name, now=ctx.now, ckpt_now=ckpt, exclude=ctx.action.id
+            )
+            if loop is not None:
+                # the decision is stored before it acts: a controller killed in between
+                # finds it (run_job) and holds the job, never decides again
+                log.warning(
+                    "event=restart_loop job=%s restarts=%d ckpt_step=%s key=%s",
+                    job.name,
+                    len(loop.restarts),
+                    ckpt,
+                    ctx.action.idempotency_key,
+                )
+                return Outcome(
+                    message=f"{loop.reason()}: holding job {job.name}",
+                    output={"job": job.name, LOOP_KEY: loop.to_output()},
+                    done=False,
+                    poll_after_s=0.0,
+                )
         progress.update(
             phase=RestartPhase.STOP.value, job=job.name, **baseline, stop_sent_at=ctx.now
         )
@@ -589,6 +617,31 @@ class RestartHandler(JobStep):
             done=False,
             poll_after_s=self.poll_interval_s,
         )
+
+    def _hold(self, ctx: ActionContext, job: JobRecord, loop: RestartLoop) -> Outcome:
+        """The breaker's effect: whatever still runs the job is stopped, the job is held
+        with the reason (`describe job` shows it), and the step fails with the evidence, so
+        the incident pages every channel. Idempotent: a re-run after a controller restart
+        queues the same stop ids and sets the same state."""
+        for node in dict.fromkeys((*job.attempt_nodes, *job.nodes)):
+            if self.jobs.runs_on(job.name, node):
+                self.jobs.nodes.queue_command(
+                    node,
+                    StopJobArgs(job=job.name, grace_s=self.jobs.config.stop_grace_s),
+                    command_id=f"stop-{ctx.action.idempotency_key}-{node}",
+                )
+        current = self.jobs.get(job.name) or job
+        state = JobState.parse(current.state)
+        if state is not None and (state is JobState.HELD or JobState.HELD in TRANSITIONS[state]):
+            self.jobs.set_state(job.name, JobState.HELD, reason=loop.reason())
+        log.warning(
+            "event=job_held job=%s restarts=%d key=%s reason=%r",
+            job.name,
+            len(loop.restarts),
+            ctx.action.idempotency_key,
+            loop.reason(),
+        )
+        raise PermanentError(loop.evidence())
 
     def _unusable(self, job: JobRecord) -> list[str]:
         """Nodes of the job that cannot take part in a new attempt: not reporting, not
