@@ -68,7 +68,7 @@ class TorchrunBackend:
         )
         self._stop = StopHandler(jobs)
         self._stacks = CollectStacksHandler(jobs)
-        self._grow = GrowHandler(jobs, open_incident_nodes)
+        self._grow = GrowHandler(jobs, open_incident_nodes, spare_check=spare_check)
 
     def drain(
         self,
