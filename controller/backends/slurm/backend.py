@@ -37,6 +37,7 @@ from trainguard.controller.actions.drain import DrainState
 from trainguard.controller.actions.jobsteps import CheckpointHandler, CollectStacksHandler
 from trainguard.controller.actions.recovery import PhaseObserver, rolled_back_in_process
 from trainguard.controller.actions.restartloop import LOOP_KEY, RestartLoop, restart_loop
+from trainguard.controller.actions.sparecheck import PROGRESS_KEY, SparePreflight
 from trainguard.controller.backends.base import BackendDeps, Capability
 from trainguard.controller.backends.config import SlurmBackendConfig
 from trainguard.controller.backends.slurm.cli import SlurmCli, SlurmCommands, SlurmJob
@@ -91,6 +92,7 @@ class SlurmBackend:
         progress_timeout_s: float,
         open_incident_nodes: Callable[[], set[str]],
         observe: PhaseObserver,
+        spare_check: SparePreflight | None = None,
     ) -> None:
         self.config = config
         self.commands = commands
@@ -104,6 +106,7 @@ class SlurmBackend:
             live=live,
             node_silent_after_s=node_silent_after_s,
             open_incident_nodes=open_incident_nodes,
+            spare_check=spare_check,
         )
         self._requeue = SlurmRequeue(
             mirror=self.mirror,
@@ -293,7 +296,19 @@ class SlurmBackend:
                 message=f"Slurm job {job_id} needs no replacement: {', '.join(nodes)}",
                 output={**base, "nodes": nodes, "mode": "none"},
             )
-        swap = self.spares.take(job, bad=bad, nodes=nodes)
+        if PROGRESS_KEY in ctx.progress:
+            base[PROGRESS_KEY] = ctx.progress[PROGRESS_KEY]
+        spares, checking = self.spares.pick(ctx, base, exclude=set(nodes), need=len(bad))
+        if checking is not None:
+            if "wait_since" in ctx.progress:
+                base["wait_since"] = ctx.progress["wait_since"]
+            return Outcome(
+                message=f"Slurm job {job_id}: {checking}",
+                output=base,
+                done=False,
+                poll_after_s=POLL_S,
+            )
+        swap = self.spares.take(job, bad=bad, nodes=nodes, spares=spares)
         if swap:
             placed = [swap.get(n, n) for n in nodes]
             text = ", ".join(f"{b} -> {s}" for b, s in swap.items())
@@ -494,6 +509,7 @@ def build(deps: BackendDeps) -> SlurmBackend:
         progress_timeout_s=config.jobs.progress_timeout_s,
         open_incident_nodes=deps.open_incident_nodes,
         observe=deps.observe,
+        spare_check=deps.spare_check(),
     )
 
 

@@ -210,7 +210,10 @@ def test_replace_and_restart_move_the_job_to_the_spare_through_a_held_requeue(
     b.refresh()
     assert [v.scheduler_job_id for v in core.list_jobs()] == ["7"]
     now = core_clock.now()
-    replaced = b.replace(ctx("replace", now=now, params={"node": "n2"}))
+    checking = b.replace(ctx("replace", now=now, params={"node": "n2"}))
+    assert not checking.done and "preflight of spare(s) n4" in checking.message
+    _answer_preflights(core, fails={})
+    replaced = b.replace(ctx("replace", now=now, params={"node": "n2"}, progress=checking.output))
     assert replaced.output["nodes"] == ["n1", "n4", "n3"]
     assert slurm.reservation is None  # its last spare went to the job
     assert core.get_node("n4").role == "active"
@@ -320,3 +323,54 @@ def test_an_operator_restart_of_a_slurm_job_is_never_held(core, slurm, core_cloc
         _past_restart(core, at=now - 300 + 60 * n, ckpt=15, n=n)
     step = b.restart(ctx("restart", now=now, params={"job": "slurm-7"}))
     assert LOOP_KEY not in step.output and slurm.calls[-1] == ("scontrol", "requeuehold", "7")
+
+
+def _answer_preflights(c: Controller, *, fails: dict[str, str]) -> None:
+    """Every node's queued preflight comes back: failed with the node's `fails` detail, else
+    passed (as the agent answers it)."""
+    for cmd in c.store.commands.pending():
+        if cmd.kind == "preflight":
+            why = fails.get(cmd.node)
+            result = f"preflight failed: {why}" if why else "preflight passed (5 checks)"
+            c.store.commands.finish(cmd.id, ok=why is None, result=result)
+
+
+def test_a_spare_whose_preflight_fails_is_drained_in_slurm_and_the_next_one_taken(
+    make_core, core_config, core_clock
+):
+    slurm = FakeSlurm((*NODES, "n5"), spares=["n4", "n5"])
+    c = Controller(
+        core_config(backend={"kind": "slurm"}, lifecycle={"spare_preflight_ahead": False}),
+        clock=core_clock,
+        backends=ActionBackends(notifiers=[], slurm_runner=slurm),
+    )
+    try:
+        for n in (*NODES, "n5"):
+            c.ingest_report(Reporter(n).report(now=core_clock.now()), actor="a")
+        b = backend(c)
+        b.refresh()
+        slurm.submit("7", ["n1", "n2", "n3"])
+        _ranks(c, core_clock, ["n1", "n2", "n3"], step=20, pid0=100)
+        b.refresh()
+        now = core_clock.now()
+        first = b.replace(ctx("replace", now=now, params={"node": "n2"}))
+        assert not first.done and "waiting for the preflight of spare(s) n4" in first.message
+        assert slurm.reservation == ["n4", "n5"]  # nothing taken before a pass
+        _answer_preflights(c, fails={"n4": "row_remaps: 1 pending row remap on gpu 2"})
+        second = b.replace(ctx("replace", now=now + 1, params={"node": "n2"},
+                               progress=first.output))  # fmt: skip
+        assert not second.done and "n5" in second.message and "skipped n4" in second.message
+        assert slurm.nodes["n4"].reason == (
+            "trainguard: preflight failed: row_remaps: 1 pending row remap on gpu 2"
+        )
+        assert "DRAIN" in slurm.nodes["n4"].flags
+        _answer_preflights(c, fails={})
+        third = b.replace(ctx("replace", now=now + 2, params={"node": "n2"},
+                              progress=second.output))  # fmt: skip
+        assert third.done and third.output["replaced"] == {"n2": "n5"}
+        assert third.output["nodes"] == ["n1", "n5", "n3"]
+        b.refresh()
+        assert c.get_node("n4").state == "drained"
+        assert "n4" not in [n.name for n in c.list_spares()]
+    finally:
+        c.stop()
