@@ -556,7 +556,12 @@ class RestartHandler(JobStep):
         ckpt = baseline["ckpt_step"]
         if not first and self.counts_restart and ctx.incident is not None:
             loop = restart_loop(
-                self.jobs, job.name, now=ctx.now, ckpt_now=ckpt, exclude=ctx.action.id
+                self.jobs,
+                job.name,
+                now=ctx.now,
+                ckpt_now=ckpt,
+                exclude=ctx.action.id,
+                last_exit=ctx.incident.summary,
             )
             if loop is not None:
                 # the decision is stored before it acts: a controller killed in between

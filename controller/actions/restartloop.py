@@ -40,6 +40,7 @@ class PastRestart:
     operator: bool  # a person's restart (no incident)
     state: str  # the row's state: succeeded, failed, running
     result: str  # how it ended: the exit reason of an attempt that crashed again
+    cause: str = ""  # why it restarted: its incident's summary (the crash before it)
 
     def to_output(self) -> dict[str, Any]:
         return {
@@ -49,6 +50,7 @@ class PastRestart:
             "ckpt_step": self.ckpt_step,
             "state": self.state,
             "result": self.result[-_RESULT_CHARS:],
+            "cause": self.cause[-_RESULT_CHARS:],
         }
 
 
@@ -61,6 +63,7 @@ class RestartLoop:
     restarts: tuple[PastRestart, ...]
     ckpt_step: int | None
     window_s: float
+    last_exit: str = ""  # the crash that asked for this restart (its incident's summary)
 
     def reason(self) -> str:
         """One line for the job's state reason."""
@@ -77,10 +80,13 @@ class RestartLoop:
         from and how it ended."""
         lines = [f"job {self.job}: {self.reason()}"]
         for r in self.restarts:
+            cause = f" after {r.cause[-_RESULT_CHARS:]!r}" if r.cause else ""
             lines.append(
-                f"- {r.kind} #{r.action_id} at {_utc(r.at)} from {_step_text(r.ckpt_step)}:"
-                f" {r.state}: {r.result[-_RESULT_CHARS:] or 'no result'}"
+                f"- {r.kind} #{r.action_id} at {_utc(r.at)}{cause}, from"
+                f" {_step_text(r.ckpt_step)}: {r.state}: {r.result[-_RESULT_CHARS:] or 'no result'}"
             )
+        if self.last_exit:
+            lines.append(f"- then: {self.last_exit[-_RESULT_CHARS:]}")
         lines.append(f"Fix the cause, then `agentctl restart {self.job}` (or resubmit it).")
         return "\n".join(lines)
 
@@ -90,6 +96,7 @@ class RestartLoop:
             "restarts": [r.to_output() for r in self.restarts],
             "ckpt_step": self.ckpt_step,
             "window_s": self.window_s,
+            "last_exit": self.last_exit[-_RESULT_CHARS:],
             "reason": self.reason(),
         }
 
@@ -107,11 +114,13 @@ class RestartLoop:
                     operator=False,
                     state=str(r.get("state", "")),
                     result=str(r.get("result", "")),
+                    cause=str(r.get("cause", "")),
                 )
                 for r in data.get("restarts", [])
             ),
             ckpt_step=_int_or_none(data.get("ckpt_step")),
             window_s=float(data["window_s"]),
+            last_exit=str(data.get("last_exit", "")),
         )
 
 
@@ -123,6 +132,7 @@ def find_loop(
     now: float,
     limit: int,
     window_s: float,
+    last_exit: str = "",
 ) -> RestartLoop | None:
     """The verdict when the newest restarts of `history` (within `window_s` of `now`) are
     `limit` or more in a row without checkpoint progress; None when the job may restart.
@@ -140,7 +150,11 @@ def find_loop(
     if len(chain) < limit:
         return None
     return RestartLoop(
-        job=job, restarts=tuple(reversed(chain)), ckpt_step=ckpt_now, window_s=window_s
+        job=job,
+        restarts=tuple(reversed(chain)),
+        ckpt_step=ckpt_now,
+        window_s=window_s,
+        last_exit=last_exit,
     )
 
 
@@ -159,6 +173,9 @@ def past_restarts(jobs: JobManager, job: str, *, now: float, exclude: int) -> li
         at = output.get("started_at")
         if action.id == exclude or not isinstance(at, int | float) or action.state == "skipped":
             continue
+        incident = (
+            jobs.store.incidents.get(action.incident_id) if action.incident_id is not None else None
+        )
         out.append(
             PastRestart(
                 action_id=action.id,
@@ -168,15 +185,23 @@ def past_restarts(jobs: JobManager, job: str, *, now: float, exclude: int) -> li
                 operator=action.incident_id is None,
                 state=action.state,
                 result=action.result,
+                cause=incident.summary if incident is not None else "",
             )
         )
     return out
 
 
 def restart_loop(
-    jobs: JobManager, job: str, *, now: float, ckpt_now: int | None, exclude: int
+    jobs: JobManager,
+    job: str,
+    *,
+    now: float,
+    ckpt_now: int | None,
+    exclude: int,
+    last_exit: str = "",
 ) -> RestartLoop | None:
-    """`find_loop` over the job's stored restarts and the breaker's config."""
+    """`find_loop` over the job's stored restarts and the breaker's config; `last_exit`: the
+    asking step's incident summary (the crash it answers)."""
     config = jobs.config
     if config.restart_loop_restarts <= 0:
         return None
@@ -187,6 +212,7 @@ def restart_loop(
         now=now,
         limit=config.restart_loop_restarts,
         window_s=config.restart_loop_window_s,
+        last_exit=last_exit,
     )
 
 

@@ -23,6 +23,7 @@ from tests.e2e.chaos import (
     check_one_live_attempt,
     check_recovery,
     job_spec,
+    new_incidents,
     now,
     reference_lines,
     run_until_step,
@@ -300,3 +301,40 @@ def test_a_slow_rank_is_told_by_its_compute_time_and_its_node_replaced(world: Wo
     assert c.node(slow.node)["state"] == "drained"
     check_one_live_attempt(c, "straggler")
     world.after("straggler")
+
+
+def test_a_crash_looping_job_is_held_after_three_restarts_without_checkpoint_progress(
+    world: World,
+) -> None:
+    # Every attempt raises at step 2, before its first checkpoint (every 5 steps): each
+    # restart trains past "no checkpoint" and crashes again with nothing saved. After the
+    # third such restart (jobs.restart_loop_restarts) the fourth is not made: the job is
+    # held with the reason and the incident pages the evidence. One node: the loop, not the
+    # placement, is under test.
+    c = world.cluster
+    node = world.nodes[0]
+    spec = job_spec(
+        c, "crash-loop", [node], env={"TRAINGUARD_CHAOS": "raise@step2:rank0"}, max_restarts=10
+    )
+    since = now()
+    c.submit_job(spec)
+    view = c.wait_job(
+        "crash-loop", lambda j: j["state"] == "held", timeout_s=150, what="the job held"
+    )
+    assert view["restarts"] == 3 and view["attempt"] == 4, view
+    assert view["state_reason"].startswith("restart loop: 3 restarts in 30 min"), view
+    assert "resumed from scratch" in view["state_reason"]
+    attempts = sorted({a for _, a, _ in c.job_logs("crash-loop")})
+    assert attempts == [1, 2, 3, 4], attempts
+    # the fourth job_process_failed incident's restart step failed with the evidence and paged
+    loops = [i for i in new_incidents(c, since) if i["rule"] == "job_process_failed"]
+    assert len(loops) == 4, [(i["id"], i["state"]) for i in loops]
+    detail = c.incident(max(i["id"] for i in loops))
+    [restart] = [a for a in detail["actions"] if a["kind"] == "restart"]
+    assert restart["state"] == "failed" and restart["result"].count("- restart #") == 3, restart
+    assert "ChaosError" in restart["result"] or "raise" in restart["result"], restart["result"]
+    kinds = [e["kind"] for e in detail["timeline"]]
+    assert "escalated" in kinds or "escalation_unavailable" in kinds, kinds
+    # nothing restarts a held job
+    c.wait(lambda: not c.rank_procs("crash-loop") or None, timeout_s=30, what="no ranks left")
+    assert c.job("crash-loop")["attempt"] == 4

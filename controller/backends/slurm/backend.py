@@ -364,6 +364,7 @@ class SlurmBackend:
                     now=ctx.now,
                     ckpt_now=self._jobs.latest_steps(name)[1],
                     exclude=ctx.action.id,
+                    last_exit=ctx.incident.summary,
                 )
                 if found is not None:
                     # stored before it acts: a controller killed in between holds it once

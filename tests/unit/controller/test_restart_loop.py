@@ -139,7 +139,7 @@ def test_a_crash_looping_job_is_held_after_three_restarts_and_pages_the_evidence
     assert len(pages) == 1
     assert pages[0].count("- restart #") == 3
     assert "CUDA error: an illegal memory access" in pages[0]
-    assert "from scratch" in pages[0]
+    assert "from scratch" in pages[0] and "- then: " in pages[0]
     # the failed restart step's timeline entry carries the same evidence
     failed = [
         a
