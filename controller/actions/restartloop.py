@@ -70,7 +70,8 @@ class RestartLoop:
         steps = sorted({_order(r.ckpt_step) for r in self.restarts})
         newest = "none" if self.ckpt_step is None else f"step {self.ckpt_step}"
         return (
-            f"restart loop: {len(self.restarts)} restarts in {self.window_s / 60:g} min without"
+            f"restart loop: {len(self.restarts)} restart{'' if len(self.restarts) == 1 else 's'}"
+            f" in {self.window_s / 60:g} min without"
             f" checkpoint progress (resumed from {', '.join(_step_text(s) for s in steps)};"
             f" newest committed checkpoint: {newest}); not restarted again"
         )
