@@ -306,7 +306,7 @@ def test_a_slow_rank_is_told_by_its_compute_time_and_its_node_replaced(world: Wo
     world.after("straggler")
 
 
-def test_a_crash_looping_job_is_held_after_three_restarts_without_checkpoint_progress(
+def test_a_crash_looping_job_is_held_by_the_restart_loop_breaker(
     world: World,
 ) -> None:
     # A job whose command fails right after it starts (an option the script does not know):
