@@ -4,7 +4,8 @@ a slow rank (a straggler); kill -9 of the controller at each remediation step is
 test_e2e_crash.py. Each
 scenario runs a fresh job on the node set the previous one left, injects its fault, and ends
 with the job trained to its last step, every loss equal to an uninterrupted run's, one
-incident with one restart and a complete timeline (tests/e2e/chaos.py)."""
+incident with one restart and a complete timeline (tests/e2e/chaos.py). The last one runs a
+job whose command fails right after start: the restart-loop breaker holds it and pages."""
 
 from __future__ import annotations
 
