@@ -460,6 +460,11 @@ class ActionsConfig:
             )
 
 
+# The most restarts the restart-loop breaker may wait for (jobs.restart_loop_restarts): the
+# step reads that many earlier restart rows of the job.
+RESTART_LOOP_MAX = 100
+
+
 @dataclass(frozen=True)
 class JobsConfig:
     # Rendezvous port of attempt N when the job spec names none: base + N % span. Rotating
@@ -505,6 +510,13 @@ class JobsConfig:
     # the stale attempt when it reports again (ReportResponse.job_attempts). Must exceed
     # node_silent_after_s.
     attempt_lease_s: float = 6.0
+    # The restart-loop breaker: a job that a rule's restart or rollback restarted this many
+    # times within restart_loop_window_s without checkpoint progress (each restart resumed
+    # from a step no newer than the one before) is not restarted again but held, and pages.
+    # 3 in 30 min: a job that crashes again at once is caught after three tries in a few
+    # minutes, while one whose hardware failed three times in a day keeps going. 0: never.
+    restart_loop_restarts: int = 3
+    restart_loop_window_s: float = 1800.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.rdzv_port_base <= 65535 - self.rdzv_port_span:
@@ -528,6 +540,19 @@ class JobsConfig:
             raise Invalid(
                 "stop_grace_s",
                 f"must be <= {STOP_GRACE_MAX_S:g} (a stop_job's grace), got {self.stop_grace_s}",
+            )
+        if not 0 <= self.restart_loop_restarts <= RESTART_LOOP_MAX:
+            raise Invalid(
+                "restart_loop_restarts",
+                f"must be in [0, {RESTART_LOOP_MAX}], got {self.restart_loop_restarts}",
+            )
+        if not (
+            math.isfinite(self.restart_loop_window_s)
+            and 60.0 <= self.restart_loop_window_s <= 7 * 86400.0
+        ):
+            raise Invalid(
+                "restart_loop_window_s",
+                f"must be in [60, 604800] s, got {self.restart_loop_window_s}",
             )
 
 

@@ -8,7 +8,8 @@ attempt reports) -> restarting (a remediation or operator restart is under way) 
 starting ...; crashed (a process exited non-zero without being asked: the
 `job_process_failed` rule restarts it); waiting (no spare yet); stopping -> stopped;
 completed (every node's processes exited 0 unasked); failed (gave up: max_restarts, no spare,
-a restart that never progressed).
+a restart that never progressed); held (the restart-loop breaker: crash-looped without
+checkpoint progress, controller.actions.restartloop).
 
 ETTR = productive_s / (end or now - started_at): productive time accrues between two samples
 while the job is running and its highest step advanced past every step it had reached

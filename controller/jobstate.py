@@ -22,6 +22,9 @@ class JobState(str, Enum):
     STOPPED = "stopped"  # stopped on request
     COMPLETED = "completed"  # every node's processes exited 0 unasked
     FAILED = "failed"  # gave up: max_restarts, no stop of the old attempt, ...
+    # not restarted again: it crash-looped without checkpoint progress (the restart-loop
+    # breaker, controller.actions.restartloop); a person restarts or resubmits it
+    HELD = "held"
 
     @classmethod
     def parse(cls, state: str) -> JobState | None:
@@ -46,7 +49,7 @@ class JobState(str, Enum):
 _ACTIVE = frozenset(
     {JobState.STARTING, JobState.RUNNING, JobState.RESTARTING, JobState.CRASHED, JobState.WAITING}
 )
-_FINISHED = frozenset({JobState.STOPPED, JobState.COMPLETED, JobState.FAILED})
+_FINISHED = frozenset({JobState.STOPPED, JobState.COMPLETED, JobState.FAILED, JobState.HELD})
 
 _S = JobState
 # state -> the other states a job in it may move to. Who makes each move:
@@ -58,6 +61,8 @@ _S = JobState
 #   agent exit events: starting/running -> crashed (non-zero, unasked) / completed (all 0)
 #   replace step: running/starting/crashed -> restarting; no spare -> waiting
 #   stop step: -> stopping -> stopped
+#   restart/rollback step: a job restarted restart_loop_restarts times without checkpoint
+#     progress -> held (the restart-loop breaker)
 # A stop ends in stopped even when another step moved the job while it ran (a restart that
 # began an attempt meanwhile): the operator's stop wins, so every active state may go there.
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
@@ -92,7 +97,13 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     _S.STOPPED: frozenset({_S.PENDING, _S.STARTING, _S.RESTARTING, _S.STOPPING, _S.FAILED}),
     _S.COMPLETED: frozenset({_S.PENDING, _S.RESTARTING, _S.STOPPING, _S.FAILED}),
     _S.FAILED: frozenset({_S.PENDING, _S.RESTARTING, _S.STOPPING}),
+    # the restart-loop breaker held it: a person resubmits, restarts or stops it
+    _S.HELD: frozenset({_S.PENDING, _S.RESTARTING, _S.STOPPING, _S.FAILED}),
 }
+# The restart-loop breaker (a restart or rollback step) holds a job from any state a restart
+# begins in.
+for _held_from in (_S.STARTING, _S.RUNNING, _S.RESTARTING, _S.CRASHED, _S.WAITING):
+    TRANSITIONS[_held_from] = TRANSITIONS[_held_from] | {_S.HELD}
 
 
 class InvalidJobTransition(ValueError):

@@ -33,10 +33,11 @@ from trainguard.controller.actions.recovery import (
     restart_confirmed,
     rolled_back_in_process,
 )
+from trainguard.controller.actions.restartloop import LOOP_KEY, RestartLoop, restart_loop
 from trainguard.controller.actions.restartphase import RestartPhase, advance
 from trainguard.controller.actions.sparecheck import PROGRESS_KEY, SparePreflight
 from trainguard.controller.jobs import RESUME_SKIP_ENV, JobManager, JobSpec, shrink_plan
-from trainguard.controller.jobstate import JobState
+from trainguard.controller.jobstate import TRANSITIONS, JobState
 from trainguard.controller.records import CommandRecord, JobRecord
 
 log = logging.getLogger("trainguard.controller.jobsteps")
@@ -427,7 +428,11 @@ class RestartHandler(JobStep):
 
     rollback: same nodes, from the newest committed checkpoint (the trainer never commits a
     non-finite one), with the skip window in TRAINGUARD_RESUME_SKIP_BATCHES; skipped when the
-    trainer already rolled back in process."""
+    trainer already rolled back in process.
+
+    A rule's restart of a job that crash-loops without checkpoint progress does not restart
+    it (controller.actions.restartloop): the verdict is stored first, then the job is held
+    and the step fails with the evidence (the incident pages)."""
 
     observe: PhaseObserver = field(default=lambda phases, lost: None)
     poll_interval_s: float = 0.5
@@ -444,6 +449,9 @@ class RestartHandler(JobStep):
 
     def run_job(self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]) -> Outcome:
         key = ctx.action.idempotency_key
+        loop = progress.get(LOOP_KEY)
+        if isinstance(loop, dict):  # the breaker decided (maybe before a controller restart)
+            return self._hold(ctx, job, RestartLoop.from_output(loop))
         phase = RestartPhase.stored(progress)
         if job.attempt_key == key and phase is RestartPhase.STOP:
             # this step began its attempt before a controller restart
@@ -546,6 +554,31 @@ class RestartHandler(JobStep):
             )
         baseline = restart_baseline(self.jobs, job.name, ctx)
         ckpt = baseline["ckpt_step"]
+        if not first and self.counts_restart and ctx.incident is not None:
+            loop = restart_loop(
+                self.jobs,
+                job.name,
+                now=ctx.now,
+                ckpt_now=ckpt,
+                exclude=ctx.action.id,
+                last_exit=ctx.incident.summary,
+            )
+            if loop is not None:
+                # the decision is stored before it acts: a controller killed in between
+                # finds it (run_job) and holds the job, never decides again
+                log.warning(
+                    "event=restart_loop job=%s restarts=%d ckpt_step=%s key=%s",
+                    job.name,
+                    len(loop.restarts),
+                    ckpt,
+                    ctx.action.idempotency_key,
+                )
+                return Outcome(
+                    message=f"{loop.reason()}: holding job {job.name}",
+                    output={"job": job.name, LOOP_KEY: loop.to_output()},
+                    done=False,
+                    poll_after_s=0.0,
+                )
         progress.update(
             phase=RestartPhase.STOP.value, job=job.name, **baseline, stop_sent_at=ctx.now
         )
@@ -589,6 +622,31 @@ class RestartHandler(JobStep):
             done=False,
             poll_after_s=self.poll_interval_s,
         )
+
+    def _hold(self, ctx: ActionContext, job: JobRecord, loop: RestartLoop) -> Outcome:
+        """The breaker's effect: whatever still runs the job is stopped, the job is held
+        with the reason (`describe job` shows it), and the step fails with the evidence, so
+        the incident pages every channel. Idempotent: a re-run after a controller restart
+        queues the same stop ids and sets the same state."""
+        for node in dict.fromkeys((*job.attempt_nodes, *job.nodes)):
+            if self.jobs.runs_on(job.name, node):
+                self.jobs.nodes.queue_command(
+                    node,
+                    StopJobArgs(job=job.name, grace_s=self.jobs.config.stop_grace_s),
+                    command_id=f"stop-{ctx.action.idempotency_key}-{node}",
+                )
+        current = self.jobs.get(job.name) or job
+        state = JobState.parse(current.state)
+        if state is not None and (state is JobState.HELD or JobState.HELD in TRANSITIONS[state]):
+            self.jobs.set_state(job.name, JobState.HELD, reason=loop.reason())
+        log.warning(
+            "event=job_held job=%s restarts=%d key=%s reason=%r",
+            job.name,
+            len(loop.restarts),
+            ctx.action.idempotency_key,
+            loop.reason(),
+        )
+        raise PermanentError(loop.evidence())
 
     def _unusable(self, job: JobRecord) -> list[str]:
         """Nodes of the job that cannot take part in a new attempt: not reporting, not
@@ -816,12 +874,19 @@ class GrowHandler(JobStep):
     step's logic). Without a commit, or with a spare taken meanwhile, or the job no longer
     running the planned attempt, the step ends `skipped` and the job runs on as it was. The
     new attempt is no restart: neither counted nor held to max_restarts. Done: a
-    `grown back to N ranks` entry on the incident whose step shrank the job."""
+    `grown back to N ranks` entry on the incident whose step shrank the job.
+
+    With `spare_check`, the spares join only after a passing preflight, before the
+    checkpoint (so a grow that cannot happen never stops the job): a failing one is drained
+    with the reason and the next free spare (same selector) stands in; too few passing:
+    `skipped`. The spares that passed are kept in the output (`spares`, `gated`)."""
 
     open_incident_nodes: Callable[[], set[str]]
     poll_interval_s: float = 0.5
     kind: str = "grow"
     remediation: bool = True
+    # Given: a spare joins only after a passing preflight (controller.actions.sparecheck)
+    spare_check: SparePreflight | None = None
     _checkpoint: CheckpointHandler = field(init=False)
     _restart: RestartHandler = field(init=False)
 
@@ -838,13 +903,17 @@ class GrowHandler(JobStep):
     def run_job(self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]) -> Outcome:
         key = ctx.action.idempotency_key
         spec = self.jobs.spec(job)
-        spares = [str(s) for s in ctx.params.get("spares", [])]
-        base = {
+        planned = [str(s) for s in ctx.params.get("spares", [])]
+        gated = progress.get("gated") is True
+        spares = [str(s) for s in progress.get("spares", planned)] if gated else planned
+        base: dict[str, Any] = {
             "job": job.name,
             "spares": spares,
             "ranks_from": int(progress.get("ranks_from", len(job.nodes) * job.nproc_per_node)),
             "ranks_to": spec.world_size,
         }
+        if gated:
+            base["gated"] = True
         ckpt = dict(progress.get("checkpoint", {}))
         # the placement (or the attempt) is already done: a re-run after a controller restart
         placed = job.attempt_key == key or (bool(spares) and set(spares) <= set(job.nodes))
@@ -854,9 +923,15 @@ class GrowHandler(JobStep):
         if wait is not None:
             return wait
         if not placed:
-            why = self._not_now(ctx, job, spares)
+            gating = self.spare_check is not None and not gated
+            why = self._not_now(ctx, job, spares, spares_free=not gating)
             if why is not None:
                 return Outcome(message=f"skipped: not grown ({why})", output=base, skipped=True)
+            if gating:
+                checked = self._gate(ctx, job, spec, base=base, progress=progress)
+                if checked is not None:
+                    return checked
+                spares = base["spares"]
             if ckpt.get("phase") != "done":
                 step = self._checkpoint.run_job(ctx, job, ckpt)
                 ckpt = step.output
@@ -917,8 +992,60 @@ class GrowHandler(JobStep):
         )
         return Outcome(message=f"{text}; {step.message}", output=output)
 
-    def _not_now(self, ctx: ActionContext, job: JobRecord, spares: list[str]) -> str | None:
-        """Why the planned grow cannot go on, or None."""
+    def _gate(
+        self,
+        ctx: ActionContext,
+        job: JobRecord,
+        spec: JobSpec,
+        *,
+        base: dict[str, Any],
+        progress: dict[str, Any],
+    ) -> Outcome | None:
+        """Put the planned spares (then the other free ones, for any that fail) through the
+        preflight gate. None once enough passed (`base` then holds them, gated); else the
+        Outcome: waiting for a preflight, or skipped with too few passing."""
+        planned: list[str] = list(base["spares"])
+        busy = self.open_incident_nodes()
+        others = self.jobs.spares(
+            spec.spare_selector, open_incident_nodes=busy, exclude=(*job.nodes, *planned)
+        )
+        free = [n for n in planned if self._free(job, n, busy=busy)]
+        checks: dict[str, Any] = {PROGRESS_KEY: progress.get(PROGRESS_KEY, {})}
+        ready, checking = gate_spares(
+            self.spare_check, [*free, *others], need=len(planned), ctx=ctx, progress=checks
+        )
+        base[PROGRESS_KEY] = checks[PROGRESS_KEY]
+        if checking is not None:
+            return Outcome(
+                message=f"growing job {job.name} back to {spec.world_size} ranks: {checking}",
+                output=base,
+                done=False,
+                poll_after_s=min(self.poll_interval_s, _UNKNOWN_POLL_S),
+            )
+        if len(ready) < len(planned):
+            failed = [n for n in planned if n not in ready]
+            return Outcome(
+                message=f"skipped: not grown (spare(s) {', '.join(failed)} failed the preflight"
+                f" or were taken, and too few others passed); job {job.name} runs on at"
+                f" {base['ranks_from']} ranks",
+                output=base,
+                skipped=True,
+            )
+        base.update(spares=ready[: len(planned)], gated=True)
+        if ready[: len(planned)] != planned:
+            log.info(
+                "event=grow_spares_gated job=%s planned=%s spares=%s",
+                job.name,
+                ",".join(planned),
+                ",".join(base["spares"]),
+            )
+        return None
+
+    def _not_now(
+        self, ctx: ActionContext, job: JobRecord, spares: list[str], *, spares_free: bool = True
+    ) -> str | None:
+        """Why the planned grow cannot go on, or None; with `spares_free` False the spares
+        are not looked at (the preflight gate picks among the free ones)."""
         attempt = ctx.params.get("attempt")
         if job.attempt != attempt:
             return f"job {job.name} is at attempt {job.attempt}, the grow was for {attempt}"
@@ -926,19 +1053,25 @@ class GrowHandler(JobStep):
             return f"job {job.name} is {job.state}"
         if not spares:
             return "no spare named"
+        if not spares_free:
+            return None
         busy = self.open_incident_nodes()
         for node in spares:
-            rec = self.jobs.nodes.node_record(node)
-            if rec is not None and rec.job == job.name:
-                continue
-            if (
-                rec is None
-                or rec.role != "spare"
-                or rec.job
-                or not self.jobs.healthy(node, open_incident_nodes=busy)
-            ):
+            if not self._free(job, node, busy=busy):
                 return f"spare {node} is no longer free"
         return None
+
+    def _free(self, job: JobRecord, node: str, *, busy: set[str]) -> bool:
+        """`node` may join the job: a free, healthy spare (or already the job's)."""
+        rec = self.jobs.nodes.node_record(node)
+        if rec is not None and rec.job == job.name:
+            return True
+        return not (
+            rec is None
+            or rec.role != "spare"
+            or rec.job
+            or not self.jobs.healthy(node, open_incident_nodes=busy)
+        )
 
     def _note_grown(self, job: str, *, key: str, text: str, ranks: int, now: float) -> None:
         """`grown back to N ranks` on the incident that shrank the job (once per grow key)."""

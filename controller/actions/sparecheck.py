@@ -1,5 +1,6 @@
-"""A spare joins a job only after a passing preflight: the gate the replace and restart steps
-put the free hot spares through before they swap one into a job.
+"""A spare joins a job only after a passing preflight: the gate the replace, restart and grow
+steps (and the Slurm backend's spare pick) put the free hot spares through before they swap
+one into a job.
 
 A spare whose last preflight passed within `max_age_s` is taken as it is. Any other is sent a
 `preflight` command (its id derives from the step's idempotency key and the node, so a step
@@ -55,6 +56,9 @@ class SparePreflight:
     # node -> the retire reason when it is a lemon: a failing spare is retired, not drained
     lemon: Callable[[str], str | None] = lambda node: None
     warm_every_s: float = 15.0  # how often keep_warm looks at the pool (the tick calls it)
+    # Given: the scheduler's side of taking a spare out of the pool, (node, reason) (the Slurm
+    # backend drains it in Slurm, so Slurm's state mirrored back keeps it out)
+    out_of_pool: Callable[[str, str], None] | None = None
     _warmed_at: float = field(default=float("-inf"), init=False)
 
     def keep_warm(self, spares: list[str], *, now: float) -> list[str]:
@@ -159,6 +163,8 @@ class SparePreflight:
         """Out of the pool: drained with the reason, or retired (a lemon, flagged for RMA)."""
         state = NodeState.parse(self.ops.node_state(node) or "")
         if state is NodeState.ACTIVE:
+            if self.out_of_pool is not None:
+                self.out_of_pool(node, reason)
             wanted = NodeState.RETIRED if retire else NodeState.DRAINED
             self.ops.set_node_state(node, wanted.value, reason=reason)
         log.warning("event=spare_taken_out node=%s retired=%s reason=%r", node, retire, reason)

@@ -20,7 +20,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 from trainguard.controller.actionkinds import ActionKind, job_step_kinds
 from trainguard.controller.actions.base import ActionContext, Outcome
 from trainguard.controller.actions.drain import DrainState
+from trainguard.controller.actions.sparecheck import SparePreflight, spare_preflight
+from trainguard.controller.lemons import LemonPolicy
 from trainguard.controller.views import JobView
+from trainguard.kinds import CommandKind
 
 if TYPE_CHECKING:  # types only: the factories' inputs import the controller's core modules
     from trainguard.clock import Clock
@@ -139,6 +142,22 @@ class BackendDeps:
     open_incident_nodes: Callable[[], set[str]]
     observe: PhaseObserver
     slurm_runner: SlurmRunner | None = None
+
+    def spare_check(self) -> SparePreflight:
+        """The spare preflight gate (controller.actions.sparecheck) over the live node
+        state, the nodes' last preflights and the lemon verdict: every backend's spare pick
+        goes through it."""
+        live = self.live
+        return spare_preflight(
+            self.config.lifecycle,
+            ops=live,
+            last_preflight=lambda node: live.store.commands.last_done(
+                node, kind=CommandKind.PREFLIGHT.value
+            ),
+            lemon=LemonPolicy(
+                store=live.store, config=self.config.lifecycle, now=self.clock.now
+            ).verdict,
+        )
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,21 @@ class ActionRepository:
         )
         return int(rows[0][0]) if rows else None
 
+    def restarts_of(
+        self, job: str, *, since: float, limit: int
+    ) -> list[tuple[ActionView, dict[str, Any]]]:
+        """The newest `limit` restart and rollback rows of `job` (by the job their output
+        names) created at or after `since`, with their outputs, oldest first (the restart-loop
+        breaker reads what each resumed from)."""
+        field = self._db.dialect.json_text
+        rows = self._db.query(
+            "SELECT * FROM actions WHERE kind IN ('restart', 'rollback')"  # noqa: S608
+            f" AND {field('output', 'job')} = ? AND created_at >= ?"
+            " ORDER BY id DESC LIMIT ?",
+            (job, since, limit),
+        )
+        return [(self._action(r), json.loads(r["output"])) for r in reversed(rows)]
+
     def last_drain(self, node: str) -> ActionView | None:
         """The newest drain row of `node` that was not skipped or failed (an incident's or an
         operator's)."""

@@ -4,7 +4,8 @@ a slow rank (a straggler); kill -9 of the controller at each remediation step is
 test_e2e_crash.py. Each
 scenario runs a fresh job on the node set the previous one left, injects its fault, and ends
 with the job trained to its last step, every loss equal to an uninterrupted run's, one
-incident with one restart and a complete timeline (tests/e2e/chaos.py). Last, the node
+incident with one restart and a complete timeline (tests/e2e/chaos.py). Then a job whose
+command fails right after start: the restart-loop breaker holds it and pages. Last, the node
 lifecycle on a free spare (no job): a DBE is drained, diagnosed, reset, validated and the
 node is back as a spare; a second one on a GPU whose reset fails stays out with the
 reason."""
@@ -27,6 +28,7 @@ from tests.e2e.chaos import (
     check_one_live_attempt,
     check_recovery,
     job_spec,
+    new_incidents,
     now,
     reference_lines,
     run_until_step,
@@ -93,6 +95,9 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
             "stop_grace_s": 5,
             "stop_timeout_s": 10,
             "progress_timeout_s": 90,
+            # the crash-loop scenario holds its job at the second restart, not the fourth:
+            # each attempt of it costs a torchrun launch; every other job restarts once
+            "restart_loop_restarts": 1,
         },
     )
     base = Path(tmp_path_factory.mktemp("chaos"))
@@ -307,6 +312,41 @@ def test_a_slow_rank_is_told_by_its_compute_time_and_its_node_replaced(world: Wo
     assert c.node(slow.node)["state"] == "drained"
     check_one_live_attempt(c, "straggler")
     world.after("straggler")
+
+
+def test_a_crash_looping_job_is_held_by_the_restart_loop_breaker(
+    world: World,
+) -> None:
+    # A job whose command fails right after it starts (an option the script does not know):
+    # every restart crashes again with nothing saved. After jobs.restart_loop_restarts such
+    # restarts (1 in this world) the next is not made: the job is held with the reason and the
+    # incident pages the evidence. One node: the loop, not the placement, is under test.
+    c = world.cluster
+    node = world.nodes[0]
+    spec = job_spec(c, "crash-loop", [node], max_restarts=10)
+    spec["command"] = ["examples/train.py", "--no-such-option"]
+    since = now()
+    c.submit_job(spec)
+    view = c.wait_job(
+        "crash-loop", lambda j: j["state"] in ("held", "failed"), timeout_s=150, what="held"
+    )
+    assert view["state"] == "held", view
+    assert view["restarts"] == 1 and view["attempt"] == 2, view
+    assert view["state_reason"].startswith("restart loop: 1 restart in 30 min"), view
+    assert "resumed from scratch" in view["state_reason"]
+    # the second job_process_failed incident's restart step failed with the evidence, paged
+    loops = [i for i in new_incidents(c, since) if i["rule"] == "job_process_failed"]
+    assert len(loops) == 2, [(i["id"], i["state"]) for i in loops]
+    detail = c.incident(max(i["id"] for i in loops))
+    [restart] = [a for a in detail["actions"] if a["kind"] == "restart"]
+    assert restart["state"] == "failed" and restart["result"].count("- restart #") == 1, restart
+    # its evidence: each restart, what it answered and how it ended (torchrun's summary of
+    # the script's exit 2, argparse's usage error)
+    assert "exitcode  : 2" in restart["result"], restart["result"]
+    kinds = [e["kind"] for e in detail["timeline"]]
+    assert "escalated" in kinds or "escalation_unavailable" in kinds, kinds
+    # nothing restarts a held job
+    assert c.job("crash-loop")["attempt"] == 2
 
 
 def test_a_dbe_on_a_free_spare_is_repaired_and_a_failed_reset_keeps_it_out(

@@ -31,6 +31,7 @@ class FakeJob:
     restart_cnt: int = 0
     held: bool = False
     required: list[str] = field(default_factory=list)
+    comment: str = ""
 
 
 class FakeSlurm:
@@ -115,6 +116,8 @@ class FakeSlurm:
                 job.required = value.split(",")
             if key == "starttime" and not job.held and job.state == "PENDING":
                 self._start(job)
+            if key == "comment":
+                job.comment = value
             return ""
         raise AssertionError(f"the fake does not know {call}")
 
@@ -181,4 +184,5 @@ class FakeSlurm:
             "node_count": 3,
             "start_time": 0,
             "user_name": "alice",
+            "comment": j.comment,
         }

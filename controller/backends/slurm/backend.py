@@ -14,7 +14,9 @@
   take a spare out of the reservation for the job; restart = `scontrol requeuehold`, wait
   until Slurm no longer runs the job anywhere (so the drained node is out of it), pin the
   job to the new node set (`nodelist=`), `release` and `starttime=now` (a requeued job would
-  otherwise wait cred_expire), then wait for a step past the checkpoint.
+  otherwise wait cred_expire), then wait for a step past the checkpoint. A rule's restart of
+  a job that crash-loops without checkpoint progress (controller.actions.restartloop) leaves
+  it held (`requeuehold` / `hold`) with the reason in its comment instead, never released.
 
 Every Slurm call is an argument list with a timeout (controller.backends.slurm.cli); a failed
 one fails the step with Slurm's own message (transient: retried, then paged; .failures).
@@ -34,9 +36,11 @@ from trainguard.controller.actions.base import ActionContext, Outcome, Permanent
 from trainguard.controller.actions.drain import DrainState
 from trainguard.controller.actions.jobsteps import CheckpointHandler, CollectStacksHandler
 from trainguard.controller.actions.recovery import PhaseObserver, rolled_back_in_process
+from trainguard.controller.actions.restartloop import LOOP_KEY, RestartLoop, restart_loop
+from trainguard.controller.actions.sparecheck import PROGRESS_KEY, SparePreflight
 from trainguard.controller.backends.base import BackendDeps, Capability
 from trainguard.controller.backends.config import SlurmBackendConfig
-from trainguard.controller.backends.slurm.cli import SlurmCli, SlurmCommands
+from trainguard.controller.backends.slurm.cli import SlurmCli, SlurmCommands, SlurmJob
 from trainguard.controller.backends.slurm.failures import as_step_error
 from trainguard.controller.backends.slurm.mirror import (
     REASON_PREFIX,
@@ -52,6 +56,9 @@ from trainguard.controller.records import JobRecord
 from trainguard.controller.views import JobView
 
 log = logging.getLogger("trainguard.controller.slurm")
+
+# The most characters of the comment trainguard writes on a job it held.
+_COMMENT_MAX = 500
 
 
 class SlurmBackend:
@@ -85,6 +92,7 @@ class SlurmBackend:
         progress_timeout_s: float,
         open_incident_nodes: Callable[[], set[str]],
         observe: PhaseObserver,
+        spare_check: SparePreflight | None = None,
     ) -> None:
         self.config = config
         self.commands = commands
@@ -98,6 +106,7 @@ class SlurmBackend:
             live=live,
             node_silent_after_s=node_silent_after_s,
             open_incident_nodes=open_incident_nodes,
+            spare_check=spare_check,
         )
         self._requeue = SlurmRequeue(
             mirror=self.mirror,
@@ -287,7 +296,19 @@ class SlurmBackend:
                 message=f"Slurm job {job_id} needs no replacement: {', '.join(nodes)}",
                 output={**base, "nodes": nodes, "mode": "none"},
             )
-        swap = self.spares.take(job, bad=bad, nodes=nodes)
+        if PROGRESS_KEY in ctx.progress:
+            base[PROGRESS_KEY] = ctx.progress[PROGRESS_KEY]
+        spares, checking = self.spares.pick(ctx, base, exclude=set(nodes), need=len(bad))
+        if checking is not None:
+            if "wait_since" in ctx.progress:
+                base["wait_since"] = ctx.progress["wait_since"]
+            return Outcome(
+                message=f"Slurm job {job_id}: {checking}",
+                output=base,
+                done=False,
+                poll_after_s=POLL_S,
+            )
+        swap = self.spares.take(job, bad=bad, nodes=nodes, spares=spares)
         if swap:
             placed = [swap.get(n, n) for n in nodes]
             text = ", ".join(f"{b} -> {s}" for b, s in swap.items())
@@ -321,21 +342,90 @@ class SlurmBackend:
         return self._restart(ctx, same_nodes=True)
 
     def _restart(self, ctx: ActionContext, *, same_nodes: bool) -> Outcome:
-        """One phase of the restart (SlurmRequeue), by the phase its progress holds."""
+        """One phase of the restart (SlurmRequeue), by the phase its progress holds; or,
+        once the restart-loop breaker decided, the job left held."""
         progress = dict(ctx.progress)
         phase = progress.get("phase")
         self.mirror.fresh()
+        loop = progress.get(LOOP_KEY)
+        if isinstance(loop, dict):  # decided (maybe before a controller restart)
+            return self._hold(ctx, progress, RestartLoop.from_output(loop))
         if phase is None:
             job_id = self._resolve(ctx)
             if job_id is None:
                 return self._no_job(ctx)
             self.mirror.mark_acted(job_id)
             job = self.mirror.job(job_id)
+            name = self.mirror.job_name(job_id)
+            if ctx.incident is not None:  # an operator's restart is never held
+                found = restart_loop(
+                    self._jobs,
+                    name,
+                    now=ctx.now,
+                    ckpt_now=self._jobs.latest_steps(name)[1],
+                    exclude=ctx.action.id,
+                    last_exit=ctx.incident.summary,
+                )
+                if found is not None:
+                    # stored before it acts: a controller killed in between holds it once
+                    log.warning(
+                        "event=restart_loop job=%s slurm_job=%s restarts=%d",
+                        name,
+                        job_id,
+                        len(found.restarts),
+                    )
+                    return Outcome(
+                        message=f"Slurm job {job_id}: {found.reason()}: holding it",
+                        output={
+                            "job": name,
+                            "slurm_job_id": job_id,
+                            "decided_at": ctx.now,
+                            LOOP_KEY: found.to_output(),
+                        },
+                        done=False,
+                        poll_after_s=0.0,
+                    )
             return self._requeue.requeue(ctx, progress, job=job, same_nodes=same_nodes)
         job = self.mirror.job(str(progress["slurm_job_id"]))
         if phase == "requeued":
             return self._requeue.release(ctx, job, progress)
         return self._requeue.confirm(ctx, job, progress)
+
+    def _hold(self, ctx: ActionContext, progress: dict[str, Any], loop: RestartLoop) -> Outcome:
+        """The breaker's effect under Slurm: the job is left held (`requeuehold` stops a
+        running or finished one and holds it; `hold` a pending one) with the reason in its
+        comment, never released; then the step fails with the evidence (the incident pages).
+        Idempotent: a held job is not held again, the comment is the same."""
+        job_id = str(progress["slurm_job_id"])
+        comment = f"{REASON_PREFIX} {loop.reason()}"[:_COMMENT_MAX]
+        try:
+            job = self.mirror.job(job_id)
+            if job.state == "COMPLETING":  # Slurm is ending it: hold it once it is pending
+                waited_s = ctx.now - float(progress.get("decided_at", ctx.now))
+                if waited_s <= self.config.requeue_timeout_s:
+                    return Outcome(
+                        message=f"Slurm job {job_id} completing; holding it once it is pending",
+                        output=progress,
+                        done=False,
+                        poll_after_s=POLL_S,
+                    )
+            with as_step_error(f"holding Slurm job {job_id}"):
+                if job.state == "PENDING":
+                    if not job.held:
+                        self.commands.hold(job_id)
+                elif job.state != "COMPLETING":
+                    self.commands.requeue_hold(job_id)
+                self.commands.set_comment(job_id, comment)
+                self.mirror.refresh()
+        except PermanentError as e:
+            raise PermanentError(f"{loop.evidence()}\n(holding Slurm job {job_id}: {e})") from None
+        log.warning(
+            "event=slurm_job_held job=%s slurm_job=%s reason=%r", loop.job, job_id, loop.reason()
+        )
+        raise PermanentError(
+            f"{loop.evidence()}\nSlurm job {job_id} is left held (comment {comment!r});"
+            f" `scontrol release {job_id}` lets Slurm run it again"
+        )
 
     def stop(self, ctx: ActionContext) -> Outcome:
         self.mirror.fresh()
@@ -384,13 +474,21 @@ class SlurmBackend:
                     restarts=job.restart_cnt,
                     ranks=len(ranks),
                     world_size=max((r.world_size for _, r in ranks), default=0),
-                    state_reason=job.state_reason if job.state_reason != "None" else "",
+                    state_reason=_state_reason(job),
                     started_at=job.start_time or None,
                     scheduler="slurm",
                     scheduler_job_id=job.id,
                 )
             )
         return views
+
+
+def _state_reason(job: SlurmJob) -> str:
+    """Slurm's reason for the job's state, with trainguard's comment when it held the job."""
+    reason = job.state_reason if job.state_reason != "None" else ""
+    if job.comment.startswith(REASON_PREFIX) and job.held:
+        return f"{reason}: {job.comment}" if reason else job.comment
+    return reason
 
 
 def build(deps: BackendDeps) -> SlurmBackend:
@@ -412,6 +510,7 @@ def build(deps: BackendDeps) -> SlurmBackend:
         progress_timeout_s=config.jobs.progress_timeout_s,
         open_incident_nodes=deps.open_incident_nodes,
         observe=deps.observe,
+        spare_check=deps.spare_check(),
     )
 
 

@@ -160,6 +160,12 @@ class SlurmJob:
     node_count: int = 0
     start_time: float = 0.0
     user: str = ""
+    comment: str = ""  # trainguard writes why it held the job here (the restart-loop breaker)
+
+    @property
+    def held(self) -> bool:
+        """Pending and held (by an admin, trainguard, or its user)."""
+        return self.state == "PENDING" and self.state_reason.startswith("JobHeld")
 
     @property
     def active(self) -> bool:
@@ -229,6 +235,7 @@ def parse_squeue(text: str) -> dict[str, SlurmJob]:
             node_count=int(j.get("node_count") or 0),
             start_time=float(j.get("start_time") or 0),
             user=str(j.get("user_name") or ""),
+            comment=str(j.get("comment") or ""),
         )
     return out
 
@@ -302,6 +309,11 @@ class SlurmCommands:
 
     def cancel(self, job_id: str) -> None:
         self.run("scancel", job_id)
+
+    def set_comment(self, job_id: str, text: str) -> None:
+        """The job's comment (squeue and `scontrol show job` show it): one argument, so any
+        text is safe."""
+        self.run("scontrol", "update", f"jobid={job_id}", f"comment={text}")
 
 
 __all__ = [

@@ -69,7 +69,17 @@ class SlurmRequeue:
                 sick = ctx.params.get("node") if isinstance(ctx.params.get("node"), str) else None
                 bad = self._spares.bad(nodes, sick)
                 if bad:
-                    swap = self._spares.take(job, bad=bad, nodes=nodes)
+                    spares, checking = self._spares.pick(
+                        ctx, progress, exclude=set(nodes), need=len(bad)
+                    )
+                    if checking is not None:
+                        return Outcome(
+                            message=f"Slurm job {job_id}: {checking}",
+                            output=progress,
+                            done=False,
+                            poll_after_s=POLL_S,
+                        )
+                    swap = self._spares.take(job, bad=bad, nodes=nodes, spares=spares)
                     if not swap:
                         raise PermanentError(
                             f"Slurm job {job_id} cannot restart: {', '.join(bad)} unusable and"

@@ -1,16 +1,23 @@
 """Where a Slurm job may run next: which of its nodes are unusable, and the spares of the
 reservation general work cannot use (`spare_reservation`) that may stand in for them; taking
-a spare is taking it out of the reservation for the job.
+a spare is taking it out of the reservation for the job. A spare is taken only after a
+passing preflight (the gate of controller.actions.sparecheck, `pick`): a failing one is
+drained in Slurm with the reason (so it stays out of the pool) and the next one is tried.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
+from typing import Any
 
+from trainguard.controller.actions.base import ActionContext
+from trainguard.controller.actions.jobsteps import gate_spares
+from trainguard.controller.actions.sparecheck import SparePreflight
 from trainguard.controller.backends.slurm.cli import SlurmJob
 from trainguard.controller.backends.slurm.failures import as_step_error
-from trainguard.controller.backends.slurm.mirror import SlurmMirror
+from trainguard.controller.backends.slurm.mirror import SlurmMirror, trainguard_reason
 from trainguard.controller.livestate import LiveState
 
 __all__ = ["SlurmSpares"]
@@ -28,11 +35,18 @@ class SlurmSpares:
         live: LiveState,
         node_silent_after_s: float,
         open_incident_nodes: Callable[[], set[str]],
+        spare_check: SparePreflight | None = None,
     ) -> None:
         self._mirror = mirror
         self._live = live
         self._silent_after_s = node_silent_after_s
         self._open_incident_nodes = open_incident_nodes
+        # the gate drains a spare it takes out of the pool in Slurm too
+        self._check = (
+            dataclasses.replace(spare_check, out_of_pool=self._drain_out)
+            if spare_check is not None
+            else None
+        )
 
     @property
     def reservation(self) -> str:
@@ -84,9 +98,37 @@ class SlurmSpares:
             out.append(node)
         return sorted(out)
 
-    def take(self, job: SlurmJob, *, bad: list[str], nodes: list[str]) -> dict[str, str]:
-        """Swap each bad node for a spare taken out of the reservation; {} when too few."""
-        spares = self.candidates(exclude=set(nodes))
+    def pick(
+        self, ctx: ActionContext, progress: dict[str, Any], *, exclude: set[str], need: int
+    ) -> tuple[list[str], str | None]:
+        """The candidates that may join a job now, through the preflight gate (`need` of
+        them at most), and what the step waits for while a preflight runs; `progress` (the
+        step's output) gains the running preflights."""
+        return gate_spares(
+            self._check, self.candidates(exclude), need=need, ctx=ctx, progress=progress
+        )
+
+    def _drain_out(self, node: str, reason: str) -> None:
+        """A spare the gate takes out of the pool: drained in Slurm with the reason (the next
+        sync mirrors it into the node table)."""
+        sname = self._mirror.slurm_name(node)
+        text = trainguard_reason(reason=reason, rule=None, incident_id=None)
+        with as_step_error(f"draining spare {node} in Slurm"):
+            self._mirror.commands.drain(sname, reason=text)
+        log.warning("event=slurm_spare_drained node=%s reason=%r", node, text)
+
+    def take(
+        self,
+        job: SlurmJob,
+        *,
+        bad: list[str],
+        nodes: list[str],
+        spares: list[str] | None = None,
+    ) -> dict[str, str]:
+        """Swap each bad node for a spare (`spares`, those `pick` gave; else every
+        candidate) taken out of the reservation; {} when too few."""
+        if spares is None:
+            spares = self.candidates(exclude=set(nodes))
         if len(spares) < len(bad):
             return {}
         swap = dict(zip(bad, spares, strict=False))

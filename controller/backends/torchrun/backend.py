@@ -19,12 +19,10 @@ from trainguard.controller.actions.jobsteps import (
     StopHandler,
 )
 from trainguard.controller.actions.recovery import PhaseObserver
-from trainguard.controller.actions.sparecheck import SparePreflight, spare_preflight
+from trainguard.controller.actions.sparecheck import SparePreflight
 from trainguard.controller.backends.base import BackendDeps, Capability
 from trainguard.controller.jobs import JobManager
-from trainguard.controller.lemons import LemonPolicy
 from trainguard.controller.views import JobView
-from trainguard.kinds import CommandKind
 
 
 class TorchrunBackend:
@@ -68,7 +66,7 @@ class TorchrunBackend:
         )
         self._stop = StopHandler(jobs)
         self._stacks = CollectStacksHandler(jobs)
-        self._grow = GrowHandler(jobs, open_incident_nodes)
+        self._grow = GrowHandler(jobs, open_incident_nodes, spare_check=spare_check)
 
     def drain(
         self,
@@ -134,16 +132,7 @@ def build(deps: BackendDeps) -> TorchrunBackend:
         jobs=deps.jobs,
         open_incident_nodes=deps.open_incident_nodes,
         observe=deps.observe,
-        spare_check=spare_preflight(
-            config.lifecycle,
-            ops=deps.live,
-            last_preflight=lambda node: deps.live.store.commands.last_done(
-                node, kind=CommandKind.PREFLIGHT.value
-            ),
-            lemon=LemonPolicy(
-                store=deps.live.store, config=config.lifecycle, now=deps.clock.now
-            ).verdict,
-        ),
+        spare_check=deps.spare_check(),
     )
 
 

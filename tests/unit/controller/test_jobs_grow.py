@@ -100,3 +100,42 @@ def test_controller_restart_mid_grow_never_starts_another_attempt(sim):
     assert starts == [1, 1, 2, 3, 3]
     job = sim.c.get_job("job")
     assert (job.attempt, job.world_size, job.restarts) == (3, 4, 1)
+
+
+def test_a_grow_spare_whose_preflight_fails_is_drained_and_the_next_one_joins(sim):
+    shrunk(sim)
+    sim.add("n4", role="spare").preflight_fails = {"ecc": "2 uncorrectable errors on gpu 1"}
+    sim.add("n5", role="spare")
+    sim.until(running(sim, attempt=3), max_s=40, what="grown attempt 3")
+    grow = sim.c.store.actions.by_key("grow:job:2")
+    assert grow is not None and grow.params["spares"] == ["n4"]  # the plan named n4
+    job = sim.c.get_job("job")
+    assert (job.nodes, job.world_size) == (("n2", "n5"), 4)
+    n4 = sim.c.get_node("n4")
+    assert (n4.state, n4.drain_reason) == (
+        "drained",
+        "preflight failed: ecc: 2 uncorrectable errors on gpu 1",
+    )
+    assert sim.cmds("n4", "start_job") == []
+    assert len(sim.cmds("n4", "preflight")) == 1 and len(sim.cmds("n5", "preflight")) == 1
+    # the preflights ran before the checkpoint: one checkpoint request, after them
+    assert len([c for c in sim.cmds("n2", "checkpoint") if c["request_id"] == "grow:job:2"]) == 1
+    assert sim.c.store.actions.output(grow.id)["spares"] == ["n5"]
+
+
+def test_a_grow_with_no_spare_passing_its_preflight_is_skipped_before_any_checkpoint(sim):
+    shrunk(sim)
+    sim.add("n4", role="spare").preflight_fails = {"row_remaps": "1 pending row remap on gpu 0"}
+    sim.until(
+        lambda: (
+            (a := sim.c.store.actions.by_key("grow:job:2")) is not None and a.state == "skipped"
+        ),
+        max_s=30,
+        what="grow skipped",
+    )
+    grow = sim.c.store.actions.by_key("grow:job:2")
+    assert grow is not None and "failed the preflight" in grow.result
+    assert [c for c in sim.cmds("n2", "checkpoint") if c["request_id"] == "grow:job:2"] == []
+    job = sim.c.get_job("job")
+    assert (job.nodes, job.attempt) == (("n2",), 2)
+    assert sim.c.get_node("n4").state == "drained"

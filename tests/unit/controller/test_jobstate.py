@@ -65,10 +65,12 @@ def test_the_stored_strings_are_the_ones_the_job_table_always_held() -> None:
         "stopped",
         "completed",
         "failed",
+        "held",  # added with the restart-loop breaker
     ]
     active = {s.value for s in JobState if s.active}
     assert active == {"starting", "running", "restarting", "crashed", "waiting"}
-    assert {s.value for s in JobState if s.finished} == {"stopped", "completed", "failed"}
+    finished = {s.value for s in JobState if s.finished}
+    assert finished == {"stopped", "completed", "failed", "held"}
 
 
 def test_every_finished_job_may_be_resubmitted() -> None:

@@ -20,6 +20,7 @@ from trainguard.controller.actions.base import (
     PermanentError,
     TransientError,
 )
+from trainguard.controller.actions.restartloop import LOOP_KEY
 from trainguard.controller.backends.config import BackendConfig
 from trainguard.controller.backends.slurm.backend import SlurmBackend, node_state_of
 from trainguard.controller.backends.slurm.cli import (
@@ -31,6 +32,7 @@ from trainguard.controller.backends.slurm.cli import (
 from trainguard.controller.composition import ActionBackends, Controller
 from trainguard.controller.errors import BadRequest
 from trainguard.controller.hostlist import expand_hostlist
+from trainguard.controller.records import NewAction
 from trainguard.controller.views import ActionView
 from trainguard.protocol import RankState
 from trainguard.strict import ConfigError, build
@@ -208,7 +210,10 @@ def test_replace_and_restart_move_the_job_to_the_spare_through_a_held_requeue(
     b.refresh()
     assert [v.scheduler_job_id for v in core.list_jobs()] == ["7"]
     now = core_clock.now()
-    replaced = b.replace(ctx("replace", now=now, params={"node": "n2"}))
+    checking = b.replace(ctx("replace", now=now, params={"node": "n2"}))
+    assert not checking.done and "preflight of spare(s) n4" in checking.message
+    _answer_preflights(core, fails={})
+    replaced = b.replace(ctx("replace", now=now, params={"node": "n2"}, progress=checking.output))
     assert replaced.output["nodes"] == ["n1", "n4", "n3"]
     assert slurm.reservation is None  # its last spare went to the job
     assert core.get_node("n4").role == "active"
@@ -243,3 +248,129 @@ def test_no_spare_in_the_reservation_waits_then_pages(core, slurm, core_clock):
     assert not first.done and "no usable spare" in first.message
     with pytest.raises(PermanentError, match="no spare in reservation trainguard_spares"):
         b.replace(ctx("replace", now=now + 1e4, params={"node": "n2"}, progress=first.output))
+
+
+def _past_restart(c: Controller, *, at: float, ckpt: int, n: int) -> tuple[ActionView, Any]:
+    """A rule's restart of Slurm job 7 (its incident and its row) that started at `at` from
+    checkpoint `ckpt`, failed."""
+    incident_id = c.store.incidents.create(
+        rule="job_process_failed", target_key=f"job:slurm-7:{n}", target={},
+        target_text="job slurm-7", severity="critical", summary="crashed", node=None,
+        job="slurm-7", ts=at, timeline=(),
+    )  # fmt: skip
+    [action_id] = c.store.actions.add(
+        incident_id,
+        [NewAction(kind="restart", target="slurm-7", idempotency_key=f"{n}:restart",
+                   params={"job": "slurm-7"})],
+        ts=at,
+    )  # fmt: skip
+    output = {"job": "slurm-7", "slurm_job_id": "7", "started_at": at, "ckpt_step": ckpt}
+    c.store.actions.update(
+        action_id, state="failed", ts=at, result=f"Slurm job 7 FAILED try {n}", output=output
+    )
+    view = c.store.actions.get(action_id)
+    incident = c.store.incidents.get(incident_id)
+    assert view is not None and incident is not None
+    return view, incident
+
+
+def test_a_crash_looping_slurm_job_is_left_held_with_the_reason_instead_of_requeued(
+    core, slurm, core_clock
+):
+    slurm.submit("7", ["n1", "n2", "n3"])
+    _ranks(core, core_clock, ["n1", "n2", "n3"], step=20, pid0=100)  # checkpoint 15
+    b = backend(core)
+    b.refresh()
+    now = core_clock.now()
+    for n in range(3):
+        _past_restart(core, at=now - 300 + 60 * n, ckpt=15, n=n)
+    # the fourth: a rule's restart, as the worker runs it (its row, its incident)
+    row, incident = _past_restart(core, at=now, ckpt=15, n=3)
+    row = dataclasses.replace(row, state="running")
+    step = b.restart(ActionContext(action=row, incident=incident, now=now, attempt=1))
+    assert not step.done and step.output[LOOP_KEY]["restarts"][0]["ckpt_step"] == 15
+    calls = len(slurm.calls)
+    again = ActionContext(action=row, incident=incident, now=now, attempt=1, progress=step.output)
+    with pytest.raises(PermanentError) as held:
+        b.restart(again)
+    text = str(held.value)
+    assert "restart loop: 3 restarts in 30 min without checkpoint progress" in text
+    assert text.count("- restart #") == 3 and "Slurm job 7 FAILED try 2" in text
+    assert "left held" in text
+    made = slurm.calls[calls:]
+    assert ("scontrol", "requeuehold", "7") in made
+    assert not any(c[:2] == ("scontrol", "release") for c in made)
+    comment = [c for c in made if c[:3] == ("scontrol", "update", "jobid=7")]
+    assert comment and comment[-1][3].startswith("comment=trainguard: restart loop: 3 restarts")
+    job = slurm.jobs["7"]
+    assert job.state == "PENDING" and job.held and job.comment.startswith("trainguard: restart")
+    [view] = [v for v in core.list_jobs() if v.scheduler_job_id == "7"]
+    assert view.state_reason.startswith("JobHeldAdmin: trainguard: restart loop:")
+    # a controller killed before the step failed runs it again: held once, same comment
+    calls = len(slurm.calls)
+    with pytest.raises(PermanentError, match="restart loop"):
+        b.restart(again)
+    assert not any(c[1] in ("requeuehold", "hold", "release") for c in slurm.calls[calls:])
+
+
+def test_an_operator_restart_of_a_slurm_job_is_never_held(core, slurm, core_clock):
+    slurm.submit("7", ["n1", "n2", "n3"])
+    _ranks(core, core_clock, ["n1", "n2", "n3"], step=20, pid0=100)
+    b = backend(core)
+    b.refresh()
+    now = core_clock.now()
+    for n in range(3):
+        _past_restart(core, at=now - 300 + 60 * n, ckpt=15, n=n)
+    step = b.restart(ctx("restart", now=now, params={"job": "slurm-7"}))
+    assert LOOP_KEY not in step.output and slurm.calls[-1] == ("scontrol", "requeuehold", "7")
+
+
+def _answer_preflights(c: Controller, *, fails: dict[str, str]) -> None:
+    """Every node's queued preflight comes back: failed with the node's `fails` detail, else
+    passed (as the agent answers it)."""
+    for cmd in c.store.commands.pending():
+        if cmd.kind == "preflight":
+            why = fails.get(cmd.node)
+            result = f"preflight failed: {why}" if why else "preflight passed (5 checks)"
+            c.store.commands.finish(cmd.id, ok=why is None, result=result)
+
+
+def test_a_spare_whose_preflight_fails_is_drained_in_slurm_and_the_next_one_taken(
+    make_core, core_config, core_clock
+):
+    slurm = FakeSlurm((*NODES, "n5"), spares=["n4", "n5"])
+    c = Controller(
+        core_config(backend={"kind": "slurm"}, lifecycle={"spare_preflight_ahead": False}),
+        clock=core_clock,
+        backends=ActionBackends(notifiers=[], slurm_runner=slurm),
+    )
+    try:
+        for n in (*NODES, "n5"):
+            c.ingest_report(Reporter(n).report(now=core_clock.now()), actor="a")
+        b = backend(c)
+        b.refresh()
+        slurm.submit("7", ["n1", "n2", "n3"])
+        _ranks(c, core_clock, ["n1", "n2", "n3"], step=20, pid0=100)
+        b.refresh()
+        now = core_clock.now()
+        first = b.replace(ctx("replace", now=now, params={"node": "n2"}))
+        assert not first.done and "waiting for the preflight of spare(s) n4" in first.message
+        assert slurm.reservation == ["n4", "n5"]  # nothing taken before a pass
+        _answer_preflights(c, fails={"n4": "row_remaps: 1 pending row remap on gpu 2"})
+        second = b.replace(ctx("replace", now=now + 1, params={"node": "n2"},
+                               progress=first.output))  # fmt: skip
+        assert not second.done and "n5" in second.message and "skipped n4" in second.message
+        assert slurm.nodes["n4"].reason == (
+            "trainguard: preflight failed: row_remaps: 1 pending row remap on gpu 2"
+        )
+        assert "DRAIN" in slurm.nodes["n4"].flags
+        _answer_preflights(c, fails={})
+        third = b.replace(ctx("replace", now=now + 2, params={"node": "n2"},
+                              progress=second.output))  # fmt: skip
+        assert third.done and third.output["replaced"] == {"n2": "n5"}
+        assert third.output["nodes"] == ["n1", "n5", "n3"]
+        b.refresh()
+        assert c.get_node("n4").state == "drained"
+        assert "n4" not in [n.name for n in c.list_spares()]
+    finally:
+        c.stop()
