@@ -19,7 +19,8 @@ not ours). `--integration lightning` does the same for the Lightning callback's 
 step (on_train_batch_start, on_before_backward, on_train_batch_end with a ResumableSampler,
 as examples/train_lightning.py has it; a stand-in for Lightning's Trainer), and
 `--integration own` for the own-checkpointer API (`compute()` around the work, then
-`step()`; no checkpoints).
+`step()`; no checkpoints). Each integration's cost is reported on the wall clock and as the
+process's CPU time (on a shared machine the wall figure holds the waits for a CPU).
 """
 
 from __future__ import annotations
