@@ -6,6 +6,7 @@ under torchrun (gloo on CPU):
 
     python examples/train.py --steps 40 --ckpt-dir /tmp/ck --checkpoint-every 10 --seed 0
     torchrun --standalone --nproc-per-node 3 examples/train.py --steps 40 --ckpt-dir /tmp/ck
+    torchrun --standalone --nproc-per-node 2 examples/train.py --fsdp2 --ckpt-dir /tmp/ck
 
 Rank 0 prints one JSON line per step on stdout, e.g.
     {"step": 12, "loss": 2.3125, "ckpt_step": 10, "lr": 0.00099, "epoch": 0}
@@ -34,6 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.utils.data import Dataset, DistributedSampler, TensorDataset
 
 from trainguard.trainer import ResumableSampler, S3Config, Trainguard, resumable_loader
@@ -66,6 +69,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nan-policy", choices=("continue", "stop", "rollback"), default="continue")
     p.add_argument("--skip-batches", type=int, default=0)
     p.add_argument("--sync-every", type=int, default=1)
+    p.add_argument(
+        "--fsdp2",
+        action="store_true",
+        help="shard the model with FSDP2 (fully_shard on a CPU mesh): DTensor state, resharded"
+        " checkpoints, gradients reduced by FSDP instead of the flat all-reduce",
+    )
     p.add_argument("--sigterm-grace-s", type=float, default=30.0)
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
     p.add_argument(
@@ -174,6 +183,13 @@ def main(argv: list[str] | None = None) -> int:
         nn.Dropout(0.1),
         nn.Linear(args.hidden, args.classes),
     )
+    if args.fsdp2:
+        if not distributed:
+            raise SystemExit("--fsdp2 runs under torchrun (a process group)")
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in (model[0], model[3]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)  # the parameters are DTensors: each rank holds a shard
     random.seed(args.seed + rank)
     np.random.seed(args.seed + rank)
     torch.manual_seed(args.seed + 1000 + rank)  # dropout differs per rank, reproducibly
@@ -227,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         sampler.mark_step(resume_skip)
     batches = sampler.batches(loader)
     while step <= args.steps:
-        # This rank's own work (the straggler signal); the gradient all-reduce stays outside.
+        # This rank's own work (the straggler signal); the gradient all-reduce stays outside
+        # (with --fsdp2 forward and backward hold FSDP's all-gathers and reduce-scatters: the
+        # block then includes their waits).
         with tg.compute():
             t0 = time.perf_counter()
             epoch = sampler.epoch
@@ -239,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             pad_s = args.step_time_s - (time.perf_counter() - t0)
             if pad_s > 0:
                 time.sleep(pad_s)
-        if distributed:
+        if distributed and not args.fsdp2:  # FSDP2 reduce-scatters in backward
             average_gradients(model, world)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)
         opt.step()

@@ -34,11 +34,19 @@ TRAIN_ARGS = train_args()
 
 
 def job_spec(
-    cluster: DevCluster, name: str, nodes: list[str], *, step_time_s: float = 0.2, **extra: Any
+    cluster: DevCluster,
+    name: str,
+    nodes: list[str],
+    *,
+    step_time_s: float = 0.2,
+    command: list[str] | None = None,
+    **extra: Any,
 ) -> dict[str, Any]:
+    """A job of examples/train.py (or of `command`: a script under the repository and its
+    arguments) on `nodes`, one rank per node."""
     return {
         "name": name,
-        "command": ["examples/train.py", *train_args(step_time_s=step_time_s)],
+        "command": command or ["examples/train.py", *train_args(step_time_s=step_time_s)],
         "nodes": nodes,
         "nproc_per_node": 1,
         "ckpt_dir": str(cluster.run_dir / "ckpt" / name),
@@ -48,32 +56,52 @@ def job_spec(
     }
 
 
-def start_reference(cluster: DevCluster, *, world: int = 3, step_time_s: float = 0.2) -> Any:
-    """The same job uninterrupted at the same world size (torchrun --standalone)."""
+def start_reference(
+    cluster: DevCluster,
+    *,
+    world: int = 3,
+    step_time_s: float = 0.2,
+    name: str = "reference",
+    command: list[str] | None = None,
+    ckpt_flag: str = "--ckpt-dir",
+) -> Any:
+    """The same job uninterrupted at the same world size (torchrun --standalone): the default
+    job's, or `command`'s (a script under the repository and its arguments, whose checkpoint
+    directory `ckpt_flag` names); its output goes to `<run_dir>/<name>.log`."""
+    script, *args = command or ["examples/train.py", *train_args(step_time_s=step_time_s)]
     return cluster.spawn(
-        "reference",
+        name,
         [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(world), str(REPO_ROOT / "examples" / "train.py"),
-            *train_args(step_time_s=step_time_s), "--ckpt-dir", str(cluster.run_dir / "ref-ckpt"),
+            "--nproc-per-node", str(world), str(REPO_ROOT / script),
+            *args, ckpt_flag, str(cluster.run_dir / f"{name}-ckpt"),
         ],
         cwd=REPO_ROOT,
     )  # fmt: skip
 
 
-def reference_lines(cluster: DevCluster, proc: Any) -> list[dict[str, Any]]:
-    cluster.wait(lambda: proc.poll() is not None, timeout_s=120, what="the reference run")
-    lines = read_step_lines(cluster.run_dir / "reference.log")
-    assert [x["step"] for x in lines] == list(range(1, STEPS + 1)), "reference run incomplete"
+def reference_lines(
+    cluster: DevCluster,
+    proc: Any,
+    *,
+    name: str = "reference",
+    last_step: int = STEPS,
+    timeout_s: float = 120,
+) -> list[dict[str, Any]]:
+    cluster.wait(lambda: proc.poll() is not None, timeout_s=timeout_s, what=f"the {name} run")
+    lines = read_step_lines(cluster.run_dir / f"{name}.log")
+    assert [x["step"] for x in lines] == list(range(1, last_step + 1)), f"{name} run incomplete"
     return lines
 
 
-def run_until_step(cluster: DevCluster, spec: dict[str, Any], step: int) -> dict[str, Any]:
+def run_until_step(
+    cluster: DevCluster, spec: dict[str, Any], step: int, *, timeout_s: float = 90
+) -> dict[str, Any]:
     cluster.submit_job(spec)
     return cluster.wait_job(
         spec["name"],
         lambda j: j["state"] == "running" and (j.get("last_step") or 0) >= step,
-        timeout_s=90,
+        timeout_s=timeout_s,
         what=f"job {spec['name']} at step {step}",
     )
 
@@ -92,21 +120,23 @@ def check_recovery(
     rules: set[str],
     steps: list[str],
     poisoned_from: int | None = None,
+    last_step: int = STEPS,
+    finish_timeout_s: float = 150,
 ) -> dict[str, Any]:
     """Wait for the job to finish, then check: it trained past the fault to the last step,
     every logged loss equals the reference's (but those the first attempt logged after step
     `poisoned_from`: a NaN fault there poisons the model on purpose, so they must be NaN),
     exactly one incident (of one of `rules`) with one restart, and its timeline holds opened,
     each of `steps` succeeding, then mitigated, in order with non-decreasing timestamps.
-    Returns the incident detail."""
+    `last_step`: the job's (STEPS for examples/train.py's). Returns the incident detail."""
     view = cluster.wait_job(
         job,
         lambda j: j["state"] in ("completed", "failed"),
-        timeout_s=150,
+        timeout_s=finish_timeout_s,
         what=f"job {job} to finish",
     )
     assert view["state"] == "completed", view
-    assert view["last_step"] == STEPS > fault_step, view
+    assert view["last_step"] == last_step > fault_step, view
     assert view["restarts"] == 1, view
     attempts: dict[int, list[dict[str, Any]]] = {}
     for attempt, line in cluster.step_lines(job):
@@ -119,7 +149,7 @@ def check_recovery(
         attempts[first] = [x for x in attempts[first] if x["step"] <= poisoned_from]
     assert compare_losses(list(attempts.values()), reference) == []
     logged = {x["step"] for lines in attempts.values() for x in lines}
-    assert logged == set(range(1, STEPS + 1))
+    assert logged == set(range(1, last_step + 1))
     # the incident: one for the fault, mitigated (poll: the tick may trail the job's end)
     incidents = cluster.wait(
         lambda: (

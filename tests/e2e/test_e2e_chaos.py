@@ -1,20 +1,21 @@
-"""Chaos on a real local cluster (controller, seven sim agents, torchrun jobs): a killed rank,
-a dead node, XID 79, NaN at step K, a corrupt newest checkpoint, a stopped (stalled) rank and
-a slow rank (a straggler); kill -9 of the controller at each remediation step is in
-test_e2e_crash.py. Each
-scenario runs a fresh job on the node set the previous one left, injects its fault, and ends
-with the job trained to its last step, every loss equal to an uninterrupted run's, one
-incident with one restart and a complete timeline (tests/e2e/chaos.py). Then a job whose
-command fails right after start: the restart-loop breaker holds it and pages. Last, the node
-lifecycle on a free spare (no job): a DBE is drained, diagnosed, reset, validated and the
-node is back as a spare; a second one on a GPU whose reset fails stays out with the
-reason."""
+"""Chaos on a real local cluster (controller, nine sim agents, torchrun jobs): a killed rank,
+a dead node, XID 79, NaN at step K, a corrupt newest checkpoint, a stopped (stalled) rank, a
+slow rank (a straggler), and a DBE on a job of each framework people already run (HF
+Transformers Trainer, Lightning, FSDP2); kill -9 of the controller at each remediation step
+is in test_e2e_crash.py. Each scenario runs a fresh job on the node set the previous one
+left, injects its fault, and ends with the job trained to its last step, every loss equal to
+an uninterrupted run's, one incident with one restart and a complete timeline
+(tests/e2e/chaos.py). Then a job whose command fails right after start: the restart-loop
+breaker holds it and pages. Last, the node lifecycle on a free spare (no job): a DBE is
+drained, diagnosed, reset, validated and the node is back as a spare; a second one on a GPU
+whose reset fails stays out with the reason."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -85,13 +86,16 @@ def write_rules(path: Path, overrides: dict[str, dict[str, Any]]) -> None:
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     config = ClusterConfig(
         active=("node-1", "node-2", "node-3"),
-        spares=("spare-1", "spare-2", "spare-3", "spare-4"),
+        # a spare for each scenario that drains a node (node death, XID 79, straggler, DBEs)
+        spares=tuple(f"spare-{i}" for i in range(1, 7)),
         safety={"drain_budget": 100, "breaker_threshold": 100},
         # the node lifecycle's repairs on (the last scenario); no lemon verdict: a DBE is two
         # hardware incidents (its ECC rule and its XID's), so the scenario's second would retire
         lifecycle={"auto_repair": True, "preflight_burn_s": 1.0, "lemon_incidents": 0},
         jobs={
-            "checkpoint_timeout_s": 5,
+            # a request is acted on within max(2 steps, 1 s), and a framework job's step
+            # takes seconds on a loaded machine; a node that stops reporting falls back at once
+            "checkpoint_timeout_s": 30,
             "stop_grace_s": 5,
             "stop_timeout_s": 10,
             "progress_timeout_s": 90,
@@ -312,6 +316,100 @@ def test_a_slow_rank_is_told_by_its_compute_time_and_its_node_replaced(world: Wo
     assert c.node(slow.node)["state"] == "drained"
     check_one_live_attempt(c, "straggler")
     world.after("straggler")
+
+
+# The DBE loop on jobs of the frameworks people already run, 2 ranks each, tiny models built
+# from config on CPU: (the job's command, the flag that names its checkpoint directory).
+# Their launches import transformers or lightning (seconds of CPU each): generous waits.
+FRAMEWORK_STEPS = 30
+FRAMEWORK_FAULT_STEP = 6
+FRAMEWORK_WAIT_S = 240
+_PACE = ["--seed", "0", "--step-time-s", "0.3"]
+_COMMITTED = re.compile(r"event=checkpoint_committed job=\S+ rank=\d+ step=(\d+)")
+FRAMEWORK_JOBS = {
+    "hf": (
+        ["examples/train_hf.py", "--steps", str(FRAMEWORK_STEPS), "--save-steps", "10", *_PACE],
+        "--output-dir",
+    ),
+    "lightning": (
+        [
+            "examples/train_lightning.py",
+            "--steps",
+            str(FRAMEWORK_STEPS),
+            "--checkpoint-every",
+            "10",
+            *_PACE,
+        ],
+        "--ckpt-dir",
+    ),
+    "fsdp2": (
+        [
+            "examples/train.py",
+            "--fsdp2",
+            "--steps",
+            str(FRAMEWORK_STEPS),
+            "--checkpoint-every",
+            "10",
+            *_PACE,
+        ],
+        "--ckpt-dir",
+    ),
+}
+
+
+@pytest.mark.parametrize("framework", FRAMEWORK_JOBS)
+def test_a_dbe_on_a_framework_job_resumes_it_on_a_spare_from_the_proactive_checkpoint(
+    world: World, framework: str
+) -> None:
+    # The remediation's own checkpoint commits (it is no fallback to a periodic one), and the
+    # restart resumes from the newest checkpoint of the first attempt: that one, or a later
+    # one the trainer saved before it stopped (its save on the restart's SIGTERM, one step or
+    # so on), never an older one. Every loss after it equals the uninterrupted run's bitwise
+    # (2 gloo ranks sum a gradient in one order whatever the bucket layout, so DDP and FSDP2
+    # resume exactly). The reference runs alongside the job, at the same world size.
+    c = world.cluster
+    command, ckpt_flag = FRAMEWORK_JOBS[framework]
+    job = f"dbe-{framework}"
+    nodes, idle = world.nodes[:2], world.nodes[2:]
+    sick = nodes[1]
+    ref = start_reference(c, world=2, name=f"{job}-reference", command=command, ckpt_flag=ckpt_flag)
+    spec = job_spec(c, job, nodes, command=command)
+    run_until_step(c, spec, FRAMEWORK_FAULT_STEP, timeout_s=FRAMEWORK_WAIT_S)
+    since = now()
+    c.inject(sick, "dbe", gpu=0)
+    reference = reference_lines(
+        c, ref, name=f"{job}-reference", last_step=FRAMEWORK_STEPS, timeout_s=FRAMEWORK_WAIT_S
+    )
+    detail = check_recovery(
+        c,
+        job,
+        reference,
+        since=since,
+        fault_step=FRAMEWORK_FAULT_STEP,
+        rules={"gpu_fatal_xid", "gpu_uncorrectable_ecc"},
+        steps=["checkpoint", "drain", "replace", "restart"],
+        last_step=FRAMEWORK_STEPS,
+        finish_timeout_s=FRAMEWORK_WAIT_S,
+    )
+    view = c.job(job)
+    world.nodes = [*view["nodes"], *idle]  # the next scenario's, whatever is checked below
+    checkpoint = next(a for a in detail["actions"] if a["kind"] == "checkpoint")
+    committed = re.match(r"checkpoint committed at step (\d+)", checkpoint["result"])
+    assert committed is not None, checkpoint  # proactive: not the fallback to a periodic one
+    first_logs = [p.read_text(errors="replace") for _, a, p in c.job_logs(job) if a == 1]
+    saved = {int(m[1]) for text in first_logs for m in _COMMITTED.finditer(text)}
+    proactive = int(committed[1])
+    assert proactive in saved, (proactive, saved)
+    second = [x["step"] for a, x in c.step_lines(job) if a == 2]
+    assert second[0] - 1 == max(saved) >= proactive, (proactive, saved, second[:3])
+    assert sick not in view["nodes"] and len(view["nodes"]) == 2, view
+    # drained, then (lifecycle.auto_repair in this world) diagnosed, reset, validated and
+    # back as a spare, wherever it is in that by now
+    sick_now = c.node(sick)
+    assert sick_now["state"] in ("drained", "diagnosing", "repairing", "validating") or (
+        sick_now["role"] == "spare" and sick_now.get("job") is None
+    ), sick_now
+    check_one_live_attempt(c, job)
 
 
 def test_a_crash_looping_job_is_held_by_the_restart_loop_breaker(
