@@ -196,11 +196,19 @@ class RepairHandler:
         if not node or not root:
             raise PermanentError("repair needs a node and a root key")
         args = RepairArgs(method=method, gpus=gpus)  # raises ValueError on a bad method
-        command_id = f"repair-{ctx.action.idempotency_key}"
+        # a repair the agent refused while the drained job's ranks were still stopping is
+        # sent again under the next id (each id derives from the key and the try's number)
+        tries = int(ctx.progress.get("tries", 0))
+        command_id = f"repair-{ctx.action.idempotency_key}" + (f"-{tries}" if tries else "")
         record = self.ops.command_status(command_id)
         state = _own_state(self.ops, node)
         started_at = float(ctx.progress.get("started_at", ctx.now))
-        progress = {"node": node, "command_id": command_id, "started_at": started_at}
+        progress = {
+            "node": node,
+            "command_id": command_id,
+            "started_at": started_at,
+            "tries": tries,
+        }
         if record is None:
             if state is not NodeState.REPAIRING:
                 return Outcome(message=f"skipped: {node} is {state.value}", skipped=True)
@@ -214,6 +222,17 @@ class RepairHandler:
                 output=progress,
                 done=False,
                 poll_after_s=self.poll_interval_s,
+            )
+        if not record.ok and record.data.get("jobs") and ctx.now - started_at <= self.timeout_s:
+            # refused while a job still runs there: the drain moved the job away and its old
+            # attempt is being stopped (the lifecycle starts right after the drain step)
+            jobs = ", ".join(str(j) for j in record.data["jobs"])
+            log.info("event=repair_waits node=%s jobs=%s command=%s", node, jobs, command_id)
+            return Outcome(
+                message=f"{node} repairing: waiting for job(s) {jobs} to leave it",
+                output={**progress, "tries": tries + 1},
+                done=False,
+                poll_after_s=max(self.poll_interval_s, 2.0),
             )
         if not record.ok:
             # the agent's message names the method ("gpu_reset failed: GPU 0: ...")

@@ -67,6 +67,8 @@ class FakeJobAgent:
         # (as a reset clears a GPU's faults) unless `repair_fixes` is False
         self.repair_fails: str | None = None
         self.repair_fixes = True
+        # this many `repair` commands are refused as while a job still runs on the node
+        self.repair_busy = 0
         self.commands: list[Command] = []
         self._done: set[str] = set()
         self._events: list[Event] = []
@@ -135,6 +137,20 @@ class FakeJobAgent:
                     self._preflight(cmd)
                 else:
                     self._held_preflights.append(cmd)
+                continue
+            if cmd.kind == "repair" and self.repair_busy > 0:
+                self.repair_busy -= 1
+                method = cmd.args.get("method")
+                self.event(
+                    "command_result",
+                    data={
+                        "command_id": cmd.id,
+                        "ok": False,
+                        "message": f"{method} refused: job(s) train still run on this node",
+                        "method": method,
+                        "jobs": ["train"],
+                    },
+                )
                 continue
             ok, message = self._execute(cmd)
             data: dict[str, Any] = {"command_id": cmd.id, "ok": ok, "message": message}

@@ -119,6 +119,23 @@ def test_a_dbe_drain_is_diagnosed_reset_validated_and_back_as_a_spare(
     assert node.last_preflight is not None and node.last_preflight.passed
 
 
+def test_a_repair_refused_while_the_old_attempt_still_runs_is_sent_again_once_it_left(
+    make_sim: Callable[..., RepairSim],
+) -> None:
+    sim = make_sim()
+    sim.agents["n1"].repair_busy = 2  # the drained job's ranks take a while to stop
+    _fault(sim, "n1")
+    sim.until(lambda: sim.c.get_node("n1").state == "active", max_s=30, what="n1 back")
+    assert _steps(sim) == [
+        ("diagnose", "succeeded"),
+        ("repair", "succeeded"),
+        ("validate", "succeeded"),
+    ]
+    ids = [c.id for c in sim.agents["n1"].commands if c.kind == "repair"]
+    assert len(ids) == 3 and len(set(ids)) == 3, ids
+    assert sim.c.get_node("n1").role == "spare"
+
+
 def test_a_failing_validation_keeps_the_node_drained_and_counts_as_hardware(
     make_sim: Callable[..., RepairSim],
 ) -> None:
