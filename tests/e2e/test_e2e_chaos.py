@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import re
 import signal
@@ -447,28 +448,41 @@ def test_a_crash_looping_job_is_held_by_the_restart_loop_breaker(
     assert c.job("crash-loop")["attempt"] == 2
 
 
+def _preflighted(c: DevCluster, name: str) -> bool:
+    return c.node(name).get("last_preflight") is not None
+
+
 def test_a_dbe_on_a_free_spare_is_repaired_and_a_failed_reset_keeps_it_out(
     world: World,
 ) -> None:
+    # Two free spares, GPU 1 of each (the earlier scenarios' faults were on GPU 0: a fatal
+    # XID's incident stays open for the rule's window and cooldown, so a new one on a GPU hit
+    # earlier would not open another).
     c = world.cluster
-    spare = next(
+    free = [
         n["name"]
         for n in sorted(c.nodes(), key=lambda n: str(n["name"]), reverse=True)
         if n["role"] == "spare" and n["state"] == "active" and not n.get("job")
-    )
-    agent_log = c.agents[spare].proc
-    # its warm preflight first (the agent runs one preflight at a time)
-    c.wait(
-        lambda: c.node(spare).get("last_preflight") is not None,
-        timeout_s=180,
-        what=f"{spare}'s warm preflight",
-    )
+    ]
+    assert len(free) >= 2, free
+    spare, other = free[:2]
+    # their warm preflights first (an agent runs one preflight at a time)
+    for name in (spare, other):
+        c.wait(
+            functools.partial(_preflighted, c, name),
+            timeout_s=180,
+            what=f"{name}'s warm preflight",
+        )
+    log_from = len(c.agents[spare].proc.log())
     started = time.monotonic()
     # a DBE on GPU 1 (XID 48: the catalog's reset_gpu): drained, diagnosed, reset, validated
     c.inject(spare, "dbe", gpu=1)
     c.wait(lambda: c.node(spare)["state"] != "active", timeout_s=30, what=f"{spare} drained")
     c.wait(
-        lambda: c.node(spare)["state"] == "active" and "event=gpu_reset gpu=1" in agent_log.log(),
+        lambda: (
+            c.node(spare)["state"] == "active"
+            and "event=gpu_reset gpu=1" in c.agents[spare].proc.log()[log_from:]
+        ),
         timeout_s=240,
         what=f"{spare} repaired and back",
     )
@@ -476,19 +490,23 @@ def test_a_dbe_on_a_free_spare_is_repaired_and_a_failed_reset_keeps_it_out(
     assert (node["role"], node.get("drain_reason")) == ("spare", None), node
     assert node["last_preflight"]["passed"], node["last_preflight"]
     repaired_s = time.monotonic() - started
-    # a DBE on GPU 0, whose reset fails: diagnosed, the reset fails, kept out with the reason
-    c.inject(spare, "reset_fail", gpu=0)
-    c.inject(spare, "dbe", gpu=0)
-    c.wait(
-        lambda: (
-            c.node(spare)["state"] == "drained"
-            and str(c.node(spare).get("drain_reason")).startswith("repair: gpu_reset failed: GPU 0")
-        ),
-        timeout_s=180,
-        what=f"{spare} kept out by its failed reset",
-    )
-    assert "event=gpu_reset_failed gpu=0" in agent_log.log()
-    assert spare not in [n["name"] for n in c.api("GET", "/v1/spares")]
-    rules = [h["rule"] for h in c.node(spare)["hardware_incidents"]]
+    # a DBE on the other spare's GPU 1, whose reset fails: diagnosed, the reset fails, kept
+    # out with the reason
+    c.inject(other, "reset_fail", gpu=1)
+    c.inject(other, "dbe", gpu=1)
+
+    def kept_out() -> bool:
+        node = c.node(other)
+        reason = str(node.get("drain_reason"))
+        return (
+            node["state"] == "drained"
+            and reason.startswith("repair: gpu_reset failed:")
+            and "GPU 1" in reason
+        )
+
+    c.wait(kept_out, timeout_s=180, what=f"{other} kept out by its failed reset")
+    assert "event=gpu_reset_failed gpu=1" in c.agents[other].proc.log()
+    assert other not in [n["name"] for n in c.api("GET", "/v1/spares")]
+    rules = [h["rule"] for h in c.node(other)["hardware_incidents"]]
     assert "repair_failed" in rules, rules
     print(f"lifecycle: repaired in {repaired_s:.1f} s, both in {time.monotonic() - started:.1f} s")
