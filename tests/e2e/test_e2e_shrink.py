@@ -67,6 +67,14 @@ def test_node_death_with_no_spare_shrinks_the_world_grows_back_and_every_sample_
     cluster: DevCluster,
 ) -> None:
     c = cluster
+    # spare-1's preflight ahead of need first: the grow takes it through the spare gate, and
+    # a passing preflight this fresh lets it in at once (else the grow would wait for one
+    # while this short job trains on, maybe to its end)
+    c.wait(
+        lambda: bool((c.node("spare-1").get("last_preflight") or {}).get("passed")),
+        timeout_s=180,
+        what="spare-1's warm preflight",
+    )
     c.api("POST", "/v1/nodes/spare-1/drain", json={"reason": "no spare free for this test"})
     samples_log = c.run_dir / "samples.jsonl"
     spec = {

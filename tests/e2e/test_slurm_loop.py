@@ -67,7 +67,25 @@ class World:
         return self.site.slurm
 
     def submit(self, tag: str) -> tuple[str, Path]:
+        self.spares_preflighted()
         return self.site.submit(tag, TRAIN_ARGS)
+
+    def spares_preflighted(self) -> None:
+        """Every free spare holds a passing preflight, as a spare pool at rest does (they are
+        preflighted ahead of need), so a swap takes one at once. A job of these tests (40
+        steps of 0.2 s) would otherwise finish while the swap waits for a spare's first
+        preflight, and its requeue would have nothing left to train."""
+        c = self.cluster
+
+        def ready() -> bool:
+            spares = [
+                str(n["name"])
+                for n in c.nodes()
+                if n["role"] == "spare" and n["state"] == "active" and not n.get("job")
+            ]
+            return all((c.node(s).get("last_preflight") or {}).get("passed") for s in spares)
+
+        c.wait(ready, timeout_s=180, what="the free spares' passing preflights")
 
     def run_until_step(self, job_id: str, step: int) -> dict[str, Any]:
         return self.cluster.wait_job(
