@@ -368,6 +368,8 @@ class Trainguard:
         self._closed = True
         self.agreement.drain()
         self.checkpoints.close(self.signals.left_s() if self.signals.received else None)
+        if not self.checkpoints.writer.busy():  # an abandoned save still uses its group
+            self.coord.close()
         self.telemetry.event(TrainerEdge.EXIT, {})
         self.telemetry.send(step=self._last_step, phase="exit")
         self.channel.close()

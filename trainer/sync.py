@@ -14,11 +14,14 @@ whatever it received, so a request that reached only some ranks never leaves any
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger("trainguard.trainer")
 
 __all__ = [
     "ACTION_CODES",
@@ -80,6 +83,8 @@ class Coordinator(Protocol):
 
     def all_gather_json(self, obj: Any) -> list[Any]: ...
 
+    def close(self) -> None: ...
+
 
 class LocalCoordinator:
     """One process: the local view is the agreement."""
@@ -127,6 +132,9 @@ class LocalCoordinator:
     def all_gather_json(self, obj: Any) -> list[Any]:
         return [json.loads(json.dumps(obj))]
 
+    def close(self) -> None:
+        """Nothing to release."""
+
 
 class DistCoordinator:
     """Collectives on two private gloo groups: `sync` (main thread: agreement, resume) and
@@ -142,9 +150,17 @@ class DistCoordinator:
     def __init__(self) -> None:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.sync_group: Any = dist.new_group(backend="gloo")
-        self.ckpt_group: Any = dist.new_group(backend="gloo")
+        self._sync_group: Any = dist.new_group(backend="gloo")
+        self._ckpt_group: Any = dist.new_group(backend="gloo")
         self._posted: tuple[LocalView, torch.Tensor, Any] | None = None
+
+    @property
+    def sync_group(self) -> Any:
+        return _open(self._sync_group)
+
+    @property
+    def ckpt_group(self) -> Any:
+        return _open(self._ckpt_group)
 
     @property
     def in_flight(self) -> bool:
@@ -229,6 +245,31 @@ class DistCoordinator:
             json.loads(b[: int(n.item())].numpy().tobytes().decode())
             for b, n in zip(bufs, lengths, strict=True)
         ]
+
+    def close(self) -> None:
+        """Destroy the two private groups, once, while the interpreter is whole: a gloo group
+        left to the interpreter's (or the C++ runtime's) teardown can abort a finished process
+        with SIGABRT ("terminate called without an active exception"), and torchrun then
+        reports a job that trained and committed as failed. Local: no collective, so a peer
+        that is gone cannot hold it. The caller waits for the writer thread first (the
+        checkpoint group is its own)."""
+        groups = [g for g in (self._sync_group, self._ckpt_group) if g is not None]
+        self._sync_group = self._ckpt_group = None
+        self._posted = None
+        if not dist.is_initialized():  # the job destroyed every group already
+            return
+        for group in groups:
+            try:
+                dist.destroy_process_group(group)
+            except (RuntimeError, ValueError) as e:  # already gone: nothing left to release
+                log.info("event=coordinator_group_release_skipped reason=%s", type(e).__name__)
+
+
+def _open(group: Any) -> Any:
+    """A private group, never None: None would silently mean the job's default group."""
+    if group is None:
+        raise RuntimeError("the coordinator is closed: its process groups are destroyed")
+    return group
 
 
 def _interval(proposed: int, cap: int | None) -> int:
