@@ -192,6 +192,7 @@ class Controller:
                 timeout_s=lifecycle.preflight_timeout_s,
                 set_role=self._set_role,
                 lemon=lambda node: self.lemons.verdict(node, failing=1),
+                on_validated=self._node_validated,
             )
         )
         self.registry.register(
@@ -326,6 +327,18 @@ class Controller:
         if not standby:
             self.runner.recover(now=clock.now())
         self.ticker.update_gauges(clock.now())
+
+    def _node_validated(self, node: str, now: float) -> None:
+        """A node passed its validation: the windows of its signals start over (the repaired
+        fault no longer holds a rule's condition true), then its hardware incidents end, so
+        the node's next fault opens an incident of its own."""
+        with self.live.lock:
+            self.live.change_signals(self.signals.forget_node_history, node)
+        ended = self.incidents.end_node_incidents(
+            node, now=now, why=f"{node} passed its validation (preflight): the fault is repaired"
+        )
+        if ended:
+            log.info("event=incidents_ended node=%s incidents=%s", node, ended)
 
     def _rule(self, name: str) -> Rule | None:
         # the ticker is built after the handlers; a notify step runs only once it is
