@@ -192,6 +192,7 @@ class Controller:
                 timeout_s=lifecycle.preflight_timeout_s,
                 set_role=self._set_role,
                 lemon=lambda node: self.lemons.verdict(node, failing=1),
+                on_validated=self._node_validated,
             )
         )
         self.registry.register(
@@ -287,13 +288,18 @@ class Controller:
             max_silences=config.api.max_silences,
         )
         # the free spares' preflights kept fresh ahead of need, so a swap seldom waits for one
-        spare_keeper = spare_preflight(
-            lifecycle,
-            ops=live,
-            last_preflight=lambda node: self.store.commands.last_done(
-                node, kind=CommandKind.PREFLIGHT.value
+        spare_keeper = dataclasses.replace(
+            spare_preflight(
+                lifecycle,
+                ops=live,
+                last_preflight=lambda node: self.store.commands.last_done(
+                    node, kind=CommandKind.PREFLIGHT.value
+                ),
+                lemon=self.lemons.verdict,
             ),
-            lemon=self.lemons.verdict,
+            out_of_pool=lambda node, reason: self._spare_out_of_pool(
+                drain_backend, node, reason=reason
+            ),
         )
         self.ticker = TickService(
             config=config,
@@ -326,6 +332,29 @@ class Controller:
         if not standby:
             self.runner.recover(now=clock.now())
         self.ticker.update_gauges(clock.now())
+
+    def _spare_out_of_pool(self, backend: DrainBackend, node: str, *, reason: str) -> None:
+        """A free spare whose preflight ahead of need failed leaves the pool through the drain
+        backend, with the reason: under Slurm it is drained there too, so slurmctld schedules
+        nothing on it and the mirror keeps it drained (`node return` validates and resumes
+        it). A drain that fails is logged; the next round of keep_warm tries it again, as the
+        node is still in the pool then."""
+        try:
+            backend.drain(node, reason=reason, key=f"spare-preflight:{node}")
+        except Exception as e:  # a scheduler command that failed: the tick goes on
+            log.warning("event=spare_drain_failed node=%s reason=%r error=%r", node, reason, e)
+
+    def _node_validated(self, node: str, now: float) -> None:
+        """A node passed its validation: the windows of its signals start over (the repaired
+        fault no longer holds a rule's condition true), then its hardware incidents end, so
+        the node's next fault opens an incident of its own."""
+        with self.live.lock:
+            self.live.change_signals(self.signals.forget_node_history, node)
+        ended = self.incidents.end_node_incidents(
+            node, now=now, why=f"{node} passed its validation (preflight): the fault is repaired"
+        )
+        if ended:
+            log.info("event=incidents_ended node=%s incidents=%s", node, ended)
 
     def _rule(self, name: str) -> Rule | None:
         # the ticker is built after the handlers; a notify step runs only once it is

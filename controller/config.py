@@ -585,8 +585,10 @@ class LifecycleConfig:
     # After a drain for a hardware incident whose XIDs the catalog answers with reset_gpu or
     # reboot_node: diagnose (a preflight), repair (that reset or reboot, through the agent),
     # validate (a preflight), and back into service; a failure keeps the node drained with
-    # the reason. Off: a drained node waits for `agentctl node return`.
-    auto_repair: bool = False
+    # the reason. On by default: a reset is refused while anything uses the GPU, a reboot has
+    # its own gates below, and a node returns only after a passing validation. Off: a drained
+    # node waits for `agentctl node return`.
+    auto_repair: bool = True
     # The role a node repaired by the lifecycle comes back in: "spare" (the hot-spare pool; its
     # job has moved on) or "active" (general service).
     repair_return_role: Literal["spare", "active"] = "spare"

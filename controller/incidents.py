@@ -32,6 +32,7 @@ from trainguard.controller.actions.base import ActionHandler, HandlerRegistry
 from trainguard.controller.actions.worker import step_label
 from trainguard.controller.jobstate import JobState
 from trainguard.controller.model import Decision
+from trainguard.controller.nodestate import NodeState
 from trainguard.controller.records import JobRecord, NewAction
 from trainguard.controller.safety import Safety, silence_matches
 from trainguard.controller.store import Store
@@ -88,6 +89,32 @@ def _job_active(state: str) -> bool:
 
 def _is_trigger(action: ActionView) -> bool:
     return action.params.get("event", "trigger") == "trigger"
+
+
+def _resolve_notifications(
+    incident_id: int, target: str, actions: Iterable[ActionView]
+) -> list[NewAction]:
+    """A "resolve" notification to each channel the incident's trigger reached."""
+    told = sorted(
+        {
+            str(a.params.get("channel"))
+            for a in actions
+            if a.kind == ActionKind.NOTIFY
+            and a.params.get("event") == "trigger"
+            and a.params.get("channel")
+            and a.state in ("succeeded", "running")
+        }
+    )
+    return [
+        NewAction(
+            kind=ActionKind.NOTIFY.value,
+            target=target,
+            idempotency_key=f"{incident_id}:resolve:notify:{channel}",
+            seq=SEQ_RESOLVE,
+            params={"channel": channel, "event": "resolve"},
+        )
+        for channel in told
+    ]
 
 
 class InvalidTransition(ValueError):
@@ -186,6 +213,45 @@ class IncidentManager:
             assert after is not None
             return after
 
+    def end_node_incidents(self, node: str, *, now: float, why: str) -> list[int]:
+        """End `node`'s unresolved hardware incidents (controller.lemons' kind) whose steps
+        have all finished: the node passed its validation after a repair, so what they were
+        about is fixed. Each is resolved with `why` in its timeline, marked so that its rule's
+        cooldown does not swallow the node's next fault. The ids resolved; one already
+        resolved is left alone, so a step re-run after a crash resolves nothing twice."""
+        ended: list[int] = []
+        with self._lock:
+            for incident in self._store.incidents.hardware_history(since=0.0, node=node):
+                if incident.state == "resolved":
+                    continue
+                steps = self._store.actions.for_incident(incident.id)
+                if any(a.state in ("pending", "running") for a in steps):
+                    continue  # its remediation goes on (a job's restart): it ends on its own
+                # the "resolved" notifications first: a re-run after a crash before the
+                # transition adds the same keys again (ignored), after it finds it resolved
+                rows = _resolve_notifications(incident.id, incident.target, steps)
+                if rows:
+                    self._store.actions.add(incident.id, rows, ts=now)
+                self.transition(
+                    incident.id,
+                    "resolved",
+                    now=now,
+                    message=why,
+                    data={"validated": True, "node": node},
+                )
+                self._resolve_after.pop(incident.id, None)
+                ended.append(incident.id)
+        if ended:
+            self._on_new_actions()
+        return ended
+
+    def _ended_by_validation(self, incident_id: int) -> bool:
+        """Was the incident resolved by its node's passing validation (end_node_incidents)?"""
+        return any(
+            e.kind == "resolved" and e.data.get("validated") is True
+            for e in self._store.incidents.timeline(incident_id)
+        )
+
     # --- decisions --------------------------------------------------------------------------
 
     def apply(self, decisions: Iterable[Decision], *, now: float) -> list[int]:
@@ -218,6 +284,7 @@ class IncidentManager:
             and last.resolved_at is not None
             and d.cooldown_s > 0
             and now - last.resolved_at < d.cooldown_s
+            and not self._ended_by_validation(last.id)
         ):
             if last.id not in self._cooldown_noted:
                 self._cooldown_noted.add(last.id)
@@ -468,11 +535,15 @@ class IncidentManager:
         if node is None:
             return None
         rec = self._store.nodes.get(node)
-        if rec is not None and rec.state in ("draining", "drained"):
+        state = NodeState.parse(rec.state) if rec is not None else None
+        if state is not None and not state.in_service:
+            # drained, or further on in the node lifecycle (diagnosing, repairing,
+            # validating, retired): the rest of one fault (a DBE's ECC rule after its XID's)
+            # is part of the incident that drained it, not a hardware incident of its own
             drain = self._store.actions.last_drain(node)
             return (
                 drain.incident_id if drain is not None else None,
-                f"{node} is {rec.state}, out of every job already",
+                f"{node} is {state.value}, out of every job already",
             )
         job = self._jobs.job_of_node(node) if self._jobs is not None else None
         if (
@@ -637,28 +708,9 @@ class IncidentManager:
             message=f"condition cleared: {d.summary}" if d.summary else "condition cleared",
             data={"value": _wire_value(d.value)},
         )
-        told = sorted(
-            {
-                str(a.params.get("channel"))
-                for a in actions
-                if a.kind == ActionKind.NOTIFY
-                and a.params.get("event") == "trigger"
-                and a.params.get("channel")
-                and a.state in ("succeeded", "running")
-            }
-        )
-        if not told:
+        rows = _resolve_notifications(incident_id, d.target.key, actions)
+        if not rows:
             return False
-        rows = [
-            NewAction(
-                kind=ActionKind.NOTIFY.value,
-                target=d.target.key,
-                idempotency_key=f"{incident_id}:resolve:notify:{channel}",
-                seq=SEQ_RESOLVE,
-                params={"channel": channel, "event": "resolve"},
-            )
-            for channel in told
-        ]
         self._store.actions.add(incident_id, rows, ts=now)
         return True
 

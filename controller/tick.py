@@ -148,10 +148,13 @@ class TickService:
         the times they were received, so the event-driven series (xid_fatal_total,
         gpu_lost_total, nan_total, preemption_total...) are what they were before the
         restart, and an event acknowledged just before a crash is evaluated by the first
-        ticks like any other. history_s is what the SignalState would have held: a rule
-        window longer than it is not answered live either."""
+        ticks like any other; a node's windows start over at its last passing validation, as
+        they did live. history_s is what the SignalState would have held: a rule window
+        longer than it is not answered live either."""
         since = self._started_at - self._config.history_s
         rows = self._store.events.received_since(since, kinds=SIGNAL_EVENT_KINDS)
+        # a node validated since then had its windows started over there (_node_validated)
+        validated = self._store.actions.succeeded_at("validate", since=since)
         live = self._live
         replayed = skipped = 0
         with live.lock:
@@ -159,6 +162,9 @@ class TickService:
                 if node not in live.nodes:
                     skipped += 1  # removed from the inventory since
                     continue
+                if node in validated and received_at > validated[node]:
+                    del validated[node]
+                    live.signals.forget_node_history(node)
                 try:
                     event = _EVENT.decode(body)
                 except ProtocolError as e:
@@ -170,6 +176,8 @@ class TickService:
                     node, event, catalog=live.signals.xid_catalog, at=received_at
                 )
                 replayed += 1
+            for node in validated:
+                live.signals.forget_node_history(node)
         if rows:
             log.info(
                 "event=events_replayed count=%d skipped=%d history_s=%g",

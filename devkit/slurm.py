@@ -528,6 +528,7 @@ class SlurmSite:
         slurm: SlurmConfig | None = None,
         jobs: Mapping[str, Any] | None = None,
         safety: Mapping[str, Any] | None = None,
+        lifecycle: Mapping[str, Any] | None = None,
         sync_interval_s: float = 1.0,
         user: str | None = SUBMIT_USER,
     ) -> None:
@@ -544,6 +545,7 @@ class SlurmSite:
                 spares=tuple(sc.spares),
                 safety=dict(safety or {"drain_budget": 100, "breaker_threshold": 100}),
                 jobs=dict(jobs or {}),
+                lifecycle=dict(lifecycle or {}),
                 backend={
                     "kind": "slurm",
                     "slurm": {

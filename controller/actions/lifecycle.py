@@ -1,5 +1,6 @@
 """The node lifecycle's steps: `validate` (a preflight on the node, then back into service on
-a pass; stays drained with the reason on a fail) and `retire` (out for good, with the reason).
+a pass, its hardware incidents ended; stays drained with the reason on a fail) and `retire`
+(out for good, with the reason).
 The automatic steps before a `validate` (diagnose, repair) are controller.actions.repairsteps.
 
 Both are action rows, so a controller killed mid-step resumes them: `validate` keeps its
@@ -59,6 +60,9 @@ class ValidateHandler:
     set_role: Callable[[str, str], None] | None = None
     # Given: node -> the retire reason when it is a lemon (controller.lemons)
     lemon: Callable[[str], str | None] | None = None
+    # Given: (node, now) after a pass -> ends the node's hardware incidents and starts its
+    # signal windows over (Controller._node_validated); idempotent, as a re-run calls it again
+    on_validated: Callable[[str, float], None] | None = None
 
     def idempotent(self, params: dict[str, Any]) -> bool:
         return True  # the command id is the step's own: a re-run finds the same preflight
@@ -111,6 +115,9 @@ class ValidateHandler:
             # finds the node drained and undrains it again (a no-op where done).
             self.ops.set_node_state(node, NodeState.DRAINED.value, reason="preflight passed")
             self.backend.undrain(node, key=ctx.action.idempotency_key)
+        if self.on_validated is not None:
+            # after the undrain, and again on a re-run: what it ends stays ended
+            self.on_validated(node, ctx.now)
         log.info("event=node_validated node=%s command=%s", node, command_id)
         return Outcome(
             message=f"{node} passed its preflight and is back in service",

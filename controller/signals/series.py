@@ -62,6 +62,13 @@ class Series:
         while len(pts) > 2 and pts[1][1] <= cutoff:
             pts.popleft()
 
+    def forget_history(self) -> None:
+        """Keep only the current value, as of its last change: every window from now on
+        measures from it (no increase, no change, the value as its only extreme)."""
+        last = self.points[-1]
+        value = last[2]
+        self.points = deque([[last[0], last[1], value, 0.0, 0.0, value, value]])
+
     def _base(self, start: float) -> list[float]:
         """The point in effect at time `start` (or the first point if the series began later)."""
         pts = self.points

@@ -542,6 +542,24 @@ class SignalState:
             if r is not None and r.node == node:
                 self._drop_rank(r)
 
+    def forget_node_history(self, node: str) -> None:
+        """Start the windows of a node's hardware signals over (its own, its GPUs', NVLinks'
+        and IB ports'): a node that passed its validation after a repair is judged on what
+        happens from then on, not on the fault that was repaired (a fatal XID would keep
+        `increase(xid_fatal_total[5m])` true for five minutes and hide the next one). The
+        current values stay; only their history goes."""
+        rec = self._nodes.get(node)
+        if rec is None:
+            return
+        for series in rec.series.values():
+            series.forget_history()
+        for g in rec.gpus.values():
+            for series in (*g.series.values(), *g.link_series.values()):
+                series.forget_history()
+        for p in rec.ports.values():
+            for series in p.series.values():
+                series.forget_history()
+
     # --- reading -------------------------------------------------------------------------
 
     def nodes(self) -> list[str]:

@@ -200,6 +200,17 @@ class ActionRepository:
         )
         return int(rows[0][0])
 
+    def succeeded_at(self, kind: str, *, since: float) -> dict[str, float]:
+        """target -> when its newest succeeded `kind` step finished, for steps that finished
+        at or after `since` (a restarted controller's replay starts a validated node's signal
+        windows over at its validation)."""
+        rows = self._db.query(
+            "SELECT target, MAX(updated_at) FROM actions WHERE kind = ?"
+            " AND state = 'succeeded' AND updated_at >= ? GROUP BY target",
+            (kind, since),
+        )
+        return {str(r[0]): float(r[1]) for r in rows}
+
     def failed_keyed(
         self, prefix: str, *, since: float, target: str | None = None
     ) -> list[ActionView]:

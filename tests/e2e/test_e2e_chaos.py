@@ -90,8 +90,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         # a spare for each scenario that drains a node (node death, XID 79, straggler, DBEs)
         spares=tuple(f"spare-{i}" for i in range(1, 7)),
         safety={"drain_budget": 100, "breaker_threshold": 100},
-        # the node lifecycle's repairs on (the last scenario); no lemon verdict: a DBE is two
-        # hardware incidents (its ECC rule and its XID's), so the scenario's second would retire
+        # the node lifecycle's repairs on (the default; the last scenario); no lemon verdict:
+        # this world's scenarios are not about lemons
         lifecycle={"auto_repair": True, "preflight_burn_s": 1.0, "lemon_incidents": 0},
         jobs={
             # a request is acted on within max(2 steps, 1 s), and a framework job's step

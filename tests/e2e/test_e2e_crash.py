@@ -172,6 +172,9 @@ def crash(tmp_path_factory: pytest.TempPathFactory, reference: Reference) -> Ite
         spares=tuple(f"spare-{i}" for i in range(1, 7)),
         rules=(str(rules_file),),
         safety={"drain_budget": 100, "breaker_threshold": 100},
+        # the sick node stays drained, as these checks expect: the node lifecycle after a
+        # drain (lifecycle.auto_repair) is test_e2e_chaos.py's and the unit tests'
+        lifecycle={"auto_repair": False},
         jobs={
             "checkpoint_timeout_s": 5,
             "stop_grace_s": 5,

@@ -43,6 +43,9 @@ def ha_config(rules_file: Path, *, spares: int) -> ClusterConfig:
         spares=tuple(f"spare-{i}" for i in range(1, spares + 1)),
         rules=(str(rules_file),),
         safety={"drain_budget": 100, "breaker_threshold": 100},
+        # the sick node stays drained, as these checks expect: the node lifecycle after a
+        # drain (lifecycle.auto_repair) is test_e2e_chaos.py's and the unit tests'
+        lifecycle={"auto_repair": False},
         jobs={
             "checkpoint_timeout_s": 5,
             "stop_grace_s": 5,

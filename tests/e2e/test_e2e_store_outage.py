@@ -53,6 +53,9 @@ def outage(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outage]:
         spares=("spare-1",),
         rules=(str(rules_file),),
         safety={"drain_budget": 100, "breaker_threshold": 100},
+        # the sick node stays drained, as these checks expect: the node lifecycle after a
+        # drain (lifecycle.auto_repair) is test_e2e_chaos.py's and the unit tests'
+        lifecycle={"auto_repair": False},
     )
     try:
         with HaCluster(

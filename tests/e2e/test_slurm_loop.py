@@ -115,7 +115,9 @@ def world(reference: Reference) -> Iterator[World]:
     # and the job's user must reach slurm.conf and its own jobs dir in here
     run_dir = Path(tempfile.mkdtemp(prefix="tg-slurm-loop-", dir="/tmp"))
     try:
-        with SlurmSite(run_dir, jobs=jobs) as site:
+        # n2 stays drained in Slurm after its DBE, as these checks expect: the node lifecycle
+        # after a drain (lifecycle.auto_repair) is test_e2e_chaos.py's and the unit tests'
+        with SlurmSite(run_dir, jobs=jobs, lifecycle={"auto_repair": False}) as site:
             site.start()
             yield World(site, reference.lines())
         assert site.cluster.leftover_pids() == set()

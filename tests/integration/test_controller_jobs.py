@@ -1,9 +1,10 @@
 """The closed loop through the real controller process: fake agents (driven by the test) post
 HTTP reports and carry out the commands on the responses. A sick node is checkpointed,
-drained, replaced by the spare and the job restarted, with the right commands at each step;
-with no spare the job shrinks; `kill -9` of the controller while the restart waits for the
-first step resumes it without another start_job; agentctl's `--wait` follows submit, drain and
-restart to the first step."""
+drained, replaced by the spare and the job restarted, with the right commands at each step; a
+spare whose preflight fails is skipped for the next one, and a lemon (retired at its second
+DBE) is never used; with no spare the job shrinks;
+`kill -9` of the controller while the restart waits for the first step resumes it without
+another start_job; agentctl's `--wait` follows submit, drain and restart to the first step."""
 
 from __future__ import annotations
 
@@ -145,6 +146,59 @@ def test_sick_node_is_replaced_through_the_real_controller(tmp_path, controllers
     assert steps == [(k, "succeeded") for k in ("checkpoint", "drain", "replace", "restart")]
     metrics = httpx.get(f"{fleet.url}/metrics", timeout=5).text
     assert 'trainguard_controller_remediation_phase_seconds_count{phase="mttr"} 1.0' in metrics
+
+
+@pytest.mark.slow
+def test_a_spare_whose_preflight_fails_is_skipped_for_the_next_one(tmp_path, controllers):
+    controllers.append(start_controller(config(tmp_path), log_path=tmp_path / "c.log"))
+    fleet = Fleet({"n1": "active", "n2": "active", "n3": "spare", "n4": "spare"})
+    fleet.agents["n3"].preflight_fails = {"row_remaps": "1 pending row remap on gpu 2"}
+    fleet.url = controllers[0].url
+    fleet.register()
+    submit(fleet)
+    fleet.until(running(fleet, 1), timeout_s=20, what="attempt 1 running")
+    fleet.agents["n1"].gpus = (gpu(0, dbe=1),)
+    fleet.until(running(fleet, 2), timeout_s=40, what="attempt 2 running on the next spare")
+    assert sorted(fleet.job()["nodes"]) == ["n2", "n4"]
+    assert "start_job" not in fleet.kinds("n3") and "preflight" in fleet.kinds("n3")
+    n3 = httpx.get(f"{fleet.url}/v1/nodes/n3", headers=OP, timeout=5).json()
+    assert (n3["state"], n3["drain_reason"]) == (
+        "drained",
+        "preflight failed: row_remaps: 1 pending row remap on gpu 2",
+    )
+
+
+@pytest.mark.slow
+def test_a_lemon_node_stops_being_used(tmp_path, controllers):
+    # lifecycle.lemon_incidents 2: n3's second DBE (after it was returned from its first)
+    # retires it, and the job's swap takes n4; room in the drain budget for the three drains
+    cfg = config(tmp_path)
+    extra = "lifecycle: {lemon_incidents: 2}\nsafety: {drain_budget: 10}\n"
+    cfg.write_text(cfg.read_text() + extra)
+    controllers.append(start_controller(cfg, log_path=tmp_path / "c.log"))
+    fleet = Fleet({"n1": "active", "n2": "active", "n3": "spare", "n4": "spare"})
+    fleet.url = controllers[0].url
+    fleet.register()
+    n3 = fleet.agents["n3"]
+
+    def node(name: str) -> dict:
+        return httpx.get(f"{fleet.url}/v1/nodes/{name}", headers=OP, timeout=5).json()
+
+    n3.gpus = (gpu(0, dbe=1),)  # the first: drained
+    fleet.until(lambda: node("n3")["state"] == "drained", timeout_s=20, what="n3 drained")
+    n3.gpus = (gpu(0),)  # repaired by hand, then returned through its validation
+    r = httpx.post(f"{fleet.url}/v1/nodes/n3/return", headers=OP, timeout=5)
+    assert r.status_code == 200, r.text
+    fleet.until(lambda: node("n3")["state"] == "active", timeout_s=20, what="n3 returned")
+    n3.gpus = (gpu(0, dbe=1),)  # the second: a lemon, retired
+    fleet.until(lambda: node("n3")["state"] == "retired", timeout_s=20, what="n3 retired")
+    assert node("n3")["drain_reason"] == "lemon: 2 hardware incidents in 30 days"
+    submit(fleet)
+    fleet.until(running(fleet, 1), timeout_s=20, what="attempt 1 running")
+    fleet.agents["n1"].gpus = (gpu(0, dbe=1),)
+    fleet.until(running(fleet, 2), timeout_s=40, what="attempt 2 running on n4")
+    assert sorted(fleet.job()["nodes"]) == ["n2", "n4"]
+    assert "start_job" not in fleet.kinds("n3")
 
 
 @pytest.mark.slow

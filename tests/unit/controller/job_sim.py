@@ -45,9 +45,11 @@ rules:
 
 
 class Sim:
+    RULES = JOB_RULES  # the rules file's text (a subclass may run others)
+
     def __init__(self, make_core: Callable[..., Controller], clock: FakeClock, tmp: Path) -> None:
         rules = tmp / "job_rules.yaml"
-        rules.write_text(JOB_RULES)
+        rules.write_text(self.RULES)
         self.make_core = make_core
         self.clock = clock
         self.rules = str(rules)

@@ -374,3 +374,43 @@ def test_a_spare_whose_preflight_fails_is_drained_in_slurm_and_the_next_one_take
         assert "n4" not in [n.name for n in c.list_spares()]
     finally:
         c.stop()
+
+
+def test_a_spare_whose_preflight_ahead_of_need_fails_is_drained_in_slurm_until_it_returns(
+    make_core, core_config, core_clock
+):
+    slurm = FakeSlurm(NODES, spares=["n4"])
+    c = Controller(
+        core_config(backend={"kind": "slurm"}),  # spare_preflight_ahead on, as shipped
+        clock=core_clock,
+        backends=ActionBackends(notifiers=[], slurm_runner=slurm),
+    )
+    try:
+        for n in NODES:
+            c.ingest_report(Reporter(n).report(now=core_clock.now()), actor="a")
+        b = backend(c)
+        b.refresh()
+        c.tick()  # the free spare gets its preflight ahead of need
+        assert [cmd.node for cmd in c.store.commands.pending() if cmd.kind == "preflight"] == ["n4"]
+        _answer_preflights(c, fails={"n4": "ecc: 2 uncorrectable errors on gpu 1"})
+        core_clock.advance(20.0)
+        c.tick()
+        assert (
+            slurm.nodes["n4"].reason
+            == "trainguard: preflight failed: ecc: 2 uncorrectable errors on gpu 1"
+        )
+        assert "DRAIN" in slurm.nodes["n4"].flags
+        b.refresh()  # Slurm's state mirrored back keeps it out of the pool
+        assert c.get_node("n4").state == "drained"
+        assert "n4" not in [n.name for n in c.list_spares()]
+        # `node return` validates it; a pass resumes it in Slurm
+        c.return_node("n4", actor="ops")
+        c.run_actions()
+        _answer_preflights(c, fails={})
+        core_clock.advance(2.0)
+        c.run_actions()
+        assert "DRAIN" not in slurm.nodes["n4"].flags
+        b.refresh()
+        assert c.get_node("n4").state == "active"
+    finally:
+        c.stop()
