@@ -152,7 +152,9 @@ class PeerLossGuard:
         if exc is None or isinstance(exc, PeerLost) or not is_collective_failure(exc):
             return False
         lost = PeerLost(last_step=self.last_step(), cause=_first_line(exc))
+        # This frame stays in `lost`'s traceback: it must not hold the old one either.
         exc.__traceback__ = None
+        del tb
         lost.__suppress_context__ = True
         raise lost
 
