@@ -433,6 +433,7 @@ class Trainguard:
         self.agreement.rebind(coord)
         self.telemetry.rank = self.nan.rank = self.signals.rank = self.rank
         self.telemetry.world_size = self.world_size
+        self._last_mono = None  # the recovery is no step time (stragglers, agreement schedule)
 
     def _state_from_peer(self) -> int:
         coord = self.coord

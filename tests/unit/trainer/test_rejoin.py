@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from tests.helpers import free_port
 from trainguard.trainer import Trainguard
-from trainguard.trainer.fence import read_epoch
+from trainguard.trainer.fence import StaleAttempt, check_epoch, read_epoch
 from trainguard.trainer.rejoin import (
     Membership,
     PeerLossGuard,
@@ -168,7 +168,9 @@ def test_a_rank_rejoins_under_the_next_epoch_and_keeps_its_state(
     with pytest.raises(ValueError, match="must be newer"):
         tg.rejoin(membership(store.port, epoch=1))
     assert tg.rejoin(membership(store.port, epoch=2)) == 3
-    assert read_epoch(tmp_path) == 2  # a rank of epoch 1 can never commit again
+    assert read_epoch(tmp_path) == 2
+    with pytest.raises(StaleAttempt):  # what a commit of epoch 1 checks: refused
+        check_epoch(tmp_path, 1)
     assert tg.epoch == 2
     assert torch.equal(model.weight, weights)
     train(tg, model, range(3, 4))
