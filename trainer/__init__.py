@@ -30,6 +30,7 @@ from trainguard.trainer.manifest import (
     verify_dir,
 )
 from trainguard.trainer.nan_guard import NanPolicy
+from trainguard.trainer.rejoin import Membership, PeerLost, RejoinFailed
 from trainguard.trainer.retention import RetentionPolicy
 from trainguard.trainer.s3 import S3Config
 from trainguard.trainer.sampler import ResumableSampler
@@ -44,7 +45,10 @@ __all__ = [
     "LaunchLocked",
     "LaunchMismatch",
     "Manifest",
+    "Membership",
     "NanPolicy",
+    "PeerLost",
+    "RejoinFailed",
     "ResumableSampler",
     "RetentionPolicy",
     "S3Config",

@@ -168,6 +168,14 @@ class StepAgreement:
         self._post_cost_s = self.clock.monotonic() - t0
         self._calls_to_sync = interval
 
+    def rebind(self, coordinator: Coordinator) -> None:
+        """The world was re-formed (trainer/rejoin.py): agree on `coordinator` from now on. A
+        posted agreement of the old world is forgotten; pending requests are kept."""
+        self.coord = coordinator
+        self._calls_to_sync = 0
+        self._agree_cost_s = 0.0
+        self._post_cost_s = 0.0
+
     def drain(self) -> None:
         """Collect a posted agreement nobody will act on (resume, close): every rank posted
         it at the same step, so every rank drains it."""

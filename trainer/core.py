@@ -13,6 +13,7 @@ k+1; `resume()` returns k+1.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from collections.abc import Mapping
@@ -46,6 +47,15 @@ from trainguard.trainer.fence import LaunchLocked, StaleAttempt, epoch_from_env
 from trainguard.trainer.hooks import StepHook
 from trainguard.trainer.launch import LaunchMismatch, check_launch
 from trainguard.trainer.nan_guard import NanGuard, NanPolicy, NanSettings
+from trainguard.trainer.peer_state import agree_source, replica_state_ok, transfer_state
+from trainguard.trainer.rejoin import (
+    Membership,
+    PeerLossGuard,
+    PeerLost,
+    RejoinFailed,
+    join_world,
+    leave_world,
+)
 from trainguard.trainer.retention import RetentionPolicy, retention_from_env
 from trainguard.trainer.s3 import S3Config
 from trainguard.trainer.signals import SignalGuard, SignalSettings
@@ -56,6 +66,8 @@ __all__ = [
     "CheckpointMismatch",
     "LaunchMismatch",
     "NanPolicy",
+    "PeerLost",
+    "RejoinFailed",
     "StaleAttempt",
     "Stateful",
     "StepAction",
@@ -123,6 +135,7 @@ class Trainguard:
         job: str | None = None,
         epoch: int | None = None,
         launch_lock_timeout_s: float = 60.0,
+        collective_timeout_s: float | None = None,
         chaos: str | None = None,
         single_process: bool = False,
         clock: Clock = SYSTEM_CLOCK,
@@ -159,7 +172,10 @@ class Trainguard:
         )
         distributed = dist.is_available() and dist.is_initialized()
         check_launch(initialized=distributed, single_process=single_process)
-        self.coord: Coordinator = DistCoordinator() if distributed else LocalCoordinator()
+        self._collective_timeout_s = collective_timeout_s
+        self.coord: Coordinator = (
+            DistCoordinator(timeout_s=collective_timeout_s) if distributed else LocalCoordinator()
+        )
         self.rank = self.coord.rank
         self.world_size = self.coord.world_size
         self.job = job or job_name()
@@ -221,6 +237,9 @@ class Trainguard:
         )
         self._last_mono: float | None = None
         self._last_step = 0
+        # The step the state is complete at (its step() entered; resume()'s checkpoint): what
+        # a re-formed world continues from (rejoin).
+        self._completed_step: int | None = None
         self._closed = False
         self.signals.install()
         log.info(
@@ -266,8 +285,10 @@ class Trainguard:
         found = self.checkpoints.restore_latest()
         if found is None:
             log.info("event=resume_fresh job=%s rank=%d", self.job, self.rank)
+            self._completed_step = first_step - 1
             return first_step
         step, manifest = found
+        self._completed_step = step
         self.telemetry.checkpoint_loaded(step=step, request_id=manifest.request_id)
         log.info(
             "event=resumed job=%s rank=%d step=%d next_step=%d", self.job, self.rank, step, step + 1
@@ -286,6 +307,7 @@ class Trainguard:
         """Call once after step `step` completed (optimizer and scheduler stepped)."""
         if self._closed:
             raise RuntimeError("Trainguard.step() after close()")
+        self._completed_step = step
         now = self.clock.monotonic()
         step_time_s = None if self._last_mono is None else now - self._last_mono
         forced_loss = None
@@ -343,6 +365,108 @@ class Trainguard:
         done). With DistributedDataParallel the backward pass contains the gradient
         all-reduce: wrap the forward pass and the loss only."""
         return self.compute_timer.measure(step=self._last_step + 1)
+
+    # --- in-process rejoin (docs/trainer.md, "In-process rejoin") ---------------------------
+
+    def peer_loss_guard(self) -> PeerLossGuard:
+        """`with tg.peer_loss_guard():` around a step (forward, backward, optimizer, `step()`):
+        a collective broken by a lost peer raises `PeerLost` carrying the last step this rank
+        completed; the loop then waits for its membership and calls `rejoin()`."""
+        return PeerLossGuard(lambda: self._completed_step)
+
+    def rejoin(self, membership: Membership) -> int:
+        """A healthy rank of a broken world joins the next one, in this process: leave every
+        process group, initialise the new world, re-create the library's groups, adopt the
+        next attempt epoch (rank 0 raises the directory's: older ranks can never commit), and
+        agree with the replacements on the newest state, which the ranks without it receive
+        from a peer. Returns the step to run next. The training process group is new: wrap
+        the model again (DistributedDataParallel) after it. Raises `RejoinFailed` when the
+        fast path cannot work (fall back to a full restart)."""
+        if self.epoch is not None and membership.epoch <= self.epoch:
+            raise ValueError(
+                f"rejoin: the membership's epoch {membership.epoch} must be newer than this "
+                f"rank's {self.epoch}"
+            )
+        if isinstance(self.coord, DistCoordinator):
+            self.coord.abandon()
+        # The old world's save (if any) ends with a failure as soon as its collectives see
+        # the lost peer; it must end before its groups are destroyed.
+        if not self.checkpoints.wait(membership.timeout_s):
+            raise RejoinFailed("a checkpoint save of the old world is still running")
+        self.checkpoints.close(0.0)
+        leave_world()
+        join_world(membership)
+        self._bind(membership)
+        log.info(
+            "event=rejoined job=%s rank=%d world_size=%d epoch=%d last_step=%s",
+            self.job,
+            self.rank,
+            self.world_size,
+            membership.epoch,
+            self._completed_step,
+        )
+        return self._state_from_peer()
+
+    def join_from_peer(self) -> int:
+        """A replacement rank (a fresh process built like any rank, after `join_world`): take
+        the newest state from a healthy peer; with no peer, the world loads the checkpoint.
+        Returns the step to run next. Every rank of the new world calls this or `rejoin()`."""
+        self._completed_step = None
+        return self._state_from_peer()
+
+    def _bind(self, membership: Membership) -> None:
+        """Rebuild the parts that hold the old world: coordinator, checkpoint manager (it
+        fences the directory with the new epoch), agreement, the rank in telemetry."""
+        coord = DistCoordinator(timeout_s=membership.timeout_s)
+        self.coord = coord
+        self.rank, self.world_size = coord.rank, coord.world_size
+        settings = dataclasses.replace(self.checkpoints.settings, epoch=membership.epoch)
+        self.checkpoints = CheckpointManager(
+            state=self.state,
+            settings=settings,
+            coordinator=coord,
+            job=self.job,
+            hooks=self._hooks,
+            on_result=self._on_save_result,
+            clock=self.clock,
+        )
+        self.agreement.rebind(coord)
+        self.telemetry.rank = self.nan.rank = self.signals.rank = self.rank
+        self.telemetry.world_size = self.world_size
+        self._last_mono = None  # the recovery is no step time (stragglers, agreement schedule)
+
+    def _state_from_peer(self) -> int:
+        coord = self.coord
+        if not isinstance(coord, DistCoordinator):
+            raise RejoinFailed("state from a peer needs a process group")
+        offered = self._completed_step if replica_state_ok(self.state) else None
+        source = agree_source(coord, step=offered)
+        if not source.found:
+            log.warning(
+                "event=state_from_checkpoint job=%s rank=%d reason=no_peer_holds_state",
+                self.job,
+                self.rank,
+            )
+            return self.resume()
+        t0 = self.clock.monotonic()
+        moved = transfer_state(
+            self.state,
+            coord=coord,
+            source=source,
+            load=offered != source.step,
+            ckpt_dir=self.ckpt_dir,
+        )
+        self._completed_step = source.step
+        log.info(
+            "event=state_from_peer job=%s rank=%d source=%d step=%d bytes=%d duration_s=%.3f",
+            self.job,
+            self.rank,
+            source.rank,
+            source.step,
+            moved,
+            self.clock.monotonic() - t0,
+        )
+        return source.step + 1
 
     def mark_milestone(self, name: str) -> None:
         """Name the next checkpoint a milestone (e.g. "best-val"), kept by retention forever

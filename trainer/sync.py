@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -143,15 +144,17 @@ class DistCoordinator:
     off the training process group (NCCL or gloo).
 
     Constructing it is itself a collective (`new_group`): every rank must do it, in order.
+    `timeout_s` bounds the groups' collectives (None: torch's default for gloo).
     """
 
     distributed = True
 
-    def __init__(self) -> None:
+    def __init__(self, *, timeout_s: float | None = None) -> None:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self._sync_group: Any = dist.new_group(backend="gloo")
-        self._ckpt_group: Any = dist.new_group(backend="gloo")
+        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+        self._sync_group: Any = dist.new_group(backend="gloo", timeout=timeout)
+        self._ckpt_group: Any = dist.new_group(backend="gloo", timeout=timeout)
         self._posted: tuple[LocalView, torch.Tensor, Any] | None = None
 
     @property
@@ -214,6 +217,10 @@ class DistCoordinator:
     def agree(self, view: LocalView) -> Agreement:
         self.start(view)
         return self.finish()
+
+    def abandon(self) -> None:
+        """Forget a posted agreement without waiting: its world is gone (a peer was lost)."""
+        self._posted = None
 
     def broadcast_int(self, value: int, *, checkpoint_group: bool = False) -> int:
         t = torch.tensor([value], dtype=torch.int64)

@@ -1,0 +1,229 @@
+"""Membership of a re-formed world: who a rank is next, where it meets, and how it gets there.
+
+A world whose rank died is re-formed without relaunching the healthy ranks (docs/trainer.md,
+"In-process rejoin"): whoever replaces the lost rank (the controller, later; a test today)
+names a `Membership` for every rank of the new world: its rank and world size, the address
+of a rendezvous `TCPStore` that outlives any rank, and the next attempt epoch. A healthy rank
+learns of the loss as `PeerLost` (a broken collective, converted by `PeerLossGuard`), waits
+for its membership (`wait_membership`), leaves the old process group and initialises the new
+one (`leave_world`, `join_world`), and `Trainguard.rejoin` does the rest. A replacement
+process calls `join_world` with the membership it was started with. No state moves here
+(trainer/peer_state.py moves it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from datetime import timedelta
+from types import TracebackType
+from typing import Literal
+
+import torch.distributed as dist
+
+__all__ = [
+    "MEMBERSHIP_KEY_PREFIX",
+    "Membership",
+    "PeerLost",
+    "PeerLossGuard",
+    "RejoinFailed",
+    "is_collective_failure",
+    "join_world",
+    "leave_world",
+    "membership_key",
+    "publish_membership",
+    "wait_membership",
+]
+
+log = logging.getLogger("trainguard.trainer")
+
+MEMBERSHIP_KEY_PREFIX = "trainguard/membership"
+_WORLD_PREFIX = "trainguard/world"
+# What gloo (and NCCL) put in the RuntimeError a collective raises when a peer is gone or
+# silent past the group's timeout; torch's own DistError subclasses are matched by type.
+_PEER_FAILURE_MARKERS = (
+    "gloo/transport",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Timed out waiting",
+    "NCCL communicator was aborted",
+)
+
+
+@dataclass(frozen=True)
+class Membership:
+    """One rank's place in the next world."""
+
+    rank: int
+    world_size: int
+    # The rendezvous TCPStore (its server runs outside the ranks, so it outlives any of them).
+    store_host: str
+    store_port: int
+    # The next attempt epoch: adopted by every rank of the new world; the directory's epoch is
+    # raised to it, so a rank of an older epoch can never commit again.
+    epoch: int
+    # Bound on the rendezvous and on every collective of the new world: a peer that dies
+    # during or after the rejoin is detected within it.
+    timeout_s: float = 60.0
+    backend: str = "gloo"
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+        if not 0 < self.store_port < 65536:
+            raise ValueError(f"store_port must be a TCP port, got {self.store_port}")
+        if self.epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {self.epoch}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> Membership:
+        """Strict: an unknown or missing key is refused (ValueError naming it)."""
+        data = json.loads(raw)
+        if not isinstance(data, dict):
+            raise ValueError("membership: not a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"membership: unknown keys {unknown}")
+        try:
+            return cls(**data)
+        except TypeError as e:
+            raise ValueError(f"membership: {e}") from None
+
+
+class PeerLost(RuntimeError):
+    """A collective of this world failed: a peer died or fell silent past the timeout.
+
+    `last_step`: the last step this rank completed (its `Trainguard.step()` was entered);
+    the rank's state is exactly the state after it, so the re-formed world continues at
+    `last_step + 1` and loses at most the step in flight. None: no step completed yet."""
+
+    def __init__(self, *, last_step: int | None, cause: str) -> None:
+        self.last_step = last_step
+        self.cause = cause
+        super().__init__(f"a peer of this world was lost after step {last_step}: {cause}")
+
+
+class RejoinFailed(RuntimeError):
+    """The in-process path could not re-form the world; fall back to a full restart."""
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether `exc` is what a collective raises when a peer is lost (not a bug of the job)."""
+    if isinstance(exc, dist.DistError):
+        return True
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc)
+    return any(marker in text for marker in _PEER_FAILURE_MARKERS)
+
+
+class PeerLossGuard:
+    """`with guard:` around a step's collectives turns their failure into `PeerLost`.
+
+    The original exception is dropped, with its traceback: the frames it holds keep the old
+    world's objects (a DistributedDataParallel and its reducer) alive, and those must go
+    before the rank trains in the new world."""
+
+    def __init__(self, last_step: Callable[[], int | None]) -> None:
+        self.last_step = last_step  # read when the failure comes: the step may complete inside
+
+    def __enter__(self) -> PeerLossGuard:
+        return self
+
+    def __exit__(
+        self,
+        typ: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> Literal[False]:
+        if exc is None or isinstance(exc, PeerLost) or not is_collective_failure(exc):
+            return False
+        lost = PeerLost(last_step=self.last_step(), cause=_first_line(exc))
+        # This frame stays in `lost`'s traceback: it must not hold the old one either.
+        exc.__traceback__ = None
+        del tb
+        lost.__suppress_context__ = True
+        raise lost
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def membership_key(*, job: str, pid: int) -> str:
+    """The store key a process waits on for its next membership (pid: one process's)."""
+    return f"{MEMBERSHIP_KEY_PREFIX}/{job}/{pid}"
+
+
+def _client(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore(
+        host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+    )
+
+
+def publish_membership(store: dist.Store, *, job: str, pid: int, membership: Membership) -> None:
+    """Tell the process `pid` its next membership (the side that re-forms the world)."""
+    store.set(membership_key(job=job, pid=pid), membership.to_json())
+
+
+def wait_membership(
+    *, store_host: str, store_port: int, job: str, pid: int, timeout_s: float
+) -> Membership:
+    """Block until this process's membership is published (RejoinFailed after timeout_s)."""
+    key = membership_key(job=job, pid=pid)
+    try:
+        store = _client(store_host, store_port, timeout_s)
+        store.wait([key], timedelta(seconds=timeout_s))
+        raw = store.get(key)
+    except (RuntimeError, dist.DistError) as e:
+        raise RejoinFailed(f"no membership for {key} within {timeout_s:.0f} s: {e}") from None
+    return Membership.from_json(raw)
+
+
+def leave_world() -> None:
+    """Destroy every process group of the old world (the training group and the library's
+    own); a dead peer does not block it."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def join_world(m: Membership) -> None:
+    """Initialise torch.distributed as rank `m.rank` of the new world. The world's keys live
+    under a prefix of its epoch, so nothing of an older world's rendezvous is read again."""
+    if dist.is_initialized():
+        raise RejoinFailed("join_world: a process group is still initialised (leave_world first)")
+    try:
+        store = _client(m.store_host, m.store_port, m.timeout_s)
+        dist.init_process_group(
+            m.backend,
+            store=dist.PrefixStore(f"{_WORLD_PREFIX}/{m.epoch}", store),
+            rank=m.rank,
+            world_size=m.world_size,
+            timeout=timedelta(seconds=m.timeout_s),
+        )
+    except (RuntimeError, dist.DistError) as e:
+        raise RejoinFailed(
+            f"could not join world of epoch {m.epoch} as rank {m.rank}/{m.world_size}: {e}"
+        ) from None
+    log.info(
+        "event=world_joined rank=%d world_size=%d epoch=%d store=%s:%d",
+        m.rank,
+        m.world_size,
+        m.epoch,
+        m.store_host,
+        m.store_port,
+    )
