@@ -30,6 +30,7 @@ from trainguard.trainer.manifest import (
     verify_dir,
 )
 from trainguard.trainer.nan_guard import NanPolicy
+from trainguard.trainer.replica import ReplicaConfig
 from trainguard.trainer.retention import RetentionPolicy
 from trainguard.trainer.s3 import S3Config
 from trainguard.trainer.sampler import ResumableSampler
@@ -45,6 +46,7 @@ __all__ = [
     "LaunchMismatch",
     "Manifest",
     "NanPolicy",
+    "ReplicaConfig",
     "ResumableSampler",
     "RetentionPolicy",
     "S3Config",

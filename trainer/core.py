@@ -46,6 +46,7 @@ from trainguard.trainer.fence import LaunchLocked, StaleAttempt, epoch_from_env
 from trainguard.trainer.hooks import StepHook
 from trainguard.trainer.launch import LaunchMismatch, check_launch
 from trainguard.trainer.nan_guard import NanGuard, NanPolicy, NanSettings
+from trainguard.trainer.replica import ReplicaConfig, replica_from_env
 from trainguard.trainer.retention import RetentionPolicy, retention_from_env
 from trainguard.trainer.s3 import S3Config
 from trainguard.trainer.signals import SignalGuard, SignalSettings
@@ -110,6 +111,7 @@ class Trainguard:
         keep_last: int = 3,
         retention: RetentionPolicy | None = None,
         s3: S3Config | None = None,
+        replica: ReplicaConfig | None = None,
         nan_policy: NanPolicy = "continue",
         skip_batches: int = 0,
         grad_spike_factor: float | None = None,
@@ -134,6 +136,7 @@ class Trainguard:
             keep_last=keep_last,
             retention=retention if retention is not None else retention_from_env(),
             s3=s3,
+            replica=replica if replica is not None else replica_from_env(),
             checkpoint_timeout_s=checkpoint_timeout_s,
             epoch=epoch if epoch is not None else epoch_from_env(),
             launch_lock_timeout_s=launch_lock_timeout_s,
@@ -198,6 +201,7 @@ class Trainguard:
             world_size=self.world_size,
             pid=pid,
             checkpoint_every=ckpt_settings.checkpoint_every,
+            replicator=self.checkpoints.replicator,
             clock=clock,
         )
         self.agreement = StepAgreement(
@@ -269,6 +273,9 @@ class Trainguard:
             return first_step
         step, manifest = found
         self.telemetry.checkpoint_loaded(step=step, request_id=manifest.request_id)
+        source = self.checkpoints.restore_source
+        if source is not None and source != "local":
+            self.telemetry.checkpoint_restored(step=step, source=source)
         log.info(
             "event=resumed job=%s rank=%d step=%d next_step=%d", self.job, self.rank, step, step + 1
         )

@@ -1,0 +1,107 @@
+"""The second-region replica's pure parts: its strict config (argument and environment), the
+lag it reports and its retry schedule, on a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainguard.clock import FakeClock
+from trainguard.trainer import ReplicaConfig, S3Config
+from trainguard.trainer.replica import REPLICA_ENV, ReplicaLedger, replica_from_env
+
+
+def test_lag_counts_from_the_oldest_commit_not_yet_replicated_and_is_zero_when_caught_up() -> None:
+    clock = FakeClock(start=1000.0)
+    ledger = ReplicaLedger(config=ReplicaConfig(bucket="ckpts-dr"), clock=clock)
+    assert ledger.status().step is None and ledger.lag_s() == 0.0
+    ledger.submitted(step=10, committed_at=clock.now())
+    clock.advance(5)
+    ledger.submitted(step=20, committed_at=clock.now())
+    clock.advance(3)
+    assert ledger.lag_s() == 8.0
+    assert ledger.succeeded(10) == 8.0
+    assert (ledger.status().step, ledger.lag_s()) == (10, 3.0)  # step 20 waits since its commit
+    assert ledger.succeeded(20) == 3.0
+    assert (ledger.status().step, ledger.lag_s()) == (20, 0.0)
+    ledger.submitted(step=20, committed_at=clock.now())  # an old step again: nothing waits
+    assert ledger.lag_s() == 0.0
+
+
+def test_a_newer_checkpoint_replicated_first_clears_the_older_ones_waiting() -> None:
+    clock = FakeClock(start=1000.0)
+    ledger = ReplicaLedger(config=ReplicaConfig(bucket="ckpts-dr"), clock=clock)
+    for step in (2, 4, 6):
+        ledger.submitted(step=step, committed_at=clock.now())
+        clock.advance(1)
+    ledger.succeeded(6)
+    assert ledger.lag_s() == 0.0 and ledger.status().step == 6
+
+
+def test_retries_back_off_doubling_up_to_the_cap_and_stop_after_max_attempts() -> None:
+    config = ReplicaConfig(bucket="ckpts-dr", max_attempts=5, backoff_s=2.0, max_backoff_s=5.0)
+    ledger = ReplicaLedger(config=config, clock=FakeClock())
+    assert [ledger.failed(a) for a in range(1, 6)] == [2.0, 4.0, 5.0, 5.0, None]
+    assert ledger.status().failures == 5
+    ledger.succeeded(4)
+    assert ledger.status().failures == 0
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        pytest.param(
+            {"bucket": "Bad_Bucket"}, "replica.bucket must be an S3 bucket name", id="bucket"
+        ),
+        pytest.param(
+            {"bucket": "ok-bucket", "endpoint_url": "localhost:9000"}, "http://", id="url"
+        ),
+        pytest.param({"bucket": "ok-bucket", "region_name": "EU West"}, "region_name", id="region"),
+        pytest.param(
+            {"bucket": "ok-bucket", "max_attempts": 0}, "max_attempts must be in", id="att0"
+        ),
+        pytest.param({"bucket": "ok-bucket", "max_attempts": 2.5}, "an integer", id="att-float"),
+        pytest.param(
+            {"bucket": "ok-bucket", "backoff_s": 0}, "backoff_s must be in", id="backoff0"
+        ),
+        pytest.param(
+            {"bucket": "ok-bucket", "backoff_s": 10, "max_backoff_s": 5},
+            "max_backoff_s (5) must be at least",
+            id="cap-below-first",
+        ),
+        pytest.param(
+            {"bucket": "ok-bucket", "close_timeout_s": 86400}, "close_timeout_s", id="close"
+        ),
+    ],
+)
+def test_a_bad_replica_config_fails_at_construction_naming_the_field(
+    fields: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ReplicaConfig(**fields)  # type: ignore[arg-type]
+
+
+def test_the_environment_variable_is_strict_and_named_in_every_error() -> None:
+    env = {REPLICA_ENV: '{"bucket": "ckpts-dr", "region_name": "eu-west-1", "max_attempts": 3}'}
+    config = replica_from_env(env)
+    assert config == ReplicaConfig(bucket="ckpts-dr", region_name="eu-west-1", max_attempts=3)
+    assert replica_from_env({}) is None and replica_from_env({REPLICA_ENV: " "}) is None
+    with pytest.raises(ValueError, match=f"{REPLICA_ENV}: not a JSON object"):
+        replica_from_env({REPLICA_ENV: "ckpts-dr"})
+    with pytest.raises(ValueError, match=f"{REPLICA_ENV}.regoin: unknown key"):
+        replica_from_env({REPLICA_ENV: '{"bucket": "ckpts-dr", "regoin": "eu-west-1"}'})
+    with pytest.raises(ValueError, match=f"{REPLICA_ENV}.bucket: required key is missing"):
+        replica_from_env({REPLICA_ENV: '{"region_name": "eu-west-1"}'})
+    with pytest.raises(ValueError, match=f"{REPLICA_ENV}.max_attempts must be in"):
+        replica_from_env({REPLICA_ENV: '{"bucket": "ckpts-dr", "max_attempts": 1000}'})
+
+
+def test_a_replica_that_is_the_primary_itself_is_refused() -> None:
+    primary = S3Config(bucket="ckpts", endpoint_url="http://s3.local")
+    same = ReplicaConfig(bucket="ckpts", endpoint_url="http://s3.local")
+    with pytest.raises(ValueError, match="replica is the primary itself"):
+        same.check_apart_from(primary, job="demo")
+    ReplicaConfig(bucket="ckpts", endpoint_url="http://s3.dr").check_apart_from(primary, job="a")
+    ReplicaConfig(bucket="ckpts", prefix="dr/a", endpoint_url="http://s3.local").check_apart_from(
+        primary, job="a"
+    )
+    same.check_apart_from(None, job="demo")
