@@ -272,6 +272,7 @@ class Replicator:
         self._ledger = ReplicaLedger(config=config, clock=clock)
         self._pending: tuple[int, Path] | None = None
         self._busy = False
+        self._copying: int | None = None
         self._closing = False
         self._events: list[ReplicaEvent] = []
         self._thread = threading.Thread(
@@ -300,24 +301,22 @@ class Replicator:
             out, self._events = self._events, []
         return out
 
-    def idle(self) -> bool:
+    def copying(self) -> int | None:
+        """The step whose copy is in progress (retries included), or None."""
         with self._cond:
-            return self._pending is None and not self._busy
+            return self._copying
 
     def close(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for the pending copy (retries included), then stop the thread.
         True when nothing was left to copy."""
-        deadline = self.clock.monotonic() + timeout_s
         with self._cond:
-            while (self._pending is not None or self._busy) and not self._closing:
-                left = deadline - self.clock.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(min(left, 0.5))
-            done = self._pending is None and not self._busy
+            # A real wait (threading's own clock): nothing here measures or reports time.
+            done = self._cond.wait_for(
+                lambda: self._pending is None and not self._busy, timeout=timeout_s
+            )
             self._closing = True
             self._cond.notify_all()
-        self._thread.join(max(0.0, min(5.0, deadline - self.clock.monotonic())))
+        self._thread.join(5.0)
         if not done:
             log.error(
                 "event=checkpoint_replication_abandoned job=%s replica=%s reason=timeout",
@@ -338,11 +337,13 @@ class Replicator:
                 step, directory = self._pending
                 self._pending = None
                 self._busy = True
+                self._copying = step
             try:
                 self._replicate(step, directory)
             finally:
                 with self._cond:
                     self._busy = False
+                    self._copying = None
                     self._cond.notify_all()
 
     def _replicate(self, step: int, directory: Path) -> None:
@@ -395,15 +396,12 @@ class Replicator:
             return
 
     def _wait_or_superseded(self, delay_s: float) -> bool:
-        """Back off for `delay_s`; True when a newer checkpoint (or close) ends the wait."""
-        deadline = self.clock.monotonic() + delay_s
+        """Back off for `delay_s`; True when a newer checkpoint (or close) ends the wait. Only
+        `submit` and `close` notify while this thread waits, so one wait is the whole backoff."""
         with self._cond:
-            while self._pending is None and not self._closing:
-                left = deadline - self.clock.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-            return True
+            if self._pending is None and not self._closing:
+                self._cond.wait(delay_s)
+            return self._pending is not None or self._closing
 
     def _copy(self, step: int, directory: Path) -> None:
         manifest = read_manifest(directory)

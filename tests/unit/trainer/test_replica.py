@@ -1,13 +1,20 @@
-"""The second-region replica's pure parts: its strict config (argument and environment), the
-lag it reports and its retry schedule, on a fake clock."""
+"""The second-region replica without S3: its strict config (argument and environment), the lag
+it reports and its retry schedule on a fake clock, and its thread over a gated stand-in store
+(a commit never waits for a copy; a newer one supersedes a waiting one)."""
 
 from __future__ import annotations
 
+import hashlib
+import threading
+from pathlib import Path
+
 import pytest
 
+from tests.helpers import wait_for
 from trainguard.clock import FakeClock
-from trainguard.trainer import ReplicaConfig, S3Config
-from trainguard.trainer.replica import REPLICA_ENV, ReplicaLedger, replica_from_env
+from trainguard.trainer import ReplicaConfig, RetentionPolicy, S3Config
+from trainguard.trainer.manifest import Manifest, write_manifest
+from trainguard.trainer.replica import REPLICA_ENV, ReplicaLedger, Replicator, replica_from_env
 
 
 def test_lag_counts_from_the_oldest_commit_not_yet_replicated_and_is_zero_when_caught_up() -> None:
@@ -105,3 +112,95 @@ def test_a_replica_that_is_the_primary_itself_is_refused() -> None:
         primary, job="a"
     )
     same.check_apart_from(None, job="demo")
+
+
+class GatedStore:
+    """Stands in for the replica's S3Store in the thread's tests: each upload waits for the
+    gate (a slow region), and `fail` makes it raise (a region down). Records what it did."""
+
+    prefix = "trainguard/demo"
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.fail = False
+        self.uploaded: list[int] = []
+        self.pruned: list[int] = []
+
+    def upload(self, directory: Path) -> None:
+        self.gate.wait(10)
+        if self.fail:
+            raise OSError("region down")
+        self.uploaded.append(int(directory.name.removeprefix("step_")))
+
+    def verify_remote(self, manifest: Manifest) -> None:
+        assert manifest.step in self.uploaded
+
+    def apply_retention(self, *, policy: RetentionPolicy, now: float, newest_step: int) -> None:
+        self.pruned.append(newest_step)
+
+
+def _checkpoint(root: Path, step: int) -> Path:
+    directory = root / f"step_{step:06d}"
+    directory.mkdir()
+    (directory / "rank_00000.pt").write_bytes(b"x")
+    write_manifest(
+        directory,
+        Manifest(
+            step=step,
+            world_size=1,
+            format="tensors",
+            files={"rank_00000.pt": {"size": 1, "sha256": hashlib.sha256(b"x").hexdigest()}},
+            created_at=1000.0,
+            loss_finite=True,
+            trainguard_version="test",
+        ),
+    )
+    return directory
+
+
+def _replicator(store: GatedStore, **config: object) -> Replicator:
+    return Replicator(
+        store=store,  # type: ignore[arg-type]
+        config=ReplicaConfig(bucket="ckpts-dr", **config),  # type: ignore[arg-type]
+        policy=RetentionPolicy(recent_last=2),
+        job="demo",
+        clock=FakeClock(start=1000.0),
+    )
+
+
+def test_submit_never_waits_for_the_copy_and_a_newer_commit_supersedes_a_waiting_one(
+    tmp_path: Path,
+) -> None:
+    store = GatedStore()
+    rep = _replicator(store)
+    rep.submit(step=2, directory=_checkpoint(tmp_path, 2), committed_at=1000.0)
+    wait_for(lambda: rep.copying() == 2, timeout_s=10, what="the copy of step 2 to start")
+    for step in (4, 6):  # the region is slow: the copy of 2 is held at the gate
+        rep.submit(step=step, directory=_checkpoint(tmp_path, step), committed_at=1000.0)
+    assert store.uploaded == [] and rep.status().lag_s == 0.0  # the fake clock stands still
+    store.gate.set()
+    assert rep.close(10)
+    # 2 was in flight; 4 was replaced by 6 before its copy began
+    assert store.uploaded == [2, 6] and store.pruned == [2, 6]
+    assert rep.status().step == 6
+    assert [(e.kind, e.step) for e in rep.take_events()] == [("replicated", 2), ("replicated", 6)]
+
+
+def test_a_region_down_past_max_attempts_is_reported_once_per_attempt_and_close_is_bounded(
+    tmp_path: Path,
+) -> None:
+    store = GatedStore()
+    store.fail = True
+    store.gate.set()
+    rep = _replicator(store, max_attempts=2, backoff_s=0.01, max_backoff_s=0.01)
+    rep.submit(step=2, directory=_checkpoint(tmp_path, 2), committed_at=990.0)
+    assert rep.close(10)
+    events = rep.take_events()
+    assert [(e.kind, e.attempt, e.retry_in_s) for e in events] == [
+        ("failed", 1, 0.01),
+        ("failed", 2, None),
+    ]
+    assert "region_down" in events[0].reason
+    status = rep.status()
+    assert (status.step, status.lag_s, status.failures) == (None, 10.0, 2)
+    assert store.pruned == []  # nothing is pruned without a verified copy
