@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.clock import SYSTEM_CLOCK, Clock
+from trainguard.kinds import TrainerEdge
 from trainguard.trainer.manifest import read_manifest
 from trainguard.trainer.retention import RetentionPolicy
 from trainguard.trainer.s3 import S3Config, S3Store, default_prefix
@@ -194,10 +195,11 @@ class ReplicaStatus:
 
 @dataclass(frozen=True)
 class ReplicaEvent:
-    """An outcome for the heartbeat's edge events: `replicated` or `failed` (with `reason`,
-    `attempt` and, when one is coming, `retry_in_s`)."""
+    """An outcome for the heartbeat's edge events: `CHECKPOINT_REPLICATED` (with `lag_s`) or
+    `CHECKPOINT_REPLICATION_FAILED` (with `reason`, `attempt` and, when one is coming,
+    `retry_in_s`)."""
 
-    kind: str
+    kind: TrainerEdge
     step: int
     attempt: int = 0
     reason: str = ""
@@ -358,7 +360,7 @@ class Replicator:
                     delay_s = self._ledger.failed(attempt)
                     self._events.append(
                         ReplicaEvent(
-                            kind="failed",
+                            kind=TrainerEdge.CHECKPOINT_REPLICATION_FAILED,
                             step=step,
                             attempt=attempt,
                             reason=reason,
@@ -383,7 +385,9 @@ class Replicator:
                 continue
             with self._cond:
                 lag_s = self._ledger.succeeded(step)
-                self._events.append(ReplicaEvent(kind="replicated", step=step, lag_s=lag_s))
+                self._events.append(
+                    ReplicaEvent(kind=TrainerEdge.CHECKPOINT_REPLICATED, step=step, lag_s=lag_s)
+                )
             log.info(
                 "event=checkpoint_replicated job=%s step=%d attempt=%d lag_s=%.3f replica=%s",
                 self.job,

@@ -169,7 +169,7 @@ class Telemetry:
         if self.replicator is None:
             return
         for e in self.replicator.take_events():
-            if e.kind == "replicated":
+            if e.kind == TrainerEdge.CHECKPOINT_REPLICATED:
                 self.event(
                     TrainerEdge.CHECKPOINT_REPLICATED,
                     {"step": e.step, "lag_s": e.lag_s, "replica": self.replicator.where},

@@ -12,6 +12,7 @@ import pytest
 
 from tests.helpers import wait_for
 from trainguard.clock import FakeClock
+from trainguard.kinds import TrainerEdge
 from trainguard.trainer import ReplicaConfig, RetentionPolicy, S3Config
 from trainguard.trainer.manifest import Manifest, write_manifest
 from trainguard.trainer.replica import REPLICA_ENV, ReplicaLedger, Replicator, replica_from_env
@@ -183,7 +184,8 @@ def test_submit_never_waits_for_the_copy_and_a_newer_commit_supersedes_a_waiting
     # 2 was in flight; 4 was replaced by 6 before its copy began
     assert store.uploaded == [2, 6] and store.pruned == [2, 6]
     assert rep.status().step == 6
-    assert [(e.kind, e.step) for e in rep.take_events()] == [("replicated", 2), ("replicated", 6)]
+    replicated = TrainerEdge.CHECKPOINT_REPLICATED
+    assert [(e.kind, e.step) for e in rep.take_events()] == [(replicated, 2), (replicated, 6)]
 
 
 def test_a_region_down_past_max_attempts_is_reported_once_per_attempt_and_close_is_bounded(
@@ -196,9 +198,10 @@ def test_a_region_down_past_max_attempts_is_reported_once_per_attempt_and_close_
     rep.submit(step=2, directory=_checkpoint(tmp_path, 2), committed_at=990.0)
     assert rep.close(10)
     events = rep.take_events()
+    failed = TrainerEdge.CHECKPOINT_REPLICATION_FAILED
     assert [(e.kind, e.attempt, e.retry_in_s) for e in events] == [
-        ("failed", 1, 0.01),
-        ("failed", 2, None),
+        (failed, 1, 0.01),
+        (failed, 2, None),
     ]
     assert "region_down" in events[0].reason
     status = rep.status()
