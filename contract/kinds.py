@@ -30,6 +30,11 @@ class TrainerEdge(WireEnum):
     STOP = "stop"
     NAN_ROLLBACK = "nan_rollback"
     GRAD_NORM_SPIKE = "grad_norm_spike"
+    # the second-region copy (trainer/replica.py) and where a resume found its checkpoint;
+    # relayed as `trainer_event` with the name in the message
+    CHECKPOINT_REPLICATED = "checkpoint_replicated"
+    CHECKPOINT_REPLICATION_FAILED = "checkpoint_replication_failed"
+    CHECKPOINT_RESTORED = "checkpoint_restored"
 
 
 class EventKind(WireEnum):

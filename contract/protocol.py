@@ -142,6 +142,10 @@ class Heartbeat:
     ckpt_failures: Count = 0
     ckpt_age_s: Duration | None = None
     ckpt_interval_s: Duration | None = None
+    # The second-region copy (rank 0, with a replica configured): the newest replicated and
+    # verified step, and seconds since the oldest commit not yet replicated (0: caught up).
+    ckpt_replica_step: Count | None = None
+    ckpt_replica_lag_s: Duration | None = None
     control_socket: _Path | None = None  # where this rank listens for Control datagrams
     # edge event: a TrainerEdge, or a name of the trainer's own
     event: Ident | None = None
@@ -189,6 +193,8 @@ class RankState:
     ckpt_failures: Count = 0
     ckpt_age_s: Duration | None = None  # as of the rank's latest heartbeat
     ckpt_interval_s: Duration | None = None
+    ckpt_replica_step: Count | None = None
+    ckpt_replica_lag_s: Duration | None = None  # as of the rank's latest heartbeat
 
 
 @dataclass(frozen=True)

@@ -592,6 +592,26 @@ _RANK: tuple[Signal, ...] = (
             "Periodic checkpoint interval (checkpoint_every x the mean step time).",
         ),
     ),
+    _rank(
+        "ckpt_replica_step",
+        "newest checkpoint step copied to the second-region replica and verified there (rank "
+        "0, with a replica configured)",
+        "step",
+        Prom(
+            "trainguard_trainer_checkpoint_replica_step",
+            "Newest checkpoint step replicated to the second region and verified there.",
+        ),
+    ),
+    _rank(
+        "ckpt_replica_lag_s",
+        "s since the oldest commit not yet replicated to the second region (0: caught up; "
+        "rank 0, with a replica configured)",
+        "seconds",
+        Prom(
+            "trainguard_trainer_checkpoint_replica_lag_seconds",
+            "Since the oldest checkpoint commit not yet in the second region (0: caught up).",
+        ),
+    ),
     Signal(
         "rank",
         "nan_total",
@@ -641,6 +661,8 @@ _JOB: tuple[Signal, ...] = (
         "ckpt_interval_s",
         "highest ckpt_interval_s over the ranks (absent without periodic checkpoints)",
     ),
+    _job("ckpt_replica_step", "newest checkpoint step replicated to the second region"),
+    _job("ckpt_replica_lag_s", "highest ckpt_replica_lag_s over the ranks: replication lag"),
     _job("state", "job state from the controller's job table", value="string"),
 )
 

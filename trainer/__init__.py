@@ -31,6 +31,7 @@ from trainguard.trainer.manifest import (
 )
 from trainguard.trainer.nan_guard import NanPolicy
 from trainguard.trainer.rejoin import Membership, PeerLost, RejoinFailed
+from trainguard.trainer.replica import ReplicaConfig
 from trainguard.trainer.retention import RetentionPolicy
 from trainguard.trainer.s3 import S3Config
 from trainguard.trainer.sampler import ResumableSampler
@@ -49,6 +50,7 @@ __all__ = [
     "NanPolicy",
     "PeerLost",
     "RejoinFailed",
+    "ReplicaConfig",
     "ResumableSampler",
     "RetentionPolicy",
     "S3Config",

@@ -3,9 +3,10 @@
 A save is: snapshot in host memory (main thread, the only part the loop waits for), then in
 a background thread: write every file into `step_K.tmp-<nonce>/`, fsync, checksum, gather the
 checksums on rank 0, write the manifest, one atomic rename to `step_K/`, tell every rank the
-outcome, apply retention, upload to S3. At most one save is in flight; a new save first waits
-for the previous one. A failed save is reported and never becomes "latest". With an attempt
-epoch, rank 0 refuses the commit when the directory's epoch is newer (trainer/fence.py).
+outcome, apply retention, upload to S3, hand it to the replica (its own thread). At most one
+save is in flight; a new save first waits for the previous one. A failed save is reported and
+never becomes "latest". With an attempt epoch, rank 0 refuses the commit when the directory's
+epoch is newer (trainer/fence.py).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from trainguard.trainer.manifest import (
     step_dir_name,
     write_manifest,
 )
+from trainguard.trainer.replica import Replicator
 from trainguard.trainer.retention import RetentionPolicy
 from trainguard.trainer.s3 import S3Store
 from trainguard.trainer.sync import Coordinator
@@ -272,10 +274,12 @@ class CheckpointWriter:
         run_nonce: str,
         epoch: int | None = None,
         s3: S3Store | None = None,
+        replicator: Replicator | None = None,
         hooks: tuple[StepHook, ...] = (),
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.ckpt_dir = ckpt_dir
+        self.replicator = replicator
         self.coord = coordinator
         self.retention = retention
         self.job = job
@@ -672,23 +676,30 @@ class CheckpointWriter:
         with contextlib.suppress(Exception):
             apply_retention(self.ckpt_dir, policy=self.retention, now=now, newest_good_step=step)
         if self.s3 is not None:
-            try:
-                self.s3.upload(final)
-            except Exception as e:
-                log.error(
-                    "event=checkpoint_upload_failed job=%s step=%d reason=%s",
-                    self.job,
-                    step,
-                    str(e).replace(" ", "_"),
-                )
-                return
-            # Only after this upload succeeded: the bucket then holds the newest copy.
-            try:
-                self.s3.apply_retention(policy=self.retention, now=now, newest_step=step)
-            except Exception as e:
-                log.error(
-                    "event=checkpoint_remote_retention_failed job=%s step=%d reason=%s",
-                    self.job,
-                    step,
-                    str(e).replace(" ", "_"),
-                )
+            self._upload(step, final, now)
+        if self.replicator is not None:
+            # Its own thread copies it: the next save never waits for the second region.
+            self.replicator.submit(step=step, directory=final, committed_at=now)
+
+    def _upload(self, step: int, final: Path, now: float) -> None:
+        assert self.s3 is not None
+        try:
+            self.s3.upload(final)
+        except Exception as e:
+            log.error(
+                "event=checkpoint_upload_failed job=%s step=%d reason=%s",
+                self.job,
+                step,
+                str(e).replace(" ", "_"),
+            )
+            return
+        # Only after this upload succeeded: the bucket then holds the newest copy.
+        try:
+            self.s3.apply_retention(policy=self.retention, now=now, newest_step=step)
+        except Exception as e:
+            log.error(
+                "event=checkpoint_remote_retention_failed job=%s step=%d reason=%s",
+                self.job,
+                step,
+                str(e).replace(" ", "_"),
+            )

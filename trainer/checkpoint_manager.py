@@ -46,6 +46,7 @@ from trainguard.trainer.manifest import (
     step_dir_name,
     verify_dir,
 )
+from trainguard.trainer.replica import ReplicaConfig, Replicator
 from trainguard.trainer.retention import RetentionPolicy, check_milestone_name
 from trainguard.trainer.s3 import S3Config, S3Store
 from trainguard.trainer.state import (
@@ -111,6 +112,8 @@ class CheckpointSettings:
     # Committed checkpoints kept (0: all); older ones go only after a newer one committed.
     keep_last: int = 3
     s3: S3Config | None = None
+    # The second-region copy (trainer/replica.py); None: no replica.
+    replica: ReplicaConfig | None = None
     # Tiered retention (trainer/retention.py); None: the newest `keep_last` (its recent tier).
     retention: RetentionPolicy | None = None
     # How long a new save, a stop or close() waits for the save in flight.
@@ -188,8 +191,27 @@ class CheckpointManager:
         self.launch_lock: LaunchLock | None = None
         self.stale = False  # a commit was refused: a newer attempt owns the directory
         self.snapshot_prepared = False
+        if settings.replica is not None:
+            settings.replica.check_apart_from(settings.s3, job=job)
         run_nonce = self._open_directory()
         self.s3 = S3Store(settings.s3, job=job) if settings.s3 is not None else None
+        self.replica = (
+            S3Store(settings.replica.location, job=job) if settings.replica is not None else None
+        )
+        # Rank 0 commits, so rank 0 alone copies to the replica.
+        self.replicator = (
+            Replicator(
+                store=self.replica,
+                config=settings.replica,
+                policy=settings.policy,
+                job=job,
+                clock=clock,
+            )
+            if self.replica is not None and settings.replica is not None and self.rank == 0
+            else None
+        )
+        # Where the checkpoint `latest()` found came from: "local", "s3" or "replica" (rank 0).
+        self.restore_source: str | None = None
         self.writer = CheckpointWriter(
             ckpt_dir=self.ckpt_dir,
             coordinator=coordinator,
@@ -199,6 +221,7 @@ class CheckpointManager:
             run_nonce=run_nonce,
             epoch=self.epoch,
             s3=self.s3,
+            replicator=self.replicator,
             hooks=hooks,
             clock=clock,
         )
@@ -315,6 +338,10 @@ class CheckpointManager:
                 "event=checkpoint_abandoned job=%s rank=%d reason=timeout", self.job, self.rank
             )
         self.collect()
+        if self.replicator is not None and self.settings.replica is not None:
+            # Under a SIGTERM's grace (`timeout_s`), the copy gets no more than what is left.
+            replica_s = self.settings.replica.close_timeout_s
+            self.replicator.close(replica_s if timeout_s is None else min(replica_s, timeout_s))
         self.pool.close()
         if self.launch_lock is not None:
             self.launch_lock.release()
@@ -382,8 +409,9 @@ class CheckpointManager:
                 found = find_latest_good(self.ckpt_dir)
                 if found is not None:
                     check_job(found[2], job=self.job, where=str(found[1]))
-                elif self.s3 is not None:
-                    found = self._fetch_from_s3(self.s3)
+                    self.restore_source = "local"
+                elif self.s3 is not None or self.replica is not None:
+                    found = self._fetch_remote()
             except ForeignCheckpoint as e:
                 found, foreign = None, e
             if found is not None:
@@ -488,32 +516,70 @@ class CheckpointManager:
                 optim_state_dict=full["optim"],
             )
 
-    def _fetch_from_s3(self, s3: S3Store) -> tuple[int, Path, Manifest] | None:
+    def _remote_steps(self, source: str, store: S3Store | None) -> list[int]:
+        """The steps with a manifest in one remote; [] when it is absent or unreachable."""
+        if store is None:
+            return []
         try:
-            steps = s3.remote_steps()
-        except Exception as e:
-            log.error("event=s3_list_failed job=%s reason=%s", self.job, str(e).replace(" ", "_"))
-            return None
-        for step in steps:
-            tmp = self.ckpt_dir / f"{step_dir_name(step)}.tmp-{secrets.token_hex(4)}"
-            try:
-                s3.download(step, tmp)
-                manifest = verify_dir(tmp, expected_step=step)
-            except ForeignCheckpoint:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-            except (CheckpointInvalid, Exception) as e:
-                log.warning(
-                    "event=checkpoint_skipped source=s3 step=%d reason=%s",
-                    step,
-                    str(e).replace(" ", "_"),
-                )
-                shutil.rmtree(tmp, ignore_errors=True)
-                continue
-            final = self.ckpt_dir / step_dir_name(step)
-            commit_dir(tmp, final)
-            return step, final, manifest
+            return store.remote_steps()
+        except Exception as e:  # a missing bucket, an unreachable endpoint, no credentials
+            log.error(
+                "event=s3_list_failed job=%s source=%s bucket=%s reason=%s",
+                self.job,
+                source,
+                store.config.bucket,
+                str(e).replace(" ", "_"),
+            )
+            return []
+
+    def _fetch_remote(self) -> tuple[int, Path, Manifest] | None:
+        """The newest checkpoint that verifies in the primary bucket or, when the primary is
+        gone there (no bucket, no endpoint, a corrupt copy), in the replica: newest step first,
+        the primary first for each step."""
+        listed = {
+            source: set(self._remote_steps(source, store))
+            for source, store in (("s3", self.s3), ("replica", self.replica))
+        }
+        for step in sorted(listed["s3"] | listed["replica"], reverse=True):
+            for source, store in (("s3", self.s3), ("replica", self.replica)):
+                if store is None or step not in listed[source]:
+                    continue
+                found = self._fetch_one(source, store, step)
+                if found is not None:
+                    return found
         return None
+
+    def _fetch_one(
+        self, source: str, store: S3Store, step: int
+    ) -> tuple[int, Path, Manifest] | None:
+        tmp = self.ckpt_dir / f"{step_dir_name(step)}.tmp-{secrets.token_hex(4)}"
+        try:
+            store.download(step, tmp)
+            manifest = verify_dir(tmp, expected_step=step)
+        except ForeignCheckpoint:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        except (CheckpointInvalid, Exception) as e:
+            log.warning(
+                "event=checkpoint_skipped source=%s step=%d reason=%s",
+                source,
+                step,
+                str(e).replace(" ", "_"),
+            )
+            shutil.rmtree(tmp, ignore_errors=True)
+            return None
+        final = self.ckpt_dir / step_dir_name(step)
+        commit_dir(tmp, final)
+        self.restore_source = source
+        log.log(
+            logging.WARNING if source == "replica" else logging.INFO,
+            "event=checkpoint_restored job=%s step=%d source=%s bucket=%s",
+            self.job,
+            step,
+            source,
+            store.config.bucket,
+        )
+        return step, final, manifest
 
     # --- the directory at start -------------------------------------------------------------
 

@@ -56,6 +56,7 @@ from trainguard.trainer.rejoin import (
     join_world,
     leave_world,
 )
+from trainguard.trainer.replica import ReplicaConfig, replica_from_env
 from trainguard.trainer.retention import RetentionPolicy, retention_from_env
 from trainguard.trainer.s3 import S3Config
 from trainguard.trainer.signals import SignalGuard, SignalSettings
@@ -122,6 +123,7 @@ class Trainguard:
         keep_last: int = 3,
         retention: RetentionPolicy | None = None,
         s3: S3Config | None = None,
+        replica: ReplicaConfig | None = None,
         nan_policy: NanPolicy = "continue",
         skip_batches: int = 0,
         grad_spike_factor: float | None = None,
@@ -147,6 +149,7 @@ class Trainguard:
             keep_last=keep_last,
             retention=retention if retention is not None else retention_from_env(),
             s3=s3,
+            replica=replica if replica is not None else replica_from_env(),
             checkpoint_timeout_s=checkpoint_timeout_s,
             epoch=epoch if epoch is not None else epoch_from_env(),
             launch_lock_timeout_s=launch_lock_timeout_s,
@@ -214,6 +217,7 @@ class Trainguard:
             world_size=self.world_size,
             pid=pid,
             checkpoint_every=ckpt_settings.checkpoint_every,
+            replicator=self.checkpoints.replicator,
             clock=clock,
         )
         self.agreement = StepAgreement(
@@ -290,6 +294,9 @@ class Trainguard:
         step, manifest = found
         self._completed_step = step
         self.telemetry.checkpoint_loaded(step=step, request_id=manifest.request_id)
+        source = self.checkpoints.restore_source
+        if source is not None and source != "local":
+            self.telemetry.checkpoint_restored(step=step, source=source)
         log.info(
             "event=resumed job=%s rank=%d step=%d next_step=%d", self.job, self.rank, step, step + 1
         )
@@ -431,6 +438,7 @@ class Trainguard:
             clock=self.clock,
         )
         self.agreement.rebind(coord)
+        self.telemetry.replicator = self.checkpoints.replicator  # the old one closed with it
         self.telemetry.rank = self.nan.rank = self.signals.rank = self.rank
         self.telemetry.world_size = self.world_size
         self._last_mono = None  # the recovery is no step time (stragglers, agreement schedule)

@@ -4,6 +4,8 @@ Upload: every file of a committed checkpoint, `manifest.json` last, so an object
 has the manifest has the whole checkpoint. Retention: after an upload, the bucket keeps what
 the job's retention policy keeps (trainer/retention.py, as on disk); an older checkpoint loses
 its manifest first, so a deletion cut short never leaves something that looks complete.
+Read-back (`verify_remote`): every object of a checkpoint against its manifest's sizes and
+checksums, as the second-region replica (trainer/replica.py) checks each copy.
 Download: the newest remote checkpoint whose manifest exists, into a temporary local
 directory that the caller verifies and commits; a manifest of another job stops the download
 before any other file is fetched. Keys live under `prefix`, by default `trainguard/<job>`, so
@@ -12,6 +14,7 @@ jobs sharing a bucket never see each other's checkpoints.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 from dataclasses import dataclass
@@ -20,6 +23,7 @@ from typing import Any
 
 from trainguard.trainer.manifest import (
     MANIFEST_NAME,
+    CheckpointInvalid,
     Manifest,
     check_job,
     manifest_milestones,
@@ -33,6 +37,7 @@ __all__ = ["S3Config", "S3Store"]
 log = logging.getLogger("trainguard.trainer")
 _STEP_PREFIX = re.compile(r"step_(\d{6,})/$")
 _DELETE_BATCH = 1000  # DeleteObjects takes at most 1,000 keys
+_READ_CHUNK_BYTES = 8 * 1024 * 1024  # a read-back's hashing streams: memory stays bounded
 
 
 def default_prefix(job: str) -> str:
@@ -133,9 +138,7 @@ class S3Store:
         cached = self._manifests.get(step)
         if cached is not None:
             return cached
-        key = self._key(f"step_{step:06d}", MANIFEST_NAME)
-        raw = self._client.get_object(Bucket=self.config.bucket, Key=key)["Body"].read()
-        manifest = parse_manifest(raw, where=f"s3://{self.config.bucket}/{key}")
+        manifest = self._read_manifest(self._key(f"step_{step:06d}", MANIFEST_NAME))
         self._manifests[step] = manifest
         return manifest
 
@@ -196,6 +199,37 @@ class S3Store:
                 self._client.delete_objects(
                     Bucket=self.config.bucket, Delete={"Objects": batch, "Quiet": True}
                 )
+
+    def verify_remote(self, manifest: Manifest) -> None:
+        """Read checkpoint `manifest.step` back from the bucket: every file the manifest lists
+        with its size and sha256, and the manifest itself. CheckpointInvalid naming the first
+        object that differs or is missing."""
+        name = f"step_{manifest.step:06d}"
+        bucket = self.config.bucket
+        for fname, meta in sorted(manifest.files.items()):
+            key = self._key(name, fname)
+            where = f"s3://{bucket}/{key}"
+            try:
+                body = self._client.get_object(Bucket=bucket, Key=key)["Body"]
+            except self._client.exceptions.ClientError as e:
+                raise CheckpointInvalid(where, f"unreadable: {e}") from None
+            digest = hashlib.sha256()
+            size = 0
+            for chunk in body.iter_chunks(_READ_CHUNK_BYTES):
+                digest.update(chunk)
+                size += len(chunk)
+            if size != int(meta["size"]):
+                raise CheckpointInvalid(where, f"size {size}, manifest says {meta['size']}")
+            if digest.hexdigest() != meta["sha256"]:
+                raise CheckpointInvalid(where, "sha256 differs from the manifest")
+        key = self._key(name, MANIFEST_NAME)
+        remote = self._read_manifest(key)
+        if remote.files != manifest.files or remote.step != manifest.step:
+            raise CheckpointInvalid(f"s3://{bucket}/{key}", "differs from the local manifest")
+
+    def _read_manifest(self, key: str) -> Manifest:
+        raw = self._client.get_object(Bucket=self.config.bucket, Key=key)["Body"].read()
+        return parse_manifest(raw, where=f"s3://{self.config.bucket}/{key}")
 
     def download(self, step: int, dest: Path, *, any_job: bool = False) -> None:
         """Fetch checkpoint `step` into `dest` (manifest first, then the files it lists);

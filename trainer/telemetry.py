@@ -5,8 +5,9 @@ It owns the queue of events (each part hands its events to `event()`; the next `
 each in a datagram of its own, the level fields repeated) and the newest committed checkpoint
 it reports (`ckpt_step`, `ckpt_request_id`, updated by `report()` from the writer's results),
 with its health (`CheckpointHealth`: saves failed in a row, the age of the newest commit, the
-periodic interval in seconds) so the agent and the controller see a job that trains on without
-a checkpoint. Sending never blocks: the channel drops a datagram the agent cannot take.
+periodic interval in seconds; with a replica, the newest replicated step and the lag) so the
+agent and the controller see a job that trains on without a checkpoint. Sending never blocks:
+the channel drops a datagram the agent cannot take.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from trainguard.kinds import TrainerEdge
 from trainguard.protocol import Heartbeat, HeartbeatPhase
 from trainguard.trainer.channel import AgentChannel
 from trainguard.trainer.checkpoint import SaveResult
+from trainguard.trainer.replica import Replicator
 
 __all__ = ["CheckpointHealth", "Telemetry"]
 
@@ -108,9 +110,11 @@ class Telemetry:
         world_size: int,
         pid: int,
         checkpoint_every: int = 0,
+        replicator: Replicator | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.channel = channel
+        self.replicator = replicator
         self.job = job
         self.rank = rank
         self.local_rank = local_rank
@@ -154,6 +158,33 @@ class Telemetry:
         if request_id:
             self.ckpt_request_id = request_id
         self.ckpt_health.loaded()
+
+    def checkpoint_restored(self, *, step: int, source: str) -> None:
+        """The resume loaded checkpoint `step` from `source` ("s3" or "replica"): an edge event
+        naming where it came from (a local checkpoint needs none)."""
+        self.event(TrainerEdge.CHECKPOINT_RESTORED, {"step": step, "source": source})
+
+    def _replica_events(self) -> None:
+        """The replica's outcomes since the last heartbeat, as edge events."""
+        if self.replicator is None:
+            return
+        for e in self.replicator.take_events():
+            if e.kind == TrainerEdge.CHECKPOINT_REPLICATED:
+                self.event(
+                    TrainerEdge.CHECKPOINT_REPLICATED,
+                    {"step": e.step, "lag_s": e.lag_s, "replica": self.replicator.where},
+                )
+            else:
+                self.event(
+                    TrainerEdge.CHECKPOINT_REPLICATION_FAILED,
+                    {
+                        "step": e.step,
+                        "attempt": e.attempt,
+                        "reason": e.reason,
+                        "retry_in_s": e.retry_in_s,
+                        "replica": self.replicator.where,
+                    },
+                )
 
     def report(self, result: SaveResult) -> None:
         """A save's outcome: `checkpoint_committed` (and the newest step) or `checkpoint_failed`."""
@@ -217,6 +248,11 @@ class Telemetry:
             "ckpt_interval_s": health.interval_s(),
             "control_socket": self.channel.control_socket,
         }
+        if self.replicator is not None:
+            replica = self.replicator.status()
+            base["ckpt_replica_step"] = replica.step
+            base["ckpt_replica_lag_s"] = replica.lag_s
+            self._replica_events()
         events, self._events = self._events, []
         if not events:
             self.channel.send_plain(base)

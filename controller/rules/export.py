@@ -133,7 +133,13 @@ def prom_signals(signals: Iterable[Signal] = SIGNALS) -> dict[tuple[str, str], P
         _agent_metric("rank", "samples_per_s"), agg="sum", subquery=True
     )
     t["job", "ckpt_step"] = PromSignal(_agent_metric("rank", "ckpt_step"), agg="min")
-    for name in ("ckpt_failures", "ckpt_age_s", "ckpt_interval_s"):
+    for name in (
+        "ckpt_failures",
+        "ckpt_age_s",
+        "ckpt_interval_s",
+        "ckpt_replica_step",
+        "ckpt_replica_lag_s",
+    ):
         t["job", name] = PromSignal(_agent_metric("rank", name))
     return t
 

@@ -187,4 +187,7 @@ _JOB_NUMERIC: dict[str, Callable[[_JobRec], Any]] = {
     "ckpt_failures": lambda j: _job_max(j, "ckpt_failures"),
     "ckpt_age_s": lambda j: _job_max(j, "ckpt_age_s"),
     "ckpt_interval_s": lambda j: _job_max(j, "ckpt_interval_s"),
+    # only rank 0 copies to the replica: the one rank that reports speaks for the job
+    "ckpt_replica_step": lambda j: _job_max(j, "ckpt_replica_step"),
+    "ckpt_replica_lag_s": lambda j: _job_max(j, "ckpt_replica_lag_s"),
 }

@@ -119,6 +119,9 @@ def test_trainer_heartbeats_become_metrics_and_shutdown_removes_the_socket(
                 ckpt_failures=2 * rank,
                 ckpt_age_s=125.0,
                 ckpt_interval_s=40.0,
+                # rank 0 alone copies to the second region
+                ckpt_replica_step=80 if rank == 0 else None,
+                ckpt_replica_lag_s=30.0 if rank == 0 else None,
             )
             s.sendto(encode_json(hb), str(agent.socket_path))
         s.sendto(b"garbage", str(agent.socket_path))
@@ -136,6 +139,9 @@ def test_trainer_heartbeats_become_metrics_and_shutdown_removes_the_socket(
     assert sample_value(body, "trainguard_trainer_checkpoint_failures", rank="1") == 2
     assert sample_value(body, "trainguard_trainer_checkpoint_age_seconds", rank="0") == 125.0
     assert sample_value(body, "trainguard_trainer_checkpoint_interval_seconds", rank="0") == 40.0
+    assert sample_value(body, "trainguard_trainer_checkpoint_replica_step", rank="0") == 80
+    assert sample_value(body, "trainguard_trainer_checkpoint_replica_lag_seconds", rank="0") == 30
+    assert sample_value(body, "trainguard_trainer_checkpoint_replica_step", rank="1") is None
     assert sample_value(body, "trainguard_agent_heartbeats_received_total") == 2
     assert sample_value(body, "trainguard_agent_heartbeats_dropped_total", reason="malformed") == 1
 

@@ -30,7 +30,7 @@ from trainguard.trainer.retention import CheckpointInfo, RetentionPolicy, Tier, 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 PROG = "trainguard-ckpt"
-COMMANDS = ("ls", "verify", "show", "prune", "export")
+COMMANDS = ("ls", "verify", "show", "prune", "export", "drill")
 # --keep-* flag -> the RetentionPolicy field it sets
 _POLICY_FLAGS = {
     "keep_last": "recent_last",
@@ -66,7 +66,7 @@ def _policy_flags(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description="List, verify, show, prune and export trainguard checkpoints "
+        description="List, verify, show, prune, export and restore-drill trainguard checkpoints "
         "(a checkpoint directory or s3://BUCKET/PREFIX).",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -97,6 +97,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, help="default: the newest verified checkpoint")
     p.add_argument("--format", choices=("safetensors",), default="safetensors")
     p.add_argument("--out", required=True, type=Path, help="the file to write")
+    p = sub.add_parser(
+        "drill",
+        parents=[common],
+        help="restore drill: the newest verified checkpoint into a directory a job resumes from",
+    )
+    p.add_argument("source", help=src + " (usually the second-region replica)")
+    p.add_argument("--into", required=True, type=Path, help="ckpt_dir to restore into")
+    p.add_argument("--step", type=int, help="default: the newest verified checkpoint")
+    p.add_argument(
+        "--max-age-s",
+        type=float,
+        help="fail (exit 2) when the restored checkpoint is older than this: the recovery "
+        "point objective",
+    )
     return parser
 
 
@@ -410,7 +424,53 @@ def _export(args: argparse.Namespace, source: Source, now: float) -> int:
     return 0
 
 
-_RUN = {"ls": _ls, "verify": _verify, "show": _show, "prune": _prune, "export": _export}
+def _drill(args: argparse.Namespace, source: Source, now: float) -> int:
+    # Deferred heavy dependency: torch (export.py) decodes the restored tensors.
+    from trainguard.trainer.ckpttool.drill import DrillError, restore  # noqa: PLC0415
+
+    if args.max_age_s is not None and not 0 < args.max_age_s <= 366 * 86400:
+        raise ToolError(f"--max-age-s must be in (0, {366 * 86400}], got {args.max_age_s:g}")
+    step = args.step
+    if step is None:
+        step = _newest_verified(source, source.entries())
+        if step is None:
+            raise ToolError(f"{source.where}: no checkpoint verifies; nothing to restore")
+    try:
+        result = restore(
+            source,
+            step=step,
+            into=args.into,
+            job=args.job,
+            now=now,
+            max_age_s=args.max_age_s,
+        )
+    except DrillError as err:
+        raise ToolError(str(err)) from None
+    data = result.to_json()
+    table = "\n".join(
+        [
+            f"restored:    step {result.step} from {source.where}",
+            f"into:        {result.path}",
+            f"job:         {result.job or '-'}",
+            f"created:     {_iso(result.created_at)} (age {result.age_s:.0f} s)",
+            f"size:        {_size(result.bytes)} in {result.files} files, every checksum verified",
+            f"tensors:     {result.tensors} model tensors decoded",
+            f"restore:     {result.restore_s:.1f} s",
+            f"resume with: ckpt_dir={result.path.parent}",
+        ]
+    )
+    _print(args, data, table)
+    return 0
+
+
+_RUN = {
+    "ls": _ls,
+    "verify": _verify,
+    "show": _show,
+    "prune": _prune,
+    "export": _export,
+    "drill": _drill,
+}
 
 
 def main(argv: Sequence[str] | None = None, *, clock: Clock = SYSTEM_CLOCK) -> int:

@@ -220,3 +220,30 @@ def test_metric_value_is_a_float_or_none(value: Any, expected: float | None) -> 
         assert got is not None and got != got
     else:
         assert got == expected
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        pytest.param("ckpt_replica_step", -1, id="replica-step-negative"),
+        pytest.param("ckpt_replica_lag_s", -0.5, id="replica-lag-negative"),
+        pytest.param("ckpt_replica_lag_s", float("inf"), id="replica-lag-inf"),
+        pytest.param("ckpt_replica_lag_s", 1e12, id="replica-lag-past-the-duration-bound"),
+    ],
+)
+def test_replica_health_out_of_bounds_is_refused_from_a_trainer_and_in_a_report(
+    field: str, value: float
+) -> None:
+    with pytest.raises(ProtocolError) as e:
+        from_wire(Heartbeat, {"job": "j", "rank": 0, "step": 1, "t": 1.0, field: value})
+    assert (e.value.field, e.value.out_of_bounds) == (field, True)
+    assert refused(report(ranks=[{**RANK, field: value}])).field == f"ranks[0].{field}"
+
+
+def test_replica_health_inside_its_bounds_is_accepted() -> None:
+    hb = from_wire(
+        Heartbeat,
+        {"job": "j", "rank": 0, "step": 9, "t": 1.0, "ckpt_replica_step": 8,
+         "ckpt_replica_lag_s": 0.0},
+    )  # fmt: skip
+    assert (hb.ckpt_replica_step, hb.ckpt_replica_lag_s) == (8, 0.0)

@@ -59,6 +59,9 @@ class SimRank:
     ckpt_failures: int = 0
     ckpt_age_s: float | None = 60.0
     ckpt_interval_s: float | None = 50.0
+    # the second-region copy (rank 0 of a job with a replica)
+    ckpt_replica_step: int | None = None
+    ckpt_replica_lag_s: float | None = None
 
     def state(self) -> RankState:
         return RankState(
@@ -76,6 +79,8 @@ class SimRank:
             ckpt_failures=self.ckpt_failures,
             ckpt_age_s=self.ckpt_age_s,
             ckpt_interval_s=self.ckpt_interval_s,
+            ckpt_replica_step=self.ckpt_replica_step,
+            ckpt_replica_lag_s=self.ckpt_replica_lag_s,
         )
 
 

@@ -207,3 +207,30 @@ def test_quiet_target_memo_never_hides_a_change() -> None:
     del c.nodes["n1"].ib["mlx5_0", 1]["counters"]["symbol_error"]
     c.run(1)
     assert c.states("counter_missing") == {"ib_port:n1:mlx5_0:1": "firing"}
+
+
+REPLICA_RULES = """
+rules:
+  - name: replica_lagging
+    scope: job
+    condition: ckpt_replica_lag_s > 3600
+    for: 1m
+    severity: warning
+    summary: the second-region copy is over an hour behind
+"""
+
+
+def test_a_job_rule_sees_the_replication_lag_rank_0_reports() -> None:
+    c = Cluster(REPLICA_RULES)
+    c.add(make_node("n1"))
+    c.add_job("job-a", nodes=["n1"], ranks_per_node=2)
+    c.rank("job-a", 0).ckpt_replica_step = 400
+    c.rank("job-a", 0).ckpt_replica_lag_s = 30.0
+    c.run(70)
+    assert c.states("replica_lagging") == {}
+    c.rank("job-a", 0).ckpt_replica_lag_s = 4000.0  # the replica's region is down
+    c.run(70)
+    assert c.states("replica_lagging") == {"job:job-a": "firing"}
+    c.rank("job-a", 0).ckpt_replica_lag_s = 0.0  # caught up
+    c.run(3)
+    assert c.states("replica_lagging") == {}
