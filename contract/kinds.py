@@ -30,6 +30,9 @@ class TrainerEdge(WireEnum):
     STOP = "stop"
     NAN_ROLLBACK = "nan_rollback"
     GRAD_NORM_SPIKE = "grad_norm_spike"
+    # resume/rollback passed over newer checkpoints that did not verify (a delta with a
+    # corrupt or missing base among them) and loaded an older one, or none
+    CHECKPOINT_FALLBACK = "checkpoint_fallback"
 
 
 class EventKind(WireEnum):
