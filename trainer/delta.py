@@ -5,8 +5,10 @@ tensor the base lacks, or holds with another dtype or size, is stored whole), th
 split into byte planes (every element's byte 0, then byte 1, ...: the sign, exponent and high
 mantissa bytes of a weight that moved a little are zero after the XOR, the low mantissa bytes
 are noise), and each plane of each 4 MiB chunk is compressed with zlib at level 1, or stored
-raw when that does not make it smaller. Decoding reverses it bit for bit. Measured against
-XOR alone, with and without a higher zlib level: bench/checkpoint_delta.py, BENCHMARKS.md.
+raw when that does not make it smaller (a plane whose first 64 KiB do not shrink by 3 % is
+stored raw untried: the noise planes cost no compression time). Decoding reverses it bit for
+bit. Measured against zlib alone, XOR alone and a higher zlib level: bench/checkpoint_delta.py,
+BENCHMARKS.md.
 
 No torch here: tensors arrive and leave as byte views (numpy), so the encoding is testable on
 its own and the writer thread and the loader share it.
@@ -36,6 +38,8 @@ DELTA_CODEC = "xor-planes-zlib1"
 _CHUNK_BYTES = 4 << 20
 _ZLIB_LEVEL = 1
 _RAW, _ZLIB = "r", "z"
+_PROBE_BYTES = 64 << 10
+_PROBE_MAX_RATIO = 0.97
 
 
 @dataclass
@@ -52,6 +56,13 @@ def _planes(chunk: np.ndarray, itemsize: int) -> list[np.ndarray]:
         return [chunk]
     grid = chunk.reshape(-1, itemsize)
     return [np.ascontiguousarray(grid[:, i]) for i in range(itemsize)]
+
+
+def _worth_compressing(plane: np.ndarray) -> bool:
+    if plane.size <= 2 * _PROBE_BYTES:
+        return True
+    probe = zlib.compress(plane[:_PROBE_BYTES].data, _ZLIB_LEVEL)
+    return len(probe) < _PROBE_MAX_RATIO * _PROBE_BYTES
 
 
 def encode_tensor(
@@ -75,8 +86,8 @@ def encode_tensor(
             chunk = np.bitwise_xor(chunk, base[start : start + step])
         for plane in _planes(chunk, itemsize):
             raw = plane.data
-            packed = zlib.compress(raw, _ZLIB_LEVEL)
-            if len(packed) < plane.size:
+            packed = zlib.compress(raw, _ZLIB_LEVEL) if _worth_compressing(plane) else b""
+            if packed and len(packed) < plane.size:
                 blocks.append([emit(packed), len(packed), _ZLIB])
             else:
                 blocks.append([emit(raw), plane.size, _RAW])
