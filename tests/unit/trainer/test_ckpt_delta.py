@@ -29,6 +29,7 @@ from trainguard.trainer.manifest import (
     step_dir_name,
 )
 from trainguard.trainer.retention import CheckpointInfo, RetentionPolicy, Tier, select
+from trainguard.trainer.s3 import S3Config
 from trainguard.trainer.sync import LocalCoordinator
 
 
@@ -281,3 +282,18 @@ def test_resume_past_a_bad_base_sends_a_fallback_event(tmp_path: Path, agent: Fa
     tg.close()
     events = agent.events("checkpoint_fallback")
     assert events and events[0].event_data["skipped_steps"] == [2, 1]
+
+
+def test_a_delta_resumed_from_the_bucket_brings_its_base(tmp_path: Path, endpoint: str) -> None:
+    s3 = S3Config(bucket="ckpts", prefix="jobs/delta", endpoint_url=endpoint)
+    job = TinyJob()
+    m, _ = manager(job, tmp_path / "a", full_every=3, keep_last=0, s3=s3)
+    states = train_and_save(job, m, range(1, 3))  # 1 full, 2 a delta of it: both uploaded
+    m.close()
+    other = TinyJob(init_seed=3)
+    loader, _ = manager(other, tmp_path / "b", s3=s3)  # an empty local directory
+    found = loader.restore_latest()
+    assert found is not None and found[0] == 2 and found[1].format == "delta"
+    assert_same_state(other, states[2])
+    assert sorted(s for s, _ in list_committed(tmp_path / "b")) == [1, 2]
+    loader.close()
