@@ -36,7 +36,6 @@ from trainguard.trainer.fence import StaleAttempt, check_epoch, epoch_lock, read
 from trainguard.trainer.hooks import StepHook
 from trainguard.trainer.manifest import (
     DELTA_FORMAT,
-    CheckpointInvalid,
     DeltaLink,
     HashingWriter,
     Manifest,
@@ -419,7 +418,7 @@ class CheckpointWriter:
         try:
             base_sha = manifest_sha256(base_dir)
             base = read_base(base_dir, step=base_step, rank=rank)
-        except (CheckpointInvalid, OSError) as e:
+        except Exception as e:  # whatever is wrong with the base: this save is a full one
             log.warning(
                 "event=checkpoint_delta_base_invalid job=%s rank=%d step=%d base_step=%d "
                 "reason=%s action=write_full",

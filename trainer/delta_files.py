@@ -11,6 +11,7 @@ when one is loaded, so a delta is never written against, nor decoded from, a cor
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +56,6 @@ def read_base(directory: Path, *, step: int, rank: int) -> BaseTensors:
     index from the base's rank file; CheckpointInvalid naming the file otherwise."""
     # Deferred: checkpoint.py imports this module (the writer writes deltas).
     from trainguard.trainer.checkpoint import (  # noqa: PLC0415
-        load_rank_file,
         rank_file_name,
         tensor_file_name,
     )
@@ -85,7 +85,11 @@ def read_base(directory: Path, *, step: int, rank: int) -> BaseTensors:
         raise CheckpointInvalid(str(rpath), f"unreadable: {e.strerror or e}") from None
     if rmeta is None or hashlib.sha256(rraw).hexdigest() != rmeta["sha256"]:
         raise CheckpointInvalid(str(rpath), "base rank file does not match its manifest")
-    index = load_rank_file(rpath)["tensor_index"]
+    # From the bytes just hashed, not the file again: what is decoded is what was verified.
+    rank_state = torch.load(io.BytesIO(rraw), map_location="cpu", weights_only=True)
+    if not isinstance(rank_state, dict) or not isinstance(rank_state.get("tensor_index"), dict):
+        raise CheckpointInvalid(str(rpath), "base rank file has no tensor index")
+    index = rank_state["tensor_index"]
     return BaseTensors(
         step=step, manifest=manifest, data=np.frombuffer(raw, dtype=np.uint8), index=index
     )
