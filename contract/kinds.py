@@ -35,6 +35,9 @@ class TrainerEdge(WireEnum):
     CHECKPOINT_REPLICATED = "checkpoint_replicated"
     CHECKPOINT_REPLICATION_FAILED = "checkpoint_replication_failed"
     CHECKPOINT_RESTORED = "checkpoint_restored"
+    # resume/rollback passed over newer checkpoints that did not verify (a delta with a
+    # corrupt or missing base among them) and loaded an older one, or none
+    CHECKPOINT_FALLBACK = "checkpoint_fallback"
 
 
 class EventKind(WireEnum):

@@ -50,6 +50,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ckpt-dir", required=ckpt_default is None, default=ckpt_default)
     p.add_argument("--checkpoint-every", type=int, default=10, help="0 = only on request")
     p.add_argument("--keep-last", type=int, default=3)
+    p.add_argument(
+        "--full-every",
+        type=int,
+        default=0,
+        help="incremental checkpoints: a full checkpoint every N commits, deltas between"
+        " (0 = every checkpoint full; no effect under torchrun: DCP writes full ones)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--samples", type=int, default=2048, help="synthetic dataset size")
@@ -228,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         ckpt_dir=args.ckpt_dir,
         checkpoint_every=args.checkpoint_every,
         keep_last=args.keep_last,
+        full_every=args.full_every,
         s3=s3,
         nan_policy=args.nan_policy,
         skip_batches=args.skip_batches,

@@ -1,9 +1,11 @@
 """Writing and reading checkpoints: the background writer thread and the per-format loaders.
 
-A save is: snapshot in host memory (main thread, the only part the loop waits for), then in
-a background thread: write every file into `step_K.tmp-<nonce>/`, fsync, checksum, gather the
+A save is: snapshot in host memory (main thread, the only part the loop waits for), then in a
+background thread: write every file into `step_K.tmp-<nonce>/`, fsync, checksum, gather the
 checksums on rank 0, write the manifest, one atomic rename to `step_K/`, tell every rank the
-outcome, apply retention, upload to S3, hand it to the replica (its own thread). At most one
+outcome, apply retention, upload to S3, hand it to the replica (its own thread). A delta save
+(incremental checkpoints, not with a process group) writes `delta_<rank>.bin` against its base
+in place of the tensor file, or a full checkpoint when its base no longer verifies. At most one
 save is in flight; a new save first waits for the previous one. A failed save is reported and
 never becomes "latest". With an attempt epoch, rank 0 refuses the commit when the directory's
 epoch is newer (trainer/fence.py).
@@ -28,15 +30,20 @@ from typing import Any
 import torch
 
 from trainguard.clock import SYSTEM_CLOCK, Clock
+from trainguard.trainer.delta import DELTA_CODEC
+from trainguard.trainer.delta_files import delta_file_name, read_base, write_delta_file
 from trainguard.trainer.fence import StaleAttempt, check_epoch, epoch_lock, read_epoch
 from trainguard.trainer.hooks import StepHook
 from trainguard.trainer.manifest import (
+    DELTA_FORMAT,
+    DeltaLink,
     HashingWriter,
     Manifest,
     apply_retention,
     commit_dir,
     fsync_dir,
     hash_file,
+    manifest_sha256,
     step_dir_name,
     write_manifest,
 )
@@ -258,6 +265,8 @@ class SaveResult:
     # seconds the save held the training loop (waiting for the previous save, the snapshot);
     # None where not measured. What a checkpoint costs the job (controller.ckptinterval).
     block_s: float | None = None
+    # A delta checkpoint: the step of its base (None: a full checkpoint, or not committed).
+    base_step: int | None = None
 
 
 class CheckpointWriter:
@@ -320,9 +329,13 @@ class CheckpointWriter:
         tensors: dict[str, torch.Tensor],
         snapshot_bytes: int,
         milestones: tuple[str, ...] = (),
+        delta_base: int | None = None,
+        delta_index: int = 0,
     ) -> None:
         """Start writing a snapshot (the caller has waited for any previous save);
-        `milestones`: the names the job marked for this checkpoint (its manifest keeps them)."""
+        `milestones`: the names the job marked for this checkpoint (its manifest keeps them);
+        `delta_base`: write a delta against the full checkpoint of that step (the
+        `delta_index`-th after it), or a full one if that base does not verify."""
         if self.busy():
             raise RuntimeError("a checkpoint save is already in flight")
         self._counter += 1
@@ -338,6 +351,7 @@ class CheckpointWriter:
                 "tmp": tmp,
                 "snapshot_bytes": snapshot_bytes,
                 "milestones": milestones,
+                "delta": (delta_base, delta_index) if delta_base is not None else None,
             },
             daemon=True,  # a stuck write must never keep a finished or preempted job alive
         )
@@ -349,10 +363,13 @@ class CheckpointWriter:
         rank_state: dict[str, Any],
         tensors: dict[str, torch.Tensor],
         tmp: Path,
-    ) -> dict[str, dict[str, Any]]:
+        delta: tuple[int, int] | None = None,
+    ) -> tuple[dict[str, dict[str, Any]], dict[str, Any] | None]:
+        """This rank's files in `tmp`, and the delta link when it wrote a delta."""
         rank = self.coord.rank
         tmp.mkdir(parents=True, exist_ok=True)
         files: dict[str, dict[str, Any]] = {}
+        link: dict[str, Any] | None = None
         if self.coord.distributed:
             # Deferred heavy dependency: torch.distributed.checkpoint adds ~700 modules (~0.6 s)
             # to torch's import and only distributed runs use it (write the DCP shards of a save).
@@ -365,10 +382,16 @@ class CheckpointWriter:
                 process_group=group,
             )
         else:
-            tname = tensor_file_name(rank)
-            index, size, digest = write_tensor_file(tmp / tname, tensors)
-            files[tname] = {"size": size, "sha256": digest}
-            rank_state = {**rank_state, "tensor_index": index}
+            written = self._write_delta(step, tensors, tmp, delta) if delta is not None else None
+            if written is not None:
+                dname, meta, delta_index, link = written
+                files[dname] = meta
+                rank_state = {**rank_state, "delta_index": delta_index}
+            else:
+                tname = tensor_file_name(rank)
+                index, size, digest = write_tensor_file(tmp / tname, tensors)
+                files[tname] = {"size": size, "sha256": digest}
+                rank_state = {**rank_state, "tensor_index": index}
         name = rank_file_name(rank)
         with open(tmp / name, "wb") as f:
             for hook in self.hooks:
@@ -384,7 +407,52 @@ class CheckpointWriter:
                 if m and int(m.group(1)) == rank:
                     size, digest = hash_file(tmp / "dcp" / entry)
                     files[f"dcp/{entry}"] = {"size": size, "sha256": digest}
-        return files
+        return files, link
+
+    def _write_delta(
+        self, step: int, tensors: dict[str, torch.Tensor], tmp: Path, delta: tuple[int, int]
+    ) -> tuple[str, dict[str, Any], dict[str, Any], dict[str, Any]] | None:
+        """Write this rank's delta against its base: (file name, its manifest entry, the delta
+        index for the rank file, the link for the manifest); None (write a full checkpoint)
+        when the base is gone or does not verify."""
+        base_step, index = delta
+        rank = self.coord.rank
+        base_dir = self.ckpt_dir / step_dir_name(base_step)
+        try:
+            base_sha = manifest_sha256(base_dir)
+            base = read_base(base_dir, step=base_step, rank=rank)
+        except Exception as e:  # whatever is wrong with the base: this save is a full one
+            log.warning(
+                "event=checkpoint_delta_base_invalid job=%s rank=%d step=%d base_step=%d "
+                "reason=%s action=write_full",
+                self.job,
+                rank,
+                step,
+                base_step,
+                str(e).replace(" ", "_"),
+            )
+            return None
+        name = delta_file_name(rank)
+        delta_index, size, digest, stats = write_delta_file(tmp / name, tensors, base=base)
+        log.info(
+            "event=checkpoint_delta_written job=%s rank=%d step=%d base_step=%d raw_bytes=%d "
+            "encoded_bytes=%d tensors_whole=%d",
+            self.job,
+            rank,
+            step,
+            base_step,
+            stats.raw_bytes,
+            stats.encoded_bytes,
+            stats.tensors_whole,
+        )
+        link = DeltaLink(
+            base_step=base_step,
+            parent_step=base_step,
+            base_manifest_sha256=base_sha,
+            index=index,
+            codec=DELTA_CODEC,
+        )
+        return name, {"size": size, "sha256": digest}, delta_index, link.to_json()
 
     def _run(
         self,
@@ -396,6 +464,7 @@ class CheckpointWriter:
         tmp: Path,
         snapshot_bytes: int,
         milestones: tuple[str, ...] = (),
+        delta: tuple[int, int] | None = None,
     ) -> None:
         """The save thread: never dies silently. Whatever a save raises, of any class (DCP's
         `CheckpointException` is a `BaseException`), ends in a failed result, a log line and
@@ -411,6 +480,7 @@ class CheckpointWriter:
                 snapshot_bytes=snapshot_bytes,
                 t0=t0,
                 milestones=milestones,
+                delta=delta,
             )
         except BaseException as e:  # the thread's last word: report, never die
             rank = self.coord.rank
@@ -459,18 +529,20 @@ class CheckpointWriter:
         snapshot_bytes: int,
         t0: float,
         milestones: tuple[str, ...] = (),
+        delta: tuple[int, int] | None = None,
     ) -> bool:
         """Write, agree, commit or give up, report; True when this rank (0) committed."""
         rank = self.coord.rank
         final = self.ckpt_dir / step_dir_name(step)
-        mine: dict[str, Any] = {"ok": True, "reason": "", "files": {}}
+        mine: dict[str, Any] = {"ok": True, "reason": "", "files": {}, "delta": None}
         try:
-            mine["files"] = self._write_local(step, rank_state, tensors, tmp)
+            mine["files"], mine["delta"] = self._write_local(step, rank_state, tensors, tmp, delta)
         except BaseException as e:  # DCP raises CheckpointException(BaseException)
             mine = {
                 "ok": False,
                 "reason": _cause(f"rank {rank}: {type(e).__name__}", e),
                 "files": {},
+                "delta": None,
             }
         committed = 0  # the outcome every rank learns: _FAILED, _COMMITTED or _STALE
         reason = ""
@@ -522,6 +594,7 @@ class CheckpointWriter:
             bytes=snapshot_bytes,
             reason=reason,
             stale=stale,
+            base_step=int(mine["delta"]["base_step"]) if committed and mine["delta"] else None,
         )
         if committed:
             log.info(
@@ -645,17 +718,23 @@ class CheckpointWriter:
                     size, digest = hash_file(dcp_dir / entry)
                     files[rel] = {"size": size, "sha256": digest}
             fsync_dir(dcp_dir)
+        # Deltas are written without a process group only (one rank): its link is the link.
+        link = everyone[0].get("delta") if len(everyone) == 1 else None
+        fmt = "dcp" if dcp_dir.is_dir() else (DELTA_FORMAT if link else "tensors")
+        extra = self._extra(milestones)
+        if link:
+            extra["delta"] = link
         manifest = Manifest(
             step=step,
             world_size=self.coord.world_size,
-            format="dcp" if dcp_dir.is_dir() else "tensors",
+            format=fmt,
             files=files,
             created_at=self.clock.now(),
             loss_finite=True,
             trainguard_version=self.version,
             request_id=request_id,
             job=self.job,
-            extra=self._extra(milestones),
+            extra=extra,
         )
         write_manifest(tmp, manifest)
         commit_dir(tmp, final)

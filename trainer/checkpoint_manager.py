@@ -3,14 +3,16 @@
 It owns the orchestration around the formats and the writer (trainer/checkpoint.py,
 manifest.py, state.py, s3.py): fencing the directory at start (launch lock, attempt epoch,
 stale temporary directories), capturing the state into reusable host buffers and handing it
-to the background writer (at most one save in flight), collecting the writer's results, and
-on resume or rollback agreeing on the newest good checkpoint (verified; from S3 when none is
-good locally) and loading it into the live objects. Every method that touches the directory
+to the background writer (at most one save in flight), choosing full or delta saves
+(`full_every`), collecting the writer's results, and on resume or rollback agreeing on the
+newest good checkpoint (verified, a delta with its base; from S3 when none is good locally)
+and loading it into the live objects. Every method that touches the directory
 is a collective in a distributed job: every rank calls it at the same point.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import secrets
@@ -32,19 +34,24 @@ from trainguard.trainer.checkpoint import (
     read_tensor_file,
     tensor_file_name,
 )
+from trainguard.trainer.delta_files import delta_file_name, read_base, read_delta_file
 from trainguard.trainer.fence import LaunchLock, LaunchLocked, StaleAttempt, raise_epoch
 from trainguard.trainer.hooks import StepHook
 from trainguard.trainer.manifest import (
+    DELTA_FORMAT,
     CheckpointInvalid,
     ForeignCheckpoint,
     Manifest,
     check_job,
     clean_stale,
     commit_dir,
+    delta_link,
     find_latest_good,
+    manifest_sha256,
     read_manifest,
     step_dir_name,
     verify_dir,
+    verify_link,
 )
 from trainguard.trainer.replica import ReplicaConfig, Replicator
 from trainguard.trainer.retention import RetentionPolicy, check_milestone_name
@@ -122,6 +129,11 @@ class CheckpointSettings:
     epoch: int | None = None
     # With an epoch: how long rank 0 waits at start for its attempt's launch lock.
     launch_lock_timeout_s: float = 60.0
+    # Incremental checkpoints: a full checkpoint every N commits and deltas against it between
+    # (0 or 1: every checkpoint full, the default: a delta costs CPU and a read of its base,
+    # and pays only where the state changes little; see docs/trainer.md). Without a process
+    # group only: DTensor/DCP state always writes full checkpoints.
+    full_every: int = 0
 
     @property
     def policy(self) -> RetentionPolicy:
@@ -149,6 +161,10 @@ class CheckpointSettings:
             )
         if self.epoch is not None and self.epoch < 0:
             raise ValueError(f"epoch must be >= 0 or None (TRAINGUARD_ATTEMPT), got {self.epoch}")
+        if self.full_every < 0:
+            raise ValueError(
+                f"full_every must be >= 0 (0 = every checkpoint full), got {self.full_every}"
+            )
         if self.launch_lock_timeout_s < 0:
             raise ValueError(
                 f"launch_lock_timeout_s must be >= 0, got {self.launch_lock_timeout_s}"
@@ -230,6 +246,18 @@ class CheckpointManager:
         self._milestones: set[str] = set()
         self._milestones_in_flight: tuple[str, ...] = ()
         self._block_s: dict[int, float] = {}  # step -> how long its save() held the loop
+        # Incremental checkpoints: the full checkpoint deltas go against, and how many deltas
+        # of it committed since (None: the next save is full).
+        self._base: tuple[int, int] | None = None
+        # What the last `latest()` passed over (rank 0): (step, why), newest first.
+        self.skipped: list[tuple[int, CheckpointInvalid]] = []
+        if settings.full_every > 1 and coordinator.distributed:
+            log.info(
+                "event=incremental_off job=%s rank=%d reason=dcp: with a process group every "
+                "checkpoint is a full DCP checkpoint",
+                job,
+                self.rank,
+            )
 
     # --- saving -----------------------------------------------------------------------------
 
@@ -284,6 +312,7 @@ class CheckpointManager:
             return False
         self._milestones_in_flight = tuple(sorted(self._milestones))
         self._milestones.clear()
+        delta_base, delta_index = self._delta_plan()
         self.writer.start(
             step=step,
             request_id=request_id,
@@ -291,9 +320,25 @@ class CheckpointManager:
             tensors=snap["tensors"],
             snapshot_bytes=self.pool.bytes,
             milestones=self._milestones_in_flight,
+            delta_base=delta_base,
+            delta_index=delta_index,
         )
         self._block_s[step] = self.clock.monotonic() - t0
         return True
+
+    def _delta_plan(self) -> tuple[int | None, int]:
+        """(base step, index) for a delta save, or (None, 0) for a full one."""
+        every = self.settings.full_every
+        if every <= 1 or self.coord.distributed or self._base is None:
+            return None, 0
+        base_step, deltas = self._base
+        if deltas + 1 >= every:
+            return None, 0
+        return base_step, deltas + 1
+
+    def _track_base(self, *, step: int, base_step: int | None, index: int) -> None:
+        """A checkpoint committed or loaded: a full one becomes the base, a delta counts."""
+        self._base = (step, 0) if base_step is None else (base_step, index)
 
     def prepare_snapshot(self, step: int) -> None:
         """Once, after the first step (the state is complete only then: Adam creates its
@@ -327,6 +372,9 @@ class CheckpointManager:
             if not r.ok:
                 self._milestones.update(self._milestones_in_flight)
             self._milestones_in_flight = ()
+            if r.ok:
+                index = self._base[1] + 1 if self._base is not None else 0
+                self._track_base(step=r.step, base_step=r.base_step, index=index)
             block_s = self._block_s.pop(r.step, None)
             self._on_result(r if block_s is None else dataclasses.replace(r, block_s=block_s))
 
@@ -404,9 +452,10 @@ class CheckpointManager:
         A checkpoint of another job makes every rank raise `ForeignCheckpoint`."""
         step = -1
         foreign: ForeignCheckpoint | None = None
+        self.skipped = []
         if self.rank == 0:
             try:
-                found = find_latest_good(self.ckpt_dir)
+                found = find_latest_good(self.ckpt_dir, skipped=self.skipped)
                 if found is not None:
                     check_job(found[2], job=self.job, where=str(found[1]))
                     self.restore_source = "local"
@@ -414,6 +463,17 @@ class CheckpointManager:
                     found = self._fetch_remote()
             except ForeignCheckpoint as e:
                 found, foreign = None, e
+            if self.skipped:
+                log.error(
+                    "event=checkpoint_fallback job=%s rank=%d skipped_steps=%s step=%s "
+                    "file=%s reason=%s",
+                    self.job,
+                    self.rank,
+                    ",".join(str(s) for s, _ in self.skipped),
+                    found[0] if found is not None else "none",
+                    self.skipped[0][1].file,
+                    self.skipped[0][1].reason.replace(" ", "_"),
+                )
             if found is not None:
                 step = found[0]
             elif foreign is not None:
@@ -454,8 +514,8 @@ class CheckpointManager:
         rs = load_rank_file(path / rank_file_name(self.rank if same_world else 0))
         if manifest.format == "dcp":
             self._load_dcp(path, rs)
-        elif manifest.format == "tensors":
-            flat = read_tensor_file(path / tensor_file_name(self.rank), rs["tensor_index"])
+        elif manifest.format in ("tensors", DELTA_FORMAT):
+            flat = self._read_tensors(path, manifest, rs)
             full = fill_tensors(rs["skeleton"], flat)
             s.model.load_state_dict(full["model"])
             if s.optimizer is not None:
@@ -472,6 +532,14 @@ class CheckpointManager:
             if name not in rs["extra"]:
                 raise CheckpointMismatch(f"{path}: no state for extra {name!r}")
             obj.load_state_dict(rs["extra"][name])
+        link = delta_link(manifest, where=str(path))
+        self._track_base(
+            step=step,
+            base_step=link.base_step if link is not None else None,
+            index=link.index if link is not None else 0,
+        )
+        if manifest.format == "dcp":
+            self._base = None
         if same_world:
             restore_rng(rs["rng"])
             return
@@ -486,6 +554,22 @@ class CheckpointManager:
             self.world_size,
             seed,
         )
+
+    def _read_tensors(
+        self, path: Path, manifest: Manifest, rs: dict[str, Any]
+    ) -> dict[str, torch.Tensor]:
+        """A full checkpoint's tensor file, or a delta decoded against its base. The link is
+        checked again (the base's manifest is the one the delta was written on, the base's
+        files hash to it): a base replaced since `latest()` is never decoded against."""
+        if manifest.format == "tensors":
+            return read_tensor_file(path / tensor_file_name(self.rank), rs["tensor_index"])
+        link = delta_link(manifest, where=str(path))
+        assert link is not None  # format "delta"
+        base_dir = self.ckpt_dir / step_dir_name(link.base_step)
+        if manifest_sha256(base_dir) != link.base_manifest_sha256:
+            raise CheckpointInvalid(str(base_dir), "base manifest differs from the delta's link")
+        base = read_base(base_dir, step=link.base_step, rank=self.rank)
+        return read_delta_file(path / delta_file_name(self.rank), rs["delta_index"], base=base)
 
     def _load_dcp(self, path: Path, rs: dict[str, Any]) -> None:
         # Deferred heavy dependency: torch.distributed.checkpoint adds ~700 modules (~0.6 s)
@@ -568,6 +652,9 @@ class CheckpointManager:
             )
             shutil.rmtree(tmp, ignore_errors=True)
             return None
+        if not self._fetch_base(source, store, manifest):
+            shutil.rmtree(tmp, ignore_errors=True)
+            return None
         final = self.ckpt_dir / step_dir_name(step)
         commit_dir(tmp, final)
         self.restore_source = source
@@ -580,6 +667,34 @@ class CheckpointManager:
             store.config.bucket,
         )
         return step, final, manifest
+
+    def _fetch_base(self, source: str, s3: S3Store, manifest: Manifest) -> bool:
+        """For a delta fetched from a bucket (`source`: s3 or replica): its base verifies
+        locally, or is fetched from that bucket (and verified) too. False (with a log line)
+        when no good base is to be had: skip the delta."""
+        link = delta_link(manifest)
+        if link is None:
+            return True
+        with contextlib.suppress(CheckpointInvalid):
+            verify_link(self.ckpt_dir, manifest)
+            return True
+        tmp = self.ckpt_dir / f"{step_dir_name(link.base_step)}.tmp-{secrets.token_hex(4)}"
+        try:
+            s3.download(link.base_step, tmp)
+            verify_dir(tmp, expected_step=link.base_step)
+            commit_dir(tmp, self.ckpt_dir / step_dir_name(link.base_step))
+            verify_link(self.ckpt_dir, manifest)
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            log.warning(
+                "event=checkpoint_skipped source=%s step=%d base_step=%d reason=%s",
+                source,
+                manifest.step,
+                link.base_step,
+                str(e).replace(" ", "_"),
+            )
+            return False
+        return True
 
     # --- the directory at start -------------------------------------------------------------
 

@@ -46,6 +46,7 @@ from trainguard.trainer.compute_timer import ComputeTimer
 from trainguard.trainer.fence import LaunchLocked, StaleAttempt, epoch_from_env
 from trainguard.trainer.hooks import StepHook
 from trainguard.trainer.launch import LaunchMismatch, check_launch
+from trainguard.trainer.manifest import Manifest
 from trainguard.trainer.nan_guard import NanGuard, NanPolicy, NanSettings
 from trainguard.trainer.peer_state import agree_source, replica_state_ok, transfer_state
 from trainguard.trainer.rejoin import (
@@ -138,6 +139,7 @@ class Trainguard:
         epoch: int | None = None,
         launch_lock_timeout_s: float = 60.0,
         collective_timeout_s: float | None = None,
+        full_every: int = 0,
         chaos: str | None = None,
         single_process: bool = False,
         clock: Clock = SYSTEM_CLOCK,
@@ -153,6 +155,7 @@ class Trainguard:
             checkpoint_timeout_s=checkpoint_timeout_s,
             epoch=epoch if epoch is not None else epoch_from_env(),
             launch_lock_timeout_s=launch_lock_timeout_s,
+            full_every=full_every,
         )
         nan_settings = NanSettings(
             nan_policy=nan_policy,
@@ -287,6 +290,7 @@ class Trainguard:
         self.agreement.drain()
         self.checkpoints.wait()
         found = self.checkpoints.restore_latest()
+        self._report_fallback(found)
         if found is None:
             log.info("event=resume_fresh job=%s rank=%d", self.job, self.rank)
             self._completed_step = first_step - 1
@@ -584,10 +588,25 @@ class Trainguard:
             stop=True, reason=stop_reason, checkpoint_started=started, request_id=request_id
         )
 
+    def _report_fallback(self, found: tuple[int, Manifest] | None) -> None:
+        """Newer checkpoints were passed over (rank 0 verified them; it logged why): say so."""
+        skipped = self.checkpoints.skipped
+        if not skipped:
+            return
+        self.telemetry.event(
+            TrainerEdge.CHECKPOINT_FALLBACK,
+            {
+                "skipped_steps": [s for s, _ in skipped],
+                "step": found[0] if found is not None else None,
+                "reason": f"{skipped[0][1].file}: {skipped[0][1].reason}",
+            },
+        )
+
     def _rollback(self, step: int) -> StepAction:
         self.checkpoints.wait()
         self.checkpoints.collect()
         found = self.checkpoints.restore_latest()
+        self._report_fallback(found)
         if found is None:
             log.error(
                 "event=stop job=%s rank=%d step=%d reason=nan_no_checkpoint",

@@ -7,6 +7,11 @@ Layout under `ckpt_dir`:
         manifest.json          step, world size, format, {file: {size, sha256}}, ...
         rank_00000.pt ...      per-rank state (torch.save of tensors/primitives only)
         dcp/...                sharded tensors (torch.distributed.checkpoint), distributed only
+        tensors_00000.bin      raw tensors, one file per rank (format "tensors": a full one)
+        delta_00000.bin        or: tensors encoded against a base (format "delta")
+
+A delta checkpoint's manifest names its base (`extra.delta`: the base's step and the sha256
+of the base's manifest); it is good only when its base is good too (`verify_link`).
 
 "latest" is the newest committed directory whose manifest and every listed file verify.
 No torch in here: this module is shared by the writer thread, the loader and the tests.
@@ -32,7 +37,9 @@ from trainguard.trainer.retention import CheckpointInfo, RetentionPolicy, select
 
 __all__ = [
     "MANIFEST_NAME",
+    "DELTA_FORMAT",
     "CheckpointInvalid",
+    "DeltaLink",
     "ForeignCheckpoint",
     "HashingWriter",
     "Manifest",
@@ -44,13 +51,17 @@ __all__ = [
     "find_latest_good",
     "fsync_dir",
     "hash_file",
+    "info_of",
+    "delta_link",
     "list_committed",
     "manifest_milestones",
+    "manifest_sha256",
     "new_tmp_dir",
     "parse_manifest",
     "read_manifest",
     "step_dir_name",
     "verify_dir",
+    "verify_link",
     "write_manifest",
 ]
 
@@ -90,7 +101,9 @@ class ForeignCheckpoint(Exception):
 class Manifest:
     step: int
     world_size: int
-    format: str  # "torch": one rank_*.pt per rank; "dcp": dcp/ shards + rank_*.pt skeletons
+    # "tensors": a raw tensor file per rank; "delta": a delta file per rank against a base
+    # (extra.delta); "dcp": dcp/ shards + rank_*.pt skeletons
+    format: str
     files: dict[str, dict[str, Any]]  # relative path -> {"size": int, "sha256": hex}
     created_at: float
     loss_finite: bool
@@ -128,6 +141,88 @@ def check_job(manifest: Manifest, *, job: str, where: str) -> None:
     if not theirs or theirs == job or _LAUNCH_UUID.fullmatch(theirs) or _LAUNCH_UUID.fullmatch(job):
         return
     raise ForeignCheckpoint(where, theirs=theirs, ours=job)
+
+
+DELTA_FORMAT = "delta"
+
+
+@dataclass(frozen=True)
+class DeltaLink:
+    """A delta checkpoint's link to its base (the manifest's `extra.delta`). Every delta is
+    encoded against one full checkpoint, its base, so its parent is its base and a chain is
+    one link deep: a corrupt delta loses itself only, a corrupt base loses its deltas."""
+
+    base_step: int
+    parent_step: int
+    base_manifest_sha256: str
+    index: int  # this delta's position after its base: 1, 2, ... (full_every counts them)
+    codec: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "base_step": self.base_step,
+            "parent_step": self.parent_step,
+            "base_manifest_sha256": self.base_manifest_sha256,
+            "index": self.index,
+            "codec": self.codec,
+        }
+
+
+def delta_link(manifest: Manifest, *, where: str = "") -> DeltaLink | None:
+    """The base link of a delta checkpoint; None for a full one; CheckpointInvalid when a
+    delta's link is malformed."""
+    if manifest.format != DELTA_FORMAT:
+        return None
+    raw = manifest.extra.get("delta")
+    try:
+        if not isinstance(raw, dict):
+            raise TypeError("extra.delta missing")
+        link = DeltaLink(
+            base_step=int(raw["base_step"]),
+            parent_step=int(raw["parent_step"]),
+            base_manifest_sha256=str(raw["base_manifest_sha256"]),
+            index=int(raw["index"]),
+            codec=str(raw["codec"]),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointInvalid(where or f"step {manifest.step}", f"bad delta link: {e}") from None
+    if not 0 <= link.base_step < manifest.step or link.parent_step != link.base_step:
+        raise CheckpointInvalid(where or f"step {manifest.step}", "bad delta link: base step")
+    return link
+
+
+def manifest_sha256(directory: Path) -> str:
+    """sha256 of a committed directory's manifest.json (what a delta's link records)."""
+    return hash_file(directory / MANIFEST_NAME)[1]
+
+
+def verify_link(
+    ckpt_dir: Path, manifest: Manifest, *, verified: dict[int, str] | None = None
+) -> None:
+    """For a delta: its base is committed, verifies, is a full checkpoint and is the very one
+    the delta was written against (its manifest's sha256). CheckpointInvalid naming the base
+    otherwise. `verified`: base step -> manifest sha256 of bases verified already (a cache)."""
+    link = delta_link(manifest)
+    if link is None:
+        return
+    base_dir = ckpt_dir / step_dir_name(link.base_step)
+    where = f"base {base_dir}"
+    digest = verified.get(link.base_step) if verified is not None else None
+    if digest is None:
+        try:
+            base = verify_dir(base_dir, expected_step=link.base_step)
+        except CheckpointInvalid as e:
+            raise CheckpointInvalid(e.file, f"base step {link.base_step}: {e.reason}") from None
+        if base.format != "tensors":
+            raise CheckpointInvalid(where, f"not a full checkpoint (format {base.format!r})")
+        try:
+            digest = manifest_sha256(base_dir)
+        except OSError as e:
+            raise CheckpointInvalid(where, f"unreadable: {e}") from None
+        if verified is not None:
+            verified[link.base_step] = digest
+    if digest != link.base_manifest_sha256:
+        raise CheckpointInvalid(where, "manifest differs from the one the delta was written on")
 
 
 def step_dir_name(step: int) -> str:
@@ -304,12 +399,19 @@ def verify_dir(directory: Path, *, expected_step: int | None = None) -> Manifest
     return manifest
 
 
-def iter_good(ckpt_dir: Path) -> Iterator[tuple[int, Path, Manifest]]:
-    """Committed checkpoints that verify, newest first; bad ones are logged and skipped."""
+def iter_good(
+    ckpt_dir: Path, *, skipped: list[tuple[int, CheckpointInvalid]] | None = None
+) -> Iterator[tuple[int, Path, Manifest]]:
+    """Committed checkpoints that verify, newest first, a delta only with its base (every
+    link of its chain); bad ones are logged, appended to `skipped` and passed over."""
+    bases: dict[int, str] = {}
     for step, path in list_committed(ckpt_dir):
         try:
             manifest = verify_dir(path, expected_step=step)
+            verify_link(ckpt_dir, manifest, verified=bases)
         except CheckpointInvalid as e:
+            if skipped is not None:
+                skipped.append((step, e))
             log.warning(
                 "event=checkpoint_skipped step=%d dir=%s file=%s reason=%s",
                 step,
@@ -321,8 +423,10 @@ def iter_good(ckpt_dir: Path) -> Iterator[tuple[int, Path, Manifest]]:
         yield step, path, manifest
 
 
-def find_latest_good(ckpt_dir: Path) -> tuple[int, Path, Manifest] | None:
-    return next(iter_good(ckpt_dir), None)
+def find_latest_good(
+    ckpt_dir: Path, *, skipped: list[tuple[int, CheckpointInvalid]] | None = None
+) -> tuple[int, Path, Manifest] | None:
+    return next(iter_good(ckpt_dir, skipped=skipped), None)
 
 
 def checkpoint_info(step: int, directory: Path) -> CheckpointInfo:
@@ -331,8 +435,20 @@ def checkpoint_info(step: int, directory: Path) -> CheckpointInfo:
         manifest = read_manifest(directory)
     except CheckpointInvalid:
         return CheckpointInfo(step=step, created_at=None)
+    return info_of(manifest, step=step)
+
+
+def info_of(manifest: Manifest, *, step: int | None = None) -> CheckpointInfo:
+    """What retention needs of a manifest (its step, time, milestones and delta base)."""
+    try:
+        link = delta_link(manifest)
+    except CheckpointInvalid:
+        link = None
     return CheckpointInfo(
-        step=step, created_at=manifest.created_at, milestones=manifest_milestones(manifest)
+        step=manifest.step if step is None else step,
+        created_at=manifest.created_at,
+        milestones=manifest_milestones(manifest),
+        base_step=link.base_step if link is not None else None,
     )
 
 

@@ -1,10 +1,11 @@
 """Tiered checkpoint retention: the policy and the pure choice of what each checkpoint is kept as.
 
 A checkpoint is kept when any tier holds it: `newest` (the newest verified one, never deleted,
-and anything newer than it), `milestone` (the newest checkpoint carrying each name the job
-marked, kept forever), `recent` (the newest `recent_last`, and everything from the last
-`recent_hours`), `daily` (the newest of each of the last `daily_days` UTC days), `weekly` (the
-newest of each of the last `weekly_weeks` ISO weeks, Monday to Sunday, UTC). A policy with
+and anything newer than it), `base` (the full checkpoint a kept delta checkpoint is encoded
+against: a delta without its base is useless), `milestone` (the newest checkpoint carrying each
+name the job marked, kept forever), `recent` (the newest `recent_last`, and everything from the
+last `recent_hours`), `daily` (the newest of each of the last `daily_days` UTC days), `weekly`
+(the newest of each of the last `weekly_weeks` ISO weeks, Monday to Sunday, UTC). A policy with
 every tier at 0 keeps everything. No I/O here: the trainer, the S3 store and trainguard-ckpt
 apply the same `select` to what they list.
 """
@@ -55,6 +56,7 @@ class Tier(enum.StrEnum):
     DAILY = "daily"
     WEEKLY = "weekly"
     ALL = "all"  # a policy with every tier at 0 keeps everything
+    BASE = "base"  # the base of a delta checkpoint another tier keeps
 
 
 def check_milestone_name(name: str) -> str:
@@ -138,6 +140,7 @@ class CheckpointInfo:
     step: int
     created_at: float | None
     milestones: tuple[str, ...] = ()
+    base_step: int | None = None  # a delta checkpoint: the full checkpoint it needs
 
 
 def _newest_per_bucket(
@@ -205,4 +208,10 @@ def select(
         first = _week(now) - policy.weekly_weeks + 1
         for step in _newest_per_bucket(infos, bucket_of=_week, first_bucket=first):
             out[step].append(Tier.WEEKLY)
+    # Last: a base is kept for whatever keeps one of its deltas (a base is always a full
+    # checkpoint, so no base needs a base of its own).
+    for c in infos:
+        if out[c.step] and c.base_step is not None and c.base_step in out:
+            if Tier.BASE not in out[c.base_step]:
+                out[c.base_step].append(Tier.BASE)
     return {step: tuple(tiers) for step, tiers in out.items()}

@@ -26,7 +26,7 @@ from trainguard.trainer.manifest import (
     CheckpointInvalid,
     Manifest,
     check_job,
-    manifest_milestones,
+    info_of,
     parse_manifest,
     read_manifest,
 )
@@ -147,9 +147,7 @@ class S3Store:
             manifest = self.manifest(step)
         except Exception:  # unreadable or malformed: only the count-based tiers hold it
             return CheckpointInfo(step=step, created_at=None)
-        return CheckpointInfo(
-            step=step, created_at=manifest.created_at, milestones=manifest_milestones(manifest)
-        )
+        return info_of(manifest, step=step)  # a delta's base included: retention keeps it
 
     def apply_retention(
         self, *, policy: RetentionPolicy, now: float, newest_step: int, dry_run: bool = False

@@ -295,6 +295,41 @@ def test_kill9_during_a_checkpoint_write_leaves_the_previous_checkpoint_latest(
     assert not list(ck.glob("*.tmp-*")), "the stale temporary directory is cleaned at start"
 
 
+def test_kill9_during_a_delta_write_resumes_bitwise_through_the_chain(
+    tmp_path: Path, no_agent: dict[str, str]
+) -> None:
+    # full_every 3: 5 full, 10 and 15 deltas of it, 20 full. Killed while 15's delta is
+    # written: the newest good one is the delta 10, and resuming from it (decoded against 5)
+    # reproduces the uninterrupted run's losses bit for bit.
+    common = ["--steps", "20", "--checkpoint-every", "5", "--full-every", "3", "--seed", "4"]
+    straight = Run(tmp_path, [*common, "--ckpt-dir", str(tmp_path / "a")], env=no_agent)
+    ck = tmp_path / "b"
+    killed = Run(
+        tmp_path,
+        [*common, "--ckpt-dir", str(ck)],
+        env={**no_agent, "TRAINGUARD_CHAOS": "pause_write@step15"},
+    )
+    partial = wait_for(
+        lambda: next(iter(ck.glob("step_000015.tmp-*/rank_00000.pt")), None),
+        timeout_s=60,
+        what="the step-15 writer to be mid-write",
+    )
+    assert (partial.parent / "delta_00000.bin").exists(), "a delta was being written"
+    killed.kill()
+    found = find_latest_good(ck)
+    assert found is not None and found[0] == 10 and found[2].format == "delta"
+    assert straight.wait() == 0, straight.stderr()
+    resumed = Run(tmp_path, [*common, "--ckpt-dir", str(ck)], env=no_agent)
+    assert resumed.wait() == 0, resumed.stderr()
+    got = losses(resumed.lines())
+    expected = losses(straight.lines())
+    assert got == {s: expected[s] for s in range(11, 21)}
+    # keep_last 3 keeps 20, 15, 10, and retention keeps 5 too: the base of the deltas 10, 15
+    assert {s: read_manifest(p).format for s, p in list_committed(ck)} == {
+        20: "tensors", 15: "delta", 10: "delta", 5: "tensors"
+    }  # fmt: skip
+
+
 def _finite_checkpoint(path: Path) -> bool:
     rank_state = load_rank_file(path / "rank_00000.pt")
     flat = read_tensor_file(path / "tensors_00000.bin", rank_state["tensor_index"])

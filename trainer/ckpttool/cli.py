@@ -19,9 +19,12 @@ from trainguard.clock import SYSTEM_CLOCK, Clock
 from trainguard.trainer.ckpttool.sources import Entry, Source, open_source
 from trainguard.trainer.manifest import (
     CheckpointInvalid,
+    DeltaLink,
     ForeignCheckpoint,
     Manifest,
     check_job,
+    delta_link,
+    info_of,
     manifest_milestones,
     read_manifest,
 )
@@ -153,11 +156,7 @@ def _tiers(
     infos = [
         CheckpointInfo(step=e.step, created_at=None)
         if e.manifest is None
-        else CheckpointInfo(
-            step=e.step,
-            created_at=e.manifest.created_at,
-            milestones=manifest_milestones(e.manifest),
-        )
+        else info_of(e.manifest, step=e.step)  # a delta's base included: it keeps it
         for e in entries
     ]
     return select(policy=policy, checkpoints=infos, now=now, newest_good_step=newest_good)
@@ -217,6 +216,7 @@ def _row(
 ) -> dict[str, Any]:
     m = entry.manifest
     milestones = list(manifest_milestones(m)) if m is not None else []
+    link = _link(m)
     return {
         "step": entry.step,
         "where": entry.where,
@@ -228,6 +228,8 @@ def _row(
         "world": m.world_size if m is not None else "-",
         "job": (m.job or "-") if m is not None else "-",
         "format": m.format if m is not None else "-",
+        "base_step": link.base_step if link is not None else None,
+        "kind": "-" if m is None else (f"delta of {link.base_step}" if link else "full"),
         "verified": verified,
         "ok": "-" if verified is None else ("yes" if verified else "NO"),
         "problem": problem,
@@ -242,11 +244,23 @@ _LS_COLUMNS = (
     ("created", "CREATED"),
     ("size", "SIZE"),
     ("world", "WORLD"),
+    ("kind", "KIND"),
     ("job", "JOB"),
     ("ok", "VERIFIED"),
     ("tier", "TIER"),
 )
-_JSON_DROP = ("created", "size", "world", "ok", "tier")
+_JSON_DROP = ("created", "size", "world", "ok", "tier", "kind")
+
+
+def _link(m: Manifest | None) -> DeltaLink | None:
+    """A delta's link to its base (None: full, unreadable, or a malformed link, which
+    verification reports)."""
+    if m is None:
+        return None
+    try:
+        return delta_link(m)
+    except CheckpointInvalid:
+        return None
 
 
 def _json_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -338,6 +352,7 @@ def _show(args: argparse.Namespace, source: Source, now: float) -> int:
         f"created:     {row['created']}",
         f"world size:  {m.world_size}",
         f"format:      {m.format}",
+        *_chain_lines(m),
         f"size:        {row['size']} ({entry.size_bytes} bytes in {len(m.files)} files)",
         f"tier:        {row['tier']}",
         f"version:     {m.trainguard_version}",
@@ -348,6 +363,19 @@ def _show(args: argparse.Namespace, source: Source, now: float) -> int:
     ]
     _print(args, data, "\n".join(lines))
     return 0
+
+
+def _chain_lines(m: Manifest) -> list[str]:
+    """The chain of a delta: its base, parent, position and the base manifest it was written
+    on (`verify STEP` checks every link)."""
+    link = _link(m)
+    if link is None:
+        return ["chain:       full checkpoint"]
+    return [
+        f"chain:       delta {link.index} of base step {link.base_step} "
+        f"(parent step {link.parent_step}, codec {link.codec})",
+        f"base sha256: {link.base_manifest_sha256} (its manifest.json)",
+    ]
 
 
 def _prune(args: argparse.Namespace, source: Source, now: float) -> int:

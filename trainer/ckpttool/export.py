@@ -1,10 +1,12 @@
 """Model weights of a verified checkpoint, consolidated from its shards, as a safetensors file.
 
-The two formats the writer produces (trainer/checkpoint.py): "tensors" (one raw tensor file
-per rank with its index in the rank file) and "dcp" (torch.distributed.checkpoint shards, FSDP2
-and DTensor state included: every chunk is placed at its offsets in the full tensor). Nothing
-here unpickles arbitrary objects: rank files and DCP chunks load with `weights_only=True`, and
-DCP's `.metadata` pickle through an unpickler that admits only DCP's own metadata classes.
+The formats the writer produces (trainer/checkpoint.py): "tensors" (one raw tensor file per
+rank with its index in the rank file), "delta" (decoded against its base, the sibling directory
+its manifest names: trainer/delta_files.py) and "dcp" (torch.distributed.checkpoint shards,
+FSDP2 and DTensor state included: every chunk is placed at its offsets in the full tensor).
+Nothing here unpickles arbitrary objects: rank files and DCP chunks load with
+`weights_only=True`, and DCP's `.metadata` pickle through an unpickler that admits only DCP's
+own metadata classes.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from trainguard.trainer.checkpoint import (
     read_tensor_file,
     tensor_file_name,
 )
-from trainguard.trainer.manifest import Manifest
+from trainguard.trainer.delta_files import delta_file_name, read_base, read_delta_file
+from trainguard.trainer.manifest import CheckpointInvalid, Manifest, delta_link, step_dir_name
 from trainguard.trainer.state import fill_tensors, tensor_refs
 
 __all__ = ["ExportError", "model_weights", "write_safetensors"]
@@ -126,6 +129,18 @@ def model_weights(directory: Path, manifest: Manifest) -> dict[str, torch.Tensor
             raise ExportError(f"{directory / tensor_file_name(0)}: {e}") from None
     if manifest.format == "dcp":
         return _tensors_only(fill_tensors(refs, _dcp_tensors(directory / "dcp", refs)))
+    link = delta_link(manifest, where=str(directory))
+    if link is not None:
+        index = rs.get("delta_index")
+        if not isinstance(index, dict):
+            raise ExportError(f"{rank0}: delta_index missing")
+        try:
+            base_dir = directory.parent / step_dir_name(link.base_step)
+            base = read_base(base_dir, step=link.base_step, rank=0)
+            flat = read_delta_file(directory / delta_file_name(0), index, base=base)
+            return _tensors_only(fill_tensors(refs, flat))
+        except (CheckpointInvalid, KeyError, ValueError) as e:
+            raise ExportError(f"{directory / delta_file_name(0)}: {e}") from None
     raise ExportError(f"{directory}/manifest.json: format {manifest.format!r} is not exportable")
 
 

@@ -19,10 +19,12 @@ from trainguard.trainer.manifest import (
     CheckpointInvalid,
     Manifest,
     apply_retention,
+    delta_link,
     list_committed,
     read_manifest,
     step_dir_name,
     verify_dir,
+    verify_link,
 )
 from trainguard.trainer.retention import RetentionPolicy
 from trainguard.trainer.s3 import S3Config, S3Store
@@ -54,11 +56,14 @@ class Source(Protocol):
         ...
 
     def verify(self, step: int) -> Manifest:
-        """Every file of `step` against its manifest; CheckpointInvalid naming the file."""
+        """Every file of `step` against its manifest, and for a delta every link of its chain
+        (its base verifies and is the one it was written on); CheckpointInvalid naming the
+        file."""
         ...
 
     def fetch(self, step: int) -> contextlib.AbstractContextManager[Path]:
-        """A local, verified copy of `step` for as long as the context lasts."""
+        """A local, verified copy of `step` for as long as the context lasts (a delta's base
+        beside it, in the sibling directory its manifest names)."""
         ...
 
     def prune(
@@ -91,7 +96,9 @@ class LocalSource:
         return path
 
     def verify(self, step: int) -> Manifest:
-        return verify_dir(self._dir(step), expected_step=step)
+        manifest = verify_dir(self._dir(step), expected_step=step)
+        verify_link(self.ckpt_dir, manifest)
+        return manifest
 
     @contextlib.contextmanager
     def fetch(self, step: int) -> Iterator[Path]:
@@ -159,7 +166,12 @@ class S3Source:
             raise
         except Exception as e:  # boto3's ClientError: a listed file is not in the bucket
             raise CheckpointInvalid(self._where(step), f"download failed: {e}") from None
-        return verify_dir(dest, expected_step=step)
+        manifest = verify_dir(dest, expected_step=step)
+        link = delta_link(manifest, where=self._where(step))
+        if link is not None:  # the base beside it, then the link between them
+            self._download(link.base_step, dest.parent / step_dir_name(link.base_step))
+            verify_link(dest.parent, manifest)
+        return manifest
 
     def verify(self, step: int) -> Manifest:
         with self.fetch(step) as directory:

@@ -72,7 +72,9 @@ def test_ls_lists_every_checkpoint_verified_with_its_tier(
     assert data["policy"]["recent_last"] == 0 and rows[1]["tiers"] == ["all"]
     rc, out, _ = tool(capsys, "ls", str(ckpt), "--keep-last", "1")
     lines = out.splitlines()
-    assert lines[0].split() == ["STEP", "CREATED", "SIZE", "WORLD", "JOB", "VERIFIED", "TIER"]
+    assert lines[0].split() == [
+        "STEP", "CREATED", "SIZE", "WORLD", "KIND", "JOB", "VERIFIED", "TIER"
+    ]  # fmt: skip
     by_step = {line.split()[0]: line for line in lines[1:]}
     assert by_step["4"].endswith("newest,recent")
     assert by_step["2"].endswith("milestone:best-val")
@@ -261,3 +263,51 @@ def test_the_tool_reads_verifies_exports_and_prunes_a_bucket(
     rc, out, _ = tool(capsys, "prune", url, "--endpoint-url", endpoint, "--keep-last", "1",
                       "--dry-run", "-o", "json")  # fmt: skip
     assert rc == 0 and json.loads(out)["deleted"] == []
+
+
+def test_the_tool_shows_and_verifies_every_link_of_a_delta_chain(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    run_job(ckpt, full_every=3)  # 1 full, 2 and 3 deltas of it, 4 full
+    rc, out, _ = tool(capsys, "ls", str(ckpt), "-o", "json")
+    assert rc == 0
+    rows = {r["step"]: r for r in json.loads(out)["checkpoints"]}
+    assert {s: (r["format"], r["base_step"]) for s, r in rows.items()} == {
+        4: ("tensors", None), 3: ("delta", 1), 2: ("delta", 1), 1: ("tensors", None)
+    }  # fmt: skip
+    rc, out, _ = tool(capsys, "ls", str(ckpt))
+    assert "delta of 1" in out
+    rc, out, _ = tool(capsys, "show", str(ckpt), "3")
+    assert "chain:       delta 2 of base step 1 (parent step 1" in out
+    out_file = tmp_path / "m.safetensors"
+    assert tool(capsys, "export", str(ckpt), "--step", "3", "--out", str(out_file))[0] == 0
+    assert set(load_file(str(out_file))) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    bad = ckpt / "step_000001" / "tensors_00000.bin"
+    raw = bytearray(bad.read_bytes())
+    raw[100] ^= 0xFF
+    bad.write_bytes(bytes(raw))
+    rc, out, err = tool(capsys, "verify", str(ckpt), "-o", "json")
+    assert rc == 2
+    assert {r["step"]: r["ok"] for r in json.loads(out)["checkpoints"]} == {
+        4: True, 3: False, 2: False, 1: False
+    }  # fmt: skip
+    assert "base step 1: sha256 mismatch" in err
+
+
+def test_bucket_retention_keeps_the_bases_of_kept_deltas(
+    tmp_path: Path, endpoint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    s3 = S3Config(bucket="ckpts", prefix="jobs/delta", endpoint_url=endpoint)
+    run_job(
+        tmp_path / "ckpt", steps=6, retention=RetentionPolicy(recent_last=1), s3=s3, full_every=3
+    )  # 1 and 4 full; the milestone 2 is a delta of 1, the newest 6 a delta of 4
+    url = "s3://ckpts/jobs/delta"
+    rc, out, _ = tool(capsys, "ls", url, "--endpoint-url", endpoint, "-o", "json")
+    assert rc == 0
+    rows = {r["step"]: r["tiers"] for r in json.loads(out)["checkpoints"]}
+    assert rows == {6: ["newest", "recent"], 4: ["base"], 2: ["milestone"], 1: ["base"]}
+    assert sorted(s for s, _ in list_committed(tmp_path / "ckpt")) == [1, 2, 4, 6]
+    assert tool(capsys, "verify", url, "6", "--endpoint-url", endpoint)[0] == 0
+    out_file = tmp_path / "m.safetensors"
+    assert tool(capsys, "export", url, "--endpoint-url", endpoint, "--out", str(out_file))[0] == 0
