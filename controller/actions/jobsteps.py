@@ -739,9 +739,15 @@ class RestartHandler(JobStep):
         nodes = list(job.attempt_nodes)
         assert job.rdzv_port is not None
         endpoint = _endpoint(self.jobs.address(nodes[0]), job.rdzv_port)
-        # the checkpoint block's interval and retention (an auto job's newest interval is sent
-        # to each attempt once it runs: controller.ckptauto)
-        env = {**spec.env, **checkpoint_env(spec.checkpoint)}
+        # the checkpoint block's interval and retention; an auto job starts at its newest
+        # decided interval (controller.ckptauto sends it to the attempt again once it runs)
+        decided = None
+        if spec.checkpoint is not None and spec.checkpoint.auto:
+            rows = self.jobs.store.actions.recent_of(
+                ActionKind.CHECKPOINT_INTERVAL.value, target=job.name
+            )
+            decided = int(rows[0].params["every_steps"]) if rows else None
+        env = {**spec.env, **checkpoint_env(spec.checkpoint, every_steps=decided)}
         if progress.get("skip_batches"):
             env[RESUME_SKIP_ENV] = str(progress["skip_batches"])
         for rank, node in enumerate(nodes):

@@ -176,3 +176,6 @@ def test_a_restarted_attempt_gets_the_newest_decision(sim: Sim) -> None:
     ids = [c.id for c in sim.agents["n1"].commands if c.kind == KIND]
     assert ids == ["ckpt-interval:job:1:a1:n1", "ckpt-interval:job:1:a2:n1"]
     assert {s["request_id"] for s in _sent(sim)} == {"ckpt-interval:job:1"}
+    every = _sent(sim)[0]["every_steps"]
+    env = sim.cmds("n1", "start_job")[-1]["env"]
+    assert env["TRAINGUARD_CHECKPOINT_INTERVAL"] == f"auto:{every}"  # starts at the decision
