@@ -89,18 +89,27 @@ class AutoInterval:
         self._next_look: dict[str, float] = {}  # job -> when its advice is looked at next
         self._latest: dict[str, IntervalDecision | None] = {}  # read from the store once
         self._sent: dict[str, tuple[str, int]] = {}  # job -> (decision key, attempt) queued
+        self._specs: dict[str, tuple[float, CheckpointSpec | None]] = {}  # (updated_at, block)
 
     def tick(self, now: float) -> None:
         for job in self.jobs.records():
             if job.state != JobState.RUNNING.value:
                 continue
-            ck = self.jobs.spec(job).checkpoint
+            ck = self._checkpoint_spec(job)
             if ck is None or not ck.auto:
                 continue
             try:
                 self._tick_job(job, ck, now=now)
             except StoreUnavailable:
                 return  # the next tick tries again, from what is stored
+
+    def _checkpoint_spec(self, job: JobRecord) -> CheckpointSpec | None:
+        """The job's checkpoint block, decoded once per version of its row (not per tick)."""
+        kept = self._specs.get(job.name)
+        if kept is None or kept[0] != job.updated_at:
+            kept = (job.updated_at, self.jobs.spec(job).checkpoint)
+            self._specs[job.name] = kept
+        return kept[1]
 
     def latest(self, job: str) -> IntervalDecision | None:
         """The job's newest decision (from the store on first ask, then kept)."""
