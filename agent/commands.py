@@ -14,7 +14,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from trainguard.command_args import CheckpointArgs, StopRanksArgs, decode_args
+from trainguard.command_args import (
+    CheckpointArgs,
+    SetCheckpointIntervalArgs,
+    StopRanksArgs,
+    decode_args,
+)
 from trainguard.protocol import (
     Command,
     CommandKind,
@@ -87,7 +92,8 @@ class CommandExecutor:
 
 
 def control_handlers(sender: ControlSender) -> dict[str, Handler]:
-    """`checkpoint` and `stop_ranks`: relay a Control datagram to the job's local ranks."""
+    """`checkpoint`, `stop_ranks` and `set_checkpoint_interval`: relay a Control datagram to
+    the job's local ranks."""
 
     def relay(cmd: Command, control: Control) -> CommandResult:
         sent, failed = sender.send_control(control.job, control)
@@ -114,7 +120,21 @@ def control_handlers(sender: ControlSender) -> dict[str, Handler]:
         )
         return relay(cmd, control)
 
-    return {CommandKind.CHECKPOINT: checkpoint, CommandKind.STOP_RANKS: stop_ranks}
+    def set_checkpoint_interval(cmd: Command) -> CommandResult:
+        args = decode_args(SetCheckpointIntervalArgs, cmd.args)
+        control = Control(
+            action="set_interval",
+            request_id=args.request_id or cmd.id,
+            job=args.job,
+            every_steps=args.every_steps,
+        )
+        return relay(cmd, control)
+
+    return {
+        CommandKind.CHECKPOINT: checkpoint,
+        CommandKind.STOP_RANKS: stop_ranks,
+        CommandKind.SET_CHECKPOINT_INTERVAL: set_checkpoint_interval,
+    }
 
 
 def fault_handlers(target: FaultTarget | None) -> dict[str, Handler]:

@@ -19,7 +19,13 @@ from typing import Any, TypeVar, Union
 from trainguard.bounds import bad_name_reason
 from trainguard.decode import Decoder, Invalid
 from trainguard.kinds import CommandKind
-from trainguard.protocol import Command, FaultSpec, ProtocolError, to_wire
+from trainguard.protocol import (
+    MAX_CHECKPOINT_EVERY_STEPS,
+    Command,
+    FaultSpec,
+    ProtocolError,
+    to_wire,
+)
 
 __all__ = [
     "COMMAND_ARGS",
@@ -32,6 +38,7 @@ __all__ = [
     "PreflightArgs",
     "REPAIR_METHODS",
     "RepairArgs",
+    "SetCheckpointIntervalArgs",
     "StartJobArgs",
     "StopJobArgs",
     "StopRanksArgs",
@@ -118,6 +125,26 @@ class StopRanksArgs:
 
     def __post_init__(self) -> None:
         _require_job(self.job)
+
+
+@dataclass(frozen=True)
+class SetCheckpointIntervalArgs:
+    """`set_checkpoint_interval`: a Control(set_interval) to the job's local ranks, which
+    agree on a step and checkpoint every `every_steps` from there; `request_id` (the same on
+    every node for one decision, so a rank that hears it twice acts once) defaults to the
+    command id."""
+
+    job: str = ""
+    every_steps: int = 0
+    request_id: str | None = None
+
+    def __post_init__(self) -> None:
+        _require_job(self.job)
+        if not 1 <= self.every_steps <= MAX_CHECKPOINT_EVERY_STEPS:
+            raise Invalid(
+                "every_steps",
+                f"must be in [1, {MAX_CHECKPOINT_EVERY_STEPS}], got {self.every_steps}",
+            )
 
 
 @dataclass(frozen=True)
@@ -306,6 +333,7 @@ CommandArgs = Union[
     CollectStacksArgs,
     PreflightArgs,
     RepairArgs,
+    SetCheckpointIntervalArgs,
 ]
 
 # Every kind's args class (`inject_fault` takes a FaultSpec, the sim backend's fault).
@@ -318,6 +346,7 @@ COMMAND_ARGS: Mapping[CommandKind, type] = {
     CommandKind.COLLECT_STACKS: CollectStacksArgs,
     CommandKind.PREFLIGHT: PreflightArgs,
     CommandKind.REPAIR: RepairArgs,
+    CommandKind.SET_CHECKPOINT_INTERVAL: SetCheckpointIntervalArgs,
 }
 _KIND_OF: Mapping[type, CommandKind] = {cls: kind for kind, cls in COMMAND_ARGS.items()}
 

@@ -80,3 +80,5 @@ class CommandKind(WireEnum):
     COLLECT_STACKS = "collect_stacks"  # -> SIGUSR1 to the job's local ranks, stacks back
     PREFLIGHT = "preflight"  # -> the node's health checks; a preflight_result event back
     REPAIR = "repair"  # -> reset the node's GPUs or reboot it; a command_result back
+    # -> Control(set_interval) to the job's ranks: their periodic checkpoint interval
+    SET_CHECKPOINT_INTERVAL = "set_checkpoint_interval"

@@ -153,17 +153,25 @@ class Heartbeat:
     v: int = PROTOCOL_VERSION
 
 
-ControlAction = Literal["checkpoint", "stop", "checkpoint_stop"]
+ControlAction = Literal["checkpoint", "stop", "checkpoint_stop", "set_interval"]
+# The longest periodic checkpoint interval a `set_interval` may ask for, in steps.
+MAX_CHECKPOINT_EVERY_STEPS = 10_000_000
 
 
 @dataclass(frozen=True)
 class Control:
-    """Agent -> rank request. All ranks act at the same step (the trainer library agrees)."""
+    """Agent -> rank request. All ranks act at the same step (the trainer library agrees).
+    `set_interval` carries the new periodic checkpoint interval in `every_steps`."""
 
     action: ControlAction
     request_id: Ident
     job: NameOrEmpty = ""
+    every_steps: Annotated[int, Bound(ge=1, le=MAX_CHECKPOINT_EVERY_STEPS)] | None = None
     v: int = PROTOCOL_VERSION
+
+    def __post_init__(self) -> None:
+        if (self.action == "set_interval") != (self.every_steps is not None):
+            raise Invalid("every_steps", "set with action set_interval, and only with it")
 
 
 # --- agent -> controller -------------------------------------------------------------------

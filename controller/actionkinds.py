@@ -30,6 +30,9 @@ class ActionKind(str, Enum):
     RETIRE = "retire"  # out for good, with the reason (agentctl node retire)
     DIAGNOSE = "diagnose"  # a preflight on a node drained for hardware (lifecycle.auto_repair)
     REPAIR = "repair"  # the GPU reset or node reboot its diagnosis chose (lifecycle.auto_repair)
+    # an auto job's new checkpoint interval (controller.ckptauto), never a rule's: the row is
+    # the decision, written before its commands and never run by the worker
+    CHECKPOINT_INTERVAL = "checkpoint_interval"
 
     @classmethod
     def parse(cls, kind: str) -> ActionKind | None:
@@ -136,6 +139,7 @@ _ROWS: dict[ActionKind, _KindRow] = {
     _K.RETIRE: _row(in_rules=False),
     _K.DIAGNOSE: _row(in_rules=False),
     _K.REPAIR: _row(in_rules=False),
+    _K.CHECKPOINT_INTERVAL: _row(in_rules=False, remediation=False),
 }
 
 

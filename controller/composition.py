@@ -35,6 +35,7 @@ from trainguard.controller.backends.base import Capability, step_handlers
 from trainguard.controller.backends.build import build_backend
 from trainguard.controller.backends.slurm.cli import SlurmRunner
 from trainguard.controller.ckptadvisor import CheckpointAdvisor
+from trainguard.controller.ckptauto import AutoInterval
 from trainguard.controller.config import ControllerConfig
 from trainguard.controller.incidents import IncidentManager
 from trainguard.controller.jobnames import JobNames
@@ -258,6 +259,19 @@ class Controller:
                 is_known=lambda job: self.jobs.get(job) is not None,
             ),
         )
+        advisor = CheckpointAdvisor(
+            store=self.store,
+            jobs=self.jobs,
+            config=config.economics,
+            cost=config.cost,
+            clock=clock,
+            node_count=lambda: len(live.nodes),
+            started_at=clock.now(),
+        )
+        # `checkpoint.interval: auto` jobs: the advice sent to their ranks, on the tick
+        self.auto_interval = AutoInterval(
+            store=self.store, jobs=self.jobs, advisor=advisor, config=config.economics, clock=clock
+        )
         self.queries = QueryService(
             live=live,
             jobs=self.jobs,
@@ -266,15 +280,8 @@ class Controller:
             node_silent_after_s=config.node_silent_after_s,
             scheduler_jobs=self.backend.job_views,
             lemons=self.lemons,
-            advisor=CheckpointAdvisor(
-                store=self.store,
-                jobs=self.jobs,
-                config=config.economics,
-                cost=config.cost,
-                clock=clock,
-                node_count=lambda: len(live.nodes),
-                started_at=clock.now(),
-            ),
+            advisor=advisor,
+            auto_interval=self.auto_interval,
         )
         self.operations = OperatorService(
             live=live,
@@ -325,6 +332,7 @@ class Controller:
                     now=now,
                 )
             ),
+            auto_interval=self.auto_interval.tick,
         )
         self.maintenance = MaintenanceScheduler(
             store=self.store, config=config.maintenance, metrics=self.metrics, clock=clock

@@ -652,6 +652,12 @@ class EconomicsConfig:
     mtbf_window_s: float = 30 * 86400.0
     # A job's restart time until one of its restarts was measured, s (detect + restart).
     restart_prior_s: float = 600.0
+    # `checkpoint.interval: auto` (controller.ckptauto): how often a running job's advice is
+    # looked at, s (at most one change per look: the advice moves with hours of history, a
+    # change every minute would only churn), and by how much the optimal interval must
+    # differ from the one in force to be sent (a fraction: 0.1 = 10 %).
+    auto_interval_check_s: float = 300.0
+    auto_interval_change: float = 0.1
 
     def __post_init__(self) -> None:
         for key, value in (
@@ -667,6 +673,12 @@ class EconomicsConfig:
             )
         if not (math.isfinite(self.restart_prior_s) and self.restart_prior_s >= 0):
             raise Invalid("restart_prior_s", "must be a finite number >= 0")
+        if not (math.isfinite(self.auto_interval_check_s) and 1 <= self.auto_interval_check_s):
+            raise Invalid("auto_interval_check_s", "must be a finite number >= 1")
+        if not 0 <= self.auto_interval_change < 1:
+            raise Invalid(
+                "auto_interval_change", f"must be in [0, 1), got {self.auto_interval_change}"
+            )
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from typing import Any, Literal, Protocol
 from trainguard.bounds import MAX_RANKS_PER_REPORT, bad_name_reason
 from trainguard.command_args import CommandArgs, check_job_command
 from trainguard.controller.actionkinds import ActionKind
+from trainguard.controller.ckptspec import CheckpointSpec, check_env_checkpoint_settings
 from trainguard.controller.config import JobsConfig
 from trainguard.controller.jobstate import JobState, check_job_transition
 from trainguard.controller.records import CommandRecord, JobRecord, NodeRecord
@@ -116,6 +117,8 @@ class JobSpec:
     python: str | None = None
     rdzv_conf: dict[str, str] = field(default_factory=dict)
     shrink: str = "pack"  # SHRINK_MODES: how the job may run on fewer nodes
+    # the periodic interval (fixed or auto) and retention tiers (controller.ckptspec)
+    checkpoint: CheckpointSpec | None = None
 
     def __post_init__(self) -> None:
         bad = bad_name_reason(self.name)
@@ -165,6 +168,7 @@ class JobSpec:
                 raise Invalid(f"env.{name}", "contains a NUL byte")
         if "is_host" in self.rdzv_conf:
             raise Invalid("rdzv_conf.is_host", "the controller chooses the rendezvous host")
+        check_env_checkpoint_settings(self.env, self.checkpoint)
 
     @property
     def world_size(self) -> int:

@@ -17,6 +17,7 @@ from typing import TypeVar
 
 from trainguard.clock import Clock
 from trainguard.controller.ckptadvisor import CheckpointAdvisor
+from trainguard.controller.ckptauto import AutoInterval
 from trainguard.controller.errors import BadRequest, NotFound
 from trainguard.controller.jobs import JobManager
 from trainguard.controller.lemons import LemonPolicy
@@ -32,6 +33,7 @@ from trainguard.controller.views import (
     NodeView,
     PreflightView,
     SilenceView,
+    TimelineEntry,
 )
 from trainguard.kinds import CommandKind
 
@@ -88,9 +90,11 @@ class QueryService:
         scheduler_jobs: Callable[..., list[JobView]] = lambda *, now: [],
         lemons: LemonPolicy | None = None,
         advisor: CheckpointAdvisor | None = None,
+        auto_interval: AutoInterval | None = None,
     ) -> None:
         self._live = live
         self._advisor = advisor  # each job's checkpoint interval, current against optimal
+        self._auto_interval = auto_interval  # auto jobs' interval decisions
         self._lemons = lemons  # the hardware incident history `describe node` shows
         # jobs a scheduler (Slurm) runs beyond the job table: shown instead of their
         # heartbeat-only view
@@ -287,7 +291,39 @@ class QueryService:
         return [self._with_advice(views[n]) for n in sorted(views)]
 
     def get_job(self, name: str) -> JobView:
-        return self._with_advice(self._job_view(name))
+        return self._with_interval_source(self._with_advice(self._job_view(name)))
+
+    def _with_interval_source(self, view: JobView) -> JobView:
+        """Where the job's periodic interval comes from (its spec's checkpoint block) and, for
+        `auto`, the interval the controller set and its changes (controller.ckptauto)."""
+        rec = self._jobs.get(view.name)
+        if rec is None:
+            return view
+        ck = self._jobs.spec(rec).checkpoint
+        if ck is None or ck.interval is None:
+            return view
+        if not ck.auto or self._auto_interval is None:
+            return dataclasses.replace(
+                view,
+                checkpoint_interval_source="auto" if ck.auto else "fixed",
+                checkpoint_every_steps=ck.start_every_steps,
+            )
+        decisions = self._auto_interval.history(view.name)
+        changes = tuple(
+            TimelineEntry(
+                ts=d.ts,
+                kind="checkpoint_interval",
+                message=f"every {d.every_steps} steps (was {d.before or '-'})",
+                data={"every_steps": d.every_steps, "before": d.before, "key": d.key},
+            )
+            for d in decisions
+        )
+        return dataclasses.replace(
+            view,
+            checkpoint_interval_source="auto",
+            checkpoint_every_steps=decisions[0].every_steps if decisions else ck.start_every_steps,
+            checkpoint_interval_changes=changes,
+        )
 
     def _job_view(self, name: str) -> JobView:
         rec = self._jobs.get(name)

@@ -105,9 +105,11 @@ class TickService:
         expire_job_names: Callable[[float], int] = lambda now: 0,
         lemons: LemonPolicy | None = None,
         keep_spares_warm: Callable[[float], object] = lambda now: None,
+        auto_interval: Callable[[float], object] = lambda now: None,
     ) -> None:
         self._config = config
         self._keep_spares_warm = keep_spares_warm  # SparePreflight.keep_warm over the pool
+        self._auto_interval = auto_interval  # AutoInterval.tick: auto jobs' checkpoint interval
         self._lemons = lemons  # the hardware incident gauge
         self._expire_job_names = expire_job_names  # ReportService.expire_job_names
         self._can_grow = can_grow  # the backend declares Capability.GROW
@@ -375,6 +377,7 @@ class TickService:
         self.apply_decisions(decisions, now=now)
         self.plan_grows(now=now)
         self._keep_spares_warm(now)
+        self._auto_interval(now)
         if not self.running:
             self._runner.run_due(now=now)
         self.update_gauges(now)

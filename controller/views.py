@@ -153,6 +153,13 @@ class JobView:
     # measured checkpoint cost, restart time and MTBF), with the expected waste of each; None
     # before a checkpoint of the job committed
     checkpoint_interval: IntervalAdvice | None = None
+    # where the periodic interval comes from: "auto" (the controller sets it at run time,
+    # controller.ckptauto), "fixed" (the spec's checkpoint.interval), "" (the program's own);
+    # filled by `describe job` (get_job), with the interval in force as the controller set it
+    # and auto's changes, newest first
+    checkpoint_interval_source: str = ""
+    checkpoint_every_steps: int | None = None
+    checkpoint_interval_changes: tuple[TimelineEntry, ...] = ()
     # GPU-hours (and money at cost.gpu_hour) its failures cost within economics.mtbf_window_s,
     # and its checkpoints since the controller started; None while there is neither
     failure_cost: FailureCost | None = None

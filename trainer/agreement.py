@@ -1,7 +1,8 @@
 """`StepAgreement`: which step every rank acts at, on what (trainer/sync.py runs the collective).
 
 It holds what this rank brings to an agreement: the requests received on its control socket
-(oldest first; ids already handled are dropped when they come again), a SIGTERM seen, a
+(oldest first, a `set_interval` with its new interval; ids already handled are dropped when
+they come again), a SIGTERM seen, a
 non-finite state seen since the last agreement, a commit refused as stale. And it keeps the
 schedule: in a distributed job an agreement is posted at one step and collected `interval`
 calls later, the interval adapting so that its cost stays under `_SYNC_BUDGET` of a step
@@ -71,6 +72,7 @@ class StepAgreement:
         self.job = job
         self.clock = clock
         self.pending: list[tuple[str, str]] = []  # (action, request_id), oldest first
+        self._values: dict[str, int] = {}  # request_id -> its value (set_interval's steps)
         self._handled: deque[str] = deque(maxlen=_HANDLED_IDS_MAX)
         self._sigterm = False
         self._nonfinite = False  # since the last view
@@ -102,6 +104,8 @@ class StepAgreement:
                 c.request_id,
             )
             self.pending.append((c.action, c.request_id))
+            if c.every_steps is not None:
+                self._values[c.request_id] = c.every_steps
 
     def note_sigterm(self) -> None:
         """This rank received SIGTERM (safe to call from a signal handler)."""
@@ -122,11 +126,15 @@ class StepAgreement:
     def done(self, request_id: str) -> None:
         """The request was acted upon (by every rank): it is never taken again."""
         self.pending = [r for r in self.pending if r[1] != request_id]
+        self._values.pop(request_id, None)
         self._handled.append(request_id)
 
-    def retry_first(self, action: str, request_id: str) -> None:
-        """Bring an agreed request back, first in line, for the next agreement."""
+    def retry_first(self, action: str, request_id: str, *, value: int = 0) -> None:
+        """Bring an agreed request (and its value) back, first in line, for the next
+        agreement."""
         self.pending.insert(0, (action, request_id))
+        if value:
+            self._values[request_id] = value
         self._handled.remove(request_id)
 
     # --- the schedule ---------------------------------------------------------------------
@@ -184,8 +192,10 @@ class StepAgreement:
 
     def _view(self) -> LocalView:
         """This rank's view for the next agreement; the non-finite flag restarts with it."""
+        request = self.pending[0] if self.pending else None
         view = LocalView(
-            request=self.pending[0] if self.pending else None,
+            request=request,
+            value=self._values.get(request[1], 0) if request is not None else 0,
             sigterm=self._sigterm,
             nonfinite=self._nonfinite,
             interval=self._propose_interval(),

@@ -266,6 +266,11 @@ class CheckpointManager:
         checkpoint of each name forever. A save that fails passes the name on to the next."""
         self._milestones.add(check_milestone_name(name))
 
+    def set_checkpoint_every(self, every_steps: int) -> None:
+        """A new periodic interval (the controller's `auto`), from the next step on; every
+        rank sets it at the same agreed step."""
+        self.settings = dataclasses.replace(self.settings, checkpoint_every=every_steps)
+
     def is_periodic(self, step: int) -> bool:
         every = self.settings.checkpoint_every
         return every > 0 and step > 0 and step % every == 0

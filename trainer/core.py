@@ -19,11 +19,14 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
+from trainguard.ckpt_env import INTERVAL_ENV, CheckpointInterval, parse_interval
 from trainguard.clock import SYSTEM_CLOCK, Clock
+from trainguard.decode import Invalid
 from trainguard.kinds import TrainerEdge
 from trainguard.protocol import HeartbeatPhase
 from trainguard.trainer.agreement import AgreementSettings, StepAgreement
@@ -120,7 +123,7 @@ class Trainguard:
         sampler: Stateful | None = None,
         extra: Mapping[str, Stateful] | None = None,
         ckpt_dir: str | os.PathLike[str],
-        checkpoint_every: int = 0,
+        checkpoint_every: int | Literal["auto"] = 0,
         keep_last: int = 3,
         retention: RetentionPolicy | None = None,
         s3: S3Config | None = None,
@@ -145,9 +148,11 @@ class Trainguard:
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         # The settings of each part; each validates its own (ValueError naming the argument).
+        interval = checkpoint_interval(checkpoint_every)
+        self.interval_auto = interval.auto  # the controller sets the interval (set_interval)
         ckpt_settings = CheckpointSettings(
             ckpt_dir=Path(ckpt_dir),
-            checkpoint_every=checkpoint_every,
+            checkpoint_every=interval.every_steps,
             keep_last=keep_last,
             retention=retention if retention is not None else retention_from_env(),
             s3=s3,
@@ -251,7 +256,7 @@ class Trainguard:
         self.signals.install()
         log.info(
             "event=trainer_start job=%s rank=%d world_size=%d ckpt_dir=%s control_socket=%s "
-            "epoch=%s chaos=%s",
+            "epoch=%s chaos=%s checkpoint_every=%d%s",
             self.job,
             self.rank,
             self.world_size,
@@ -259,6 +264,8 @@ class Trainguard:
             self.channel.control_socket or "-",
             "-" if self.epoch is None else self.epoch,
             ",".join(r.kind for r in chaos_rules) or "-",
+            interval.every_steps,
+            " (auto)" if interval.auto else "",
         )
         self.telemetry.send(step=0, phase="init")
 
@@ -281,6 +288,12 @@ class Trainguard:
     @property
     def ckpt_request_id(self) -> str | None:
         return self.telemetry.ckpt_request_id
+
+    @property
+    def checkpoint_every(self) -> int:
+        """The periodic checkpoint interval in force, steps (0: none); with `auto` it changes
+        when the controller sets it."""
+        return self.checkpoints.settings.checkpoint_every
 
     # --- public API -----------------------------------------------------------------------
 
@@ -544,7 +557,7 @@ class Trainguard:
             if ag.action is not None and request_id is not None:
                 # Every rank learnt the request from the agreement: act on it at the next
                 # agreement, from the restored (finite) state.
-                self.agreement.retry_first(ag.action, request_id)
+                self.agreement.retry_first(ag.action, request_id, value=ag.value)
             return self._rollback(step)
         if nan_action == "stop":
             if ag.action in _CHECKPOINT_ACTIONS:
@@ -567,6 +580,9 @@ class Trainguard:
             else:
                 deadline = self.signals.deadline() if ag.sigterm else None
                 started = self.checkpoints.save(step, request_id=ckpt_rid, deadline=deadline)
+        if ag.action == "set_interval" and request_id is not None:
+            # after this step's own periodic check, so every rank switches from step + 1
+            self._set_interval(step, every_steps=ag.value, request_id=request_id)
         stop_reason: str | None = None
         if ag.sigterm:
             stop_reason = "sigterm"
@@ -602,6 +618,35 @@ class Trainguard:
             },
         )
 
+    def _set_interval(self, step: int, *, every_steps: int, request_id: str) -> None:
+        """The controller's new periodic interval, agreed at `step` (every rank here): taken
+        with `auto`, ignored (logged) with a fixed interval."""
+        if not self.interval_auto or every_steps < 1:
+            log.warning(
+                "event=checkpoint_interval_ignored job=%s rank=%d step=%d every_steps=%d "
+                "request_id=%s reason=%s",
+                self.job,
+                self.rank,
+                step,
+                every_steps,
+                request_id,
+                "fixed_interval" if not self.interval_auto else "bad_value",
+            )
+            return
+        before = self.checkpoints.settings.checkpoint_every
+        self.checkpoints.set_checkpoint_every(every_steps)
+        self.telemetry.ckpt_health.checkpoint_every = every_steps
+        log.info(
+            "event=checkpoint_interval_changed job=%s rank=%d step=%d every_steps=%d "
+            "before=%d request_id=%s",
+            self.job,
+            self.rank,
+            step,
+            every_steps,
+            before,
+            request_id,
+        )
+
     def _rollback(self, step: int) -> StepAction:
         self.checkpoints.wait()
         self.checkpoints.collect()
@@ -624,6 +669,30 @@ class Trainguard:
             sampler.mark_step(skip)
         self.nan.rolled_back(step=step, to_step=good)
         return StepAction(rollback=True, reason="nan", next_step=good + 1)
+
+
+def checkpoint_interval(
+    checkpoint_every: int | Literal["auto"], env: Mapping[str, str] | None = None
+) -> CheckpointInterval:
+    """The periodic interval a rank starts with. `TRAINGUARD_CHECKPOINT_INTERVAL` (the job
+    spec's `checkpoint.interval`, set by the controller) wins when set: `N`, or `auto[:N]`
+    (with no N the argument's number, if any, is the start); else the argument: a number of
+    steps, or "auto" (no periodic checkpoint until the controller sets one)."""
+    if checkpoint_every != "auto" and (
+        isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int)
+    ):
+        raise ValueError(f"checkpoint_every must be steps or 'auto', got {checkpoint_every!r}")
+    own = 0 if checkpoint_every == "auto" else checkpoint_every
+    raw = (os.environ if env is None else env).get(INTERVAL_ENV, "").strip()
+    if not raw:
+        return CheckpointInterval(every_steps=own, auto=checkpoint_every == "auto")
+    try:
+        spec = parse_interval(raw)
+    except Invalid as e:
+        raise ValueError(str(e)) from None
+    if spec.auto and spec.every_steps == 0:
+        return CheckpointInterval(every_steps=max(own, 0), auto=True)
+    return spec
 
 
 def open_channel(*, job: str, rank: int, pid: int) -> AgentChannel:

@@ -17,8 +17,11 @@ import json
 import os
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
+
+from trainguard.ckpt_env import RETENTION_ENV, check_retention
+from trainguard.decode import Invalid
 
 __all__ = [
     "CheckpointInfo",
@@ -29,22 +32,10 @@ __all__ = [
     "select",
 ]
 
-# A job spec sets the policy without code: `env: {TRAINGUARD_RETENTION: '{"daily_days": 7}'}`.
-RETENTION_ENV = "TRAINGUARD_RETENTION"
-
 _DAY_S = 86400.0
 # 1970-01-01 was a Thursday: day 4 since the epoch is the first Monday.
 _FIRST_MONDAY_DAY = 4
 _MILESTONE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-
-# Upper bounds: a typo (hours given as seconds) fails at construction instead of keeping
-# every checkpoint for a century.
-_BOUNDS: dict[str, float] = {
-    "recent_last": 10_000,
-    "recent_hours": 24 * 366,
-    "daily_days": 3660,
-    "weekly_weeks": 520,
-}
 
 
 class Tier(enum.StrEnum):
@@ -83,16 +74,11 @@ class RetentionPolicy:
     weekly_weeks: int = 0
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            integral = f.name != "recent_hours"
-            if isinstance(value, bool) or not isinstance(value, int if integral else int | float):
-                kind = "an integer" if integral else "a number"
-                raise ValueError(f"retention.{f.name} must be {kind}, got {value!r}")
-            if not 0 <= value <= _BOUNDS[f.name]:
-                raise ValueError(
-                    f"retention.{f.name} must be in [0, {_BOUNDS[f.name]:g}], got {value!r}"
-                )
+        # the one check of these settings (the controller's job spec runs it at submit)
+        try:
+            check_retention(asdict(self))
+        except Invalid as e:
+            raise ValueError(f"retention.{e.key}: {e.reason}") from None
 
     @property
     def keeps_all(self) -> bool:
@@ -104,16 +90,12 @@ class RetentionPolicy:
     @classmethod
     def from_json(cls, data: Mapping[str, Any], *, where: str = "retention") -> RetentionPolicy:
         """Strict: an unknown key or a bad value raises ValueError naming `where.key`."""
-        if not isinstance(data, Mapping):
-            raise ValueError(f"{where} must be a mapping, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(
-                f"{where}.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})"
-            )
         try:
-            return cls(**dict(data))
+            return cls(**check_retention(data))  # type: ignore[arg-type]  # checked per key
+        except Invalid as e:
+            raise ValueError(
+                f"{where}.{e.key}: {e.reason}" if e.key else f"{where} {e.reason}"
+            ) from None
         except ValueError as e:
             raise ValueError(str(e).replace("retention.", f"{where}.", 1)) from None
 

@@ -4,7 +4,8 @@ An agreement is one small all_reduce(MAX) on a dedicated gloo group: [lowest ran
 pending request (encoded), sigterm seen, non-finite seen, proposed interval (the largest
 wins), minus the longest interval this rank allows (the smallest wins), commit refused as a
 stale attempt]. If any rank holds a
-request, the lowest such rank broadcasts its (action, request_id) and everyone acts on it.
+request, the lowest such rank broadcasts its (action, request_id, value: a `set_interval`'s
+new checkpoint interval) and everyone acts on it.
 `start()` posts the all_reduce without waiting and `finish()` collects it later (the caller
 collects at the same step on every rank), so the collective's latency overlaps the training
 step; `agree()` is both at once. Every rank joins the same collectives at the same steps
@@ -36,7 +37,8 @@ __all__ = [
 
 REQUEST_ID_MAX_BYTES = 256
 _NO_CAP = 1 << 40
-ACTION_CODES = {"checkpoint": 1, "stop": 2, "checkpoint_stop": 3}
+ACTION_CODES = {"checkpoint": 1, "stop": 2, "checkpoint_stop": 3, "set_interval": 4}
+_VALUE_BYTES = 8  # a request's value, int64 little-endian, after the action code
 _ACTIONS = {v: k for k, v in ACTION_CODES.items()}
 
 
@@ -50,6 +52,7 @@ class LocalView:
     interval: int = 1  # steps until the next sync this rank proposes (the max wins)
     max_interval: int | None = None  # the most steps this rank allows (the min wins); None: any
     stale: bool = False  # a commit of this rank was refused: a newer attempt owns the directory
+    value: int = 0  # the request's value (set_interval: the new interval in steps)
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class Agreement:
     nonfinite: bool = False
     interval: int = 1
     stale: bool = False
+    value: int = 0  # the request's value (set_interval: the new interval in steps)
 
 
 class Coordinator(Protocol):
@@ -118,6 +122,7 @@ class LocalCoordinator:
             nonfinite=view.nonfinite,
             interval=_interval(view.interval, view.max_interval),
             stale=view.stale,
+            value=view.value if view.request else 0,
         )
 
     def agree(self, view: LocalView) -> Agreement:
@@ -194,16 +199,21 @@ class DistCoordinator:
         top, sigterm, nonfinite, interval, neg_cap, stale = (int(x) for x in flags.tolist())
         action: str | None = None
         rid: str | None = None
+        value = 0
         if top > 0:
             src = self.world_size - top
-            buf = torch.zeros(1 + REQUEST_ID_MAX_BYTES, dtype=torch.uint8)
+            head = 1 + _VALUE_BYTES
+            buf = torch.zeros(head + REQUEST_ID_MAX_BYTES, dtype=torch.uint8)
             if self.rank == src and view.request is not None:
                 raw = view.request[1].encode()
                 buf[0] = ACTION_CODES[view.request[0]]
-                buf[1 : 1 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+                packed = view.value.to_bytes(_VALUE_BYTES, "little", signed=True)
+                buf[1:head] = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
+                buf[head : head + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
             dist.broadcast(buf, src=src, group=self.sync_group)
             action = _ACTIONS[int(buf[0])]
-            raw_id = buf[1:].numpy().tobytes().rstrip(b"\0")
+            value = int.from_bytes(buf[1:head].numpy().tobytes(), "little", signed=True)
+            raw_id = buf[head:].numpy().tobytes().rstrip(b"\0")
             rid = raw_id.decode()
         return Agreement(
             action=action,
@@ -212,6 +222,7 @@ class DistCoordinator:
             nonfinite=bool(nonfinite),
             interval=_interval(interval, None if -neg_cap >= _NO_CAP else -neg_cap),
             stale=bool(stale),
+            value=value,
         )
 
     def agree(self, view: LocalView) -> Agreement:

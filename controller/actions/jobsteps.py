@@ -36,6 +36,7 @@ from trainguard.controller.actions.recovery import (
 from trainguard.controller.actions.restartloop import LOOP_KEY, RestartLoop, restart_loop
 from trainguard.controller.actions.restartphase import RestartPhase, advance
 from trainguard.controller.actions.sparecheck import PROGRESS_KEY, SparePreflight
+from trainguard.controller.ckptspec import checkpoint_env
 from trainguard.controller.jobs import RESUME_SKIP_ENV, JobManager, JobSpec, shrink_plan
 from trainguard.controller.jobstate import TRANSITIONS, JobState
 from trainguard.controller.records import CommandRecord, JobRecord
@@ -738,7 +739,15 @@ class RestartHandler(JobStep):
         nodes = list(job.attempt_nodes)
         assert job.rdzv_port is not None
         endpoint = _endpoint(self.jobs.address(nodes[0]), job.rdzv_port)
-        env = dict(spec.env)
+        # the checkpoint block's interval and retention; an auto job starts at its newest
+        # decided interval (controller.ckptauto sends it to the attempt again once it runs)
+        decided = None
+        if spec.checkpoint is not None and spec.checkpoint.auto:
+            rows = self.jobs.store.actions.recent_of(
+                ActionKind.CHECKPOINT_INTERVAL.value, target=job.name
+            )
+            decided = int(rows[0].params["every_steps"]) if rows else None
+        env = {**spec.env, **checkpoint_env(spec.checkpoint, every_steps=decided)}
         if progress.get("skip_batches"):
             env[RESUME_SKIP_ENV] = str(progress["skip_batches"])
         for rank, node in enumerate(nodes):

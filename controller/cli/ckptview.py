@@ -1,6 +1,7 @@
 """How `agentctl describe job` shows a job's checkpoint interval advice: the current and the
-optimal interval side by side, each with its expected waste, and the inputs that gave them
-(the REST view holds the same numbers in seconds and fractions)."""
+optimal interval side by side, each with its expected waste, the inputs that gave them, and
+where the interval comes from (fixed, auto: the controller's, with its changes; the REST view
+holds the same numbers in seconds and fractions)."""
 
 from __future__ import annotations
 
@@ -49,11 +50,25 @@ def _advice(a: dict[str, Any]) -> dict[str, str]:
     }
 
 
+def _source(data: dict[str, Any]) -> str:
+    source = data.get("checkpoint_interval_source") or ""
+    every = data.get("checkpoint_every_steps")
+    steps = f", every {every} steps" if isinstance(every, int) else ""
+    if source == "auto":
+        changes = data.get("checkpoint_interval_changes") or []
+        told = f", {len(changes)} change(s)" if changes else ", not changed yet"
+        return f"auto (set by the controller{steps}{told})"
+    if source == "fixed":
+        return f"fixed (job spec{steps})"
+    return "the program's own"
+
+
 def for_humans(kind: str, data: Any) -> Any:
-    """`data` as `describe` prints it: a job's `checkpoint_interval` in words; else as is."""
+    """`data` as `describe` prints it: a job's `checkpoint_interval` in words, with its source;
+    else as is."""
     if kind != "job" or not isinstance(data, dict):
         return data
     advice = data.get("checkpoint_interval")
     if not isinstance(advice, dict):
         return data
-    return {**data, "checkpoint_interval": _advice(advice)}
+    return {**data, "checkpoint_interval": {"source": _source(data), **_advice(advice)}}

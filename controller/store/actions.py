@@ -181,6 +181,15 @@ class ActionRepository:
                 incident_id, kind, message, data = timeline
                 add_note(c, incident_id, ts=ts, kind=kind, message=message, data=data, touch=True)
 
+    def recent_of(self, kind: str, *, target: str, limit: int = 1) -> list[ActionView]:
+        """The newest `limit` rows of `kind` on `target`, newest first (an auto job's interval
+        decisions)."""
+        rows = self._db.query(
+            "SELECT * FROM actions WHERE kind = ? AND target = ? ORDER BY id DESC LIMIT ?",
+            (kind, target, limit),
+        )
+        return [self._action(r) for r in rows]
+
     def count_auto_drains(self, *, since: float) -> int:
         """Automatic (incident-driven) drains that were not skipped/failed since `since`."""
         rows = self._db.query(

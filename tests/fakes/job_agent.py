@@ -261,6 +261,11 @@ class FakeJobAgent:
             return True, f"sent to {launch.nproc} ranks"
         if cmd.kind == "collect_stacks":
             return True, "stacks of 1 of 1 rank(s)"
+        if cmd.kind == "set_checkpoint_interval":
+            launch = self.launches.get(a["job"])
+            if launch is None or launch.state != "running":
+                return False, "no ranks"
+            return True, f"sent to {launch.nproc} ranks"
         if cmd.kind == "repair":
             if self.repair_fails is not None:
                 return False, self.repair_fails

@@ -406,6 +406,7 @@ CONTROLLER_LAYER_OF: dict[str, str] = {
     "nodestate": "base",  # the NodeState table: the store, metrics and the drain steps ask it
     "ckptinterval": "base",  # Young/Daly and the expected waste: pure arithmetic
     "failurecost": "base",  # GPU-hours and money lost to failures: pure arithmetic
+    "ckptspec": "base",  # a job spec's checkpoint block and the launch environment it becomes
     "store": "store",
     "backup": "store",
     "livestate": "state",
@@ -416,6 +417,7 @@ CONTROLLER_LAYER_OF: dict[str, str] = {
     "unknownxids": "state",  # XID codes the catalog does not list, per node
     "lemons": "state",  # the per-node hardware incident history and the lemon verdict
     "ckptadvisor": "state",  # each job's checkpoint interval advice from what was measured
+    "ckptauto": "state",  # checkpoint.interval auto: the advice decided on and sent to the ranks
     "repairplan": "state",  # the lifecycle's repair after a hardware drain: rows and rate limit
     "rules": "rules",
     "model": "rules",  # what a rule is about and what the engine decided

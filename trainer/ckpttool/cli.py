@@ -146,7 +146,7 @@ def _policy(args: argparse.Namespace, entries: Sequence[Entry]) -> RetentionPoli
     except ValueError as err:
         text = str(err)
         for flag, field in _POLICY_FLAGS.items():
-            text = text.replace(f"retention.{field}", "--" + flag.replace("_", "-"))
+            text = text.replace(f"retention.{field}:", "--" + flag.replace("_", "-"))
         raise ToolError(text) from None
 
 

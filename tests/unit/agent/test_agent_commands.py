@@ -43,6 +43,24 @@ def test_stop_ranks_with_checkpoint_sends_checkpoint_stop() -> None:
     assert sender.sent[0][1].request_id == "c2"  # defaults to the command id
 
 
+def test_set_checkpoint_interval_relays_the_new_interval_under_the_decisions_id() -> None:
+    sender = RecordingSender()
+    ex = default_executor(sender=sender, fault_target=None)
+    args = {"job": "j1", "every_steps": 250, "request_id": "ckpt-interval:j1:3"}
+    res = ex.execute(
+        Command(id="ckpt-interval:j1:3:a2:n1", kind="set_checkpoint_interval", args=args)
+    )
+    assert res.ok
+    want = Control(
+        action="set_interval", request_id="ckpt-interval:j1:3", job="j1", every_steps=250
+    )
+    assert sender.sent == [("j1", want)]
+    bad = ex.execute(
+        Command(id="c9", kind="set_checkpoint_interval", args={"job": "j1", "every_steps": 0})
+    )
+    assert not bad.ok and "args.every_steps" in bad.message
+
+
 def test_relay_with_no_reachable_rank_is_not_ok() -> None:
     ex = default_executor(sender=RecordingSender((0, 0)), fault_target=None)
     res = ex.execute(Command(id="c1", kind="checkpoint", args={"job": "j1"}))

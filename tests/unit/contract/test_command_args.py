@@ -15,6 +15,7 @@ from trainguard.command_args import (
     CommandArgs,
     PreflightArgs,
     RepairArgs,
+    SetCheckpointIntervalArgs,
     StartJobArgs,
     StopJobArgs,
     StopRanksArgs,
@@ -54,6 +55,9 @@ EXAMPLES: dict[CommandKind, CommandArgs] = {
         checks=["ecc", "compute_burn"], reference={"compute_burn_tflops": 400.0}, tolerance=0.15
     ),
     CommandKind.REPAIR: RepairArgs(method="gpu_reset", gpus=[0, 3]),
+    CommandKind.SET_CHECKPOINT_INTERVAL: SetCheckpointIntervalArgs(
+        job="llm", every_steps=250, request_id="ckpt-interval-llm-3"
+    ),
 }
 
 

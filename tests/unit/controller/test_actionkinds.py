@@ -49,10 +49,11 @@ JOB_STEPS = (
 )  # controller/backends/base.py JOB_STEP_KINDS
 STOPPING_KINDS = {"checkpoint", "drain", "grow", "replace", "restart", "rollback", "stop"}
 NODE_REMOVING = {"drain", "replace"}  # controller/incidents.py
-NOT_REMEDIATION = {"notify", "page"}  # the handlers' `remediation = False`
+NOT_REMEDIATION = {"notify", "page", "checkpoint_interval"}  # the handlers' `remediation = False`
 # kinds added since the sets were replaced: the node lifecycle's operator steps
 LIFECYCLE_KINDS = {"validate", "retire"}  # controller/actions/lifecycle.py
 REPAIR_KINDS = {"diagnose", "repair"}  # controller/actions/repairsteps.py (lifecycle.auto_repair)
+AUTO_INTERVAL_KINDS = {"checkpoint_interval"}  # controller/ckptauto.py (a decision row)
 
 
 def _members(prop: str) -> set[str]:
@@ -79,6 +80,7 @@ def test_every_kind_the_old_sets_named_is_a_member_and_stored_as_the_same_string
         | STOPPING_KINDS
         | LIFECYCLE_KINDS
         | REPAIR_KINDS
+        | AUTO_INTERVAL_KINDS
     )
     assert {k.value for k in ActionKind} == every
     for value in every:

@@ -38,3 +38,19 @@ def test_a_job_without_periodic_checkpoints_says_so() -> None:
     advice.update(current_s=None, current_waste=None, current_every_steps=None)
     text = render("job", {**job, "checkpoint_interval": advice}, output="table", now=0.0)
     assert "current:         - (no periodic checkpoints reported)" in text
+
+
+def test_describe_job_shows_where_the_interval_comes_from() -> None:
+    text = render("job", _job(), output="table", now=0.0)
+    assert "source:          the program's own" in text
+    auto = {
+        **_job(),
+        "checkpoint_interval_source": "auto",
+        "checkpoint_every_steps": 2447,
+        "checkpoint_interval_changes": [{"ts": 0.0, "kind": "checkpoint_interval"}],
+    }
+    text = render("job", auto, output="table", now=0.0)
+    assert "source:          auto (set by the controller, every 2447 steps, 1 change(s))" in text
+    fixed = {**_job(), "checkpoint_interval_source": "fixed", "checkpoint_every_steps": 900}
+    text = render("job", fixed, output="table", now=0.0)
+    assert "source:          fixed (job spec, every 900 steps)" in text

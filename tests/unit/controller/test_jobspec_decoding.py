@@ -46,6 +46,72 @@ GOOD = "name: llama\ncommand: [train.py, --lr, '3e-4']\nnodes: [node-1, node-2]\
         pytest.param(
             "nproc_per_node: '2'\n", "nproc_per_node", "expected an integer, got string", id="type"
         ),
+        pytest.param(
+            "checkpoint: {interval: often}\n",
+            "checkpoint.interval",
+            "must be 'auto' or a number of steps in [1, 10000000], got 'often'",
+            id="interval-word",
+        ),
+        pytest.param(
+            "checkpoint: {interval: 0}\n",
+            "checkpoint.interval",
+            "must be 'auto' or a number of steps in [1, 10000000], got 0",
+            id="interval-zero",
+        ),
+        pytest.param(
+            "checkpoint: {interval: auto, min_every_steps: 500, max_every_steps: 100}\n",
+            "checkpoint.max_every_steps",
+            "must be in [min_every_steps (500), 10000000], got 100",
+            id="bounds-crossed",
+        ),
+        pytest.param(
+            "checkpoint: {interval: 100, initial_every_steps: 50}\n",
+            "checkpoint.initial_every_steps",
+            "is for interval: auto only",
+            id="initial-without-auto",
+        ),
+        pytest.param(
+            "checkpoint: {interval: auto, initial_every_steps: 5}\n",
+            "checkpoint.initial_every_steps",
+            "must be within [min_every_steps, max_every_steps], got 5",
+            id="initial-out-of-bounds",
+        ),
+        pytest.param(
+            "checkpoint: {retention: {daily_days: 99999}}\n",
+            "checkpoint.retention.daily_days",
+            "must be in [0, 3660], got 99999",
+            id="retention-bound",
+        ),
+        pytest.param(
+            "checkpoint: {retention: {recent_last: true}}\n",
+            "checkpoint.retention.recent_last",
+            "must be an integer, got True",
+            id="retention-type",
+        ),
+        pytest.param(
+            "checkpoint: {retention: {dayly_days: 7}}\n",
+            "checkpoint.retention.dayly_days",
+            "unknown key (known: daily_days, recent_hours, recent_last, weekly_weeks)",
+            id="retention-typo",
+        ),
+        pytest.param(
+            "env: {TRAINGUARD_RETENTION: '{\"weekly_weeks\": -1}'}\n",
+            "env.TRAINGUARD_RETENTION.weekly_weeks",
+            "must be in [0, 520], got -1",
+            id="retention-in-env",
+        ),
+        pytest.param(
+            "env: {TRAINGUARD_RETENTION: 'daily'}\n",
+            "env.TRAINGUARD_RETENTION",
+            "not a JSON object",
+            id="retention-env-not-json",
+        ),
+        pytest.param(
+            "env: {TRAINGUARD_CHECKPOINT_INTERVAL: auto}\n",
+            "env.TRAINGUARD_CHECKPOINT_INTERVAL",
+            "set it as checkpoint.interval",
+            id="interval-in-env",
+        ),
     ],
 )
 def test_yaml_and_wire_reject_a_bad_spec_identically(
@@ -132,3 +198,19 @@ def test_post_jobs_runs_the_spec_checks(client: TestClient) -> None:
         "field": "nproc_per_node",
         "reason": "must be in [1, 1024], got 0",
     }
+
+
+def test_post_jobs_names_the_bad_checkpoint_field(client: TestClient) -> None:
+    spec: dict[str, Any] = {
+        **yaml.safe_load(GOOD),
+        "checkpoint": {"interval": "auto", "retention": {"weekly_weeks": 9999}},
+    }
+    r = client.post("/v1/jobs", json=spec, headers={"Authorization": "Bearer op-token"})
+    assert r.status_code == 422
+    assert r.json()["detail"] == {
+        "field": "checkpoint.retention.weekly_weeks",
+        "reason": "must be in [0, 520], got 9999",
+    }
+    spec["checkpoint"] = {"interval": "auto", "min_every_steps": 20, "max_every_steps": 2000}
+    r = client.post("/v1/jobs", json=spec, headers={"Authorization": "Bearer op-token"})
+    assert r.status_code == 201, r.text

@@ -157,7 +157,7 @@ def test_a_policy_from_json_is_strict() -> None:
     assert RetentionPolicy.from_json({"daily_days": 7}) == RetentionPolicy(daily_days=7)
     with pytest.raises(ValueError, match=r"job\.retention\.dayly_days: unknown key"):
         RetentionPolicy.from_json({"dayly_days": 7}, where="job.retention")
-    with pytest.raises(ValueError, match=r"job\.retention\.weekly_weeks must be"):
+    with pytest.raises(ValueError, match=r"job\.retention\.weekly_weeks: must be"):
         RetentionPolicy.from_json({"weekly_weeks": -1}, where="job.retention")
 
 
@@ -252,7 +252,7 @@ def test_a_job_spec_sets_the_policy_through_its_environment_strictly(
     tg.close()
     for raw, message in [
         ('{"dayly_days": 7}', r"TRAINGUARD_RETENTION\.dayly_days: unknown key"),
-        ('{"daily_days": 99999}', r"TRAINGUARD_RETENTION\.daily_days must be in \[0, 3660\]"),
+        ('{"daily_days": 99999}', r"TRAINGUARD_RETENTION\.daily_days: must be in \[0, 3660\]"),
         ("daily", r"TRAINGUARD_RETENTION: not a JSON object"),
         ("[1]", r"TRAINGUARD_RETENTION must be a mapping"),
     ]:
