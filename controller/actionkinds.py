@@ -30,6 +30,9 @@ class ActionKind(str, Enum):
     RETIRE = "retire"  # out for good, with the reason (agentctl node retire)
     DIAGNOSE = "diagnose"  # a preflight on a node drained for hardware (lifecycle.auto_repair)
     REPAIR = "repair"  # the GPU reset or node reboot its diagnosis chose (lifecycle.auto_repair)
+    # a retired node's cloud instance terminated through its Auto Scaling Group, which
+    # launches the replacement (planned by the tick with Capability.CLOUD_REPLACE)
+    TERMINATE_INSTANCE = "terminate_instance"
 
     @classmethod
     def parse(cls, kind: str) -> ActionKind | None:
@@ -136,6 +139,7 @@ _ROWS: dict[ActionKind, _KindRow] = {
     _K.RETIRE: _row(in_rules=False),
     _K.DIAGNOSE: _row(in_rules=False),
     _K.REPAIR: _row(in_rules=False),
+    _K.TERMINATE_INSTANCE: _row(in_rules=False, capability="cloud_replace"),
 }
 
 

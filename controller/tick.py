@@ -105,8 +105,10 @@ class TickService:
         expire_job_names: Callable[[float], int] = lambda now: 0,
         lemons: LemonPolicy | None = None,
         keep_spares_warm: Callable[[float], object] = lambda now: None,
+        plan_replacements: Callable[[float], object] = lambda now: None,
     ) -> None:
         self._config = config
+        self._plan_replacements = plan_replacements  # cloud replacement's planner (aws backend)
         self._keep_spares_warm = keep_spares_warm  # SparePreflight.keep_warm over the pool
         self._lemons = lemons  # the hardware incident gauge
         self._expire_job_names = expire_job_names  # ReportService.expire_job_names
@@ -366,6 +368,7 @@ class TickService:
                     decisions = self._hold_seeded(decisions, now=now)
         self.apply_decisions(decisions, now=now)
         self.plan_grows(now=now)
+        self._plan_replacements(now)
         self._keep_spares_warm(now)
         if not self.running:
             self._runner.run_due(now=now)

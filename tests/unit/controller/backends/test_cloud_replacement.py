@@ -1,0 +1,404 @@
+"""Cloud replacement (the aws backend) on a FakeClock over a recording Auto Scaling fake: a
+retired node's instance is terminated through its group once and only once (a controller
+killed at any point included), within the replacement budget and its rate limit, and the old
+node's record is closed with the reason; the config is strict."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.unit.controller.job_sim import Sim
+from trainguard.clock import FakeClock
+from trainguard.controller.actions.base import PermanentError, TransientError
+from trainguard.controller.backends.aws.asg import GroupInstance
+from trainguard.controller.backends.aws.plan import CloudNode, plan_terminations
+from trainguard.controller.backends.aws.terminate import TerminateInstanceHandler
+from trainguard.controller.backends.config import AwsBackendConfig, BackendConfig
+from trainguard.controller.composition import ActionBackends, Controller
+from trainguard.controller.config import ControllerConfig
+from trainguard.strict import ConfigError, build
+
+OLD = {"n1": "i-0a1b2c3d4e5f60001", "n2": "i-0a1b2c3d4e5f60002", "n4": "i-0a1b2c3d4e5f60004"}
+
+
+class FakeAsg:
+    """One region's groups: `terminate` marks the instance Terminating; `settle` lets the
+    group finish (the terminated instance leaves, a replacement reaches InService)."""
+
+    def __init__(self, group: str = "gpu-workers") -> None:
+        self.group = group
+        self.states: dict[str, str] = dict.fromkeys(OLD.values(), "InService")
+        self.calls: list[tuple[str, str]] = []
+        self.fail_next: Exception | None = None
+        self._launched = 0
+
+    def describe_instance(self, instance_id: str) -> GroupInstance | None:
+        self.calls.append(("describe", instance_id))
+        state = self.states.get(instance_id)
+        return None if state is None else GroupInstance(instance_id, self.group, state)
+
+    def group_instances(self, group: str) -> list[GroupInstance]:
+        self.calls.append(("group", group))
+        return [GroupInstance(i, group, s) for i, s in self.states.items()]
+
+    def terminate(self, instance_id: str) -> None:
+        self.calls.append(("terminate", instance_id))
+        if self.fail_next is not None:
+            error, self.fail_next = self.fail_next, None
+            raise error
+        assert self.states.get(instance_id) == "InService", f"{instance_id} terminated twice"
+        self.states[instance_id] = "Terminating"
+
+    def settle(self) -> list[str]:
+        """Terminated instances leave the group; a replacement for each is InService."""
+        new: list[str] = []
+        for instance_id, state in list(self.states.items()):
+            if state == "Terminating":
+                del self.states[instance_id]
+                self._launched += 1
+                replacement = f"i-0feed{self._launched:012x}"
+                self.states[replacement] = "InService"
+                new.append(replacement)
+        return new
+
+    def terminated(self) -> list[str]:
+        return [i for kind, i in self.calls if kind == "terminate"]
+
+
+# --- config ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("data", "key", "reason"),
+    [
+        ({"kind": "aws"}, "backend.aws.region", "required with kind: aws"),
+        ({"kind": "aws", "aws": {"region": "us-east"}}, "backend.aws.region", "not an AWS region"),
+        ({"aws": {"region": "US-EAST-1"}}, "backend.aws.region", "not an AWS region"),
+        ({"aws": {"max_in_flight": 0}}, "backend.aws.max_in_flight", "within 1..100"),
+        ({"aws": {"replace_max": 5000}}, "backend.aws.replace_max", "within 1..1000"),
+        ({"aws": {"replace_max": 1, "max_in_flight": 2}}, "backend.aws.max_in_flight", "exceed"),
+        ({"aws": {"replace_window_s": 1}}, "backend.aws.replace_window_s", "within 60"),
+        ({"aws": {"endpoint_url": "localhost:5000"}}, "backend.aws.endpoint_url", "http://"),
+        ({"aws": {"region_label": "aws_instance_id"}}, "backend.aws.region_label", "differ"),
+        ({"aws": {"regoin": "us-east-1"}}, "backend.aws.regoin", ""),
+    ],
+    ids=[
+        "region-required",
+        "region-short",
+        "region-case",
+        "in-flight-zero",
+        "replace-max-unbounded",
+        "in-flight-over-max",
+        "window-too-short",
+        "endpoint-scheme",
+        "labels-clash",
+        "typo",
+    ],
+)
+def test_bad_aws_config_names_the_key_and_the_reason(
+    data: dict[str, Any], key: str, reason: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        build(BackendConfig, data, source="c.yaml", prefix="backend")
+    assert info.value.key == key
+    assert reason in info.value.reason
+
+
+def test_aws_config_takes_real_region_names() -> None:
+    for region in ("us-east-1", "eu-central-2", "ap-southeast-4", "us-gov-west-1", "cn-north-1"):
+        assert build(AwsBackendConfig, {"region": region}).region == region
+
+
+# --- the plan: the budget and the rate limit -----------------------------------------------------
+
+
+def _retired(name: str, **labels: str) -> CloudNode:
+    return CloudNode(name=name, state="retired", job=None, labels=labels)
+
+
+def _plan(nodes: list[CloudNode], *, in_flight: int = 0, started: int = 0, **cfg: Any) -> Any:
+    config = AwsBackendConfig(region="us-east-1", **cfg)
+    return plan_terminations(
+        nodes,
+        config=config,
+        planned_before=lambda key: False,
+        in_flight=in_flight,
+        started_in_window=started,
+    )
+
+
+def test_only_retired_nodes_with_an_instance_id_are_planned() -> None:
+    nodes = [
+        _retired("n1", aws_instance_id=OLD["n1"], aws_region="eu-west-1"),
+        CloudNode("n2", "drained", None, {"aws_instance_id": OLD["n2"]}),
+        CloudNode("n3", "retired", "job", {"aws_instance_id": "i-0123456789abcdef0"}),
+        _retired("n5"),  # not a cloud node
+    ]
+    plan = _plan(nodes, max_in_flight=2)
+    assert [(t.node, t.instance_id, t.region) for t in plan.planned] == [
+        ("n1", OLD["n1"], "eu-west-1")
+    ]
+    assert plan.held == {}
+
+
+def test_a_bad_instance_id_or_region_label_is_held_with_the_reason() -> None:
+    plan = _plan(
+        [
+            _retired("n1", aws_instance_id="i-XYZ"),
+            _retired("n2", aws_instance_id=OLD["n2"], aws_region="moon-1"),
+        ]
+    )
+    assert plan.planned == []
+    assert plan.held == {
+        "n1": "label aws_instance_id='i-XYZ': not an instance id",
+        "n2": "label aws_region='moon-1': not a region name",
+    }
+
+
+def test_the_budget_holds_what_exceeds_max_in_flight_and_the_rate_limit() -> None:
+    nodes = [_retired(n, aws_instance_id=i) for n, i in OLD.items()]
+    plan = _plan(nodes, max_in_flight=2, replace_max=4)
+    assert [t.node for t in plan.planned] == ["n1", "n2"]
+    assert "max_in_flight 2" in plan.held["n4"]
+    assert [t.node for t in _plan(nodes, in_flight=1, max_in_flight=2).planned] == ["n1"]
+    assert _plan(nodes, in_flight=2, max_in_flight=2).planned == []
+    plan = _plan(nodes, started=3, max_in_flight=2, replace_max=4)
+    assert [t.node for t in plan.planned] == ["n1"]
+    assert "replace_max 4" in plan.held["n2"]
+    assert _plan(nodes, replace_retired=False).planned == []
+
+
+# --- the step: phases, crashes, refusals ---------------------------------------------------------
+
+
+class _Ops:
+    def __init__(self, states: dict[str, str]) -> None:
+        self.states = states
+        self.reasons: dict[str, str | None] = {}
+
+    def node_state(self, node: str) -> str | None:
+        return self.states.get(node)
+
+    def set_node_state(self, node: str, state: str, *, reason: str | None) -> None:
+        self.states[node] = state
+        self.reasons[node] = reason
+
+
+def _ctx(progress: dict[str, Any], *, now: float = 100.0) -> Any:
+    from tests.conformance.backend_suite import step_ctx  # noqa: PLC0415 - the shared builder
+
+    return step_ctx(
+        "terminate_instance",
+        now=now,
+        params={"node": "n1", "instance_id": OLD["n1"], "region": "us-east-1"},
+        key="terminate:n1:" + OLD["n1"],
+        progress=progress,
+    )
+
+
+def _handler(asg: FakeAsg, ops: _Ops, *, timeout_s: float = 600.0) -> TerminateInstanceHandler:
+    return TerminateInstanceHandler(client_for=lambda region: asg, ops=ops, timeout_s=timeout_s)  # type: ignore[arg-type]
+
+
+def _run_to_end(handler: TerminateInstanceHandler, asg: FakeAsg, progress: dict[str, Any]) -> Any:
+    now = 100.0
+    for _ in range(10):
+        outcome = handler.run(_ctx(progress, now=now))
+        if outcome.done:
+            return outcome
+        progress = outcome.output
+        asg.settle() if progress["phase"] == "terminated" else None
+        now += 10.0
+    raise AssertionError("the step did not finish")
+
+
+def test_the_step_records_its_intent_then_terminates_once_and_closes_the_record() -> None:
+    asg, ops = FakeAsg(), _Ops({"n1": "retired"})
+    handler = _handler(asg, ops)
+    first = handler.run(_ctx({}))
+    assert first.output["phase"] == "intent" and asg.terminated() == []  # nothing called yet
+    assert first.output["group"] == "gpu-workers" and OLD["n1"] in first.output["before"]
+    outcome = _run_to_end(handler, asg, first.output)
+    assert asg.terminated() == [OLD["n1"]]
+    replacement = outcome.output["replacement"]
+    assert replacement.startswith("i-0feed") and replacement not in OLD.values()
+    assert ops.states["n1"] == "retired"
+    assert ops.reasons["n1"] == (
+        f"replaced: instance {OLD['n1']} terminated in gpu-workers; replacement {replacement}"
+        " joins as a spare after its preflight"
+    )
+
+
+def test_a_rerun_after_the_terminate_call_never_calls_again() -> None:
+    # killed after the call, before its progress was saved: the row still says `intent`
+    asg, ops = FakeAsg(), _Ops({"n1": "retired"})
+    handler = _handler(asg, ops)
+    intent = handler.run(_ctx({})).output
+    handler.run(_ctx(intent))  # the call happens; its outcome is "lost"
+    assert asg.terminated() == [OLD["n1"]]
+    again = handler.run(_ctx(intent))  # the resumed row, as it was saved
+    assert again.output["phase"] == "terminated"
+    asg.settle()  # and when the instance has already left its group
+    assert handler.run(_ctx(intent)).output["phase"] == "terminated"
+    assert asg.terminated() == [OLD["n1"]]
+
+
+def test_a_timeout_on_the_call_is_retried_without_a_second_terminate() -> None:
+    asg, ops = FakeAsg(), _Ops({"n1": "retired"})
+    handler = _handler(asg, ops)
+    intent = handler.run(_ctx({})).output
+
+    class _Reached(TransientError):
+        pass
+
+    asg.fail_next = _Reached("TerminateInstanceInAutoScalingGroup: ReadTimeoutError")
+    asg.states[OLD["n1"]] = "InService"
+    with pytest.raises(TransientError):
+        handler.run(_ctx(intent))
+    asg.states[OLD["n1"]] = "Terminating"  # the request reached AWS before the read timed out
+    assert handler.run(_ctx(intent)).output["phase"] == "terminated"
+    assert asg.terminated() == [OLD["n1"]]  # the one attempt that raised
+
+
+def test_a_node_brought_back_before_the_call_keeps_its_instance() -> None:
+    asg, ops = FakeAsg(), _Ops({"n1": "retired"})
+    handler = _handler(asg, ops)
+    intent = handler.run(_ctx({})).output
+    ops.states["n1"] = "validating"  # `agentctl node return` won the race
+    with pytest.raises(PermanentError, match="n1 is validating now, not retired"):
+        handler.run(_ctx(intent))
+    assert asg.terminated() == []
+
+
+def test_an_instance_in_no_group_fails_the_step_without_a_call() -> None:
+    asg, ops = FakeAsg(), _Ops({"n1": "retired"})
+    del asg.states[OLD["n1"]]
+    with pytest.raises(PermanentError, match="in no Auto Scaling Group"):
+        _handler(asg, ops).run(_ctx({}))
+    assert asg.terminated() == []
+
+
+def test_no_replacement_in_time_fails_the_step_and_says_so_on_the_node() -> None:
+    asg, ops = FakeAsg(), _Ops({"n1": "retired"})
+    handler = _handler(asg, ops, timeout_s=60.0)
+    progress = handler.run(_ctx({})).output
+    progress = handler.run(_ctx(progress, now=100.0)).output
+    assert handler.run(_ctx(progress, now=150.0)).done is False
+    with pytest.raises(PermanentError, match="no replacement reached service within 60 s"):
+        handler.run(_ctx(progress, now=161.0))
+    assert "no replacement reached service" in str(ops.reasons["n1"])
+    assert asg.terminated() == [OLD["n1"]]
+
+
+# --- a controller on the fake clock ----------------------------------------------------------
+
+
+@pytest.fixture
+def cloud(
+    core_config: Callable[..., ControllerConfig], core_clock: FakeClock, tmp_path: Path
+) -> Iterator[tuple[Sim, FakeAsg, dict[str, Any]]]:
+    """A Sim on the aws backend over FakeAsg: n1, n2, n4 on instances of one group. The dict
+    holds the overrides the next controller is made with (backend.aws fields under "aws")."""
+    asg = FakeAsg()
+    made: list[Controller] = []
+    settings: dict[str, Any] = {"aws": {}}
+
+    def make(**overrides: Any) -> Controller:
+        aws = {"region": "us-east-1", "poll_interval_s": 1.0, **settings["aws"]}
+        extra = {k: v for k, v in settings.items() if k != "aws"}
+        c = Controller(
+            core_config(backend={"kind": "aws", "aws": aws}, **overrides, **extra),
+            clock=core_clock,
+            backends=ActionBackends(notifiers=[], asg_client=lambda region: asg),  # type: ignore[arg-type,return-value]
+        )
+        made.append(c)
+        return c
+
+    sim = Sim(make, core_clock, tmp_path)
+    for node, instance_id in OLD.items():
+        sim.add(node, aws_instance_id=instance_id)
+    yield sim, asg, settings
+    for c in made:
+        c.stop()
+
+
+Cloud = tuple[Sim, FakeAsg, dict[str, Any]]
+
+
+def _rows(sim: Sim) -> list[tuple[str, str]]:
+    rows = sim.c.store.db.query(
+        "SELECT target, state FROM actions WHERE kind = 'terminate_instance' ORDER BY id"
+    )
+    return [(str(r[0]), str(r[1])) for r in rows]
+
+
+def test_a_retired_node_is_replaced_through_its_group(cloud: Cloud) -> None:
+    sim, asg, _ = cloud
+    sim.c.retire("n1", reason="RMA 4411", actor="ops")
+    sim.until(lambda: asg.terminated() == [OLD["n1"]], max_s=5, what="the terminate call")
+    asg.settle()
+    sim.until(lambda: _rows(sim) == [("n1", "succeeded")], max_s=5, what="the step done")
+    node = sim.c.get_node("n1")
+    assert node.state == "retired" and str(node.drain_reason).startswith(
+        f"replaced: instance {OLD['n1']} terminated in gpu-workers; replacement i-0feed"
+    )
+    sim.second(5)
+    assert asg.terminated() == [OLD["n1"]]  # planned once per node and instance
+
+
+def test_retirements_beyond_the_budget_wait_their_turn(cloud: Cloud) -> None:
+    sim, asg, _ = cloud
+    for node in OLD:
+        sim.c.retire(node, reason="bad driver push", actor="ops")
+    sim.second(3)
+    assert asg.terminated() == [OLD["n1"]]  # max_in_flight 1: one out at once
+    asg.settle()
+    sim.until(lambda: len(asg.terminated()) == 2, max_s=5, what="the next one")
+    asg.settle()
+    sim.until(lambda: len(asg.terminated()) == 3, max_s=5, what="the third one")
+
+
+def test_the_rate_limit_holds_the_rest_until_the_window_passes(cloud: Cloud) -> None:
+    sim, asg, settings = cloud
+    settings["aws"] = {"replace_max": 1, "replace_window_s": 600}
+    sim.c = sim.new_controller()
+    sim.c.retire("n1", reason="RMA", actor="ops")
+    sim.c.retire("n2", reason="RMA", actor="ops")
+    sim.until(lambda: asg.terminated() == [OLD["n1"]], max_s=5, what="the first")
+    asg.settle()
+    sim.second(60)
+    assert _rows(sim) == [("n1", "succeeded")]
+    assert asg.terminated() == [OLD["n1"]]  # done, but the window allows one
+    sim.clock.advance(600)
+    sim.until(lambda: len(asg.terminated()) == 2, max_s=5, what="after the window")
+
+
+@pytest.mark.parametrize("killed", ["before-the-call", "after-the-call"])
+def test_a_controller_killed_mid_step_terminates_once(cloud: Cloud, killed: str) -> None:
+    sim, asg, _ = cloud
+    sim.c.retire("n1", reason="RMA", actor="ops")
+    sim.c.cloud.planner.plan(now=sim.clock.now())  # type: ignore[union-attr]
+    ((action, _),) = sim.c.store.actions.open()
+    sim.c.runner.run_one(action.id, now=sim.clock.now())  # the intent is saved
+    assert sim.c.store.actions.output(action.id)["phase"] == "intent"
+    if killed == "after-the-call":
+        asg.terminate(OLD["n1"])  # the call went out; the controller died before saving
+    sim.c = sim.new_controller()  # kill -9: the old one never stops; the store is all that is left
+    sim.until(lambda: len(asg.terminated()) == 1, max_s=5, what="the one call")
+    asg.settle()
+    sim.until(lambda: _rows(sim) == [("n1", "succeeded")], max_s=10, what="the step done")
+    assert asg.terminated() == [OLD["n1"]]
+
+
+def test_dry_run_plans_nothing(cloud: Cloud) -> None:
+    sim, asg, settings = cloud
+    settings["safety"] = {"dry_run": True}
+    sim.c = sim.new_controller()
+    sim.c.retire("n1", reason="RMA", actor="ops")
+    assert sim.c.get_node("n1").state == "retired"
+    sim.second(5)
+    assert asg.terminated() == [] and _rows(sim) == []
