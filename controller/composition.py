@@ -228,6 +228,8 @@ class Controller:
                 live=live,
                 wake=wake.set,
                 dry_run=config.safety.dry_run,
+                set_role=self._set_role,
+                preflight=preflight_args(lifecycle),
                 client_for=backends.asg_client,
             )
             self.registry.register(self.cloud.handler)

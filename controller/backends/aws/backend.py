@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from trainguard.command_args import PreflightArgs
 from trainguard.controller.backends.aws.asg import AsgClient, Boto3AsgClient
 from trainguard.controller.backends.aws.plan import CloudNode, ReplacementPlanner
 from trainguard.controller.backends.aws.terminate import TerminateInstanceHandler
@@ -43,6 +44,8 @@ class CloudReplacement:
         live: LiveState,
         wake: Callable[[], None],
         dry_run: bool,
+        set_role: Callable[[str, str], None],
+        preflight: PreflightArgs,
         client_for: Callable[[str], AsgClient] | None = None,
     ) -> None:
         self._config = config
@@ -51,6 +54,11 @@ class CloudReplacement:
         self.handler = TerminateInstanceHandler(
             client_for=self.client,
             ops=live,
+            node_of_instance=lambda instance_id: _node_of_instance(
+                live, label=config.instance_id_label, instance_id=instance_id
+            ),
+            set_role=set_role,
+            preflight=preflight,
             timeout_s=config.replace_timeout_s,
             poll_interval_s=config.poll_interval_s,
         )
@@ -75,6 +83,13 @@ class CloudReplacement:
                 )
             self._clients[region] = client
         return client
+
+
+def _node_of_instance(live: LiveState, *, label: str, instance_id: str) -> str | None:
+    for n in live.all_nodes():
+        if n.labels.get(label) == instance_id:
+            return n.name
+    return None
 
 
 def _cloud_nodes(live: LiveState) -> Iterable[CloudNode]:

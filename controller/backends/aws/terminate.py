@@ -9,11 +9,13 @@ terminate call, and only while AWS still shows the instance in service. A contro
 at any point therefore terminates the instance once: before the intent is saved nothing was
 called; after it, a run that finds the instance terminating, or gone from its group, takes it
 as done (its own call before the crash, or someone else's) and never calls again. The row is
-not lost either: it stays open until the group has launched the replacement into service.
+not lost either: it stays open until the replacement has joined.
 
-A replacement's agent registers as a new node (its own instance id in its labels) and joins
-the spare pool as every spare does: only after a passing preflight
-(controller.actions.sparecheck).
+The replacement's agent registers as a new node, its own instance id in its labels; the step
+sends it a preflight (the command id derives from the step's key, so a re-run finds the same
+one) and makes it a spare only on a pass, as every spare joins a job only after one
+(controller.actions.sparecheck). A failing new node is drained with the reason and the step
+fails (it pages).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from trainguard.command_args import PreflightArgs
 from trainguard.controller.actionkinds import ActionKind
 from trainguard.controller.actions.base import ActionContext, Outcome, PermanentError
 from trainguard.controller.actions.drain import NodeOps
@@ -34,17 +37,22 @@ log = logging.getLogger("trainguard.controller.aws")
 
 INTENT = "intent"  # the group and its members are recorded; the terminate call comes next
 TERMINATED = "terminated"  # the instance is terminating or gone: waiting for its replacement
+JOINING = "joining"  # the replacement is in service: waiting for its agent and its preflight
 
 
 @dataclass
 class TerminateInstanceHandler:
     """Params {"node", "instance_id", "region", "reason"}; its progress: phase, group, the
-    group's members before (`before`), started_at, terminated_at, and at the end the
-    `replacement` instance id."""
+    group's members before (`before`), started_at, terminated_at, the `replacement` instance
+    id, and the node its agent registered as (`new_node`) with its preflight's command id."""
 
     client_for: Callable[[str], AsgClient]  # region -> its Auto Scaling client
     ops: NodeOps
-    timeout_s: float  # for the replacement to reach InService after the terminate
+    # the node whose agent reports this instance id (its label), if one does yet
+    node_of_instance: Callable[[str], str | None]
+    set_role: Callable[[str, str], None]  # (node, role): the passing replacement -> spare
+    preflight: PreflightArgs
+    timeout_s: float  # from the terminate call to the replacement joining as a spare
     poll_interval_s: float = 10.0
     kind: str = ActionKind.TERMINATE_INSTANCE.value
     remediation: bool = True
@@ -61,7 +69,11 @@ class TerminateInstanceHandler:
         progress = dict(ctx.progress)
         if phase == INTENT:
             return self._terminate(ctx, client, progress, node=node, instance_id=instance_id)
-        return self._await_replacement(ctx, client, progress, node=node, instance_id=instance_id)
+        if phase == TERMINATED:
+            return self._await_replacement(
+                ctx, client, progress, node=node, instance_id=instance_id
+            )
+        return self._join(ctx, progress, node=node, instance_id=instance_id)
 
     @staticmethod
     def _params(params: dict[str, Any]) -> tuple[str, str, str]:
@@ -182,23 +194,103 @@ class TerminateInstanceHandler:
                 poll_after_s=self.poll_interval_s,
             )
         replacement = ready[0]
-        self._close(
-            node,
-            f"replaced: instance {instance_id} terminated in {group}; replacement {replacement}"
-            " joins as a spare after its preflight",
-        )
         log.info(
-            "event=instance_replaced node=%s instance=%s group=%s replacement=%s",
+            "event=instance_replacement_in_service node=%s instance=%s group=%s replacement=%s",
             node,
             instance_id,
             group,
             replacement,
         )
-        progress.update(phase="replaced", replacement=replacement)
+        progress.update(phase=JOINING, replacement=replacement)
         return Outcome(
-            message=f"{instance_id} ({node}) replaced by {replacement} in {group}",
+            message=f"{instance_id} ({node}) replaced by {replacement}: waiting for its agent",
+            output=progress,
+            done=False,
+            poll_after_s=self.poll_interval_s,
+        )
+
+    def _join(
+        self, ctx: ActionContext, progress: dict[str, Any], *, node: str, instance_id: str
+    ) -> Outcome:
+        """The replacement's agent registers, passes a preflight and becomes a spare."""
+        replacement = str(progress["replacement"])
+        new_node = progress.get("new_node") or self.node_of_instance(replacement)
+        waited_s = ctx.now - float(progress.get("terminated_at", ctx.now))
+        if new_node is None:
+            if waited_s > self.timeout_s:
+                why = (
+                    f"replaced: instance {instance_id} terminated; no agent registered from its"
+                    f" replacement {replacement} within {self.timeout_s:g} s"
+                )
+                self._close(node, why)
+                raise PermanentError(f"{node}: {why}")
+            return Outcome(
+                message=f"replacement {replacement} in service: waiting for its agent",
+                output=progress,
+                done=False,
+                poll_after_s=self.poll_interval_s,
+            )
+        if new_node == node:  # the new instance took the old node name: the lifecycle's own way
+            self._close(
+                node,
+                f"replaced: instance {instance_id} terminated; {replacement} came"
+                " back under this name: `agentctl node return` validates it",
+            )
+            progress.update(phase="joined", new_node=node)
+            return Outcome(
+                message=f"{replacement} registered as {node} (retired): validate it with"
+                " `agentctl node return`",
+                output=progress,
+            )
+        command_id = str(progress.get("command_id") or f"preflight-{ctx.action.idempotency_key}")
+        if "command_id" not in progress:
+            self.ops.queue_command(new_node, self.preflight, command_id=command_id)
+            log.info("event=preflight_queued node=%s command=%s", new_node, command_id)
+            progress.update(new_node=new_node, command_id=command_id)
+        record = self.ops.command_status(command_id)
+        if record is None or record.done_at is None:
+            if record is None:  # lost with a restored store: ask again (the agent dedupes)
+                self.ops.queue_command(new_node, self.preflight, command_id=command_id)
+            if waited_s > self.timeout_s:
+                why = f"preflight did not answer within {self.timeout_s:g} s"
+                self._keep_out(new_node, why)
+                raise PermanentError(f"{new_node} (replacing {node}): {why}")
+            return Outcome(
+                message=f"{new_node} ({replacement}) registered: waiting for its preflight",
+                output=progress,
+                done=False,
+                poll_after_s=self.poll_interval_s,
+            )
+        summary = record.result or ("passed" if record.ok else "failed")
+        if not record.ok:
+            why = summary if summary.startswith("preflight") else f"preflight {summary}"
+            self._keep_out(new_node, why)
+            self._close(node, f"replaced: instance {instance_id} terminated; {new_node} {why}")
+            raise PermanentError(f"{new_node} (replacing {node}): {why}")
+        self.set_role(new_node, "spare")
+        self._close(
+            node,
+            f"replaced: instance {instance_id} terminated in {progress['group']}; {new_node}"
+            f" ({replacement}) joined as a spare after a passing preflight",
+        )
+        log.info(
+            "event=instance_replaced node=%s instance=%s new_node=%s replacement=%s",
+            node,
+            instance_id,
+            new_node,
+            replacement,
+        )
+        progress.update(phase="joined")
+        return Outcome(
+            message=f"{node} ({instance_id}) replaced by {new_node} ({replacement}), a spare",
             output=progress,
         )
+
+    def _keep_out(self, node: str, why: str) -> None:
+        """A failing replacement leaves service with the reason (`node return` brings it)."""
+        if self.ops.node_state(node) == NodeState.ACTIVE.value:
+            self.ops.set_node_state(node, NodeState.DRAINED.value, reason=why)
+        log.warning("event=replacement_failed_preflight node=%s reason=%r", node, why)
 
     def _close(self, node: str, reason: str) -> None:
         """The old node's record: it stays retired, its reason says what became of it."""
@@ -206,4 +298,4 @@ class TerminateInstanceHandler:
             self.ops.set_node_state(node, NodeState.RETIRED.value, reason=reason)
 
 
-__all__ = ["INTENT", "TERMINATED", "TerminateInstanceHandler"]
+__all__ = ["INTENT", "JOINING", "TERMINATED", "TerminateInstanceHandler"]

@@ -13,6 +13,7 @@ import pytest
 
 from tests.unit.controller.job_sim import Sim
 from trainguard.clock import FakeClock
+from trainguard.command_args import PreflightArgs
 from trainguard.controller.actions.base import PermanentError, TransientError
 from trainguard.controller.backends.aws.asg import GroupInstance
 from trainguard.controller.backends.aws.plan import CloudNode, plan_terminations
@@ -20,6 +21,7 @@ from trainguard.controller.backends.aws.terminate import TerminateInstanceHandle
 from trainguard.controller.backends.config import AwsBackendConfig, BackendConfig
 from trainguard.controller.composition import ActionBackends, Controller
 from trainguard.controller.config import ControllerConfig
+from trainguard.controller.records import CommandRecord
 from trainguard.strict import ConfigError, build
 
 OLD = {"n1": "i-0a1b2c3d4e5f60001", "n2": "i-0a1b2c3d4e5f60002", "n4": "i-0a1b2c3d4e5f60004"}
@@ -176,9 +178,27 @@ def test_the_budget_holds_what_exceeds_max_in_flight_and_the_rate_limit() -> Non
 
 
 class _Ops:
+    """The node operations the step uses; a new node's preflight answers `preflight_ok`."""
+
     def __init__(self, states: dict[str, str]) -> None:
         self.states = states
         self.reasons: dict[str, str | None] = {}
+        self.commands: dict[str, CommandRecord] = {}
+        self.preflight_ok: bool | None = True  # None: not answered
+        self.roles: dict[str, str] = {}
+
+    def queue_command(self, node: str, args: Any, *, command_id: str) -> None:
+        done = None if self.preflight_ok is None else 1.0
+        result = "passed (ecc)" if self.preflight_ok else "failed: ecc: 2 uncorrectable errors"
+        self.commands.setdefault(
+            command_id,
+            CommandRecord(
+                command_id, node, "preflight", {}, 0.0, 0.0, done, self.preflight_ok, result
+            ),
+        )
+
+    def command_status(self, command_id: str) -> CommandRecord | None:
+        return self.commands.get(command_id)
 
     def node_state(self, node: str) -> str | None:
         return self.states.get(node)
@@ -201,7 +221,15 @@ def _ctx(progress: dict[str, Any], *, now: float = 100.0) -> Any:
 
 
 def _handler(asg: FakeAsg, ops: _Ops, *, timeout_s: float = 600.0) -> TerminateInstanceHandler:
-    return TerminateInstanceHandler(client_for=lambda region: asg, ops=ops, timeout_s=timeout_s)  # type: ignore[arg-type]
+    """The step over `asg` and `ops`; a replacement's agent registers as node "n9"."""
+    return TerminateInstanceHandler(
+        client_for=lambda region: asg,  # type: ignore[arg-type,return-value]
+        ops=ops,  # type: ignore[arg-type]
+        node_of_instance=lambda instance_id: "n9" if instance_id.startswith("i-0feed") else None,
+        set_role=ops.roles.__setitem__,
+        preflight=PreflightArgs(),
+        timeout_s=timeout_s,
+    )
 
 
 def _run_to_end(handler: TerminateInstanceHandler, asg: FakeAsg, progress: dict[str, Any]) -> Any:
@@ -211,7 +239,8 @@ def _run_to_end(handler: TerminateInstanceHandler, asg: FakeAsg, progress: dict[
         if outcome.done:
             return outcome
         progress = outcome.output
-        asg.settle() if progress["phase"] == "terminated" else None
+        if progress["phase"] == "terminated":
+            asg.settle()
         now += 10.0
     raise AssertionError("the step did not finish")
 
@@ -228,9 +257,21 @@ def test_the_step_records_its_intent_then_terminates_once_and_closes_the_record(
     assert replacement.startswith("i-0feed") and replacement not in OLD.values()
     assert ops.states["n1"] == "retired"
     assert ops.reasons["n1"] == (
-        f"replaced: instance {OLD['n1']} terminated in gpu-workers; replacement {replacement}"
-        " joins as a spare after its preflight"
+        f"replaced: instance {OLD['n1']} terminated in gpu-workers; n9 ({replacement}) joined"
+        " as a spare after a passing preflight"
     )
+    assert ops.roles == {"n9": "spare"}  # only after its preflight passed
+    assert [c.node for c in ops.commands.values()] == ["n9"]
+
+
+def test_a_replacement_that_fails_its_preflight_is_drained_and_never_a_spare() -> None:
+    asg, ops = FakeAsg(), _Ops({"n1": "retired", "n9": "active"})
+    ops.preflight_ok = False
+    with pytest.raises(PermanentError, match="n9 \\(replacing n1\\): preflight failed: ecc"):
+        _run_to_end(_handler(asg, ops), asg, {})
+    assert ops.states["n9"] == "drained"
+    assert ops.reasons["n9"] == "preflight failed: ecc: 2 uncorrectable errors"
+    assert ops.roles == {}
 
 
 def test_a_rerun_after_the_terminate_call_never_calls_again() -> None:
@@ -336,15 +377,24 @@ def _rows(sim: Sim) -> list[tuple[str, str]]:
     return [(str(r[0]), str(r[1])) for r in rows]
 
 
+def _settle(sim: Sim, asg: FakeAsg) -> None:
+    """The group launches the replacements; each one's agent registers (as n9, n10, ...)."""
+    for instance_id in asg.settle():
+        sim.second(2)  # the instance boots
+        sim.add(f"n{len(sim.agents) + 6}", aws_instance_id=instance_id)
+
+
 def test_a_retired_node_is_replaced_through_its_group(cloud: Cloud) -> None:
     sim, asg, _ = cloud
     sim.c.retire("n1", reason="RMA 4411", actor="ops")
     sim.until(lambda: asg.terminated() == [OLD["n1"]], max_s=5, what="the terminate call")
-    asg.settle()
+    _settle(sim, asg)
+    assert sim.c.get_node("n9").role == "active"  # registered, not a spare yet
     sim.until(lambda: _rows(sim) == [("n1", "succeeded")], max_s=5, what="the step done")
+    assert sim.cmds("n9", "preflight") and sim.c.get_node("n9").role == "spare"
     node = sim.c.get_node("n1")
     assert node.state == "retired" and str(node.drain_reason).startswith(
-        f"replaced: instance {OLD['n1']} terminated in gpu-workers; replacement i-0feed"
+        f"replaced: instance {OLD['n1']} terminated in gpu-workers; n9 (i-0feed"
     )
     sim.second(5)
     assert asg.terminated() == [OLD["n1"]]  # planned once per node and instance
@@ -357,8 +407,11 @@ def test_retirements_beyond_the_budget_wait_their_turn(cloud: Cloud) -> None:
     sim.second(3)
     assert asg.terminated() == [OLD["n1"]]  # max_in_flight 1: one out at once
     asg.settle()
+    sim.second(5)
+    assert len(asg.terminated()) == 1  # out until its replacement joined
+    sim.add("n9", aws_instance_id=sorted(i for i in asg.states if i.startswith("i-0feed"))[0])
     sim.until(lambda: len(asg.terminated()) == 2, max_s=5, what="the next one")
-    asg.settle()
+    _settle(sim, asg)
     sim.until(lambda: len(asg.terminated()) == 3, max_s=5, what="the third one")
 
 
@@ -369,7 +422,7 @@ def test_the_rate_limit_holds_the_rest_until_the_window_passes(cloud: Cloud) -> 
     sim.c.retire("n1", reason="RMA", actor="ops")
     sim.c.retire("n2", reason="RMA", actor="ops")
     sim.until(lambda: asg.terminated() == [OLD["n1"]], max_s=5, what="the first")
-    asg.settle()
+    _settle(sim, asg)
     sim.second(60)
     assert _rows(sim) == [("n1", "succeeded")]
     assert asg.terminated() == [OLD["n1"]]  # done, but the window allows one
@@ -389,7 +442,7 @@ def test_a_controller_killed_mid_step_terminates_once(cloud: Cloud, killed: str)
         asg.terminate(OLD["n1"])  # the call went out; the controller died before saving
     sim.c = sim.new_controller()  # kill -9: the old one never stops; the store is all that is left
     sim.until(lambda: len(asg.terminated()) == 1, max_s=5, what="the one call")
-    asg.settle()
+    _settle(sim, asg)
     sim.until(lambda: _rows(sim) == [("n1", "succeeded")], max_s=10, what="the step done")
     assert asg.terminated() == [OLD["n1"]]
 
