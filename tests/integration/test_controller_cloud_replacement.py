@@ -8,8 +8,6 @@ reaches the log."""
 from __future__ import annotations
 
 import os
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,22 +27,7 @@ REGION = "us-east-1"
 GROUP = "gpu-workers"
 SECRET = "tgSecretKeyNeverLogged0123456789"
 
-
-@pytest.fixture(scope="module")
-def moto_url() -> Iterator[str]:
-    """A local moto server, emptied before and after (as tests/unit/trainer/conftest.py's)."""
-    # deferred: only these tests start a server (moto imports in ~1 s)
-    from moto.server import ThreadedMotoServer  # noqa: PLC0415
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    url = f"http://{host}:{port}"
-    # moto keeps its state in this process, across servers: start and leave it empty
-    urllib.request.urlopen(urllib.request.Request(f"{url}/moto-api/reset", method="POST"))
-    yield url
-    urllib.request.urlopen(urllib.request.Request(f"{url}/moto-api/reset", method="POST"))
-    server.stop()
+pytestmark = pytest.mark.slow
 
 
 def _aws(url: str, service: str) -> Any:

@@ -5,71 +5,19 @@ node's record is closed with the reason; the config is strict."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.unit.controller.backends.fake_asg import OLD, FakeAsg
 from tests.unit.controller.job_sim import Sim
-from trainguard.clock import FakeClock
 from trainguard.command_args import PreflightArgs
 from trainguard.controller.actions.base import PermanentError, TransientError
-from trainguard.controller.backends.aws.asg import GroupInstance
 from trainguard.controller.backends.aws.plan import CloudNode, plan_terminations
 from trainguard.controller.backends.aws.terminate import TerminateInstanceHandler
 from trainguard.controller.backends.config import AwsBackendConfig, BackendConfig
-from trainguard.controller.composition import ActionBackends, Controller
-from trainguard.controller.config import ControllerConfig
 from trainguard.controller.records import CommandRecord
 from trainguard.strict import ConfigError, build
-
-OLD = {"n1": "i-0a1b2c3d4e5f60001", "n2": "i-0a1b2c3d4e5f60002", "n4": "i-0a1b2c3d4e5f60004"}
-
-
-class FakeAsg:
-    """One region's groups: `terminate` marks the instance Terminating; `settle` lets the
-    group finish (the terminated instance leaves, a replacement reaches InService)."""
-
-    def __init__(self, group: str = "gpu-workers") -> None:
-        self.group = group
-        self.states: dict[str, str] = dict.fromkeys(OLD.values(), "InService")
-        self.calls: list[tuple[str, str]] = []
-        self.fail_next: Exception | None = None
-        self._launched = 0
-
-    def describe_instance(self, instance_id: str) -> GroupInstance | None:
-        self.calls.append(("describe", instance_id))
-        state = self.states.get(instance_id)
-        return None if state is None else GroupInstance(instance_id, self.group, state)
-
-    def group_instances(self, group: str) -> list[GroupInstance]:
-        self.calls.append(("group", group))
-        return [GroupInstance(i, group, s) for i, s in self.states.items()]
-
-    def terminate(self, instance_id: str) -> None:
-        self.calls.append(("terminate", instance_id))
-        if self.fail_next is not None:
-            error, self.fail_next = self.fail_next, None
-            raise error
-        assert self.states.get(instance_id) == "InService", f"{instance_id} terminated twice"
-        self.states[instance_id] = "Terminating"
-
-    def settle(self) -> list[str]:
-        """Terminated instances leave the group; a replacement for each is InService."""
-        new: list[str] = []
-        for instance_id, state in list(self.states.items()):
-            if state == "Terminating":
-                del self.states[instance_id]
-                self._launched += 1
-                replacement = f"i-0feed{self._launched:012x}"
-                self.states[replacement] = "InService"
-                new.append(replacement)
-        return new
-
-    def terminated(self) -> list[str]:
-        return [i for kind, i in self.calls if kind == "terminate"]
-
 
 # --- config ----------------------------------------------------------------------------------
 
@@ -338,35 +286,6 @@ def test_no_replacement_in_time_fails_the_step_and_says_so_on_the_node() -> None
 # --- a controller on the fake clock ----------------------------------------------------------
 
 
-@pytest.fixture
-def cloud(
-    core_config: Callable[..., ControllerConfig], core_clock: FakeClock, tmp_path: Path
-) -> Iterator[tuple[Sim, FakeAsg, dict[str, Any]]]:
-    """A Sim on the aws backend over FakeAsg: n1, n2, n4 on instances of one group. The dict
-    holds the overrides the next controller is made with (backend.aws fields under "aws")."""
-    asg = FakeAsg()
-    made: list[Controller] = []
-    settings: dict[str, Any] = {"aws": {}}
-
-    def make(**overrides: Any) -> Controller:
-        aws = {"region": "us-east-1", "poll_interval_s": 1.0, **settings["aws"]}
-        extra = {k: v for k, v in settings.items() if k != "aws"}
-        c = Controller(
-            core_config(backend={"kind": "aws", "aws": aws}, **overrides, **extra),
-            clock=core_clock,
-            backends=ActionBackends(notifiers=[], asg_client=lambda region: asg),  # type: ignore[arg-type,return-value]
-        )
-        made.append(c)
-        return c
-
-    sim = Sim(make, core_clock, tmp_path)
-    for node, instance_id in OLD.items():
-        sim.add(node, aws_instance_id=instance_id)
-    yield sim, asg, settings
-    for c in made:
-        c.stop()
-
-
 Cloud = tuple[Sim, FakeAsg, dict[str, Any]]
 
 
@@ -455,3 +374,18 @@ def test_dry_run_plans_nothing(cloud: Cloud) -> None:
     assert sim.c.get_node("n1").state == "retired"
     sim.second(5)
     assert asg.terminated() == [] and _rows(sim) == []
+
+
+def test_a_replacement_under_the_old_name_is_left_to_node_return() -> None:
+    asg, ops = FakeAsg(), _Ops({"n1": "retired"})
+    handler = TerminateInstanceHandler(
+        client_for=lambda region: asg,  # type: ignore[arg-type,return-value]
+        ops=ops,  # type: ignore[arg-type]
+        node_of_instance=lambda instance_id: "n1",  # the new instance took the old name
+        set_role=ops.roles.__setitem__,
+        preflight=PreflightArgs(),
+        timeout_s=600.0,
+    )
+    outcome = _run_to_end(handler, asg, {})
+    assert "agentctl node return" in outcome.message
+    assert ops.states["n1"] == "retired" and ops.roles == {} and ops.commands == {}
