@@ -94,7 +94,9 @@ def _node_of_instance(live: LiveState, *, label: str, instance_id: str) -> str |
 
 def _cloud_nodes(live: LiveState) -> Iterable[CloudNode]:
     return [
-        CloudNode(name=n.name, state=n.state, job=n.job, labels=dict(n.labels))
+        CloudNode(
+            name=n.name, state=n.state, job=n.job, labels=dict(n.labels), reason=n.drain_reason
+        )
         for n in live.all_nodes()
     ]
 

@@ -25,6 +25,7 @@ from trainguard.controller.store import Store
 log = logging.getLogger("trainguard.controller.aws")
 
 KEY_PREFIX = "terminate:"
+REPLACED = "replaced:"  # how the step closes the old node's record (its drain reason)
 
 
 def termination_key(node: str, instance_id: str) -> str:
@@ -39,6 +40,7 @@ class CloudNode:
     state: str
     job: str | None
     labels: Mapping[str, str]
+    reason: str | None = None  # its drain reason: `replaced: ...` once its step has ended
 
 
 @dataclass(frozen=True)
@@ -68,8 +70,9 @@ def plan_terminations(
     in_flight: int,
     started_in_window: int,
 ) -> TerminationPlan:
-    """The retired nodes (no job, an instance id in their labels, not planned before) whose
-    instances are terminated now, within the budget, in name order."""
+    """The retired nodes (no job, an instance id in their labels, not planned before, not
+    closed as replaced) whose instances are terminated now, within the budget, in name
+    order."""
     planned: list[Termination] = []
     held: dict[str, str] = {}
     if not config.replace_retired:
@@ -78,6 +81,8 @@ def plan_terminations(
     for node in sorted(nodes, key=lambda n: n.name):
         if node.state != NodeState.RETIRED.value or node.job is not None:
             continue
+        if (node.reason or "").startswith(REPLACED):
+            continue  # its step ended (its row may since have gone with the store's retention)
         instance_id = node.labels.get(config.instance_id_label, "")
         region = node.labels.get(config.region_label) or config.region
         if not instance_id:
@@ -125,6 +130,7 @@ class ReplacementPlanner:
         self._wake = wake
         self._dry_run = dry_run
         self._held: dict[str, str] = {}  # logged once per node and reason
+        self._planned: set[str] = set()  # keys known to have a row (one query per key)
         self._lock = threading.Lock()
 
     def plan(self, *, now: float) -> list[str]:
@@ -138,7 +144,7 @@ class ReplacementPlanner:
             plan = plan_terminations(
                 self._nodes(),
                 config=self._config,
-                planned_before=lambda key: self._store.actions.by_key(key) is not None,
+                planned_before=self._planned_before,
                 in_flight=in_flight,
                 started_in_window=started,
             )
@@ -178,13 +184,20 @@ class ReplacementPlanner:
                     t.instance_id,
                     t.region,
                 )
+            self._planned.update(written)
             if written:
                 self._wake()
             return written
 
+    def _planned_before(self, key: str) -> bool:
+        if key not in self._planned and self._store.actions.by_key(key) is not None:
+            self._planned.add(key)
+        return key in self._planned
+
 
 __all__ = [
     "KEY_PREFIX",
+    "REPLACED",
     "CloudNode",
     "ReplacementPlanner",
     "Termination",

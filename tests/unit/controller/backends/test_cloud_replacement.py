@@ -95,6 +95,14 @@ def test_only_retired_nodes_with_an_instance_id_are_planned() -> None:
     assert plan.held == {}
 
 
+def test_a_node_closed_as_replaced_is_never_planned_again() -> None:
+    # its row may be gone with the store's retention; its record still says it was replaced
+    node = CloudNode(
+        "n1", "retired", None, {"aws_instance_id": OLD["n1"]}, reason="replaced: instance ..."
+    )
+    assert _plan([node]).planned == []
+
+
 def test_a_bad_instance_id_or_region_label_is_held_with_the_reason() -> None:
     plan = _plan(
         [
