@@ -13,6 +13,7 @@ from tests.unit.controller.backends.fake_asg import OLD, FakeAsg
 from tests.unit.controller.job_sim import Sim
 from trainguard.command_args import PreflightArgs
 from trainguard.controller.actions.base import PermanentError, TransientError
+from trainguard.controller.backends.aws.asg import Boto3AsgClient
 from trainguard.controller.backends.aws.plan import CloudNode, plan_terminations
 from trainguard.controller.backends.aws.terminate import TerminateInstanceHandler
 from trainguard.controller.backends.config import AwsBackendConfig, BackendConfig
@@ -397,3 +398,48 @@ def test_a_replacement_under_the_old_name_is_left_to_node_return() -> None:
     outcome = _run_to_end(handler, asg, {})
     assert "agentctl node return" in outcome.message
     assert ops.states["n1"] == "retired" and ops.roles == {} and ops.commands == {}
+
+
+# --- the boto3 client's errors ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "kind"),
+    [
+        ("Throttling", 400, TransientError),
+        ("InternalFailure", 500, TransientError),
+        ("ScalingActivityInProgress", 400, TransientError),
+        ("AccessDenied", 403, PermanentError),
+        ("ValidationError", 400, PermanentError),
+    ],
+    ids=["throttled", "5xx", "activity-in-progress", "access-denied", "bad-id"],
+)
+def test_aws_errors_are_transient_or_permanent_and_name_the_call_and_code(
+    code: str, status: int, kind: type[Exception]
+) -> None:
+    from botocore.exceptions import ClientError  # noqa: PLC0415 - the aws extra, as the product
+
+    client = Boto3AsgClient(region="us-east-1", endpoint_url="http://127.0.0.1:9")
+    error = ClientError(
+        {"Error": {"Code": code, "Message": "no"}, "ResponseMetadata": {"HTTPStatusCode": status}},
+        "TerminateInstanceInAutoScalingGroup",
+    )
+
+    def fail() -> dict[str, Any]:
+        raise error
+
+    with pytest.raises(kind) as info:
+        client._call("TerminateInstanceInAutoScalingGroup", fail)
+    assert str(info.value) == f"TerminateInstanceInAutoScalingGroup in us-east-1: {code}: no"
+
+
+def test_missing_credentials_are_permanent_and_never_printed() -> None:
+    from botocore.exceptions import NoCredentialsError  # noqa: PLC0415
+
+    client = Boto3AsgClient(region="eu-west-1")
+
+    def fail() -> dict[str, Any]:
+        raise NoCredentialsError()
+
+    with pytest.raises(PermanentError, match="no AWS credentials"):
+        client._call("DescribeAutoScalingInstances", fail)
