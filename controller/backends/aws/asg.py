@@ -73,9 +73,14 @@ class Boto3AsgClient:
     """AsgClient over boto3's `autoscaling` client (the `aws` extra)."""
 
     def __init__(self, *, region: str, endpoint_url: str = "", timeout_s: float = 20.0) -> None:
-        # lazy: only a controller with backend.kind aws needs boto3 (the `aws` extra)
-        import boto3  # noqa: PLC0415
-        from botocore.config import Config  # noqa: PLC0415
+        try:  # lazy: only a controller with backend.kind aws needs boto3 (the `aws` extra)
+            import boto3  # noqa: PLC0415
+            from botocore.config import Config  # noqa: PLC0415
+        except ImportError:
+            raise PermanentError(
+                "backend.kind aws needs boto3 on the controller host: pip install"
+                " 'trainguard[controller,aws]'"
+            ) from None
 
         self.region = region
         self._client: Any = boto3.client(
