@@ -33,6 +33,9 @@ class ActionKind(str, Enum):
     # an auto job's new checkpoint interval (controller.ckptauto), never a rule's: the row is
     # the decision, written before its commands and never run by the worker
     CHECKPOINT_INTERVAL = "checkpoint_interval"
+    # a retired node's cloud instance terminated through its Auto Scaling Group, which
+    # launches the replacement (planned by the tick with Capability.CLOUD_REPLACE)
+    TERMINATE_INSTANCE = "terminate_instance"
 
     @classmethod
     def parse(cls, kind: str) -> ActionKind | None:
@@ -140,6 +143,7 @@ _ROWS: dict[ActionKind, _KindRow] = {
     _K.DIAGNOSE: _row(in_rules=False),
     _K.REPAIR: _row(in_rules=False),
     _K.CHECKPOINT_INTERVAL: _row(in_rules=False, remediation=False),
+    _K.TERMINATE_INSTANCE: _row(in_rules=False, capability="cloud_replace"),
 }
 
 

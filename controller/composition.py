@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from trainguard.clock import SYSTEM_CLOCK, Clock
@@ -31,6 +31,8 @@ from trainguard.controller.actions.notify import (
 from trainguard.controller.actions.repairsteps import DiagnoseHandler, RepairHandler
 from trainguard.controller.actions.sparecheck import preflight_args, spare_preflight
 from trainguard.controller.actions.worker import ActionRunner
+from trainguard.controller.backends.aws.asg import AsgClient
+from trainguard.controller.backends.aws.backend import CloudReplacement
 from trainguard.controller.backends.base import Capability, step_handlers
 from trainguard.controller.backends.build import build_backend
 from trainguard.controller.backends.slurm.cli import SlurmRunner
@@ -81,12 +83,15 @@ class ActionBackends:
     notifiers None: built from config.notify. drain None: the scheduler backend's (the local
     backend over this controller for torchrun, scontrol for Slurm). handlers: extra step
     handlers registered over the backend's. slurm_runner: replaces the Slurm commands.
+    asg_client: region -> the Auto Scaling client cloud replacement uses (tests; default
+    boto3's).
     """
 
     notifiers: list[Notifier] | None = None
     drain: DrainBackend | None = None
     handlers: list[ActionHandler] = field(default_factory=list)
     slurm_runner: SlurmRunner | None = None
+    asg_client: Callable[[str], AsgClient] | None = None
 
 
 class Controller:
@@ -215,6 +220,21 @@ class Controller:
             )
         )
         self.registry.register(RetireHandler(backend=drain_backend, ops=live))
+        # cloud replacement: a retired node's instance terminated through its Auto Scaling
+        # Group (the aws backend); without the capability the kind stays unavailable
+        self.cloud: CloudReplacement | None = None
+        if Capability.CLOUD_REPLACE in self.backend.capabilities:
+            self.cloud = CloudReplacement(
+                config.backend.aws,
+                store=self.store,
+                live=live,
+                wake=wake.set,
+                dry_run=config.safety.dry_run,
+                set_role=self._set_role,
+                preflight=preflight_args(lifecycle),
+                client_for=backends.asg_client,
+            )
+            self.registry.register(self.cloud.handler)
         for job_handler in step_handlers(self.backend):
             self.registry.register(job_handler)
         for handler in backends.handlers:
@@ -323,6 +343,7 @@ class Controller:
             can_grow=Capability.GROW in self.backend.capabilities,
             expire_job_names=self.reports.expire_job_names,
             lemons=self.lemons,
+            plan_replacements=self._plan_replacements,
             keep_spares_warm=lambda now: (
                 lifecycle.spare_preflight_ahead
                 and spare_keeper.keep_warm(
@@ -363,6 +384,10 @@ class Controller:
         )
         if ended:
             log.info("event=incidents_ended node=%s incidents=%s", node, ended)
+
+    def _plan_replacements(self, now: float) -> None:
+        if self.cloud is not None:
+            self.cloud.planner.plan(now=now)
 
     def _rule(self, name: str) -> Rule | None:
         # the ticker is built after the handlers; a notify step runs only once it is

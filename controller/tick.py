@@ -106,8 +106,10 @@ class TickService:
         lemons: LemonPolicy | None = None,
         keep_spares_warm: Callable[[float], object] = lambda now: None,
         auto_interval: Callable[[float], object] = lambda now: None,
+        plan_replacements: Callable[[float], object] = lambda now: None,
     ) -> None:
         self._config = config
+        self._plan_replacements = plan_replacements  # cloud replacement's planner (aws backend)
         self._keep_spares_warm = keep_spares_warm  # SparePreflight.keep_warm over the pool
         self._auto_interval = auto_interval  # AutoInterval.tick: auto jobs' checkpoint interval
         self._lemons = lemons  # the hardware incident gauge
@@ -376,6 +378,7 @@ class TickService:
                     decisions = self._hold_seeded(decisions, now=now)
         self.apply_decisions(decisions, now=now)
         self.plan_grows(now=now)
+        self._plan_replacements(now)
         self._keep_spares_warm(now)
         self._auto_interval(now)
         if not self.running:

@@ -57,6 +57,10 @@ class Capability(enum.Enum):
     SCHEDULER_SIDE_DRAIN = "scheduler_side_drain"
     # job_views shows jobs the scheduler runs beyond trainguard's job table
     EXTERNAL_JOB_VIEWS = "external_job_views"
+    # --- the nodes' machines ------------------------------------------------------------------
+    # a retired node's cloud instance is terminated through its Auto Scaling Group, which
+    # launches a replacement (the terminate_instance step; controller.backends.aws)
+    CLOUD_REPLACE = "cloud_replace"
 
 
 # Job step kind -> the capability it needs.

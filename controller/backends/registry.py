@@ -5,7 +5,7 @@ conformance suite (tests/conformance/backend_suite.py)."""
 
 from __future__ import annotations
 
-from trainguard.controller.backends import slurm, torchrun
+from trainguard.controller.backends import aws, slurm, torchrun
 from trainguard.controller.backends.base import BackendKind, Capability
 
 
@@ -37,5 +37,6 @@ class BackendRegistry:
 REGISTRY = BackendRegistry()
 REGISTRY.register(torchrun.KIND)
 REGISTRY.register(slurm.KIND)
+REGISTRY.register(aws.KIND)
 
 __all__ = ["REGISTRY", "BackendRegistry"]

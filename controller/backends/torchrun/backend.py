@@ -6,7 +6,7 @@ job step handlers of controller.actions.jobsteps."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from trainguard.controller.actions.base import ActionContext, Outcome
 from trainguard.controller.actions.drain import DrainState, LocalDrainBackend
@@ -119,10 +119,18 @@ class TorchrunBackend:
         pass
 
 
+_B = TypeVar("_B", bound="TorchrunBackend")
+
+
 def build(deps: BackendDeps) -> TorchrunBackend:
     """The registry's factory: the local drain over the controller's live node state."""
+    return build_as(TorchrunBackend, deps)
+
+
+def build_as(cls: type[_B], deps: BackendDeps) -> _B:
+    """A TorchrunBackend (or a backend built on it, the aws one) over the controller's parts."""
     config = deps.config
-    return TorchrunBackend(
+    return cls(
         drain=LocalDrainBackend(
             deps.live,
             stop_grace_s=config.actions.drain_stop_grace_s,
@@ -136,4 +144,4 @@ def build(deps: BackendDeps) -> TorchrunBackend:
     )
 
 
-__all__ = ["TorchrunBackend", "build"]
+__all__ = ["TorchrunBackend", "build", "build_as"]

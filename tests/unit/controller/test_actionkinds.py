@@ -10,7 +10,7 @@ import pytest
 
 from trainguard.controller.actionkinds import ActionKind, job_step_kinds, rule_actions
 from trainguard.controller.actions.base import HandlerRegistry, UnavailableHandler
-from trainguard.controller.backends.base import JOB_STEP_KINDS
+from trainguard.controller.backends.base import JOB_STEP_KINDS, Capability
 from trainguard.controller.rules.loader import RuleError, load_rules
 
 # The sets the table replaced, as they stood.
@@ -54,6 +54,8 @@ NOT_REMEDIATION = {"notify", "page", "checkpoint_interval"}  # the handlers' `re
 LIFECYCLE_KINDS = {"validate", "retire"}  # controller/actions/lifecycle.py
 REPAIR_KINDS = {"diagnose", "repair"}  # controller/actions/repairsteps.py (lifecycle.auto_repair)
 AUTO_INTERVAL_KINDS = {"checkpoint_interval"}  # controller/ckptauto.py (a decision row)
+# cloud replacement's step (controller/backends/aws/terminate.py) -> the capability it needs
+CLOUD_KINDS = {"terminate_instance": "cloud_replace"}
 
 
 def _members(prop: str) -> set[str]:
@@ -81,6 +83,7 @@ def test_every_kind_the_old_sets_named_is_a_member_and_stored_as_the_same_string
         | LIFECYCLE_KINDS
         | REPAIR_KINDS
         | AUTO_INTERVAL_KINDS
+        | set(CLOUD_KINDS)
     )
     assert {k.value for k in ActionKind} == every
     for value in every:
@@ -110,9 +113,12 @@ def test_ordered_lists_keep_their_order() -> None:
     assert JOB_STEP_KINDS == JOB_STEPS
 
 
-def test_every_job_step_names_its_backend_capability_and_no_other_kind_does() -> None:
+def test_every_job_step_names_its_backend_capability_and_besides_only_cloud_steps_do() -> None:
     for kind in ActionKind:
-        assert kind.capability == (kind.value if kind.job_step else None)
+        expected = kind.value if kind.job_step else CLOUD_KINDS.get(kind.value)
+        assert kind.capability == expected
+        if kind.capability is not None:
+            assert Capability(kind.capability).value == kind.capability
 
 
 def test_parse_answers_none_for_a_kind_outside_the_table() -> None:

@@ -1,12 +1,15 @@
 """Every scheduler backend passes the conformance suite (tests/conformance/backend_suite.py):
 the recording fake (as a torchrun-like and as a scheduler-like backend), the torchrun backend
 in a controller over fake job agents (job_sim.Sim), and the Slurm backend in a controller over
-the fake Slurm (tests/fakes/slurm.py). Each class gives the suite its harness."""
+the fake Slurm (tests/fakes/slurm.py), and the aws backend (torchrun's jobs on cloud
+instances) over the same fake job agents. Each class gives the suite its harness."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -85,6 +88,13 @@ class TorchrunHarness:
         raise AssertionError("torchrun drains live in trainguard")
 
 
+class AwsHarness(TorchrunHarness):
+    """The aws backend runs jobs as the torchrun one does (its own part, cloud replacement, is
+    tests/unit/controller/backends/test_cloud_replacement.py)."""
+
+    registered = REGISTRY.get("aws")
+
+
 class SlurmHarness:
     job_nodes = JOB_NODES
     spare = SPARE
@@ -156,6 +166,19 @@ class TestTorchrunBackend(BackendSuite):
     @pytest.fixture
     def harness(self, sim: Sim) -> TorchrunHarness:
         return TorchrunHarness(sim)
+
+
+class TestAwsBackend(BackendSuite):
+    @pytest.fixture
+    def harness(
+        self, make_core: Callable[..., Controller], core_clock: FakeClock, tmp_path: Path
+    ) -> AwsHarness:
+        aws = functools.partial(make_core, backend={"kind": "aws", "aws": {"region": "us-east-1"}})
+        sim = Sim(aws, core_clock, tmp_path)
+        for name in JOB_NODES:
+            sim.add(name)
+        sim.add(SPARE, role="spare")
+        return AwsHarness(sim)
 
 
 class TestSlurmBackend(BackendSuite):
