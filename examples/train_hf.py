@@ -27,7 +27,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import Dataset
 from transformers import (
     LlamaConfig,
@@ -163,8 +162,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     resume = newest_verified_checkpoint(args.output_dir)
     trainer.train(resume_from_checkpoint=resume)
-    if dist.is_initialized():  # the framework leaves its gloo group to the interpreter's
-        dist.destroy_process_group()  # teardown, where it can abort a finished rank (SIGABRT)
     return 0
 
 

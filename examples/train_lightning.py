@@ -28,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -132,8 +131,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     model = Classifier(seed=args.seed, step_time_s=args.step_time_s)
     trainer.fit(model, loader, ckpt_path=guard.resume_path())
-    if dist.is_initialized():  # the framework leaves its gloo group to the interpreter's
-        dist.destroy_process_group()  # teardown, where it can abort a finished rank (SIGABRT)
     return 0
 
 
