@@ -200,7 +200,13 @@ class StandbyPool:
         state = PoolState(self._running, self._failures, self._last_exit_mono)
         decision = decide(state=state, spare=spare, now_mono=now, config=self.config)
         if decision is Decision.START:
-            self.launcher.start(self.config)
+            try:
+                self.launcher.start(self.config)
+            except OSError as e:  # a missing interpreter or cwd: retried with the backoff
+                self._failures += 1
+                self._last_exit_mono = now
+                log.warning("event=standby_start_failed error=%s", json.dumps(str(e)[:300]))
+                return decision
             self._running, self._ready, self._started_mono = True, False, now
             self.started_total += 1
             log.info("event=standby_started module=%s", self.config.module)

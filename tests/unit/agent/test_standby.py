@@ -125,6 +125,21 @@ def test_the_standby_stops_when_the_node_is_no_longer_a_spare() -> None:
     assert pool.tick(spare=True) is Decision.START  # a spare again: no backoff, not a death
 
 
+def test_a_standby_that_cannot_be_started_is_retried_with_the_backoff() -> None:
+    pool, launcher, clock = _pool()
+
+    def refuse(config: StandbyConfig) -> None:
+        raise FileNotFoundError("/opt/job/bin/python")
+
+    launcher.start = refuse  # type: ignore[method-assign]
+    pool.tick(spare=True)
+    assert pool.started_total == 0 and not pool.is_ready
+    clock.advance(4.0)
+    assert pool.tick(spare=True) is Decision.NOTHING
+    clock.advance(1.1)
+    assert pool.tick(spare=True) is Decision.START
+
+
 def test_the_backoff_is_capped() -> None:
     assert backoff_s(failures=0, config=CONFIG) == 0.0
     assert backoff_s(failures=30, config=CONFIG) == CONFIG.max_backoff_s
