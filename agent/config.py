@@ -472,6 +472,46 @@ class RepairConfig:
         _check_positive("reset_timeout_s", self.reset_timeout_s)
 
 
+_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+@dataclass(frozen=True)
+class StandbyConfig:
+    # Keep a warm standby process on this node while it is a spare (docs/agent.md, "Warm
+    # standbys"): off by default, as it holds memory (~one interpreter with torch imported).
+    enabled: bool = False
+    # The job's interpreter (torch and trainguard installed); "" = the agent's own.
+    python: str = ""
+    # The job's entry module, imported ahead of time and run as __main__ on assignment.
+    module: str = ""
+    # Arguments the entry module gets (before `--membership JSON`), at most 64.
+    args: tuple[str, ...] = ()
+    # Working directory of the standby ("" = the agent's).
+    cwd: str = ""
+    # Standbys kept at once: 0 or 1 (one is enough to replace one failed node quickly).
+    max_standbys: int = 1
+    # Seconds from start to ready (torch + module imported) before the standby is replaced.
+    ready_timeout_s: float = 120.0
+    # First wait after a standby dies before it is restarted, doubled per death up to
+    # max_backoff_s (a broken module must not fork-loop the node).
+    restart_backoff_s: float = 5.0
+    max_backoff_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        _check_positive("ready_timeout_s", self.ready_timeout_s)
+        _check_positive("restart_backoff_s", self.restart_backoff_s)
+        if self.max_backoff_s < self.restart_backoff_s:
+            raise Invalid("max_backoff_s", "must be >= standby.restart_backoff_s")
+        if self.max_standbys not in (0, 1):
+            raise Invalid("max_standbys", "must be 0 or 1")
+        if len(self.args) > 64 or any(len(a) > 4096 for a in self.args):
+            raise Invalid("args", "at most 64 arguments of at most 4096 characters")
+        if self.module and not _MODULE_NAME.match(self.module):
+            raise Invalid("module", f"not a dotted module name: {self.module!r}")
+        if self.enabled and not self.module:
+            raise Invalid("module", "required when standby.enabled is true")
+
+
 @dataclass(frozen=True)
 class AgentConfig:
     node: NodeConfig = field(default_factory=NodeConfig)
@@ -484,6 +524,7 @@ class AgentConfig:
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
     repair: RepairConfig = field(default_factory=RepairConfig)
+    standby: StandbyConfig = field(default_factory=StandbyConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
@@ -540,5 +581,6 @@ __all__ = [
     "PreflightConfig",
     "RepairConfig",
     "SourceConfig",
+    "StandbyConfig",
     "load_config",
 ]

@@ -67,6 +67,7 @@ from trainguard.agent.senders import JobClaims, SenderResolver
 from trainguard.agent.sim import SimHardware
 from trainguard.agent.sources import CallOutcome, Source, TakeResult, Transition
 from trainguard.agent.stacks import stacks_handler
+from trainguard.agent.standby import ProcessLauncher, StandbyPool
 from trainguard.clock import SYSTEM_CLOCK, Clock
 from trainguard.model import (
     EventSource,
@@ -300,6 +301,7 @@ class Agent:
         self.preemption: PreemptionWatcher | None = None
         self._preemption_seen: PreemptionNotice | None = None  # set by the watcher thread
         self._preemption_handled: PreemptionNotice | None = None  # the loop acted on it
+        self.standby: StandbyPool | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -317,6 +319,12 @@ class Agent:
         self.jobs.adopt()
         for kind, handler in job_handlers(self.jobs).items():
             self.executor.register(kind, handler)
+        if self.config.standby.enabled:
+            self.standby = StandbyPool(
+                config=self.config.standby,
+                launcher=ProcessLauncher(work_dir=self.jobs.work_dir / "standby"),
+                clock=self._clock,
+            )
         heartbeat = self.heartbeat
         for kind, handler in stacks_handler(
             source=self.jobs,
@@ -651,6 +659,8 @@ class Agent:
         self._stop_sources()
         if self.preemption is not None:
             self.preemption.close()
+        if self.standby is not None:
+            self.standby.close()
         if self._slow_thread is not None:
             self._slow.put(None)
             self._slow_thread.join(timeout=self.config.jobs.stacks_timeout_s + 1.0)
@@ -717,6 +727,9 @@ class Agent:
         self._spool_trainer_events()
         self._spool_job_events()
         self._act_on_preemption()
+        if self.standby is not None:
+            # the node's role as the agent knows it; the controller does not send one yet
+            self.standby.tick(spare=self.config.node.role_hint == "spare")
         ranks = self.heartbeat.ranks()
         if self._checkpoints:  # forget ranks the heartbeat server forgot (bounded series)
             live = {(r.job, r.rank) for r in ranks}
@@ -757,6 +770,9 @@ class Agent:
             preemption_notice=self._preemption_handled is not None,
             source_stale=dict(self._source_stale),
             source_last_success_unix=dict(self._source_last_success),
+            standby_ready=self.standby.is_ready if self.standby else False,
+            standbys_started_total=self.standby.started_total if self.standby else 0,
+            standby_ready_s=self.standby.ready_s if self.standby else None,
         )
         self._last_tick_mono = self._clock.monotonic()
         self._notifier.watchdog()

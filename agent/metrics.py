@@ -84,6 +84,11 @@ class AgentSnapshot:
     source_stale: Mapping[str, bool] = field(default_factory=dict)
     # source name -> unix time its last call returned without error (absent: none yet)
     source_last_success_unix: Mapping[str, float] = field(default_factory=dict)
+    # the warm standby (agent.standby): one is ready; how many were started; start -> ready
+    # of the newest ready one (None: none yet)
+    standby_ready: bool = False
+    standbys_started_total: int = 0
+    standby_ready_s: float | None = None
 
 
 class _Skipped:
@@ -224,6 +229,21 @@ OWN_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "trainguard_agent_loop_iterations_total": (
         "counter",
         "Collect loop iterations.",
+        ("node",),
+    ),
+    "trainguard_agent_standby_ready": (
+        "gauge",
+        "1 while a warm standby process is ready on this spare node.",
+        ("node",),
+    ),
+    "trainguard_agent_standbys_started_total": (
+        "counter",
+        "Warm standby processes started (first, replacements after use, restarts).",
+        ("node",),
+    ),
+    "trainguard_agent_standby_ready_seconds": (
+        "gauge",
+        "Start to ready (torch and the job's module imported) of the newest ready standby.",
         ("node",),
     ),
     "trainguard_agent_preemption_notice": (
@@ -499,6 +519,10 @@ def _agent_families(snap: AgentSnapshot, node: str) -> Iterator[Metric]:
     yield cmds
     yield _single("trainguard_agent_loop_iterations_total", node, snap.loop_iterations_total)
     yield _single("trainguard_agent_preemption_notice", node, _b(snap.preemption_notice))
+    yield _single("trainguard_agent_standby_ready", node, _b(snap.standby_ready))
+    yield _single("trainguard_agent_standbys_started_total", node, snap.standbys_started_total)
+    if snap.standby_ready_s is not None:
+        yield _single("trainguard_agent_standby_ready_seconds", node, snap.standby_ready_s)
     stale = _own("trainguard_agent_source_stale")
     for name, is_stale in sorted(snap.source_stale.items()):
         stale.add_metric([node, name], _b(is_stale))
