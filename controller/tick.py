@@ -105,8 +105,10 @@ class TickService:
         expire_job_names: Callable[[float], int] = lambda now: 0,
         lemons: LemonPolicy | None = None,
         keep_spares_warm: Callable[[float], object] = lambda now: None,
+        resend_alerts: Callable[[float], object] = lambda now: None,
     ) -> None:
         self._config = config
+        self._resend_alerts = resend_alerts  # AlertResender.resend (HTTP: the worker's thread)
         self._keep_spares_warm = keep_spares_warm  # SparePreflight.keep_warm over the pool
         self._lemons = lemons  # the hardware incident gauge
         self._expire_job_names = expire_job_names  # ReportService.expire_job_names
@@ -309,6 +311,7 @@ class TickService:
             self._wake.clear()
             try:
                 self._runner.run_due(now=self._clock.now())
+                self._resend_alerts(self._clock.now())
                 due = self._runner.next_due_at()
             except StoreUnavailable:
                 log.debug("event=action_worker_skipped reason=store_unavailable")
@@ -377,6 +380,7 @@ class TickService:
         self._keep_spares_warm(now)
         if not self.running:
             self._runner.run_due(now=now)
+            self._resend_alerts(now)
         self.update_gauges(now)
         self._metrics.tick_seconds.observe(time.perf_counter() - started)
 
