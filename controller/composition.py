@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 
 from trainguard.clock import SYSTEM_CLOCK, Clock
 from trainguard.command_args import CommandArgs
+from trainguard.controller.actions.alertresend import AlertResender
 from trainguard.controller.actions.base import ActionHandler, HandlerRegistry
 from trainguard.controller.actions.drain import DrainBackend, DrainHandler, UndrainHandler
 from trainguard.controller.actions.lifecycle import RetireHandler, ValidateHandler
 from trainguard.controller.actions.notify import (
+    AlertmanagerNotifier,
     Notifier,
     NotifyHandler,
     build_notifiers,
@@ -57,6 +59,7 @@ from trainguard.controller.safety import Safety
 from trainguard.controller.signals import SignalState
 from trainguard.controller.store import Store, WriteFence
 from trainguard.controller.store.errors import LeaseLost, StoreError, StoreUnavailable
+from trainguard.controller.store.lease import LeaseFence
 from trainguard.controller.tick import TickService, load_rule_set
 from trainguard.controller.views import (
     ActionView,
@@ -328,6 +331,20 @@ class Controller:
                 drain_backend, node, reason=reason
             ),
         )
+        # open incidents' alerts re-sent to Alertmanager, by the leader only
+        am_config = config.notify.alertmanager
+        self.alert_resender = AlertResender(
+            notifiers=[n for n in self.notifiers if isinstance(n, AlertmanagerNotifier)],
+            resend_s=am_config.resend_s if am_config is not None else 60.0,
+            open_incidents=self.store.incidents.unresolved,
+            actions_of=self.store.actions.for_incident,
+            leader=lambda: not standby and (not isinstance(fence, LeaseFence) or fence.valid()),
+            rule_of=self._rule,
+            base_url=config.notify.base_url,
+            on_result=lambda channel, outcome: self.metrics.alert_resends_total.labels(
+                channel=channel, outcome=outcome
+            ).inc(),
+        )
         self.ticker = TickService(
             config=config,
             clock=clock,
@@ -344,6 +361,7 @@ class Controller:
             expire_job_names=self.reports.expire_job_names,
             lemons=self.lemons,
             plan_replacements=self._plan_replacements,
+            resend_alerts=self.alert_resender.resend,
             keep_spares_warm=lambda now: (
                 lifecycle.spare_preflight_ahead
                 and spare_keeper.keep_warm(

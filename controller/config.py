@@ -362,6 +362,14 @@ ALERT_LABELS_OF_TRAINGUARD = frozenset(
 )
 
 
+# notify.alertmanager.resend_s bounds: under 10 s floods Alertmanager for nothing; over an
+# hour leaves a restarted Alertmanager without the page for too long.
+RESEND_MIN_S = 10.0
+RESEND_MAX_S = 3600.0
+# A re-sent alert's endsAt is this many resend intervals ahead (Prometheus: 4).
+RESEND_HOLD_INTERVALS = 4
+
+
 @dataclass(frozen=True)
 class AlertmanagerChannelConfig:
     # Alertmanager's base URL (its API v2 is under /api/v2/alerts). Incidents go there as
@@ -377,6 +385,12 @@ class AlertmanagerChannelConfig:
     # controller gone for good), s. A resolve ends it at once. 24 h: far past a restart or
     # an HA failover, short enough that a lost resolve does not page for days.
     hold_s: float = 86400.0
+    # How often the leader re-sends every open incident's alert(s), s (as Prometheus's
+    # resend_delay): Alertmanager keeps alerts in memory only, so a restarted Alertmanager,
+    # a lost POST or an HA peer that never saw one gets the page back within one interval.
+    # A re-sent alert's endsAt is RESEND_HOLD_INTERVALS intervals ahead: alerts no longer
+    # re-sent (the controller gone) resolve by themselves after that.
+    resend_s: float = 60.0
     timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
@@ -388,6 +402,11 @@ class AlertmanagerChannelConfig:
             if name in ALERT_LABELS_OF_TRAINGUARD:
                 raise Invalid("labels", f"{name!r} is set by trainguard itself")
         _positive("hold_s", self.hold_s)
+        if not RESEND_MIN_S <= self.resend_s <= RESEND_MAX_S:
+            raise Invalid(
+                "resend_s",
+                f"must be between {RESEND_MIN_S:g} and {RESEND_MAX_S:g} s, got {self.resend_s}",
+            )
         _positive("timeout_s", self.timeout_s)
 
 

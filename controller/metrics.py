@@ -100,6 +100,13 @@ class ControllerMetrics:
             ["kind", "result"],
             registry=r,
         )
+        self.alert_resends_total = Counter(
+            "trainguard_controller_alert_resends_total",
+            "Open incidents' alerts re-sent to Alertmanager (no action row), by channel and"
+            " outcome (sent, failed).",
+            ["channel", "outcome"],
+            registry=r,
+        )
         self.notifications_failed_total = Counter(
             "trainguard_controller_notifications_failed_total",
             "Failed notification deliveries (each attempt), by channel.",

@@ -107,9 +107,11 @@ class TickService:
         keep_spares_warm: Callable[[float], object] = lambda now: None,
         auto_interval: Callable[[float], object] = lambda now: None,
         plan_replacements: Callable[[float], object] = lambda now: None,
+        resend_alerts: Callable[[float], object] = lambda now: None,
     ) -> None:
         self._config = config
         self._plan_replacements = plan_replacements  # cloud replacement's planner (aws backend)
+        self._resend_alerts = resend_alerts  # AlertResender.resend (HTTP: the worker's thread)
         self._keep_spares_warm = keep_spares_warm  # SparePreflight.keep_warm over the pool
         self._auto_interval = auto_interval  # AutoInterval.tick: auto jobs' checkpoint interval
         self._lemons = lemons  # the hardware incident gauge
@@ -313,6 +315,7 @@ class TickService:
             self._wake.clear()
             try:
                 self._runner.run_due(now=self._clock.now())
+                self._resend_alerts(self._clock.now())
                 due = self._runner.next_due_at()
             except StoreUnavailable:
                 log.debug("event=action_worker_skipped reason=store_unavailable")
@@ -383,6 +386,7 @@ class TickService:
         self._auto_interval(now)
         if not self.running:
             self._runner.run_due(now=now)
+            self._resend_alerts(now)
         self.update_gauges(now)
         self._metrics.tick_seconds.observe(time.perf_counter() - started)
 

@@ -360,12 +360,27 @@ class AlertmanagerNotifier:
         severity = "critical" if n.page else n.severity
         return [self._alert(n, severity=severity, ends_at=n.sent_at + self._hold_s)]
 
+    def resend_payload(
+        self, n: Notification, *, paged: bool, ends_at: float
+    ) -> list[dict[str, Any]]:
+        """An open incident's alerts again, firing until `ends_at`: its own and, once paged,
+        its critical twin (one alert when the incident is critical itself)."""
+        severities = sorted({n.severity, "critical"} if paged else {n.severity})
+        return [self._alert(n, severity=s, ends_at=ends_at) for s in severities]
+
     def send(self, notification: Notification) -> None:
+        self._post_alerts(self.payload(notification))
+
+    def resend(self, notification: Notification, *, paged: bool, ends_at: float) -> None:
+        """Post an open incident's alerts again (controller/actions/alertresend.py)."""
+        self._post_alerts(self.resend_payload(notification, paged=paged, ends_at=ends_at))
+
+    def _post_alerts(self, alerts: list[dict[str, Any]]) -> None:
         _post(
             self._client,
             self._url,
             channel=self.channel,
-            body=_json_bytes(self.payload(notification)),
+            body=_json_bytes(alerts),
             headers={"Content-Type": "application/json"},
         )
 
@@ -465,6 +480,42 @@ def exported_alert(
     return labels, annotations
 
 
+def incident_notification(
+    incident: IncidentView,
+    *,
+    event: Literal["trigger", "resolve"],
+    sent_at: float,
+    idempotency_key: str,
+    base_url: str,
+    rule: Rule | None,
+    page: bool = False,
+    reason: str = "",
+) -> Notification:
+    """What every channel is told of `incident` (the notify step's and a re-send's)."""
+    url = f"{base_url.rstrip('/')}/v1/incidents/{incident.id}" if base_url else ""
+    labels, annotations = exported_alert(incident, rule)
+    return Notification(
+        event=event,
+        incident_id=incident.id,
+        rule=incident.rule,
+        target=incident.target,
+        target_text=incident.target_text,
+        severity=incident.severity,
+        state=incident.state,
+        summary=incident.summary,
+        opened_at=incident.opened_at,
+        sent_at=sent_at,
+        idempotency_key=idempotency_key,
+        node=incident.node,
+        job=incident.job,
+        page=page,
+        reason=reason,
+        url=url,
+        labels=labels,
+        annotations=annotations,
+    )
+
+
 @dataclass
 class NotifyHandler:
     """The `notify` step: one row per channel, params {"channel", "event", "page", "reason"}.
@@ -493,27 +544,15 @@ class NotifyHandler:
         incident = ctx.incident
         if incident is None:
             raise PermanentError("notify needs an incident")
-        url = f"{self.base_url.rstrip('/')}/v1/incidents/{incident.id}" if self.base_url else ""
-        labels, annotations = exported_alert(incident, self.rule_of(incident.rule))
-        notification = Notification(
+        notification = incident_notification(
+            incident,
             event="resolve" if ctx.params.get("event") == "resolve" else "trigger",
-            incident_id=incident.id,
-            rule=incident.rule,
-            target=incident.target,
-            target_text=incident.target_text,
-            severity=incident.severity,
-            state=incident.state,
-            summary=incident.summary,
-            opened_at=incident.opened_at,
             sent_at=ctx.now,
             idempotency_key=ctx.action.idempotency_key,
-            node=incident.node,
-            job=incident.job,
             page=bool(ctx.params.get("page", False)),
             reason=str(ctx.params.get("reason", "")),
-            url=url,
-            labels=labels,
-            annotations=annotations,
+            base_url=self.base_url,
+            rule=self.rule_of(incident.rule),
         )
         try:
             notifier.send(notification)
@@ -543,5 +582,6 @@ __all__ = [
     "WebhookNotifier",
     "build_notifiers",
     "channels_for",
+    "incident_notification",
     "sign",
 ]
