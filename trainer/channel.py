@@ -17,6 +17,7 @@ import os
 import socket
 import stat
 import tempfile
+import time
 from pathlib import Path
 
 from trainguard.protocol import (
@@ -215,8 +216,9 @@ class AgentChannel:
         self._in = sock
         self.control_socket = path
 
-    def send(self, hb: Heartbeat) -> bool:
-        """Send one heartbeat; True if the kernel took it. Never raises, never blocks."""
+    def send(self, hb: Heartbeat, *, wait_s: float = 0.0) -> bool:
+        """Send one heartbeat; True if the kernel took it. Never raises; never blocks, but for
+        up to `wait_s` while the agent's queue is full (the last words of a rank: `exit`)."""
         try:
             raw = encode_json(hb)
         except (TypeError, ValueError) as e:
@@ -225,7 +227,7 @@ class AgentChannel:
             )
             self.dropped += 1
             return False
-        return self.send_raw(raw)
+        return self.send_raw(raw, wait_s=wait_s)
 
     def send_plain(self, fields: dict[str, object]) -> bool:
         """Send a heartbeat without an event from its fields (the per-step fast path)."""
@@ -237,30 +239,44 @@ class AgentChannel:
             return False
         return self.send_raw(raw)
 
-    def send_raw(self, raw: bytes) -> bool:
-        """Send encoded heartbeat bytes; oversized ones are logged and dropped."""
+    def send_raw(self, raw: bytes, *, wait_s: float = 0.0) -> bool:
+        """Send encoded heartbeat bytes; oversized ones are logged and dropped. With `wait_s`,
+        a full queue (the agent busy: a Unix datagram socket holds only a few) is retried
+        every 5 ms until then, instead of dropping at once."""
         if len(raw) > HEARTBEAT_MAX_BYTES:
             log.warning("event=heartbeat_too_large bytes=%d", len(raw))
             self.dropped += 1
             return False
-        try:
-            self._out.sendto(raw, self.agent_socket)
-        except OSError as e:
-            if e.errno in _DENIED_ERRNOS and not self._denied_said:
-                self._denied_said = True
-                log.warning(
-                    "event=agent_socket_denied path=%s uid=%d reason=%r %s",
-                    self.agent_socket,
-                    os.geteuid(),
-                    e.strerror or str(e),
-                    _DENIED_HINT,
-                )
-            elif e.errno not in _DROP_ERRNOS:
-                log.debug("event=heartbeat_send_failed reason=%s", e)
-            self.dropped += 1
-            return False
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                self._out.sendto(raw, self.agent_socket)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    self.dropped += 1
+                    return False
+                time.sleep(0.005)
+            except OSError as e:
+                self._send_failed(e)
+                return False
         self.sent += 1
         return True
+
+    def _send_failed(self, e: OSError) -> None:
+        """A send the kernel refused (no agent, denied): counted, said once where it helps."""
+        if e.errno in _DENIED_ERRNOS and not self._denied_said:
+            self._denied_said = True
+            log.warning(
+                "event=agent_socket_denied path=%s uid=%d reason=%r %s",
+                self.agent_socket,
+                os.geteuid(),
+                e.strerror or str(e),
+                _DENIED_HINT,
+            )
+        elif e.errno not in _DROP_ERRNOS:
+            log.debug("event=heartbeat_send_failed reason=%s", e)
+        self.dropped += 1
 
     def poll(self) -> list[Control]:
         """Every Control waiting on the socket (non-blocking); malformed ones are logged."""

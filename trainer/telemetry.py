@@ -96,6 +96,9 @@ class CheckpointHealth:
         return self.checkpoint_every * self.mean_step_time_s
 
 
+_EXIT_WAIT_S = 1.0  # at most this long, once per rank, at close
+
+
 class Telemetry:
     """One rank's heartbeats. Construct it with the rank's channel; call `event()` whenever
     something happens and `send()` once per step."""
@@ -257,6 +260,8 @@ class Telemetry:
         if not events:
             self.channel.send_plain(base)
             return
-        # One edge event per datagram; the level fields repeat in each.
+        # One edge event per datagram; the level fields repeat in each. A rank's last words
+        # (`exit`) wait a moment for a busy agent's full queue rather than being dropped.
+        wait_s = _EXIT_WAIT_S if phase == "exit" else 0.0
         for name, data in events:
-            self.channel.send(Heartbeat(**base, event=name, event_data=data))
+            self.channel.send(Heartbeat(**base, event=name, event_data=data), wait_s=wait_s)
