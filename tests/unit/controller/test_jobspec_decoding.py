@@ -214,3 +214,32 @@ def test_post_jobs_names_the_bad_checkpoint_field(client: TestClient) -> None:
     spec["checkpoint"] = {"interval": "auto", "min_every_steps": 20, "max_every_steps": 2000}
     r = client.post("/v1/jobs", json=spec, headers={"Authorization": "Bearer op-token"})
     assert r.status_code == 201, r.text
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "field"),
+    [
+        ({"interval": int("9" * 400)}, "checkpoint.interval"),
+        ({"interval": "auto", "min_every_steps": int("9" * 400)}, "checkpoint.min_every_steps"),
+        ({"interval": float("nan")}, "checkpoint.interval"),
+        ({"interval": "auto\nx"}, "checkpoint.interval"),
+        ({"retention": {"recent_last": -1}}, "checkpoint.retention.recent_last"),
+        ({"interval": "auto", "bad\nkey": 1}, "checkpoint"),
+    ],
+)
+def test_post_jobs_refuses_hostile_checkpoint_values_naming_the_field(
+    client: TestClient, checkpoint: dict[str, Any], field: str
+) -> None:
+    spec: dict[str, Any] = {**yaml.safe_load(GOOD), "checkpoint": checkpoint}
+    body = json.dumps(spec, allow_nan=True)  # NaN as JSON's NaN token, which the API may see
+    r = client.post(
+        "/v1/jobs",
+        content=body,
+        headers={"Authorization": "Bearer op-token", "Content-Type": "application/json"},
+    )
+    assert r.status_code in (400, 422), r.text
+    assert field in json.dumps(r.json()), r.json()
+    assert client.get("/v1/jobs", headers={"Authorization": "Bearer op-token"}).json() in (
+        [],
+        {"jobs": []},
+    )
