@@ -43,6 +43,7 @@ from trainguard.bounds import (
 )
 from trainguard.decode import Bound, Decoder, Invalid, type_name
 from trainguard.kinds import CommandKind, EventKind, TrainerEdge, WireEnum
+from trainguard.membership import MEMBERSHIP_MAX_CHARS, Membership
 from trainguard.model import GpuSample, HardwareEvent, IbPortSample, NvLinkSample
 
 __all__ = [
@@ -153,7 +154,7 @@ class Heartbeat:
     v: int = PROTOCOL_VERSION
 
 
-ControlAction = Literal["checkpoint", "stop", "checkpoint_stop", "set_interval"]
+ControlAction = Literal["checkpoint", "stop", "checkpoint_stop", "set_interval", "rejoin"]
 # The longest periodic checkpoint interval a `set_interval` may ask for, in steps.
 MAX_CHECKPOINT_EVERY_STEPS = 10_000_000
 
@@ -161,17 +162,27 @@ MAX_CHECKPOINT_EVERY_STEPS = 10_000_000
 @dataclass(frozen=True)
 class Control:
     """Agent -> rank request. All ranks act at the same step (the trainer library agrees).
-    `set_interval` carries the new periodic checkpoint interval in `every_steps`."""
+    `set_interval` carries the new periodic checkpoint interval in `every_steps`; `rejoin` the
+    rank's place in the re-formed world in `membership` (a `trainguard.membership.Membership`
+    as JSON), which that rank acts on alone, not at an agreed step."""
 
     action: ControlAction
     request_id: Ident
     job: NameOrEmpty = ""
     every_steps: Annotated[int, Bound(ge=1, le=MAX_CHECKPOINT_EVERY_STEPS)] | None = None
+    membership: Annotated[str, Bound(max_length=MEMBERSHIP_MAX_CHARS)] | None = None
     v: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
         if (self.action == "set_interval") != (self.every_steps is not None):
             raise Invalid("every_steps", "set with action set_interval, and only with it")
+        if (self.action == "rejoin") != (self.membership is not None):
+            raise Invalid("membership", "set with action rejoin, and only with it")
+        if self.membership is not None:
+            try:
+                Membership.from_json(self.membership)
+            except ValueError as e:
+                raise Invalid("membership", str(e)) from None
 
 
 # --- agent -> controller -------------------------------------------------------------------

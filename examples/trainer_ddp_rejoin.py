@@ -30,8 +30,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from trainguard.membership import Membership
 from trainguard.trainer import ResumableSampler, Trainguard
-from trainguard.trainer.rejoin import Membership, PeerLost, join_world, wait_membership
+from trainguard.trainer.rejoin import PeerLost, join_world, wait_membership
 
 SAMPLES = 512
 BATCH = 4

@@ -16,6 +16,7 @@ step every rank acts at: requests, stops, NaN), signals (SIGTERM and its grace),
     tg.close()
 """
 
+from trainguard.membership import Membership
 from trainguard.trainer.chaos import ChaosError, ChaosSpecError
 from trainguard.trainer.checkpoint_manager import CheckpointMismatch, Stateful
 from trainguard.trainer.core import StepAction, Trainguard
@@ -30,7 +31,7 @@ from trainguard.trainer.manifest import (
     verify_dir,
 )
 from trainguard.trainer.nan_guard import NanPolicy
-from trainguard.trainer.rejoin import Membership, PeerLost, RejoinFailed
+from trainguard.trainer.rejoin import PeerLost, RejoinFailed
 from trainguard.trainer.replica import ReplicaConfig
 from trainguard.trainer.retention import RetentionPolicy
 from trainguard.trainer.s3 import S3Config

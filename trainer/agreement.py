@@ -88,6 +88,9 @@ class StepAgreement:
         """Take requests from the control socket: one for another job, or with an empty or
         over-long id, is logged and dropped; one already pending or handled is ignored."""
         for c in controls:
+            if c.action == "rejoin":  # a rank's own place in a re-formed world: never agreed
+                log.warning("event=control_rejected job=%s reason=rejoin_not_waited", self.job)
+                continue
             if c.job and c.job != self.job:
                 log.warning("event=control_rejected job=%s other_job=%s", self.job, c.job)
                 continue

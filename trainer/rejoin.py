@@ -13,19 +13,18 @@ process calls `join_world` with the membership it was started with. No state mov
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
 from types import TracebackType
 from typing import Literal
 
 import torch.distributed as dist
 
+from trainguard.membership import Membership
+
 __all__ = [
     "MEMBERSHIP_KEY_PREFIX",
-    "Membership",
     "PeerLost",
     "PeerLossGuard",
     "RejoinFailed",
@@ -51,56 +50,6 @@ _PEER_FAILURE_MARKERS = (
     "Timed out waiting",
     "NCCL communicator was aborted",
 )
-
-
-@dataclass(frozen=True)
-class Membership:
-    """One rank's place in the next world."""
-
-    rank: int
-    world_size: int
-    # The rendezvous TCPStore (its server runs outside the ranks, so it outlives any of them).
-    store_host: str
-    store_port: int
-    # The next attempt epoch: adopted by every rank of the new world; the directory's epoch is
-    # raised to it, so a rank of an older epoch can never commit again.
-    epoch: int
-    # Bound on the rendezvous and on every collective of the new world: a peer that dies
-    # during or after the rejoin is detected within it.
-    timeout_s: float = 60.0
-    backend: str = "gloo"
-
-    def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
-        if not 0 < self.store_port < 65536:
-            raise ValueError(f"store_port must be a TCP port, got {self.store_port}")
-        if self.epoch < 0:
-            raise ValueError(f"epoch must be >= 0, got {self.epoch}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
-        if self.backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, raw: str | bytes) -> Membership:
-        """Strict: an unknown or missing key is refused (ValueError naming it)."""
-        data = json.loads(raw)
-        if not isinstance(data, dict):
-            raise ValueError("membership: not a JSON object")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"membership: unknown keys {unknown}")
-        try:
-            return cls(**data)
-        except TypeError as e:
-            raise ValueError(f"membership: {e}") from None
 
 
 class PeerLost(RuntimeError):
@@ -169,9 +118,10 @@ def membership_key(*, job: str, pid: int) -> str:
     return f"{MEMBERSHIP_KEY_PREFIX}/{job}/{pid}"
 
 
-def _client(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+def _client(host: str, port: int, timeout_s: float, *, master: bool = False) -> dist.TCPStore:
+    """A client of the store at host:port; `master`: this process runs the store there."""
     return dist.TCPStore(
-        host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+        host, port, is_master=master, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
     )
 
 
@@ -207,7 +157,7 @@ def join_world(m: Membership) -> None:
     if dist.is_initialized():
         raise RejoinFailed("join_world: a process group is still initialised (leave_world first)")
     try:
-        store = _client(m.store_host, m.store_port, m.timeout_s)
+        store = _client(m.store_host, m.store_port, m.timeout_s, master=m.host_store)
         dist.init_process_group(
             m.backend,
             store=dist.PrefixStore(f"{_WORLD_PREFIX}/{m.epoch}", store),

@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
     # deferred heavy imports: the point of a warm standby is to pay for them before it is needed
     import torch  # noqa: F401, PLC0415 (imported here: paid before the assignment, by design)
 
-    from trainguard.trainer.rejoin import Membership  # noqa: PLC0415 (imports torch)
+    from trainguard.membership import Membership  # noqa: PLC0415
 
     importlib.import_module(module)
     with open(ready, "w") as f:

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from trainguard.trainer.rejoin import Membership, publish_membership
+from trainguard.membership import Membership
+from trainguard.trainer.rejoin import publish_membership
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "examples" / "trainer_ddp_rejoin.py"

@@ -10,7 +10,8 @@ import sys
 
 import torch
 
-from trainguard.trainer.rejoin import Membership, join_world, leave_world
+from trainguard.membership import Membership
+from trainguard.trainer.rejoin import join_world, leave_world
 
 
 def main() -> int:

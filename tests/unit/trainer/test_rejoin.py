@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import free_port
+from trainguard.membership import Membership
 from trainguard.trainer import Trainguard
 from trainguard.trainer.fence import StaleAttempt, check_epoch, read_epoch
 from trainguard.trainer.rejoin import (
-    Membership,
     PeerLossGuard,
     PeerLost,
     RejoinFailed,
@@ -64,17 +64,36 @@ def test_membership_round_trips_through_json_and_refuses_unknown_keys() -> None:
     assert Membership.from_json(m.to_json()) == m
     with pytest.raises(ValueError, match=r"unknown keys \['rnak'\]"):
         Membership.from_json(m.to_json().replace('"rank"', '"rnak"'))
+    with pytest.raises(ValueError, match="not JSON"):
+        Membership.from_json("{")
+    with pytest.raises(ValueError, match="longer than 1024"):
+        Membership.from_json(" " * 1025)
 
 
 @pytest.mark.parametrize(
     ("kw", "message"),
     [
         ({"rank": 2, "world_size": 2}, "rank must be in"),
-        ({"epoch": -1}, "epoch must be >= 0"),
-        ({"timeout_s": 0.0}, "timeout_s must be positive"),
+        ({"epoch": -1}, r"epoch must be in \[0, "),
+        ({"timeout_s": 0.0}, r"timeout_s must be in \(0, "),
+        ({"timeout_s": float("nan")}, r"timeout_s must be in \(0, "),
         ({"backend": "mpi"}, "backend must be"),
+        ({"rank": True}, "rank must be an integer"),
+        ({"world_size": "2"}, "world_size must be an integer"),
+        ({"store_host": ""}, "store_host must be"),
+        ({"rank": 1, "world_size": 2, "host_store": True}, "host_store is for rank 0 only"),
     ],
-    ids=["rank-outside-world", "negative-epoch", "zero-timeout", "unknown-backend"],
+    ids=[
+        "rank-outside-world",
+        "negative-epoch",
+        "zero-timeout",
+        "nan-timeout",
+        "unknown-backend",
+        "bool-rank",
+        "string-world-size",
+        "empty-host",
+        "store-on-rank-1",
+    ],
 )
 def test_membership_refuses_a_broken_invariant(kw: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
