@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.chaos import STEPS, TRAIN_ARGS, new_incidents, now
+from tests.e2e.chaos import STEPS, new_incidents, now, train_args
 from tests.e2e.reference import Reference
 from trainguard.controller.backends.slurm.cli import SlurmCli, SlurmCommands, SlurmError
 from trainguard.devkit.devcluster import DevCluster, compare_losses
@@ -50,6 +50,10 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="a local Slurm cluster needs root (slurmd)"),
 ]
 FAULT_STEP = 12
+# Each step padded to 0.5 s (the losses are the reference's whatever the padding): the steps
+# after FAULT_STEP (14 s) outlast a remediation (checkpoint, drain, requeue) run beside another
+# e2e module on a loaded machine, so the requeued attempt always has steps left to train.
+SLURM_TRAIN_ARGS = train_args(step_time_s=0.5)
 _OUR_REASON = re.compile(r"^trainguard: (\w+) incident (\d+)$")
 
 
@@ -68,12 +72,12 @@ class World:
 
     def submit(self, tag: str) -> tuple[str, Path]:
         self.spares_preflighted()
-        return self.site.submit(tag, TRAIN_ARGS)
+        return self.site.submit(tag, SLURM_TRAIN_ARGS)
 
     def spares_preflighted(self) -> None:
         """Every free spare holds a passing preflight, as a spare pool at rest does (they are
         preflighted ahead of need), so a swap takes one at once. A job of these tests (40
-        steps of 0.2 s) would otherwise finish while the swap waits for a spare's first
+        steps of 0.5 s) would otherwise finish while the swap waits for a spare's first
         preflight, and its requeue would have nothing left to train."""
         c = self.cluster
 
