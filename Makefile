@@ -37,12 +37,12 @@ typecheck: venv
 	$(BIN)/mypy
 
 # unit, red-team and integration tests in TEST_WORKERS processes (a module's tests stay on one,
-# with its shared server); the end-to-end scenarios one at a time after them: their clusters,
-# torchrun jobs and Slurm are timed against each other's load. E2E_WORKERS=2 runs two e2e
-# modules at a time (each on its own ports and dirs; a module mostly waits, ~0.4 of a core):
-# a trial, not the default, until it has proven itself on a loaded machine
+# with its shared server); then the end-to-end scenarios, E2E_WORKERS modules at a time (each
+# module on its own ports and dirs; a module mostly waits, ~0.4 of a core; their jobs' steps
+# are padded so a remediation beside another module's still finds steps left to train).
+# E2E_WORKERS=1 runs them one at a time.
 TEST_WORKERS ?= 2
-E2E_WORKERS ?= 1
+E2E_WORKERS ?= 2
 E2E_DIST := $(if $(filter 1,$(E2E_WORKERS)),,-n $(E2E_WORKERS) --dist loadfile)
 
 test: venv deps lint typecheck
