@@ -412,10 +412,12 @@ class Controller:
         return self.ticker.rule(name)
 
     def _set_role(self, node: str, role: str) -> None:
-        """A node's role, as the lifecycle brings it back (a repaired node returns a spare)."""
+        """A node's role, as the lifecycle brings it back (a repaired node returns a spare),
+        in the node table and on the scheduler's side (under Slurm: the spare reservation)."""
         with self.live.lock:
             if node in self.live.nodes:
                 self.live.put_node(self.store.nodes.update(node, role=role))
+        self.backend.return_to_pool(node, role=role)
         log.info("event=node_role node=%s role=%s actor=lifecycle", node, role)
 
     def _notification_failed(self, channel: str) -> None:

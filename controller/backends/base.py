@@ -96,6 +96,13 @@ class SchedulerBackend(Protocol):
         """Back into service. A backend that shares the node with others
         (SCHEDULER_SIDE_DRAIN) undoes only what trainguard did unless `force`."""
 
+    def return_to_pool(self, node: str, *, role: str) -> None:
+        """The scheduler's side of a node the lifecycle brings back in `role` (spare or
+        active; the node table already holds the role): Slurm puts a spare into its spare
+        reservation (and takes an active node out of it); a backend whose pools are the node
+        table's roles does nothing. Idempotent: a validation re-run after a crash calls it
+        again."""
+
     # --- jobs (one method per step kind in JOB_STEP_KINDS) --------------------------------
 
     def checkpoint(self, ctx: ActionContext) -> Outcome: ...

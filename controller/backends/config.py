@@ -11,6 +11,7 @@ from typing import Literal
 from trainguard.strict import Invalid
 
 _RESERVATION = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_USERS = re.compile(r"[A-Za-z0-9_.-]{1,64}(,[A-Za-z0-9_.-]{1,64})*")
 # An EC2 instance id (the short 8-hex ids of old accounts and today's 17) and a region name
 # (us-east-1, eu-central-2, us-gov-west-1, cn-north-1, ap-southeast-4, ...).
 INSTANCE_ID = re.compile(r"i-[0-9a-f]{8,17}")
@@ -41,6 +42,11 @@ class SlurmBackendConfig:
     # The reservation that holds the hot spares: general work cannot run on its nodes.
     # trainguard takes a spare out of it when the spare replaces a node (docs/slurm.md).
     spare_reservation: str = "trainguard_spares"
+    # Who may use the spare reservation (scontrol's `users=`) when trainguard creates it
+    # again: it deletes the reservation when a replace takes its last node (a reservation
+    # cannot be empty), and a repaired node that comes back as a spare needs one. The
+    # set-up's own reservation is left as it was made.
+    spare_reservation_users: str = "root"
     # Agent node name -> Slurm NodeName where they differ (default: the same name).
     node_names: dict[str, str] = field(default_factory=dict)
     # Steps a job's processes take to leave the drained node after the requeue (KillWait +
@@ -58,6 +64,12 @@ class SlurmBackendConfig:
             raise Invalid(
                 "spare_reservation",
                 f"must match {_RESERVATION.pattern}, got {self.spare_reservation!r}",
+            )
+        if not _USERS.fullmatch(self.spare_reservation_users):
+            raise Invalid(
+                "spare_reservation_users",
+                "must be Slurm user names separated by commas,"
+                f" got {self.spare_reservation_users!r}",
             )
         slurm_names = list(self.node_names.values())
         if len(set(slurm_names)) != len(slurm_names):

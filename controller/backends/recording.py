@@ -105,6 +105,10 @@ class RecordingBackend:
             self.foreign.pop(node, None)
             self.node_states[node] = "active"
 
+    def return_to_pool(self, node: str, *, role: str) -> None:
+        with self._lock:
+            self.calls.append(("return_to_pool", node, {"role": role}))
+
     # --- jobs ------------------------------------------------------------------------------
 
     def checkpoint(self, ctx: ActionContext) -> Outcome:

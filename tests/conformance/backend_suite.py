@@ -5,7 +5,8 @@ the backend and a cluster it can drive); tests/README.md says how a new backend 
 it.
 
 What it holds a backend to: drain / poll / undrain semantics (a local drain waits for the
-node's job to stop, a scheduler-side one is done at once and leaves others' drains alone),
+node's job to stop, a scheduler-side one is done at once and leaves others' drains alone), a
+node returned to a pool again staying in service,
 the outcome of every job step on a node that runs no job (done, `skipped: ...`), a repeated
 step with the same key acting once, the declared capabilities honoured (a step the backend
 cannot do answers `skipped`, whoever asks), and job_views only with
@@ -154,6 +155,14 @@ class BackendSuite:
         h.backend.undrain(h.idle, key="undrain:again")
         h.backend.undrain(h.idle, key="undrain:again")
         assert h.node_state(h.idle) == "active"
+
+    def test_a_node_returned_to_a_pool_again_stays_in_service(self, harness: Any) -> None:
+        # the lifecycle's validation calls it, and calls it again when re-run after a crash
+        h: BackendHarness = harness
+        for role in ("spare", "spare", "active", "active"):
+            h.backend.return_to_pool(h.idle, role=role)
+            h.advance()
+            assert h.node_state(h.idle) == "active"
 
     def test_a_node_of_a_running_job_drains_the_backends_way(self, harness: Any) -> None:
         h: BackendHarness = harness

@@ -5,10 +5,12 @@ Transformers Trainer, Lightning, FSDP2); kill -9 of the controller at each remed
 is in test_e2e_crash.py. Each scenario runs a fresh job on the node set the previous one
 left, injects its fault, and ends with the job trained to its last step, every loss equal to
 an uninterrupted run's, one incident with one restart and a complete timeline
-(tests/e2e/chaos.py). Then a job whose command fails right after start: the restart-loop
-breaker holds it and pages. Last, the node lifecycle on a free spare (no job): a DBE is
-drained, diagnosed, reset, validated and the node is back as a spare; a second one on a GPU
-whose reset fails stays out with the reason."""
+(tests/e2e/chaos.py); the dead node's swap first meets a spare whose preflight fails (silent
+data corruption) and moves on to the next one. Then a job whose command fails right after
+start: the restart-loop breaker holds it and pages. Last, the node lifecycle on free spares
+(no job): a DBE is drained, diagnosed, reset, validated and the node is back as a spare; a
+second one on a GPU whose reset fails stays out with the reason; and a node that reaches the
+lemon threshold is retired, out of the spare pool, and a job that names it is refused."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from tests.e2e.chaos import (
     check_one_live_attempt,
     check_recovery,
     job_spec,
+    launches,
     new_incidents,
     now,
     reference_lines,
@@ -40,6 +43,7 @@ from trainguard.devkit.devcluster import REPO_ROOT, ClusterConfig, DevCluster
 
 pytestmark = pytest.mark.slow
 FAULT_STEP = 12
+LEMON_AT = 3  # lifecycle.lemon_incidents in this world
 
 
 class World:
@@ -86,13 +90,17 @@ def write_rules(path: Path, overrides: dict[str, dict[str, Any]]) -> None:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     config = ClusterConfig(
-        active=("node-1", "node-2", "node-3"),
-        # a spare for each scenario that drains a node (node death, XID 79, straggler, DBEs)
-        spares=tuple(f"spare-{i}" for i in range(1, 7)),
+        # node-0: idle, no job's; the node-death scenario makes it a spare with a fault only a
+        # preflight finds (it is never a spare before, so no preflight ahead of need ran there)
+        active=("node-0", "node-1", "node-2", "node-3"),
+        # a spare for each scenario that drains a node (node death, XID 79, straggler, DBEs),
+        # and two for the lifecycle scenarios with no hardware incident behind them
+        spares=tuple(f"spare-{i}" for i in range(1, 8)),
         safety={"drain_budget": 100, "breaker_threshold": 100},
-        # the node lifecycle's repairs on (the default; the last scenario); no lemon verdict:
-        # this world's scenarios are not about lemons
-        lifecycle={"auto_repair": True, "preflight_burn_s": 1.0, "lemon_incidents": 0},
+        # the node lifecycle's repairs on (the default; the last scenarios). A lemon at 3
+        # hardware incidents: no node of the job scenarios reaches it (a DBE'd node swapped
+        # into a later job and DBE'd again has 2), the lemon scenario's node does
+        lifecycle={"auto_repair": True, "preflight_burn_s": 1.0, "lemon_incidents": LEMON_AT},
         jobs={
             # a request is acted on within max(2 steps, 1 s), and a framework job's step
             # takes seconds on a loaded machine; a node that stops reporting falls back at once
@@ -137,10 +145,22 @@ def test_kill9_of_a_rank_restarts_the_job_on_the_same_nodes(world: World) -> Non
     world.after("rank-kill")
 
 
-def test_node_death_moves_the_job_to_a_spare(world: World) -> None:
+def test_node_death_moves_the_job_to_a_spare_past_one_whose_preflight_fails(
+    world: World,
+) -> None:
+    # node-0 joins the spare pool just before the death with silent data corruption on GPU 0,
+    # which only a preflight's compute burn finds. It is the first spare by name and has no
+    # preflight behind it, so the swap's gate runs one (or meets the one ahead of need, when
+    # the tick's 15 s round comes first): it fails, node-0 is drained with the reason and
+    # the next spare takes the dead node's place.
     c = world.cluster
     dead = world.nodes[2]
+    sick_spare = "node-0"
+    next_spare = min(_free_spares(c))
+    assert sick_spare < next_spare
     run_until_step(c, job_spec(c, "node-death", world.nodes), FAULT_STEP)
+    c.inject(sick_spare, "sdc", gpu=0)
+    c.api("PUT", f"/v1/nodes/{sick_spare}/role", json={"role": "spare"})
     since = now()
     c.kill_node(dead)
     killed_at = now()
@@ -155,6 +175,16 @@ def test_node_death_moves_the_job_to_a_spare(world: World) -> None:
     )
     nodes = c.job("node-death")["nodes"]
     assert dead not in nodes and len(nodes) == 3
+    assert set(nodes) - set(world.nodes) == {next_spare}, nodes
+    # the spare that failed its preflight is out of the pool with the reason
+    node0 = c.node(sick_spare)
+    reason = str(node0.get("drain_reason"))
+    assert node0["state"] == "drained", node0
+    assert reason.startswith("preflight failed: compute_burn: GPU 0:"), node0
+    assert "silent data corruption" in reason, node0
+    assert not node0["last_preflight"]["passed"], node0["last_preflight"]
+    assert sick_spare not in [n["name"] for n in c.api("GET", "/v1/spares")]
+    assert not any(x.node == sick_spare for x in launches(c, "node-death"))
     # the silent node joined the same incident and was drained there
     assert c.wait(lambda: c.node(dead)["state"] == "drained", timeout_s=30, what=f"{dead} drained")
     kinds = [e["kind"] for e in c.incident(detail["incident"]["id"])["timeline"]]
@@ -452,30 +482,34 @@ def _preflighted(c: DevCluster, name: str) -> bool:
     return c.node(name).get("last_preflight") is not None
 
 
-def test_a_dbe_on_a_free_spare_is_repaired_and_a_failed_reset_keeps_it_out(
-    world: World,
-) -> None:
-    # Two free spares, GPU 1 of each (the earlier scenarios' faults were on GPU 0: a fatal
-    # XID's incident stays open for the rule's window and cooldown, so a new one on a GPU hit
-    # earlier would not open another).
-    c = world.cluster
+def _free_spares(c: DevCluster, *, incidents: int | None = None) -> list[str]:
+    """The free spares (role spare, active, no job), by name from the last; with `incidents`,
+    only those with that many hardware incidents behind them (`describe node`)."""
     free = [
         n["name"]
         for n in sorted(c.nodes(), key=lambda n: str(n["name"]), reverse=True)
         if n["role"] == "spare" and n["state"] == "active" and not n.get("job")
     ]
-    assert len(free) >= 2, free
-    spare, other = free[:2]
-    # their warm preflights first (an agent runs one preflight at a time)
-    for name in (spare, other):
+    if incidents is None:
+        return free
+    return [n for n in free if len(c.node(n)["hardware_incidents"]) == incidents]
+
+
+def _warm(c: DevCluster, *names: str) -> None:
+    """Wait for the nodes' preflights ahead of need (an agent runs one preflight at a time,
+    so a repair's diagnosis would queue behind one)."""
+    for name in names:
         c.wait(
             functools.partial(_preflighted, c, name),
             timeout_s=180,
             what=f"{name}'s warm preflight",
         )
+
+
+def _repair_a_dbe(c: DevCluster, spare: str) -> None:
+    """A DBE on a free spare's GPU 1 (XID 48: the catalog's reset_gpu): drained, diagnosed,
+    reset, validated and back as a spare with the pass, its reason cleared."""
     log_from = len(c.agents[spare].proc.log())
-    started = time.monotonic()
-    # a DBE on GPU 1 (XID 48: the catalog's reset_gpu): drained, diagnosed, reset, validated
     c.inject(spare, "dbe", gpu=1)
     c.wait(lambda: c.node(spare)["state"] != "active", timeout_s=30, what=f"{spare} drained")
     c.wait(
@@ -489,9 +523,25 @@ def test_a_dbe_on_a_free_spare_is_repaired_and_a_failed_reset_keeps_it_out(
     node = c.node(spare)
     assert (node["role"], node.get("drain_reason")) == ("spare", None), node
     assert node["last_preflight"]["passed"], node["last_preflight"]
+
+
+def test_a_dbe_on_a_free_spare_is_repaired_and_a_failed_reset_keeps_it_out(
+    world: World,
+) -> None:
+    # Two free spares with no hardware incident behind them (the lemon count stays under
+    # the threshold), GPU 1 of each (the earlier scenarios' faults were on GPU 0: a fatal
+    # XID's incident stays open for the rule's window and cooldown, so a new one on a GPU hit
+    # earlier would not open another).
+    c = world.cluster
+    free = _free_spares(c, incidents=0)
+    assert len(free) >= 2, free
+    spare, other = free[:2]
+    _warm(c, spare, other)
+    started = time.monotonic()
+    _repair_a_dbe(c, spare)
     repaired_s = time.monotonic() - started
     # a DBE on the other spare's GPU 1, whose reset fails: diagnosed, the reset fails, kept
-    # out with the reason
+    # out with the reason (its second hardware incident: no lemon yet)
     c.inject(other, "reset_fail", gpu=1)
     c.inject(other, "dbe", gpu=1)
 
@@ -508,5 +558,44 @@ def test_a_dbe_on_a_free_spare_is_repaired_and_a_failed_reset_keeps_it_out(
     assert "event=gpu_reset_failed gpu=1" in c.agents[other].proc.log()
     assert other not in [n["name"] for n in c.api("GET", "/v1/spares")]
     rules = [h["rule"] for h in c.node(other)["hardware_incidents"]]
-    assert "repair_failed" in rules, rules
+    assert "repair_failed" in rules and len(rules) == LEMON_AT - 1, rules
     print(f"lifecycle: repaired in {repaired_s:.1f} s, both in {time.monotonic() - started:.1f} s")
+
+
+def test_a_node_at_the_lemon_threshold_is_retired_and_never_used_again(world: World) -> None:
+    # A free spare with one hardware incident behind it (a DBE it was repaired of: the
+    # scenario above leaves one; run alone, this test repairs one first) gets a DBE on a GPU
+    # whose reset fails. The DBE's incident is its second hardware incident and the failed
+    # reset its third, lifecycle.lemon_incidents in this world: it is retired with the lemon
+    # reason instead of left drained, it leaves the spare pool, and a job that names it is
+    # refused.
+    c = world.cluster
+    assert LEMON_AT == 3  # one repaired DBE, then a DBE and a failed reset
+    once = _free_spares(c, incidents=1)
+    if not once:
+        fresh = _free_spares(c, incidents=0)
+        assert fresh, _free_spares(c)
+        _warm(c, fresh[0])
+        _repair_a_dbe(c, fresh[0])
+        once = [fresh[0]]
+    lemon = once[0]
+    _warm(c, lemon)
+    started = time.monotonic()
+    c.inject(lemon, "reset_fail", gpu=1)
+    c.inject(lemon, "dbe", gpu=1)
+    c.wait(
+        lambda: c.node(lemon)["state"] == "retired",
+        timeout_s=180,
+        what=f"{lemon} retired as a lemon",
+    )
+    node = c.node(lemon)
+    assert node["drain_reason"] == "lemon: 3 hardware incidents in 30 days", node
+    rules = [h["rule"] for h in node["hardware_incidents"]]
+    assert len(rules) == LEMON_AT and rules[-1] == "repair_failed", rules
+    assert "event=gpu_reset_failed gpu=1" in c.agents[lemon].proc.log()
+    assert lemon not in [n["name"] for n in c.api("GET", "/v1/spares")]
+    # a job that names it is refused: only an active node is placed in a job
+    r = c.client.post("/v1/jobs", json=job_spec(c, "lemon-placement", [lemon]))
+    assert r.status_code == 400 and f"{lemon} is retired" in r.text, (r.status_code, r.text)
+    assert c.client.get("/v1/jobs/lemon-placement").status_code == 404
+    print(f"lemon: retired in {time.monotonic() - started:.1f} s")

@@ -39,6 +39,7 @@ class FakeSlurm:
         self.nodes = {n: FakeNode() for n in nodes}
         self.jobs: dict[str, FakeJob] = {}
         self.reservation: list[str] | None = list(spares) if spares else None
+        self.reservation_fields: dict[str, str] = {}  # those of the last `create reservation`
         self.calls: list[tuple[str, ...]] = []
         self.failures: list[tuple[str, SlurmError]] = []  # (argv prefix text, error)
         self._lock = threading.Lock()
@@ -101,6 +102,12 @@ class FakeSlurm:
             return ""
         if args[0] == "delete":
             self.reservation = None
+            return ""
+        if args[:2] == ["create", "reservation"]:
+            fields = dict(a.split("=", 1) for a in args[2:])
+            assert self.reservation is None, "scontrol create: Reservation exists"
+            self.reservation = fields["nodes"].split(",")
+            self.reservation_fields = fields
             return ""
         if args[0] in ("requeuehold", "hold", "release"):
             job = self._known(args[1])

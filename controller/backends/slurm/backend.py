@@ -11,10 +11,12 @@
   job named otherwise is matched to `squeue --json` by name and nodes). The proactive
   checkpoint and stack dumps go through the agents exactly as for torchrun jobs.
 - Spares: the nodes of a reservation general work cannot use (`spare_reservation`). replace =
-  take a spare out of the reservation for the job; restart = `scontrol requeuehold`, wait
-  until Slurm no longer runs the job anywhere (so the drained node is out of it), pin the
-  job to the new node set (`nodelist=`), `release` and `starttime=now` (a requeued job would
-  otherwise wait cred_expire), then wait for a step past the checkpoint. A rule's restart of
+  take a spare out of the reservation for the job; a node the lifecycle repairs comes back
+  into it as a spare (return_to_pool, the reservation created again when it had gone);
+  restart = `scontrol requeuehold`, wait until Slurm no longer runs the job anywhere (so the
+  drained node is out of it), pin the job to the new node set (`nodelist=`), `release` and
+  `starttime=now` (a requeued job would otherwise wait cred_expire), then wait for a step
+  past the checkpoint. A rule's restart of
   a job that crash-loops without checkpoint progress (controller.actions.restartloop) leaves
   it held (`requeuehold` / `hold`) with the reason in its comment instead, never released.
 
@@ -190,6 +192,9 @@ class SlurmBackend:
                 self.commands.resume(sname)
                 self.mirror.refresh()
         log.info("event=slurm_resume node=%s slurm_node=%s force=%s", node, sname, force)
+
+    def return_to_pool(self, node: str, *, role: str) -> None:
+        self.spares.put_in_pool(node, role=role)
 
     # --- jobs -------------------------------------------------------------------------------
 

@@ -284,6 +284,15 @@ class SlurmCommands:
         else:
             self.run("scontrol", "delete", f"reservationname={name}")
 
+    def create_reservation(self, name: str, nodes: Sequence[str], *, users: str) -> None:
+        """The spare reservation, as docs/slurm.md's set-up creates it: from now on, for ever,
+        for `users` only, its nodes' running jobs ignored."""
+        self.run(
+            "scontrol", "create", "reservation", f"reservationname={name}",
+            f"nodes={','.join(nodes)}", "starttime=now", "duration=infinite",
+            f"users={users}", "flags=ignore_jobs",
+        )  # fmt: skip
+
     def drain(self, node: str, *, reason: str, down: bool = False) -> None:
         state = "down" if down else "drain"
         self.run("scontrol", "update", f"nodename={node}", f"state={state}", f"reason={reason}")

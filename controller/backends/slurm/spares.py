@@ -2,7 +2,8 @@
 reservation general work cannot use (`spare_reservation`) that may stand in for them; taking
 a spare is taking it out of the reservation for the job. A spare is taken only after a
 passing preflight (the gate of controller.actions.sparecheck, `pick`): a failing one is
-drained in Slurm with the reason (so it stays out of the pool) and the next one is tried.
+drained in Slurm with the reason (so it stays out of the pool) and the next one is tried. A
+node the lifecycle repairs and brings back as a spare goes back into the reservation.
 """
 
 from __future__ import annotations
@@ -116,6 +117,34 @@ class SlurmSpares:
         with as_step_error(f"draining spare {node} in Slurm"):
             self._mirror.commands.drain(sname, reason=text)
         log.warning("event=slurm_spare_drained node=%s reason=%r", node, text)
+
+    def put_in_pool(self, node: str, *, role: str) -> None:
+        """A node the lifecycle brings back as a spare joins the reservation (created again
+        when trainguard removed its last node); one brought back active leaves it. Read from
+        Slurm first, so a re-run changes nothing."""
+        sname = self._mirror.slurm_name(node)
+        commands = self._mirror.commands
+        with self._mirror.lock, as_step_error(f"returning {node} to the {role} pool in Slurm"):
+            current = commands.reservation_nodes(self.reservation)
+            members = list(current or ())
+            if role == "spare" and sname not in members:
+                if current is None:
+                    users = self._mirror.config.spare_reservation_users
+                    commands.create_reservation(self.reservation, [sname], users=users)
+                else:
+                    commands.set_reservation_nodes(self.reservation, [*members, sname])
+            elif role == "active" and sname in members:
+                commands.set_reservation_nodes(self.reservation, [m for m in members if m != sname])
+            else:
+                return
+            self._mirror.refresh()
+        log.info(
+            "event=slurm_spare_returned node=%s slurm_node=%s role=%s reservation=%s",
+            node,
+            sname,
+            role,
+            self.reservation,
+        )
 
     def take(
         self,

@@ -85,6 +85,9 @@ class TorchrunBackend:
     def undrain(self, node: str, *, key: str, force: bool = False) -> None:
         self._drain.undrain(node, key=key)
 
+    def return_to_pool(self, node: str, *, role: str) -> None:
+        pass  # the spares are the node table's role spare: nothing of the scheduler's to move
+
     def checkpoint(self, ctx: ActionContext) -> Outcome:
         return self._checkpoint.run(ctx)
 

@@ -83,8 +83,12 @@ def test_a_drain_made_by_someone_else_shows_who_set_it() -> None:
         ({"kind": "lsf"}, "kind"),
         ({"kind": "slurm", "slurm": {"sync_interval_s": 0}}, "sync_interval_s"),
         ({"kind": "slurm", "slurm": {"node_names": {"a": "x", "b": "x"}}}, "node_names"),
+        (
+            {"kind": "slurm", "slurm": {"spare_reservation_users": "root bob"}},
+            "spare_reservation_users",
+        ),
     ],
-    ids=["unknown-key", "unknown-kind", "zero-interval", "two-agents-one-node"],
+    ids=["unknown-key", "unknown-kind", "zero-interval", "two-agents-one-node", "users-not-a-list"],
 )
 def test_the_backend_section_is_strict(section: dict[str, Any], key: str) -> None:
     with pytest.raises(ConfigError, match=key):
@@ -412,5 +416,76 @@ def test_a_spare_whose_preflight_ahead_of_need_fails_is_drained_in_slurm_until_i
         assert "DRAIN" not in slurm.nodes["n4"].flags
         b.refresh()
         assert c.get_node("n4").state == "active"
+    finally:
+        c.stop()
+
+
+def _validate(c: Controller, clock: FakeClock, node: str) -> None:
+    """The lifecycle's validation of a repaired node (params as repairplan gives them), its
+    preflight passed."""
+    c.repairs.start_validation(node, root="lifecycle:diagnose:k")
+    c.run_actions()
+    _answer_preflights(c, fails={})
+    clock.advance(2.0)
+    c.run_actions()
+
+
+@pytest.mark.parametrize(
+    ("left", "after"),
+    [(["n4"], ["n4", "n2"]), (None, ["n2"])],
+    ids=["reservation-kept", "reservation-gone-with-its-last-spare"],
+)
+def test_a_node_repaired_under_slurm_comes_back_as_a_spare_in_the_reservation(
+    core, slurm, core_clock, left, after
+):
+    # n2 was drained by an incident, diagnosed and repaired; its validation passes. With
+    # lifecycle.repair_return_role spare it joins the spare reservation (created again, as
+    # the set-up makes it, when a replace took its last node) and is resumed in Slurm, so the
+    # mirror keeps it a spare and slurmctld gives general work none of it.
+    b = backend(core)
+    b.drain("n2", reason="x", key="k", rule="gpu_dbe", incident_id=7)
+    slurm.reservation = left
+    b.refresh()
+    assert core.get_node("n2").state == "drained"
+    _validate(core, core_clock, "n2")
+    assert slurm.reservation == after
+    if left is None:
+        assert slurm.reservation_fields == {
+            "reservationname": "trainguard_spares", "nodes": "n2", "starttime": "now",
+            "duration": "infinite", "users": "root", "flags": "ignore_jobs",
+        }  # fmt: skip
+    assert "DRAIN" not in slurm.nodes["n2"].flags
+    b.refresh()  # the next sync keeps it a spare
+    view = core.get_node("n2")
+    assert (view.state, view.role) == ("active", "spare"), view
+    assert "n2" in [n.name for n in core.list_spares()]
+    # a re-run (a validation step again after a crash) changes nothing in Slurm
+    calls = len(slurm.calls)
+    b.return_to_pool("n2", role="spare")
+    assert [c for c in slurm.calls[calls:] if "reservation" in " ".join(c)] == [
+        ("scontrol", "show", "reservation", "trainguard_spares", "-o")
+    ]
+
+
+def test_a_node_repaired_under_slurm_as_active_leaves_the_reservation(
+    make_core, core_config, core_clock
+):
+    slurm = FakeSlurm((*NODES, "n5"), spares=["n4", "n5"])
+    c = Controller(
+        core_config(backend={"kind": "slurm"}, lifecycle={"repair_return_role": "active"}),
+        clock=core_clock,
+        backends=ActionBackends(notifiers=[], slurm_runner=slurm),
+    )
+    try:
+        for n in (*NODES, "n5"):
+            c.ingest_report(Reporter(n).report(now=core_clock.now()), actor="a")
+        b = backend(c)
+        b.refresh()
+        b.drain("n4", reason="x", key="k", rule="gpu_dbe", incident_id=7)  # a free spare's DBE
+        _validate(c, core_clock, "n4")
+        assert slurm.reservation == ["n5"]
+        b.refresh()
+        view = c.get_node("n4")
+        assert (view.state, view.role) == ("active", "active"), view
     finally:
         c.stop()
