@@ -417,9 +417,9 @@ class Trainguard:
         next attempt epoch (rank 0 raises the directory's: older ranks can never commit), and
         agree with the replacements on the newest state, which the ranks without it receive
         from a peer. With NCCL the old communicators are aborted first (bounded by the
-        membership's timeout). Returns the step to run next. The training process group is new: wrap
-        the model again (DistributedDataParallel) after it. Raises `RejoinFailed` when the
-        fast path cannot work (fall back to a full restart)."""
+        membership's timeout). Returns the step to run next. The training process group is
+        new: wrap the model again (DistributedDataParallel) after it. Raises `RejoinFailed`
+        when the fast path cannot work (fall back to a full restart)."""
         if self.epoch is not None and membership.epoch <= self.epoch:
             raise ValueError(
                 f"rejoin: the membership's epoch {membership.epoch} must be newer than this "
