@@ -148,6 +148,10 @@ class Heartbeat:
     ckpt_replica_step: Count | None = None
     ckpt_replica_lag_s: Duration | None = None
     control_socket: _Path | None = None  # where this rank listens for Control datagrams
+    # The attempt epoch this rank trains in (None: unfenced). It changes in the process when
+    # a healthy rank rejoins a re-formed world: the first heartbeat naming the new epoch at a
+    # train step is the first step of the healed job.
+    epoch: Count | None = None
     # edge event: a TrainerEdge, or a name of the trainer's own
     event: Ident | None = None
     event_data: _Data = field(default_factory=dict)
@@ -214,6 +218,7 @@ class RankState:
     ckpt_interval_s: Duration | None = None
     ckpt_replica_step: Count | None = None
     ckpt_replica_lag_s: Duration | None = None  # as of the rank's latest heartbeat
+    epoch: Count | None = None  # the attempt epoch the rank trains in (changes on a rejoin)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import select
 import socket
 import stat
 import tempfile
@@ -298,6 +299,17 @@ class AgentChannel:
                 out.append(decode_json(Control, raw))
             except ProtocolError as e:
                 log.warning("event=control_rejected reason=%s", str(e).replace(" ", "_"))
+
+    def wait_readable(self, timeout_s: float) -> bool:
+        """Block up to `timeout_s` until a Control waits on the socket (True); False after the
+        timeout or without a control socket (at once)."""
+        if self._in is None:
+            return False
+        try:
+            ready, _, _ = select.select([self._in], [], [], max(0.0, timeout_s))
+        except InterruptedError:
+            return False
+        return bool(ready)
 
     def close(self) -> None:
         self._out.close()

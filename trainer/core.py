@@ -50,6 +50,7 @@ from trainguard.trainer.fence import LaunchLocked, StaleAttempt, epoch_from_env
 from trainguard.trainer.hooks import StepHook
 from trainguard.trainer.launch import LaunchMismatch, check_launch
 from trainguard.trainer.manifest import Manifest
+from trainguard.trainer.membership_inbox import MembershipInbox
 from trainguard.trainer.nan_guard import NanGuard, NanPolicy, NanSettings
 from trainguard.trainer.peer_state import agree_source, replica_state_ok, transfer_state
 from trainguard.trainer.rejoin import (
@@ -63,6 +64,7 @@ from trainguard.trainer.rejoin import (
 from trainguard.trainer.replica import ReplicaConfig, replica_from_env
 from trainguard.trainer.retention import RetentionPolicy, retention_from_env
 from trainguard.trainer.s3 import S3Config
+from trainguard.trainer.sampler import ResumableSampler
 from trainguard.trainer.signals import SignalGuard, SignalSettings
 from trainguard.trainer.sync import Agreement, Coordinator, DistCoordinator, LocalCoordinator
 from trainguard.trainer.telemetry import Telemetry
@@ -226,11 +228,13 @@ class Trainguard:
             pid=pid,
             checkpoint_every=ckpt_settings.checkpoint_every,
             replicator=self.checkpoints.replicator,
+            epoch=self.checkpoints.epoch,
             clock=clock,
         )
         self.agreement = StepAgreement(
             coordinator=self.coord, settings=sync_settings, job=self.job, clock=clock
         )
+        self.inbox = MembershipInbox(job=self.job, rank=lambda: self.rank, epoch=lambda: self.epoch)
         self.nan = NanGuard(
             settings=nan_settings,
             job=self.job,
@@ -351,7 +355,7 @@ class Trainguard:
         sampler = self.state.sampler
         if sampler is not None and hasattr(sampler, "mark_step"):
             sampler.mark_step()
-        self.agreement.receive(self.channel.poll())
+        self.agreement.receive(self.inbox.sort(self.channel.poll()))
         self.checkpoints.collect()
 
         action = CONTINUE
@@ -398,14 +402,24 @@ class Trainguard:
         completed; the loop then waits for its membership and calls `rejoin()`."""
         return PeerLossGuard(lambda: self._completed_step)
 
+    def wait_membership(self, *, timeout_s: float) -> Membership:
+        """This rank's place in the re-formed world: the `rejoin` Control the agent relays to
+        its control socket (one that came before the loss was seen is kept; one not newer than
+        this rank's epoch is ignored). Requests of other actions read meanwhile stay pending
+        for the new world. `RejoinFailed` after `timeout_s`."""
+        return self.inbox.wait(
+            self.channel, timeout_s=timeout_s, others=self.agreement.receive, clock=self.clock
+        )
+
     def rejoin(self, membership: Membership) -> int:
         """A healthy rank of a broken world joins the next one, in this process: leave every
         process group, initialise the new world, re-create the library's groups, adopt the
         next attempt epoch (rank 0 raises the directory's: older ranks can never commit), and
         agree with the replacements on the newest state, which the ranks without it receive
-        from a peer. Returns the step to run next. The training process group is new: wrap
-        the model again (DistributedDataParallel) after it. Raises `RejoinFailed` when the
-        fast path cannot work (fall back to a full restart)."""
+        from a peer. With NCCL the old communicators are aborted first (bounded by the
+        membership's timeout). Returns the step to run next. The training process group is
+        new: wrap the model again (DistributedDataParallel) after it. Raises `RejoinFailed`
+        when the fast path cannot work (fall back to a full restart)."""
         if self.epoch is not None and membership.epoch <= self.epoch:
             raise ValueError(
                 f"rejoin: the membership's epoch {membership.epoch} must be newer than this "
@@ -418,7 +432,8 @@ class Trainguard:
         if not self.checkpoints.wait(membership.timeout_s):
             raise RejoinFailed("a checkpoint save of the old world is still running")
         self.checkpoints.close(0.0)
-        leave_world()
+        self.coord.close()  # the library's groups of the old world, released as at close()
+        leave_world(abort_timeout_s=membership.timeout_s)
         join_world(membership)
         self._bind(membership)
         log.info(
@@ -458,6 +473,9 @@ class Trainguard:
         self.telemetry.replicator = self.checkpoints.replicator  # the old one closed with it
         self.telemetry.rank = self.nan.rank = self.signals.rank = self.rank
         self.telemetry.world_size = self.world_size
+        self.telemetry.epoch = membership.epoch
+        if isinstance(self.state.sampler, ResumableSampler):
+            self.state.sampler.set_world(rank=self.rank, world_size=self.world_size)
         self._last_mono = None  # the recovery is no step time (stragglers, agreement schedule)
 
     def _state_from_peer(self) -> int:

@@ -3,22 +3,30 @@
 A world whose rank died is re-formed without relaunching the healthy ranks (docs/trainer.md,
 "In-process rejoin"): whoever replaces the lost rank (the controller, later; a test today)
 names a `Membership` for every rank of the new world: its rank and world size, the address
-of a rendezvous `TCPStore` that outlives any rank, and the next attempt epoch. A healthy rank
+of the new world's rendezvous `TCPStore` (run by its rank 0, or by a process that outlives
+every rank), and the next attempt epoch. A healthy rank
 learns of the loss as `PeerLost` (a broken collective, converted by `PeerLossGuard`), waits
-for its membership (`wait_membership`), leaves the old process group and initialises the new
-one (`leave_world`, `join_world`), and `Trainguard.rejoin` does the rest. A replacement
-process calls `join_world` with the membership it was started with. No state moves here
+for its membership (a `rejoin` Control on its control socket, trainer/membership_inbox.py; or,
+where a test re-forms the world, a key of a TCPStore: `wait_membership`), leaves the old
+process group (with NCCL, aborting its communicators first: `abort_world`) and initialises
+the new one (`leave_world`, `join_world`; a membership with `host_store` makes this rank run
+the new world's store), and `Trainguard.rejoin` does the rest. A replacement process calls
+`join_world` with the membership it was started with. No state moves here
 (trainer/peer_state.py moves it).
 """
 
 from __future__ import annotations
 
 import logging
+import re
+import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from types import TracebackType
 from typing import Literal
 
+import torch
 import torch.distributed as dist
 
 from trainguard.membership import Membership
@@ -28,6 +36,7 @@ __all__ = [
     "PeerLost",
     "PeerLossGuard",
     "RejoinFailed",
+    "abort_world",
     "is_collective_failure",
     "join_world",
     "leave_world",
@@ -144,11 +153,82 @@ def wait_membership(
     return Membership.from_json(raw)
 
 
-def leave_world() -> None:
+def leave_world(*, abort_timeout_s: float = 30.0) -> None:
     """Destroy every process group of the old world (the training group and the library's
-    own); a dead peer does not block it."""
-    if dist.is_available() and dist.is_initialized():
+    own); a dead peer does not block it. With NCCL the communicators are aborted first
+    (`abort_world`, bounded by `abort_timeout_s`): destroying one whose collective hangs on
+    the lost peer would hang too."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if "nccl" in str(dist.get_backend()):
+        abort_world(timeout_s=abort_timeout_s)
+    if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# torch's own abort of every group of a process (`_abort_process_group`, experimental but the
+# one torch offers) from this version on; before it, each NCCL backend is shut down alone.
+_ABORT_API_SINCE = (2, 6)
+
+
+def abort_world(*, timeout_s: float) -> None:
+    """Abort every NCCL communicator of this process's world, in a thread bounded by
+    `timeout_s` (`RejoinFailed` when the abort itself hangs or fails: the rank must then exit
+    and the job takes a full restart). Aborting makes a collective hung on a lost peer return
+    with an error and releases the communicators without the peer, which destroying them does
+    not (NCCL's destroy waits for every rank). Not runnable without a GPU: its unit test fakes
+    torch at this edge."""
+    done = threading.Event()
+    failed: list[str] = []
+    api: list[str] = []
+
+    def run() -> None:
+        try:
+            api.append(_abort_groups())
+        except Exception as e:  # any failure of the abort is reported below
+            failed.append(f"{type(e).__name__}: {e}")
+        finally:
+            done.set()
+
+    t0 = time.monotonic()
+    threading.Thread(target=run, name="trainguard-abort-world", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise RejoinFailed(f"aborting the NCCL communicators took over {timeout_s:.0f} s")
+    if failed:
+        raise RejoinFailed(f"aborting the NCCL communicators failed: {failed[0]}")
+    log.info(
+        "event=world_aborted backend=nccl api=%s duration_s=%.3f",
+        api[0],
+        time.monotonic() - t0,
+    )
+
+
+def _abort_groups() -> str:
+    """Abort through the API the installed torch offers; returns which one."""
+    # Deferred: the module holds torch's private world state, read only on this path.
+    from torch.distributed import distributed_c10d as c10d  # noqa: PLC0415
+
+    if _torch_version(torch.__version__) >= _ABORT_API_SINCE:
+        # Every group (the default one included) within one NCCL group call, so that no
+        # communicator's abort waits on another's; torch forgets the world afterwards.
+        c10d._abort_process_group()
+        return "abort_process_group"
+    if not dist.is_nccl_available():
+        return "none"
+    cuda = torch.device("cuda")
+    for group in list(c10d._world.pg_names):
+        try:
+            backend = group._get_backend(cuda)
+        except RuntimeError:  # a group without a CUDA backend (gloo): nothing to abort
+            continue
+        if isinstance(backend, dist.ProcessGroupNCCL):
+            backend._shutdown()  # type: ignore[attr-defined]  # torch < 2.6 only
+    return "backend_shutdown"
+
+
+def _torch_version(version: str) -> tuple[int, int]:
+    found = re.match(r"(\d+)\.(\d+)", str(version))
+    return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
 
 
 def join_world(m: Membership) -> None:

@@ -158,6 +158,24 @@ class ResumableSampler(Sampler[int]):
             workers,
         )
 
+    def set_world(self, *, rank: int, world_size: int) -> None:
+        """This rank's place changed: the world was re-formed in the process (a rank of
+        another number, another world size). The position is kept in samples, as a load at
+        another world size keeps it; at the same world size, exactly."""
+        inner = self.inner
+        if (inner.rank, inner.num_replicas) == (rank, world_size):
+            return
+        position = self.state_dict()
+        self.inner = DistributedSampler(
+            inner.dataset,
+            num_replicas=world_size,
+            rank=rank,
+            shuffle=inner.shuffle,
+            seed=inner.seed,
+            drop_last=inner.drop_last,
+        )
+        self.load_state_dict(position)
+
     def state_dict(self) -> dict[str, int]:
         return {
             "epoch": self.epoch,

@@ -114,6 +114,7 @@ class Telemetry:
         pid: int,
         checkpoint_every: int = 0,
         replicator: Replicator | None = None,
+        epoch: int | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.channel = channel
@@ -123,6 +124,7 @@ class Telemetry:
         self.local_rank = local_rank
         self.world_size = world_size
         self.pid = pid
+        self.epoch = epoch  # the attempt epoch; a rejoin moves it (and the rank) in the process
         self.clock = clock
         self.ckpt_step: int | None = None
         self.ckpt_request_id: str | None = None
@@ -250,6 +252,7 @@ class Telemetry:
             "ckpt_age_s": health.age_s(),
             "ckpt_interval_s": health.interval_s(),
             "control_socket": self.channel.control_socket,
+            "epoch": self.epoch,
         }
         if self.replicator is not None:
             replica = self.replicator.status()
