@@ -148,6 +148,9 @@ class Heartbeat:
     ckpt_replica_step: Count | None = None
     ckpt_replica_lag_s: Duration | None = None
     control_socket: _Path | None = None  # where this rank listens for Control datagrams
+    # The attempt epoch of the world this rank is in (a launch's TRAINGUARD_ATTEMPT, or the
+    # membership epoch it rejoined under); None: the trainer runs without fencing.
+    epoch: Count | None = None
     # edge event: a TrainerEdge, or a name of the trainer's own
     event: Ident | None = None
     event_data: _Data = field(default_factory=dict)
@@ -214,6 +217,7 @@ class RankState:
     ckpt_interval_s: Duration | None = None
     ckpt_replica_step: Count | None = None
     ckpt_replica_lag_s: Duration | None = None  # as of the rank's latest heartbeat
+    epoch: Count | None = None  # the attempt epoch of the rank's world (Heartbeat.epoch)
 
 
 @dataclass(frozen=True)

@@ -226,6 +226,7 @@ class Trainguard:
             pid=pid,
             checkpoint_every=ckpt_settings.checkpoint_every,
             replicator=self.checkpoints.replicator,
+            epoch=self.checkpoints.epoch,
             clock=clock,
         )
         self.agreement = StepAgreement(
@@ -458,6 +459,7 @@ class Trainguard:
         self.telemetry.replicator = self.checkpoints.replicator  # the old one closed with it
         self.telemetry.rank = self.nan.rank = self.signals.rank = self.rank
         self.telemetry.world_size = self.world_size
+        self.telemetry.epoch = membership.epoch
         self._last_mono = None  # the recovery is no step time (stragglers, agreement schedule)
 
     def _state_from_peer(self) -> int:

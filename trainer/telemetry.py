@@ -114,10 +114,12 @@ class Telemetry:
         pid: int,
         checkpoint_every: int = 0,
         replicator: Replicator | None = None,
+        epoch: int | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.channel = channel
         self.replicator = replicator
+        self.epoch = epoch  # the attempt epoch of this rank's world (a rejoin raises it)
         self.job = job
         self.rank = rank
         self.local_rank = local_rank
@@ -250,6 +252,7 @@ class Telemetry:
             "ckpt_age_s": health.age_s(),
             "ckpt_interval_s": health.interval_s(),
             "control_socket": self.channel.control_socket,
+            "epoch": self.epoch,
         }
         if self.replicator is not None:
             replica = self.replicator.status()
