@@ -41,6 +41,7 @@ from trainguard.controller.ckptspec import CheckpointSpec, check_env_checkpoint_
 from trainguard.controller.config import JobsConfig
 from trainguard.controller.jobstate import JobState, check_job_transition
 from trainguard.controller.records import CommandRecord, JobRecord, NodeRecord
+from trainguard.controller.recoveryspec import RecoverySpec
 from trainguard.controller.store import Store
 from trainguard.controller.views import JobView
 from trainguard.protocol import (
@@ -119,6 +120,9 @@ class JobSpec:
     shrink: str = "pack"  # SHRINK_MODES: how the job may run on fewer nodes
     # the periodic interval (fixed or auto) and retention tiers (controller.ckptspec)
     checkpoint: CheckpointSpec | None = None
+    # how a lost node is recovered: in process first, when the loop can rejoin
+    # (controller.recoveryspec)
+    recovery: RecoverySpec = field(default_factory=RecoverySpec)
 
     def __post_init__(self) -> None:
         bad = bad_name_reason(self.name)
@@ -965,6 +969,7 @@ class JobManager:
     def view(self, job: JobRecord, *, now: float) -> JobView:
         step, ckpt = self.latest_steps(job.name)
         ckpt_age_s, ckpt_failures = self.checkpoint_health(job.name)
+        spec = self.spec(job)
         return JobView(
             name=job.name,
             state=job.state,
@@ -980,9 +985,10 @@ class JobManager:
             nproc_per_node=job.nproc_per_node,
             min_nodes=job.min_nodes,
             world_size=len(job.nodes) * job.nproc_per_node,
-            full_world_size=self.spec(job).world_size,
+            full_world_size=spec.world_size,
             state_reason=job.state_reason,
             started_at=job.started_at,
+            recovery="in_process" if spec.recovery.in_process else "restart",
         )
 
 

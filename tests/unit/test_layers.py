@@ -407,6 +407,7 @@ CONTROLLER_LAYER_OF: dict[str, str] = {
     "ckptinterval": "base",  # Young/Daly and the expected waste: pure arithmetic
     "failurecost": "base",  # GPU-hours and money lost to failures: pure arithmetic
     "ckptspec": "base",  # a job spec's checkpoint block and the launch environment it becomes
+    "recoveryspec": "base",  # a job spec's recovery block (in-process recovery opt-in)
     "store": "store",
     "backup": "store",
     "livestate": "state",
