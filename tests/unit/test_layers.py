@@ -426,6 +426,7 @@ CONTROLLER_LAYER_OF: dict[str, str] = {
     "safety": "rules",  # the verdicts between a decision and an action (incidents ask them)
     "growplan": "rules",  # which shrunk jobs grow back: a pure planner over snapshots
     "actions": "actions",
+    "actions.inprocess": "actions",  # the in-process recovery within the restart step
     "backends": "actions",
     "reports": "services",
     "jobscope": "services",  # what a report may say about which job (the ingest stage asks)
