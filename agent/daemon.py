@@ -39,6 +39,7 @@ from trainguard.agent.config import (
     ControllerConfig,
 )
 from trainguard.agent.heartbeat import HeartbeatServer, TrainerEvent
+from trainguard.agent.inprocess import StandbyEnv, inprocess_handlers
 from trainguard.agent.jobpolicy import (
     PolicyError,
     policy_from_config,
@@ -68,6 +69,7 @@ from trainguard.agent.sim import SimHardware
 from trainguard.agent.sources import CallOutcome, Source, TakeResult, Transition
 from trainguard.agent.stacks import stacks_handler
 from trainguard.agent.standby import ProcessLauncher, StandbyPool
+from trainguard.agent.standby_ranks import StandbyRanks
 from trainguard.clock import SYSTEM_CLOCK, Clock
 from trainguard.model import (
     EventSource,
@@ -78,7 +80,16 @@ from trainguard.model import (
     IbCollector,
     IbPortSample,
 )
-from trainguard.protocol import Command, CommandKind, Control, Event, EventKind, FaultSpec, Report
+from trainguard.protocol import (
+    Command,
+    CommandKind,
+    Control,
+    Event,
+    EventKind,
+    FaultSpec,
+    Report,
+    StandbyState,
+)
 from trainguard.strict import ConfigError
 from trainguard.systemd import SystemdNotifier
 from trainguard.xid_catalog import XidCatalog
@@ -302,6 +313,8 @@ class Agent:
         self._preemption_seen: PreemptionNotice | None = None  # set by the watcher thread
         self._preemption_handled: PreemptionNotice | None = None  # the loop acted on it
         self.standby: StandbyPool | None = None
+        # the ranks a warm standby became (assign_standby): the job's share of this node too
+        self.standby_ranks = StandbyRanks(clock=clock)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -317,7 +330,12 @@ class Agent:
         # before the first report: a job an earlier instance launched is reported running
         # from this instance's first report on, with the same pid and attempt
         self.jobs.adopt()
-        for kind, handler in job_handlers(self.jobs).items():
+        standby_ranks = self.standby_ranks
+
+        def stop_standby_rank(job: str, grace_s: float) -> bool:
+            return standby_ranks.stop(job, grace_s=grace_s)
+
+        for kind, handler in job_handlers(self.jobs, also_stop=stop_standby_rank).items():
             self.executor.register(kind, handler)
         if self.config.standby.enabled:
             self.standby = StandbyPool(
@@ -325,6 +343,19 @@ class Agent:
                 launcher=ProcessLauncher(work_dir=self.jobs.work_dir / "standby"),
                 clock=self._clock,
             )
+        for kind, handler in inprocess_handlers(
+            sender=self.heartbeat,
+            launches=self.jobs,
+            ranks=standby_ranks,
+            pool=lambda: self.standby,
+            policy=self.jobs.policy,
+            where=StandbyEnv(
+                node=self.node,
+                heartbeat_socket=str(self.heartbeat.path),
+                control_dir=self.jobs.control_dir,
+            ),
+        ).items():
+            self.executor.register(kind, handler)
         heartbeat = self.heartbeat
         for kind, handler in stacks_handler(
             source=self.jobs,
@@ -449,10 +480,12 @@ class Agent:
         return sorted(jobs)
 
     def _launch_leaders(self) -> dict[tuple[int, int], str]:
-        return self.jobs.launch_leaders() if self.jobs is not None else {}
+        leaders = self.jobs.launch_leaders() if self.jobs is not None else {}
+        return {**leaders, **self.standby_ranks.launch_leaders()}
 
     def _running_jobs(self) -> frozenset[str]:
-        return self.jobs.running_jobs() if self.jobs is not None else frozenset()
+        running = self.jobs.running_jobs() if self.jobs is not None else frozenset()
+        return running | self.standby_ranks.running_jobs()
 
     def _open_heartbeat(self) -> HeartbeatServer:
         hb = self.config.heartbeat
@@ -661,6 +694,7 @@ class Agent:
             self.preemption.close()
         if self.standby is not None:
             self.standby.close()
+        self.standby_ranks.close()
         if self._slow_thread is not None:
             self._slow.put(None)
             self._slow_thread.join(timeout=self.config.jobs.stacks_timeout_s + 1.0)
@@ -802,7 +836,7 @@ class Agent:
         """Reap job exits and escalate overdue stops; spool each `job_exit` once."""
         if self.jobs is None:
             return
-        for jev in self.jobs.poll():
+        for jev in (*self.jobs.poll(), *self.standby_ranks.poll()):
             self._spool_event(
                 kind=jev.kind,
                 ts=jev.ts,
@@ -1008,6 +1042,7 @@ class Agent:
             return
         for job, attempt in sorted(attempts.items()):
             self.jobs.stop_stale(job, current_attempt=attempt)
+            self.standby_ranks.stop_stale(job, current_attempt=attempt)
 
     def execute(self, cmd: Command) -> None:
         """Run one command now, or hand a slow one to the worker; its result is spooled."""
@@ -1099,8 +1134,13 @@ class Agent:
             gpus=snap.gpus if snap else (),
             ib_ports=snap.ib_ports if snap else (),
             ranks=self.heartbeat.ranks() if self.heartbeat else (),
-            jobs=self.jobs.processes() if self.jobs else (),
+            jobs=(*self.jobs.processes(), *self.standby_ranks.processes()) if self.jobs else (),
             events=events,
+            standby=(
+                StandbyState(module=self.standby.config.module, ready=self.standby.is_ready)
+                if self.standby is not None
+                else None
+            ),
             health={
                 "spool_events": float(len(self.spool)),
                 "spool_dropped_total": float(self.spool.dropped_total),

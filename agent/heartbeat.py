@@ -518,6 +518,24 @@ class HeartbeatServer:
                     if j == job and t.hb.control_socket
                 }
             )
+        return self._send(job, targets, control)
+
+    def send_control_to(self, job: str, rank: int, control: Control) -> bool:
+        """Send `control` to rank `rank` of `job` alone (a `rejoin`: each rank its own
+        membership); False when the rank is not tracked here, named no control socket, or the
+        send failed (logged)."""
+        with self._lock:
+            t = self._ranks.get((job, rank))
+            target = (t.hb.control_socket, t.sender_uid) if t and t.hb.control_socket else None
+        if target is None:
+            log.warning(
+                "event=control_no_socket job=%s rank=%d action=%s", job, rank, control.action
+            )
+            return False
+        sent, _ = self._send(job, [target], control)
+        return sent == 1
+
+    def _send(self, job: str, targets: list[tuple[str, int]], control: Control) -> tuple[int, int]:
         payload = encode_json(control)
         sent = failed = 0
         for path, uid in targets:

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -879,6 +879,28 @@ class JobRunner:
             )
             return True
 
+    def retag(self, job: str, *, attempt: int) -> bool:
+        """The job's ranks here joined attempt `attempt` in process (a `rejoin`): its running
+        launch is that attempt's from now on (reported, fenced and re-adopted so). False when
+        no launch of the job runs here or it is already that attempt or newer."""
+        with self._lock:
+            j = self._jobs.get(job)
+            if j is None or j.state == "exited" or j.spec.attempt >= attempt:
+                return False
+            before = j.spec.attempt
+            j.spec = dataclasses.replace(j.spec, attempt=attempt)
+            old = j.record
+            j.record = dataclasses.replace(
+                old, attempt=attempt, spec={**old.spec, "attempt": attempt}
+            )
+            try:
+                write_record(self._state_dir, j.record)
+                remove_record(self._state_dir, old)
+            except OSError as e:  # the launch still runs: only a re-adoption would miss it
+                log.warning("event=launch_record_failed job=%s error=%s", job, e)
+        log.info("event=job_rejoined job=%s attempt_from=%d attempt_to=%d", job, before, attempt)
+        return True
+
     def _stop_locked(self, j: _Job, *, grace_s: float, reason: str) -> None:
         now = self._clock.monotonic()
         deadline = now + grace_s
@@ -1204,8 +1226,12 @@ def _pgid_of(pid: int) -> int | None:
 # --- command handlers ----------------------------------------------------------------------
 
 
-def job_handlers(runner: JobRunner) -> dict[str, Handler]:
-    """`start_job` / `stop_job` handlers for `CommandExecutor.register` (agent.commands)."""
+def job_handlers(
+    runner: JobRunner, *, also_stop: Callable[[str, float], bool] | None = None
+) -> dict[str, Handler]:
+    """`start_job` / `stop_job` handlers for `CommandExecutor.register` (agent.commands).
+    `also_stop(job, grace_s)`: the job's other processes here (a rank a warm standby became,
+    agent.standby_ranks) stop with its launch."""
 
     def start_job(cmd: Command) -> CommandResult:
         spec = parse_start_job(cmd.args)
@@ -1235,6 +1261,8 @@ def job_handlers(runner: JobRunner) -> dict[str, Handler]:
     def stop_job(cmd: Command) -> CommandResult:
         spec = parse_stop_job(cmd.args)
         signalled = runner.stop(spec.job, grace_s=spec.grace_s)
+        if also_stop is not None:
+            signalled = also_stop(spec.job, spec.grace_s) or signalled
         message = f"stopping job {spec.job}" if signalled else f"job {spec.job} is not running"
         return CommandResult(
             ok=True, message=message, data={"job": spec.job, "signalled": signalled}

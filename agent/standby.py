@@ -1,11 +1,12 @@
 """The warm standby pool of a spare node: keeps one standby process ready for the job it may
 join (trainer/standby_child.py, run in the job's interpreter), hands it an assignment,
-replaces it after use.
+replaces it after use. An `assign_standby` command takes it (agent.inprocess); from then the
+process is the job's rank on this node (agent.standby_ranks tracks it).
 
 Pure core (`decide`: what to do now, from the pool's state, whether the node is a spare and
 the time) and a thin edge (`StandbyPool`: runs the decision with a `Launcher`, which starts
-and watches the process). The node is a spare by its `node.role_hint` today; the controller
-does not yet hand out standbys (docs/agent.md, "Warm standbys").
+and watches the process). The node is a spare by its `node.role_hint`; its report says
+whether its standby is ready, and for which module (docs/agent.md, "Warm standbys").
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from trainguard.agent.config import StandbyConfig
 from trainguard.clock import SYSTEM_CLOCK, Clock
 
 __all__ = [
+    "Child",
     "Decision",
     "Launcher",
     "PoolState",
@@ -80,6 +82,15 @@ def standby_argv(config: StandbyConfig, *, ready_file: str) -> list[str]:
     ]  # fmt: skip
 
 
+class Child(Protocol):
+    """A standby process handed its assignment (a `subprocess.Popen` in production)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+
 class Launcher(Protocol):
     """Starts and watches one standby process (the fake in the tests records calls)."""
 
@@ -89,7 +100,7 @@ class Launcher(Protocol):
 
     def ready(self) -> bool: ...
 
-    def assign(self, membership_json: str) -> int: ...
+    def assign(self, membership_json: str) -> Child: ...
 
     def stop(self) -> None: ...
 
@@ -134,8 +145,9 @@ class ProcessLauncher:
     def ready(self) -> bool:
         return self.alive() and self.ready_file.exists()
 
-    def assign(self, membership_json: str) -> int:
-        """Hand the standby its membership; it leaves the pool (the job's process now)."""
+    def assign(self, membership_json: str) -> Child:
+        """Hand the standby its assignment line (trainer.standby_child: a membership, with
+        the job's environment); it leaves the pool (the job's process now)."""
         proc = self.proc
         if proc is None or proc.stdin is None:
             raise RuntimeError("no standby to assign")
@@ -146,7 +158,7 @@ class ProcessLauncher:
         proc.stdin.close()
         self.proc = None
         self.ready_file.unlink(missing_ok=True)
-        return proc.pid
+        return proc
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
@@ -238,16 +250,16 @@ class StandbyPool:
             self._failures += 1
             self._last_exit_mono = now
 
-    def take(self, membership_json: str) -> int | None:
-        """Hand the ready standby its assignment; returns its pid (None: none is ready). The
-        next tick starts its replacement."""
+    def take(self, membership_json: str) -> Child | None:
+        """Hand the ready standby its assignment; returns the process (None: none is ready).
+        The next tick starts its replacement."""
         if not self.is_ready:
             return None
-        pid = self.launcher.assign(membership_json)
+        child = self.launcher.assign(membership_json)
         self._running = self._ready = False
         self._last_exit_mono = None  # replaced at once, no backoff
-        log.info("event=standby_taken pid=%d", pid)
-        return pid
+        log.info("event=standby_taken pid=%d", child.pid)
+        return child
 
     def close(self, *, reason: str = "agent stopping") -> None:
         if self._running:

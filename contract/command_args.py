@@ -19,6 +19,7 @@ from typing import Any, TypeVar, Union
 from trainguard.bounds import bad_name_reason
 from trainguard.decode import Decoder, Invalid
 from trainguard.kinds import CommandKind
+from trainguard.membership import MAX_EPOCH, Membership
 from trainguard.protocol import (
     MAX_CHECKPOINT_EVERY_STEPS,
     Command,
@@ -31,12 +32,15 @@ __all__ = [
     "COMMAND_ARGS",
     "LAUNCH_ID_ENV",
     "RESERVED_ENV",
+    "AssignStandbyArgs",
     "CheckpointArgs",
     "CollectStacksArgs",
     "CommandArgs",
     "PREFLIGHT_CHECKS",
     "PreflightArgs",
     "REPAIR_METHODS",
+    "RejoinArgs",
+    "RejoinRank",
     "RepairArgs",
     "SetCheckpointIntervalArgs",
     "StartJobArgs",
@@ -324,6 +328,101 @@ class RepairArgs:
                 raise Invalid(f"gpus[{i}]", f"must be in [0, 1024), got {gpu}")
 
 
+# The most local ranks one `rejoin` names (one per GPU of a node, with room).
+MAX_REJOIN_RANKS = 64
+
+
+def _membership(path: str, raw: str, *, epoch: int) -> Membership:
+    try:
+        m = Membership.from_json(raw)
+    except ValueError as e:
+        raise Invalid(path, str(e)) from None
+    if m.epoch != epoch:
+        raise Invalid(path, f"epoch {m.epoch} is not the command's epoch {epoch}")
+    return m
+
+
+def _check_epoch(epoch: int) -> None:
+    if not 0 <= epoch <= MAX_EPOCH:
+        raise Invalid("epoch", f"must be in [0, {MAX_EPOCH}], got {epoch}")
+
+
+@dataclass(frozen=True)
+class RejoinRank:
+    """One local rank of a `rejoin`: the rank it is now (as its heartbeats name it) and its
+    place in the re-formed world (a `trainguard.membership.Membership` as JSON)."""
+
+    rank: int
+    membership: str
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < 1_000_000:
+            raise Invalid("rank", f"must be in [0, 1000000), got {self.rank}")
+
+
+@dataclass(frozen=True)
+class RejoinArgs:
+    """`rejoin`: a Control(rejoin) to each named local rank of the job, with its membership
+    of the world of attempt `epoch`; the node's launch of the job is that attempt's from then
+    on (fencing reads it so). Every membership names `epoch`."""
+
+    job: str = ""
+    epoch: int = 0
+    ranks: tuple[RejoinRank, ...] = ()
+
+    def __post_init__(self) -> None:
+        _require_job(self.job)
+        _check_epoch(self.epoch)
+        if not 1 <= len(self.ranks) <= MAX_REJOIN_RANKS:
+            raise Invalid(
+                "ranks", f"must name 1 to {MAX_REJOIN_RANKS} ranks, got {len(self.ranks)}"
+            )
+        seen: set[int] = set()
+        for i, r in enumerate(self.ranks):
+            if r.rank in seen:
+                raise Invalid(f"ranks[{i}].rank", f"rank {r.rank} is named twice")
+            seen.add(r.rank)
+            _membership(f"ranks[{i}].membership", r.membership, epoch=self.epoch)
+
+    def memberships(self) -> dict[int, Membership]:
+        """Current rank -> its membership (each checked at construction)."""
+        return {r.rank: Membership.from_json(r.membership) for r in self.ranks}
+
+
+@dataclass(frozen=True)
+class AssignStandbyArgs:
+    """`assign_standby`: the node's ready warm standby becomes a rank of attempt `epoch` of
+    the job: it gets `membership` on stdin and runs its entry module (which must be `module`,
+    the job's) with `env` added to its environment (the agent adds the job, attempt, agent
+    socket and checkpoint dir as for a launch). From then the agent reports and stops it as
+    the job's process on this node."""
+
+    job: str
+    epoch: int
+    membership: str
+    module: str
+    env: dict[str, str] = field(default_factory=dict)
+    ckpt_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        bad = bad_name_reason(self.job)
+        if bad is not None:
+            raise Invalid("job", bad)
+        _check_epoch(self.epoch)
+        _membership("membership", self.membership, epoch=self.epoch)
+        if not self.module or not all(p.isidentifier() for p in self.module.split(".")):
+            raise Invalid("module", f"must be a dotted Python module name, got {self.module!r}")
+        for name, value in self.env.items():
+            if not _ENV_NAME.fullmatch(name):
+                raise Invalid(f"env.{name}", "not a valid environment variable name")
+            if name in RESERVED_ENV:
+                raise Invalid(f"env.{name}", "is set by the agent")
+            if "\0" in value:
+                raise Invalid(f"env.{name}", "contains a NUL byte")
+        if self.ckpt_dir is not None and (not self.ckpt_dir or "\0" in self.ckpt_dir):
+            raise Invalid("ckpt_dir", "must be a non-empty path without NUL bytes")
+
+
 CommandArgs = Union[
     CheckpointArgs,
     StopRanksArgs,
@@ -334,6 +433,8 @@ CommandArgs = Union[
     PreflightArgs,
     RepairArgs,
     SetCheckpointIntervalArgs,
+    RejoinArgs,
+    AssignStandbyArgs,
 ]
 
 # Every kind's args class (`inject_fault` takes a FaultSpec, the sim backend's fault).
@@ -347,6 +448,8 @@ COMMAND_ARGS: Mapping[CommandKind, type] = {
     CommandKind.PREFLIGHT: PreflightArgs,
     CommandKind.REPAIR: RepairArgs,
     CommandKind.SET_CHECKPOINT_INTERVAL: SetCheckpointIntervalArgs,
+    CommandKind.REJOIN: RejoinArgs,
+    CommandKind.ASSIGN_STANDBY: AssignStandbyArgs,
 }
 _KIND_OF: Mapping[type, CommandKind] = {cls: kind for kind, cls in COMMAND_ARGS.items()}
 

@@ -82,3 +82,8 @@ class CommandKind(WireEnum):
     REPAIR = "repair"  # -> reset the node's GPUs or reboot it; a command_result back
     # -> Control(set_interval) to the job's ranks: their periodic checkpoint interval
     SET_CHECKPOINT_INTERVAL = "set_checkpoint_interval"
+    # -> Control(rejoin) to each named local rank: its place in the job's re-formed world
+    REJOIN = "rejoin"
+    # -> the warm standby becomes a rank of the job (its membership on stdin); tracked as the
+    # job's process on this node from then on
+    ASSIGN_STANDBY = "assign_standby"

@@ -70,6 +70,7 @@ __all__ = [
     "RankState",
     "Report",
     "ReportResponse",
+    "StandbyState",
     "TrainerEdge",
     "WireEnum",
     "WireDecoder",
@@ -222,6 +223,15 @@ class RankState:
 
 
 @dataclass(frozen=True)
+class StandbyState:
+    """The warm standby of a spare node (agent.standby): the entry module it has imported and
+    whether it is ready to become a rank now (an `assign_standby` needs it ready)."""
+
+    module: LabelValue
+    ready: bool = False
+
+
+@dataclass(frozen=True)
 class JobProcess:
     """A job's processes (torchrun) launched by this agent."""
 
@@ -367,6 +377,8 @@ class Report:
     ranks: Annotated[tuple[RankState, ...], Bound(max_items=MAX_RANKS_PER_REPORT)] = ()
     jobs: Annotated[tuple[JobProcess, ...], Bound(max_items=MAX_JOBS_PER_REPORT)] = ()
     events: Annotated[tuple[Event, ...], Bound(max_items=MAX_EVENTS_PER_REPORT)] = ()
+    # the node's warm standby, where its agent keeps one (standby.enabled on a spare)
+    standby: StandbyState | None = None
     # agent self-health figures
     health: Annotated[dict[Ident, FiniteFloat], Bound(max_items=MAX_MAP_ENTRIES)] = field(
         default_factory=dict

@@ -536,8 +536,33 @@ class JobsConfig:
     # minutes, while one whose hardware failed three times in a day keeps going. 0: never.
     restart_loop_restarts: int = 3
     restart_loop_window_s: float = 1800.0
+    # In-process recovery (a job spec's recovery.in_process, controller.actions.inprocess):
+    # the new world's rendezvous store runs in its rank 0 at in_process_store_port_base +
+    # epoch % in_process_store_port_span (rotating, as rdzv ports do: an older world's store
+    # may still hold its port). Kept apart from the rdzv ports.
+    in_process_store_port_base: int = 29600
+    in_process_store_port_span: int = 16
+    # How long the survivors and the standby may take, from the rejoin sent, until every rank
+    # of the new world reports a trained step under the new epoch, s; then the full restart
+    # from the checkpoint takes over. 60 s: the rejoin itself takes seconds; past this the
+    # fast path has lost its point.
+    in_process_deadline_s: float = 60.0
+    # The membership's timeout_s: bound on the new world's rendezvous and collectives, s.
+    in_process_rejoin_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
+        if not 1 <= self.in_process_store_port_base <= 65535 - self.in_process_store_port_span:
+            raise Invalid("in_process_store_port_base", "base + span must be a valid TCP port")
+        if self.in_process_store_port_span < 1:
+            raise Invalid(
+                "in_process_store_port_span",
+                f"must be >= 1, got {self.in_process_store_port_span}",
+            )
+        if not 0 < self.in_process_rejoin_timeout_s <= 3600:
+            raise Invalid(
+                "in_process_rejoin_timeout_s",
+                f"must be in (0, 3600], got {self.in_process_rejoin_timeout_s}",
+            )
         if not 1 <= self.rdzv_port_base <= 65535 - self.rdzv_port_span:
             raise Invalid("rdzv_port_base", "base + span must be a valid TCP port")
         if self.rdzv_port_span < 1:
@@ -551,6 +576,7 @@ class JobsConfig:
             "stacks_timeout_s",
             "resume_grace_s",
             "attempt_lease_s",
+            "in_process_deadline_s",
         ):
             _positive(name, getattr(self, name))
         if self.spare_wait_s < 0:

@@ -41,6 +41,7 @@ from trainguard.controller.ckptspec import CheckpointSpec, check_env_checkpoint_
 from trainguard.controller.config import JobsConfig
 from trainguard.controller.jobstate import JobState, check_job_transition
 from trainguard.controller.records import CommandRecord, JobRecord, NodeRecord
+from trainguard.controller.recoveryspec import RecoverySpec
 from trainguard.controller.store import Store
 from trainguard.controller.views import JobView
 from trainguard.protocol import (
@@ -49,6 +50,7 @@ from trainguard.protocol import (
     JobProcess,
     RankState,
     Report,
+    StandbyState,
     TrainerEdge,
     to_wire,
 )
@@ -119,6 +121,9 @@ class JobSpec:
     shrink: str = "pack"  # SHRINK_MODES: how the job may run on fewer nodes
     # the periodic interval (fixed or auto) and retention tiers (controller.ckptspec)
     checkpoint: CheckpointSpec | None = None
+    # how a lost node is recovered: in process first, when the loop can rejoin
+    # (controller.recoveryspec)
+    recovery: RecoverySpec = field(default_factory=RecoverySpec)
 
     def __post_init__(self) -> None:
         bad = bad_name_reason(self.name)
@@ -332,6 +337,8 @@ class JobManager:
         self._horizon: float | None = max(stored) if stored else None
         # node -> (last report to this process, when it began reporting after a gap)
         self._heard: dict[str, tuple[float, float]] = {}
+        # node -> its warm standby as its latest report says (controller.actions.inprocess)
+        self._standby: dict[str, StandbyState] = {}
         for j in self._jobs.values():
             self._on_state(j.name, j.nodes, j.state)
 
@@ -577,6 +584,10 @@ class JobManager:
                 self._heard[node] = (now, now)  # (back) after a gap: the stop clock restarts
             else:
                 self._heard[node] = (now, heard[1])
+            if report.standby is None:
+                self._standby.pop(node, None)
+            else:
+                self._standby[node] = report.standby
             had = self._node_job_ranks.get(node, set())
             now_jobs: dict[str, list[RankState]] = {}
             for r in report.ranks:
@@ -617,6 +628,23 @@ class JobManager:
                 self._live.setdefault(job, _Live()).procs[node] = p
             for job, live_attempts in attempts.items():
                 self._live[job].live_attempts[node] = live_attempts
+
+    def drain_grace_s(self, job: str) -> float | None:
+        """The stop grace a drain gives the job's ranks on the drained node: 0 for a job
+        recovered in process (a SIGTERM would make every rank agree to stop, the survivors
+        too, where the path needs them to see a lost peer; the checkpoint step already
+        committed its state); None (the drain's own) otherwise."""
+        rec = self.get(job)
+        if rec is None or not self.spec(rec).recovery.in_process:
+            return None
+        return 0.0
+
+    def standby(self, node: str) -> StandbyState | None:
+        """The node's warm standby as its latest report said (None: it keeps none), while
+        the node reports; None once it is silent."""
+        with self._lock:
+            found = self._standby.get(node)
+        return found if found is not None and self.reporting(node) else None
 
     def forget_live(self, job: str) -> None:
         """Drop the live view of a job the table does not hold (its name expired: no node
@@ -965,6 +993,7 @@ class JobManager:
     def view(self, job: JobRecord, *, now: float) -> JobView:
         step, ckpt = self.latest_steps(job.name)
         ckpt_age_s, ckpt_failures = self.checkpoint_health(job.name)
+        spec = self.spec(job)
         return JobView(
             name=job.name,
             state=job.state,
@@ -980,9 +1009,10 @@ class JobManager:
             nproc_per_node=job.nproc_per_node,
             min_nodes=job.min_nodes,
             world_size=len(job.nodes) * job.nproc_per_node,
-            full_world_size=self.spec(job).world_size,
+            full_world_size=spec.world_size,
             state_reason=job.state_reason,
             started_at=job.started_at,
+            recovery="in_process" if spec.recovery.in_process else "restart",
         )
 
 

@@ -163,6 +163,9 @@ class JobView:
     # GPU-hours (and money at cost.gpu_hour) its failures cost within economics.mtbf_window_s,
     # and its checkpoints since the controller started; None while there is neither
     failure_cost: FailureCost | None = None
+    # how a lost node is recovered: "in_process" (the spec's recovery.in_process: survivors
+    # rejoin with a spare's warm standby, the full restart as fallback) or "restart"
+    recovery: str = "restart"
 
 
 @dataclass(frozen=True)

@@ -89,9 +89,13 @@ class LocalDrainBackend:
         stop_grace_s: float = 30.0,
         silent_after_s: float | None = None,
         presence: PresenceOf | None = None,
+        grace_of: Callable[[str], float | None] | None = None,
     ) -> None:
         self._ops = ops
         self._grace_s = stop_grace_s
+        # Given: a job's own stop grace on a drained node (None: stop_grace_s); a job
+        # recovered in process is killed at once (controller.jobs.JobManager.drain_grace_s)
+        self._grace_of = grace_of
         # A node silent for longer than this cannot answer stop_job: it is drained at once
         # (the command stays queued for when its agent returns). None: always wait.
         self._silent_after_s = silent_after_s
@@ -125,9 +129,9 @@ class LocalDrainBackend:
             self._ops.set_node_state(node, "drained", reason=reason)
             return "drained", {}
         command_id = f"drain-{key}"
-        self._ops.queue_command(
-            node, StopJobArgs(job=job, grace_s=self._grace_s), command_id=command_id
-        )
+        own = self._grace_of(job) if self._grace_of is not None else None
+        grace_s = self._grace_s if own is None else own
+        self._ops.queue_command(node, StopJobArgs(job=job, grace_s=grace_s), command_id=command_id)
         log.info("event=drain_stop_job node=%s job=%s command=%s", node, job, command_id)
         if self._silent(node):
             self._ops.set_node_state(node, "drained", reason=reason)

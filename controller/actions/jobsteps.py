@@ -24,6 +24,8 @@ from typing import Any
 from trainguard.command_args import CheckpointArgs, CollectStacksArgs, StartJobArgs, StopJobArgs
 from trainguard.controller.actionkinds import ActionKind
 from trainguard.controller.actions.base import ActionContext, Outcome, PermanentError
+from trainguard.controller.actions.inprocess import PROGRESS_KEY as INPROCESS_KEY
+from trainguard.controller.actions.inprocess import InProcessRecovery
 from trainguard.controller.actions.recovery import (
     PhaseObserver,
     ckpt_floor,
@@ -203,6 +205,27 @@ class CheckpointHandler(JobStep):
                 "finished_at": ctx.now,
             },
         )
+
+
+def _noting_fallback(outcome: Outcome, progress: dict[str, Any]) -> Outcome:
+    """The restart's first outcome after the in-process path fell back says why, once (the
+    incident timeline keeps it)."""
+    state = progress.get(INPROCESS_KEY)
+    if not isinstance(state, dict):
+        return outcome
+    # an outcome with an output of its own keeps the path's state too: it is never re-decided
+    output = outcome.output
+    if output is not progress:
+        output = {**output, INPROCESS_KEY: state}
+    if state.get("phase") != "fallback" or state.get("noted"):
+        return replace(outcome, output=output)
+    state["noted"] = True
+    return replace(
+        outcome,
+        message=f"in-process recovery fell back to a full restart ({state.get('reason')});"
+        f" {outcome.message}",
+        output=output,
+    )
 
 
 def gate_spares(
@@ -447,8 +470,29 @@ class RestartHandler(JobStep):
     counts_restart: bool = True
     # Given: a spare swapped in at start joins only after a passing preflight
     spare_check: SparePreflight | None = None
+    # Given: a job with recovery.in_process is first recovered in process (survivors rejoin
+    # with a spare's warm standby), this restart being its fallback
+    in_process: InProcessRecovery | None = None
 
     def run_job(self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]) -> Outcome:
+        fast = self.in_process
+        if (
+            fast is not None
+            and self.kind == "restart"
+            and "stop_sent_at" not in progress
+            and LOOP_KEY not in progress
+        ):
+            # the fast path first (a job with recovery.in_process); None: the full restart
+            outcome = fast.run(ctx, job, progress)
+            if outcome is not None:
+                return outcome
+            refreshed = self.jobs.get(job.name)  # a fallback may have begun an attempt
+            if refreshed is not None:
+                job = refreshed
+            return _noting_fallback(self._run_restart(ctx, job, progress), progress)
+        return self._run_restart(ctx, job, progress)
+
+    def _run_restart(self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]) -> Outcome:
         key = ctx.action.idempotency_key
         loop = progress.get(LOOP_KEY)
         if isinstance(loop, dict):  # the breaker decided (maybe before a controller restart)

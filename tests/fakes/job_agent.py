@@ -11,8 +11,17 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainguard.membership import Membership
 from trainguard.model import GpuSample
-from trainguard.protocol import Command, Event, JobProcess, RankState, Report, ReportResponse
+from trainguard.protocol import (
+    Command,
+    Event,
+    JobProcess,
+    RankState,
+    Report,
+    ReportResponse,
+    StandbyState,
+)
 
 _pids = itertools.count(1000)
 
@@ -23,6 +32,9 @@ class SharedCheckpoints:
 
     committed: dict[str, int] = field(default_factory=dict)
     every_steps: int = 10
+    # the newest step any rank of the job reached: what a rank that rejoins in process takes
+    # from a healthy peer
+    live: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -35,6 +47,12 @@ class _Launch:
     request_id: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     node_rank: int = 0
+    world: int = 1
+    # set by a rejoin / a standby assignment: the global rank of each local process
+    ranks: list[int] | None = None
+
+    def rank(self, i: int) -> int:
+        return self.ranks[i] if self.ranks is not None else self.node_rank * self.nproc + i
 
 
 class FakeJobAgent:
@@ -76,6 +94,11 @@ class FakeJobAgent:
         self.gpus: tuple[GpuSample, ...] = ()
         self.loss = 1.0
         # what collect_stacks dumps (the real agent: agent/stacks.py, data["stacks"])
+        # the node's warm standby as the report says it (None: it keeps none); an
+        # assign_standby takes it (then it is not ready), or fails with `assign_fails`
+        self.standby: StandbyState | None = None
+        self.assign_fails: str | None = None
+        self.rejoin_fails: str | None = None
         self.stacks = (
             '--- rank 0 pid 1000 ---\nThread 0x00007f (most recent call first):\n  File "train.py"'
         )
@@ -101,7 +124,9 @@ class FakeJobAgent:
                 ranks.append(
                     RankState(
                         job=job,
-                        rank=launch.node_rank * launch.nproc + i,
+                        rank=launch.rank(i),
+                        world_size=launch.world,
+                        epoch=launch.attempt,
                         local_rank=i,
                         step=launch.step,
                         pid=pid,
@@ -123,6 +148,7 @@ class FakeJobAgent:
             ranks=tuple(ranks),
             jobs=tuple(jobs),
             events=events,
+            standby=self.standby,
         )
 
     def acked(self, response: ReportResponse) -> None:
@@ -191,6 +217,7 @@ class FakeJobAgent:
             if launch.state != "running":
                 continue
             launch.step += 1
+            self.ckpts.live[job] = max(self.ckpts.live.get(job, 0), launch.step)
             if launch.step % self.ckpts.every_steps == 0:
                 self.ckpts.committed[job] = max(self.ckpts.committed.get(job, 0), launch.step)
 
@@ -205,6 +232,40 @@ class FakeJobAgent:
             message=f"exited with code {code}",
             data={"attempt": launch.attempt, "stopped": False, "output_tail": "worker failed"},
         )
+
+    # --- in-process recovery (agent/inprocess.py and the trainer's rejoin) --------------
+
+    def _rejoin(self, a: dict[str, Any]) -> tuple[bool, str]:
+        launch = self.launches.get(a["job"])
+        if self.rejoin_fails is not None:
+            return False, self.rejoin_fails
+        if launch is None or launch.state != "running":
+            return False, f"rank(s) of job {a['job']} not reachable on this node"
+        new = {r["rank"]: Membership.from_json(r["membership"]) for r in a["ranks"]}
+        current = [launch.rank(i) for i in range(launch.nproc)]
+        if set(new) != set(current):
+            return False, f"rank(s) {sorted(set(new) - set(current))} not reachable"
+        launch.ranks = [new[r].rank for r in current]
+        launch.world = next(iter(new.values())).world_size
+        launch.attempt = a["epoch"]  # the launch is the new attempt's (retag)
+        return True, f"rejoin to epoch {a['epoch']} sent"
+
+    def _assign(self, a: dict[str, Any]) -> tuple[bool, str]:
+        if self.assign_fails is not None:
+            return False, self.assign_fails
+        if self.standby is None or not self.standby.ready:
+            return False, "the warm standby is not ready"
+        m = Membership.from_json(a["membership"])
+        self.standby = StandbyState(module=self.standby.module, ready=False)
+        self.launches[a["job"]] = _Launch(
+            attempt=a["epoch"],
+            nproc=1,
+            pids=[next(_pids)],
+            step=self.ckpts.live.get(a["job"], self.ckpts.committed.get(a["job"], 0)),
+            ranks=[m.rank],
+            world=m.world_size,
+        )
+        return True, f"standby is rank {m.rank}"
 
     # --- commands -----------------------------------------------------------------------
 
@@ -224,6 +285,7 @@ class FakeJobAgent:
                 step=resume,
                 env=dict(a.get("env", {})),
                 node_rank=a.get("node_rank", 0),
+                world=a["nnodes"] * a["nproc_per_node"],
             )
             if self.fail_start is not None:
                 self.launches[a["job"]].state = "exited"
@@ -261,6 +323,10 @@ class FakeJobAgent:
             return True, f"sent to {launch.nproc} ranks"
         if cmd.kind == "collect_stacks":
             return True, "stacks of 1 of 1 rank(s)"
+        if cmd.kind == "rejoin":
+            return self._rejoin(a)
+        if cmd.kind == "assign_standby":
+            return self._assign(a)
         if cmd.kind == "set_checkpoint_interval":
             launch = self.launches.get(a["job"])
             if launch is None or launch.state != "running":

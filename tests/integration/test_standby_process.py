@@ -40,8 +40,9 @@ def test_a_standby_gets_ready_takes_a_membership_and_runs_the_job(tmp_path: Path
             "rank": 0, "world_size": 1, "store_host": "127.0.0.1", "store_port": port,
             "epoch": 3, "timeout_s": 30.0, "backend": "gloo",
         }  # fmt: skip
-        pid = pool.take(json.dumps(membership))
-        assert pid == proc.pid
+        child = pool.take(json.dumps(membership))
+        assert child is proc
+        pid = proc.pid
         assert proc.wait(30) == 0, launcher.output_tail()
         seen = json.loads(out.read_text())
         assert seen == {

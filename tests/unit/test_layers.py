@@ -407,6 +407,7 @@ CONTROLLER_LAYER_OF: dict[str, str] = {
     "ckptinterval": "base",  # Young/Daly and the expected waste: pure arithmetic
     "failurecost": "base",  # GPU-hours and money lost to failures: pure arithmetic
     "ckptspec": "base",  # a job spec's checkpoint block and the launch environment it becomes
+    "recoveryspec": "base",  # a job spec's recovery block (in-process recovery opt-in)
     "store": "store",
     "backup": "store",
     "livestate": "state",
@@ -425,6 +426,7 @@ CONTROLLER_LAYER_OF: dict[str, str] = {
     "safety": "rules",  # the verdicts between a decision and an action (incidents ask them)
     "growplan": "rules",  # which shrunk jobs grow back: a pure planner over snapshots
     "actions": "actions",
+    "actions.inprocess": "actions",  # the in-process recovery within the restart step
     "backends": "actions",
     "reports": "services",
     "jobscope": "services",  # what a report may say about which job (the ingest stage asks)

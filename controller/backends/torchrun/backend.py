@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 from trainguard.controller.actions.base import ActionContext, Outcome
 from trainguard.controller.actions.drain import DrainState, LocalDrainBackend
+from trainguard.controller.actions.inprocess import InProcessRecovery
 from trainguard.controller.actions.jobsteps import (
     CheckpointHandler,
     CollectStacksHandler,
@@ -55,7 +56,11 @@ class TorchrunBackend:
         self._checkpoint = CheckpointHandler(jobs)
         self._replace = ReplaceHandler(jobs, open_incident_nodes, spare_check=spare_check)
         self._restart = RestartHandler(
-            jobs, observe, open_incident_nodes=open_incident_nodes, spare_check=spare_check
+            jobs,
+            observe,
+            open_incident_nodes=open_incident_nodes,
+            spare_check=spare_check,
+            in_process=InProcessRecovery(jobs, observe),
         )
         self._rollback = RestartHandler(
             jobs,
@@ -139,6 +144,7 @@ def build_as(cls: type[_B], deps: BackendDeps) -> _B:
             stop_grace_s=config.actions.drain_stop_grace_s,
             silent_after_s=config.node_silent_after_s,
             presence=deps.jobs.presence,
+            grace_of=deps.jobs.drain_grace_s,
         ),
         jobs=deps.jobs,
         open_incident_nodes=deps.open_incident_nodes,

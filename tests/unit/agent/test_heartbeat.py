@@ -240,6 +240,24 @@ def test_send_control_reaches_live_ranks_and_counts_dead_sockets(
         live.close()
 
 
+def test_send_control_to_reaches_the_one_rank_it_names(
+    server: HeartbeatServer, sockdir: Path
+) -> None:
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    live.bind(str(sockdir / "rank1.sock"))
+    live.settimeout(5)
+    try:
+        server.handle_datagram(hb(rank=0, control_socket=str(sockdir / "gone.sock")), pid=1)
+        server.handle_datagram(hb(rank=1, control_socket=str(sockdir / "rank1.sock")), pid=2)
+        control = Control(action="checkpoint", request_id="r2")
+        assert server.send_control_to("job-a", 1, control)
+        assert json.loads(live.recv(4096))["request_id"] == "r2"
+        assert not server.send_control_to("job-a", 0, control)  # its socket is gone
+        assert not server.send_control_to("job-a", 7, control)  # not a rank here
+    finally:
+        live.close()
+
+
 def test_send_control_goes_only_to_a_socket_of_the_user_who_named_it(
     server: HeartbeatServer, sockdir: Path
 ) -> None:

@@ -280,6 +280,28 @@ def test_stop_stale_stops_an_older_attempt_only(tmp_path: Path, launcher: str) -
         r.close(grace_s=1)
 
 
+def test_a_rejoined_launch_is_the_new_attempts_for_fencing_and_readoption(
+    tmp_path: Path, launcher: str
+) -> None:
+    r = make_runner(tmp_path)
+    try:
+        r.start(spec(launcher, attempt=2))
+        launcher_pid(r)
+        assert r.retag("llm", attempt=3) is True
+        assert r.retag("llm", attempt=3) is False  # already
+        assert r.processes()[0].attempt == 3
+        assert r.stop_stale("llm", current_attempt=3) is False  # the rejoined ranks live on
+        r.detach()
+        again = make_runner(tmp_path)
+        try:
+            assert again.adopt() == ["llm"]
+            assert again.processes()[0].attempt == 3
+        finally:
+            again.close(grace_s=1)
+    finally:
+        r.close(grace_s=1)
+
+
 def test_a_newer_attempt_waits_for_the_older_one_to_stop_and_a_stop_cancels_it(
     tmp_path: Path, launcher: str
 ) -> None:

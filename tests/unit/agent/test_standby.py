@@ -10,6 +10,13 @@ from trainguard.clock import FakeClock
 from trainguard.strict import ConfigError, build
 
 
+class FakeChild:
+    pid = 4242
+
+    def poll(self) -> int | None:
+        return None
+
+
 class FakeLauncher:
     def __init__(self) -> None:
         self.calls: list[str] = []
@@ -26,10 +33,10 @@ class FakeLauncher:
     def ready(self) -> bool:
         return self.is_alive and self.is_ready
 
-    def assign(self, membership_json: str) -> int:
+    def assign(self, membership_json: str) -> FakeChild:
         self.calls.append(f"assign {membership_json}")
         self.is_alive = self.is_ready = False  # gone from the pool: the job's process now
-        return 4242
+        return FakeChild()
 
     def stop(self) -> None:
         self.calls.append("stop")
@@ -75,7 +82,8 @@ def test_a_taken_standby_is_replaced_at_once() -> None:
     pool.tick(spare=True)
     launcher.is_ready = True
     pool.tick(spare=True)
-    assert pool.take('{"rank": 1}') == 4242
+    taken = pool.take('{"rank": 1}')
+    assert taken is not None and taken.pid == 4242
     assert not pool.is_ready
     assert pool.take("{}") is None  # none ready until the replacement is
     assert pool.tick(spare=True) is Decision.START

@@ -10,10 +10,13 @@ import pytest
 
 from trainguard.command_args import (
     COMMAND_ARGS,
+    AssignStandbyArgs,
     CheckpointArgs,
     CollectStacksArgs,
     CommandArgs,
     PreflightArgs,
+    RejoinArgs,
+    RejoinRank,
     RepairArgs,
     SetCheckpointIntervalArgs,
     StartJobArgs,
@@ -23,6 +26,7 @@ from trainguard.command_args import (
     command_kind,
     decode_args,
 )
+from trainguard.membership import Membership
 from trainguard.protocol import (
     CommandKind,
     FaultSpec,
@@ -31,6 +35,18 @@ from trainguard.protocol import (
     decode_json,
     encode_json,
 )
+
+
+def _member(rank: int, *, epoch: int = 3) -> str:
+    return Membership(
+        rank=rank,
+        world_size=2,
+        store_host="10.0.0.2",
+        store_port=29650,
+        epoch=epoch,
+        host_store=rank == 0,
+    ).to_json()
+
 
 EXAMPLES: dict[CommandKind, CommandArgs] = {
     CommandKind.CHECKPOINT: CheckpointArgs(job="llm", request_id="ckpt-1"),
@@ -57,6 +73,12 @@ EXAMPLES: dict[CommandKind, CommandArgs] = {
     CommandKind.REPAIR: RepairArgs(method="gpu_reset", gpus=[0, 3]),
     CommandKind.SET_CHECKPOINT_INTERVAL: SetCheckpointIntervalArgs(
         job="llm", every_steps=250, request_id="ckpt-interval-llm-3"
+    ),
+    CommandKind.REJOIN: RejoinArgs(
+        job="llm", epoch=3, ranks=(RejoinRank(rank=1, membership=_member(0)),)
+    ),
+    CommandKind.ASSIGN_STANDBY: AssignStandbyArgs(
+        job="llm", epoch=3, membership=_member(1), module="examples.train", env={"A": "1"}
     ),
 }
 
@@ -122,3 +144,59 @@ def test_the_controller_cannot_build_args_the_agent_would_refuse() -> None:
         StopJobArgs(job="j", grace_s=-1.0)
     with pytest.raises(TypeError, match="not a command's args"):
         command_kind({"job": "j"})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        ({"job": "llm", "epoch": 3, "ranks": []}, "args.ranks"),
+        (
+            {"job": "llm", "epoch": 4, "ranks": [{"rank": 1, "membership": _member(0)}]},
+            "args.ranks[0].membership",
+        ),
+        (
+            {
+                "job": "llm",
+                "epoch": 3,
+                "ranks": [{"rank": 1, "membership": _member(0)}] * 2,
+            },
+            "args.ranks[1].rank",
+        ),
+        (
+            {"job": "llm", "epoch": -1, "ranks": [{"rank": 1, "membership": _member(0)}]},
+            "args.epoch",
+        ),
+        (
+            {"job": "llm", "epoch": 3, "ranks": [{"rank": 0, "membership": "{}"}]},
+            "args.ranks[0].membership",
+        ),
+    ],
+    ids=[
+        "no-ranks",
+        "membership-of-another-epoch",
+        "rank-twice",
+        "negative-epoch",
+        "bad-membership",
+    ],
+)
+def test_a_bad_rejoin_names_its_field(args: dict[str, Any], field: str) -> None:
+    with pytest.raises(ProtocolError) as e:
+        decode_args(RejoinArgs, args)
+    assert e.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"module": "not a module"}, "args.module"),
+        ({"env": {"TRAINGUARD_JOB": "other"}}, "args.env.TRAINGUARD_JOB"),
+        ({"membership": _member(1, epoch=2)}, "args.membership"),
+        ({"job": "bad name!"}, "args.job"),
+    ],
+    ids=["module", "reserved-env", "membership-epoch", "job-name"],
+)
+def test_a_bad_standby_assignment_names_its_field(change: dict[str, Any], field: str) -> None:
+    good = {"job": "llm", "epoch": 3, "membership": _member(1), "module": "examples.train"}
+    with pytest.raises(ProtocolError) as e:
+        decode_args(AssignStandbyArgs, {**good, **change})
+    assert e.value.field == field

@@ -112,6 +112,18 @@ GOOD = "name: llama\ncommand: [train.py, --lr, '3e-4']\nnodes: [node-1, node-2]\
             "set it as checkpoint.interval",
             id="interval-in-env",
         ),
+        pytest.param(
+            "recovery: {in_process: 'yes'}\n",
+            "recovery.in_process",
+            "expected true or false, got string",
+            id="in-process-type",
+        ),
+        pytest.param(
+            "recovery: {inprocess: true}\n",
+            "recovery.inprocess",
+            "unknown key (did you mean 'in_process'?)",
+            id="in-process-typo",
+        ),
     ],
 )
 def test_yaml_and_wire_reject_a_bad_spec_identically(
@@ -198,6 +210,17 @@ def test_post_jobs_runs_the_spec_checks(client: TestClient) -> None:
         "field": "nproc_per_node",
         "reason": "must be in [1, 1024], got 0",
     }
+
+
+def test_post_jobs_takes_the_in_process_opt_in_and_names_a_bad_one(client: TestClient) -> None:
+    spec: dict[str, Any] = {**yaml.safe_load(GOOD), "recovery": {"in_process": 1}}
+    r = client.post("/v1/jobs", json=spec, headers={"Authorization": "Bearer op-token"})
+    assert r.status_code == 422
+    assert r.json()["detail"]["field"] == "recovery.in_process"
+    spec["recovery"] = {"in_process": True}
+    r = client.post("/v1/jobs", json=spec, headers={"Authorization": "Bearer op-token"})
+    assert r.status_code == 201, r.text
+    assert decoder(JobSpec).decode_json(json.dumps(spec).encode()).recovery.in_process
 
 
 def test_post_jobs_names_the_bad_checkpoint_field(client: TestClient) -> None:

@@ -151,3 +151,14 @@ def test_without_periodic_checkpoints_there_is_no_interval(agent: FakeAgent) -> 
     t.channel.close()
     hb, _ = agent.drain()
     assert hb.ckpt_interval_s is None and hb.ckpt_failures == 0
+
+
+def test_every_heartbeat_names_the_epoch_of_the_ranks_world(agent: FakeAgent) -> None:
+    t = telemetry(agent)
+    t.send(step=1, phase="train")
+    t.epoch = 3  # a rank that rejoined under epoch 3 (Trainguard._bind sets it)
+    t.event("exit", {})
+    t.send(step=2, phase="exit")
+    t.channel.close()
+    before, after = agent.drain()
+    assert (before.epoch, after.epoch) == (None, 3)
