@@ -33,6 +33,7 @@ from trainguard.controller.views import (
     NodeView,
     PreflightView,
     SilenceView,
+    StandbyView,
     TimelineEntry,
 )
 from trainguard.kinds import CommandKind
@@ -168,7 +169,11 @@ class QueryService:
             )
         except StoreUnavailable:
             history = ()
-        return dataclasses.replace(view, last_preflight=preflight, hardware_incidents=history)
+        held = self._jobs.standby(name)
+        standby = None if held is None else StandbyView(module=held.module, ready=held.ready)
+        return dataclasses.replace(
+            view, last_preflight=preflight, hardware_incidents=history, standby=standby
+        )
 
     def _last_preflight(self, node: str) -> PreflightView | None:
         cmd = self._store.commands.last_done(node, kind=CommandKind.PREFLIGHT.value)

@@ -52,6 +52,12 @@ class HardwareIncidentView:
 
 
 @dataclass(frozen=True)
+class StandbyView:
+    module: str  # the job entry module it has imported
+    ready: bool
+
+
+@dataclass(frozen=True)
 class NodeView:
     name: str
     role: NodeRole
@@ -72,6 +78,8 @@ class NodeView:
     last_preflight: PreflightView | None = None
     # hardware incidents within lifecycle.lemon_window_s, oldest first; filled by get_node
     hardware_incidents: tuple[HardwareIncidentView, ...] = ()
+    # a spare's warm standby as its agent reports it (in-process recovery needs it ready)
+    standby: StandbyView | None = None
 
 
 @dataclass(frozen=True)

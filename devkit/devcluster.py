@@ -208,6 +208,8 @@ class ClusterConfig:
     # controller `backend:` section (kind: slurm + its settings); empty = torchrun
     backend: Mapping[str, Any] = field(default_factory=dict)
     agent_stop_grace_s: float = 5.0
+    # agents' `standby:` section (a spare keeps a warm standby of the job's module); empty = off
+    standby: Mapping[str, Any] = field(default_factory=dict)
     log_level: str = "info"
 
 
@@ -348,7 +350,14 @@ class DevCluster:
         self.controller_port = free_port()
         span = 16
         self.rdzv_port_base = free_port_block(span)
-        jobs = {"rdzv_port_base": self.rdzv_port_base, "rdzv_port_span": span, **c.jobs}
+        # in-process recovery's stores (a re-formed world's rank 0 runs one) get a block too
+        jobs = {
+            "rdzv_port_base": self.rdzv_port_base,
+            "rdzv_port_span": span,
+            "in_process_store_port_base": free_port_block(span),
+            "in_process_store_port_span": span,
+            **c.jobs,
+        }
         cfg: dict[str, Any] = {
             "store": {"path": str(self.run_dir / "controller.db")},
             "api": {
@@ -455,6 +464,8 @@ class DevCluster:
             },
             "log": {"level": self.config.log_level},
         }
+        if self.config.standby:
+            cfg["standby"] = dict(self.config.standby)
         (d / "agent.yaml").write_text(json.dumps(cfg, indent=2) + "\n")
         script = Path(sys.executable).with_name("trainguard-agent")
         cmd = [str(script)] if script.exists() else [sys.executable, "-m", "trainguard.agent.main"]

@@ -70,6 +70,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--checkpoint-every", type=int, default=5)
     p.add_argument("--timeout-s", type=float, default=30.0, help="collectives (torchrun)")
+    p.add_argument("--step-time-s", type=float, default=0.0, help="extra time per step")
     p.add_argument("--pause-at", type=int, default=-1)
     p.add_argument("--full-restart", action="store_true")
     p.add_argument("--wait-s", type=float, default=120.0, help="how long to wait for membership")
@@ -142,6 +143,8 @@ def main() -> int:
         try:
             with tg.peer_loss_guard():
                 x, y = next(batches)
+                if args.step_time_s > 0:
+                    time.sleep(args.step_time_s)  # a bigger model's compute
                 opt.zero_grad()
                 loss = F.mse_loss(model(x), y)
                 loss.backward()

@@ -169,8 +169,8 @@ class InProcessRecovery:
         state = progress.get(PROGRESS_KEY)
         if state is None:
             spec = self.jobs.spec(job)
-            if not spec.recovery.in_process:
-                return None
+            if not spec.recovery.in_process or "replace" not in ctx.previous:
+                return None  # not a recovery from a lost node (a start, an operator's restart)
             return self._decide(ctx, job, spec, progress)
         phase = state.get("phase")
         if phase == "decided":
