@@ -68,7 +68,7 @@ from trainguard.agent.senders import JobClaims, SenderResolver
 from trainguard.agent.sim import SimHardware
 from trainguard.agent.sources import CallOutcome, Source, TakeResult, Transition
 from trainguard.agent.stacks import stacks_handler
-from trainguard.agent.standby import ProcessLauncher, StandbyPool
+from trainguard.agent.standby import ProcessLauncher, StandbyPool, keeps_standby
 from trainguard.agent.standby_ranks import StandbyRanks
 from trainguard.clock import SYSTEM_CLOCK, Clock
 from trainguard.model import (
@@ -762,8 +762,7 @@ class Agent:
         self._spool_job_events()
         self._act_on_preemption()
         if self.standby is not None:
-            # the node's role as the agent knows it; the controller does not send one yet
-            self.standby.tick(spare=self.config.node.role_hint == "spare")
+            self.standby.tick(spare=self._keeps_standby())
         ranks = self.heartbeat.ranks()
         if self._checkpoints:  # forget ranks the heartbeat server forgot (bounded series)
             live = {(r.job, r.rank) for r in ranks}
@@ -1033,6 +1032,19 @@ class Agent:
                     cmd.id,
                     cmd.kind,
                 )
+
+    def _keeps_standby(self) -> bool:
+        """A warm standby is kept while the node is a spare (as the controller last said; its
+        role_hint before that) that runs no rank: once a job's rank runs here (its launch, or
+        the standby it took), an idle one would only hold memory."""
+        busy = self.standby_ranks.running_jobs()
+        if self.jobs is not None:
+            busy = busy | self.jobs.running_jobs()
+        return keeps_standby(
+            said=self.reporter.spare if self.reporter is not None else None,
+            role_hint=self.config.node.role_hint,
+            running_jobs=busy,
+        )
 
     def _on_job_attempts(self, attempts: Mapping[str, int]) -> None:
         """From the reporter: the controller names each job's current attempt (fencing);

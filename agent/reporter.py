@@ -321,6 +321,8 @@ class Reporter:
         self._failures = 0
         self.deltas = DeltaEncoder(full_every=full_report_every, enabled=full_report_every > 1)
         self._seen: OrderedDict[str, None] = OrderedDict()
+        # whether the controller last said this node is a spare (None: not said yet)
+        self.spare: bool | None = None
         self._down_logged = False
         self._unlisted_leader: str | None = None  # last leader outside `urls` that was logged
         self._stop: threading.Event | None = None  # set by run(): no new try once stopping
@@ -479,6 +481,8 @@ class Reporter:
 
     def _succeeded(self, answer: ReportResponse) -> ReportOutcome:
         self.results_total["ok"] += 1
+        if answer.spare is not None:
+            self.spare = answer.spare
         self.last_ok_mono = self._clock.monotonic()
         if self._down_logged:
             log.info(

@@ -33,6 +33,7 @@ __all__ = [
     "ProcessLauncher",
     "StandbyPool",
     "decide",
+    "keeps_standby",
     "standby_argv",
 ]
 
@@ -59,6 +60,16 @@ def backoff_s(*, failures: int, config: StandbyConfig) -> float:
     if failures <= 0:
         return 0.0
     return min(config.restart_backoff_s * 2 ** (failures - 1), config.max_backoff_s)
+
+
+def keeps_standby(
+    *, said: bool | None, role_hint: str | None, running_jobs: frozenset[str]
+) -> bool:
+    """Whether the node keeps a warm standby: it is a spare (as the controller last `said`;
+    before it said, the agent's `role_hint`) and runs no job's rank (once one runs here, its
+    launch or the standby it took, an idle standby would only hold memory)."""
+    spare = said if said is not None else role_hint == "spare"
+    return spare and not running_jobs
 
 
 def decide(*, state: PoolState, spare: bool, now_mono: float, config: StandbyConfig) -> Decision:

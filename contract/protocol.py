@@ -419,6 +419,10 @@ class ReportResponse:
     # reports an older attempt. The agent stops every local process of an older attempt of
     # that job as soon as it reads this (issue of a crash: a node that missed its stop).
     job_attempts: dict[str, int] | None = None
+    # The node's role as the controller holds it (True: a spare). An agent keeps its warm
+    # standby while its node is a spare (agent.standby); None (an older controller): the
+    # agent's own node.role_hint decides.
+    spare: bool | None = None
     v: int = PROTOCOL_VERSION
 
 

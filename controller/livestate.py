@@ -187,6 +187,11 @@ class LiveState:
             rec = self.nodes.get(node)
         return rec.state if rec else None
 
+    def node_role(self, node: str) -> str | None:
+        with self.lock:
+            rec = self.nodes.get(node)
+        return rec.role if rec else None
+
     def node_job(self, node: str) -> str | None:
         with self.lock:
             job = self.node_jobs.get(node)

@@ -223,6 +223,7 @@ class ReportService:
             server_time=now,
             want_full=want_full,
             job_attempts=stale,
+            spare=self._live.node_role(name) == "spare",
         )
 
     def _refuse_items(self, refused: list[Refusal], *, actor: str, now: float) -> None:

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from trainguard.agent.config import StandbyConfig
-from trainguard.agent.standby import Decision, StandbyPool, backoff_s, standby_argv
+from trainguard.agent.standby import (
+    Decision,
+    StandbyPool,
+    backoff_s,
+    keeps_standby,
+    standby_argv,
+)
 from trainguard.clock import FakeClock
 from trainguard.strict import ConfigError, build
 
@@ -175,3 +181,19 @@ def test_the_standby_is_an_argument_list_of_the_configured_interpreter() -> None
 def test_bad_standby_config_is_refused(data: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         build(StandbyConfig, data, source="test")
+
+
+@pytest.mark.parametrize(
+    ("said", "role_hint", "running", "keeps"),
+    [
+        (None, "spare", frozenset(), True),  # before the controller said: the hint
+        (None, "active", frozenset(), False),
+        (True, "active", frozenset(), True),  # the controller made it a spare
+        (False, "spare", frozenset(), False),  # ... or took it out of the spares
+        (True, "spare", frozenset({"bench"}), False),  # a rank of a job runs here
+    ],
+)
+def test_a_node_keeps_a_standby_while_the_controller_calls_it_a_spare_and_it_runs_no_rank(
+    said: bool | None, role_hint: str, running: frozenset[str], keeps: bool
+) -> None:
+    assert keeps_standby(said=said, role_hint=role_hint, running_jobs=running) is keeps

@@ -303,3 +303,10 @@ def test_config_refuses_a_grace_or_lease_shorter_than_silence(core_config, jobs,
     with pytest.raises(ConfigError) as e:
         core_config(jobs=jobs)
     assert key in str(e.value)
+
+
+def test_a_report_answer_says_whether_the_node_is_a_spare(sim):
+    # the agent keeps its warm standby by this (agent.standby.keeps_standby), not by its hint
+    now = sim.clock.now()
+    assert sim.c.ingest_report(sim.agents["n3"].report(now=now), actor="t").spare is True
+    assert sim.c.ingest_report(sim.agents["n1"].report(now=now), actor="t").spare is False
