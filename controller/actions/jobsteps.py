@@ -208,8 +208,8 @@ class CheckpointHandler(JobStep):
 
 
 def _noting_fallback(outcome: Outcome, progress: dict[str, Any]) -> Outcome:
-    """The restart's first outcome after the in-process path fell back says why, once (the
-    incident timeline keeps it)."""
+    """The restart's first outcome after the in-process path fell back says why (the incident
+    timeline keeps it), and so does its last (the step's result)."""
     state = progress.get(INPROCESS_KEY)
     if not isinstance(state, dict):
         return outcome
@@ -217,7 +217,7 @@ def _noting_fallback(outcome: Outcome, progress: dict[str, Any]) -> Outcome:
     output = outcome.output
     if output is not progress:
         output = {**output, INPROCESS_KEY: state}
-    if state.get("phase") != "fallback" or state.get("noted"):
+    if state.get("phase") != "fallback" or (state.get("noted") and not outcome.done):
         return replace(outcome, output=output)
     state["noted"] = True
     return replace(
@@ -490,7 +490,10 @@ class RestartHandler(JobStep):
             if refreshed is not None:
                 job = refreshed
             return _noting_fallback(self._run_restart(ctx, job, progress), progress)
-        return self._run_restart(ctx, job, progress)
+        outcome = self._run_restart(ctx, job, progress)
+        if INPROCESS_KEY in progress:  # the full restart after a fallback: its result says why
+            return _noting_fallback(outcome, progress)
+        return outcome
 
     def _run_restart(self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]) -> Outcome:
         key = ctx.action.idempotency_key

@@ -106,6 +106,14 @@ def test_without_a_ready_standby_the_full_restart_runs_and_says_why(
     assert sim.cmds("n2", "rejoin") == [] and sim.cmds("n3", "assign_standby") == []
     assert f"in-process recovery fell back to a full restart ({reason})" in timeline(sim)
     assert restart_output(sim)["in_process"]["reason"] == reason
+    sim.until(
+        lambda: any(a.kind == "restart" and a.state == "succeeded"
+                    for a in sim.incident("gpu_dbe").actions),
+        max_s=30,
+        what="the restart step done",
+    )  # fmt: skip
+    (restart,) = [a for a in sim.incident("gpu_dbe").actions if a.kind == "restart"]
+    assert restart.result.startswith(f"in-process recovery fell back to a full restart ({reason});")
 
 
 def test_a_refused_assignment_falls_back_to_a_restart_of_a_newer_attempt(sim: Sim) -> None:

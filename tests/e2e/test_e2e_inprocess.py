@@ -1,0 +1,177 @@
+"""In-process recovery on a real local cluster (docs/controller.md "In-process recovery"): a
+job of examples/trainer_ddp_rejoin.py with `recovery.in_process`, spares that keep a warm
+standby of its module. A DBE on a node of the job: the healthy ranks stay in their processes
+and re-form the world under the next epoch with the spare's standby (no relaunch). Then a
+DBE while the next spare's standby is down: the fast path falls back to the full restart
+from the checkpoint, and the incident says why. Every loss the job logged, before, between
+and after both recoveries, equals the uninterrupted run's at the same rank and step."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.chaos import now
+from trainguard.devkit.devcluster import REPO_ROOT, ClusterConfig, DevCluster
+
+pytestmark = pytest.mark.slow
+STEPS = 70
+JOB = "rejoin"
+
+
+def args(out: Path) -> list[str]:
+    """The job's arguments; a standby runs the module with the same ones (plus its
+    membership), so it logs to the same file."""
+    return ["--steps", str(STEPS), "--checkpoint-every", "5", "--timeout-s", "10",
+            "--step-time-s", "0.2", "--out", str(out)]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Path(tmp_path_factory.mktemp("inprocess"))
+
+
+@pytest.fixture(scope="module")
+def cluster(base: Path) -> Iterator[DevCluster]:
+    config = ClusterConfig(
+        spares=("node-4", "node-5"),
+        safety={"drain_budget": 100, "breaker_threshold": 100},
+        jobs={"checkpoint_timeout_s": 10, "stop_grace_s": 5, "stop_timeout_s": 10},
+        standby={
+            "enabled": True,
+            "module": "trainer_ddp_rejoin",
+            "cwd": str(REPO_ROOT / "examples"),
+            "args": args(base / "out.jsonl"),
+            # a standby killed by the test stays down for the rest of the module
+            "restart_backoff_s": 600,
+            "max_backoff_s": 600,
+        },
+    )
+    with DevCluster(base / "cluster", config) as c:
+        c.start()
+        yield c
+    assert c.leftover_pids() == set()
+
+
+def rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def warm(cluster: DevCluster, node: str) -> dict[str, Any]:
+    """Wait until the spare passed its warm preflight and its standby is ready."""
+
+    def ready() -> dict[str, Any] | None:
+        view = cluster.node(node)
+        preflight = view.get("last_preflight") or {}
+        standby = view.get("standby") or {}
+        return view if preflight.get("passed") and standby.get("ready") else None
+
+    return cluster.wait(ready, timeout_s=120, what=f"{node}: preflighted, standby ready")
+
+
+def restart_of(cluster: DevCluster, since: float) -> dict[str, Any]:
+    detail = cluster.wait(
+        lambda: cluster.restarted_since(since),
+        timeout_s=150,
+        what="the restart step",
+        interval_s=0.2,
+    )
+    return next(a for a in detail["actions"] if a["kind"] == "restart")
+
+
+def test_a_lost_node_is_recovered_in_process_then_a_missing_standby_falls_back(
+    cluster: DevCluster, base: Path
+) -> None:
+    out = base / "out.jsonl"
+    ref_out = base / "ref.jsonl"
+    reference = cluster.spawn(
+        "reference",
+        [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            "3", str(REPO_ROOT / "examples" / "trainer_ddp_rejoin.py"), *args(ref_out)[:-2],
+            "--out", str(ref_out), "--ckpt-dir", str(base / "ref-ckpt"),
+        ],
+        cwd=REPO_ROOT,
+    )  # fmt: skip
+    warm(cluster, "node-4")
+    standby_pid = int(
+        (cluster.run_dir / "node-4" / "jobs" / "standby" / "standby.ready").read_text()
+    )
+    cluster.submit_job(
+        {
+            "name": JOB,
+            "command": ["examples/trainer_ddp_rejoin.py", *args(out)],
+            "nodes": ["node-1", "node-2", "node-3"],
+            "nproc_per_node": 1,
+            "ckpt_dir": str(base / "ckpt"),
+            "cwd": str(REPO_ROOT),
+            "recovery": {"in_process": True},
+        }
+    )
+    cluster.wait_job(
+        JOB,
+        lambda j: j["state"] == "running" and (j.get("last_step") or 0) >= 10,
+        timeout_s=120,
+        what="the job at step 10",
+    )
+    before = {r["rank"]: r["pid"] for r in rows(out)}
+
+    # 1. DBE on node-2 (rank 1): in process, with node-4's standby
+    t1 = now()
+    cluster.inject("node-2", "dbe", gpu=1)
+    restart = restart_of(cluster, t1)
+    assert restart["result"].startswith("recovered in process: epoch 2"), restart["result"]
+    view = cluster.job(JOB)
+    assert view["nodes"] == ["node-1", "node-4", "node-3"], view
+    assert view["attempt"] == 2, view
+
+    # no relaunch: two ranks are the processes that trained before (which ranks ran on
+    # node-2 was torchrun's rendezvous's choice), the third is node-4's standby
+    def epoch_2_pids() -> set[int] | None:
+        pids = {r["pid"] for r in rows(out) if r["epoch"] == 2}
+        return pids if len(pids) == 3 else None
+
+    pids = cluster.wait(epoch_2_pids, timeout_s=30, what="every rank at a step of epoch 2")
+    assert len(pids & set(before.values())) == 2 and standby_pid in pids, (pids, before)
+
+    # 2. node-5's standby is down: the next DBE falls back to the full restart
+    warm(cluster, "node-5")
+    ready_file = cluster.run_dir / "node-5" / "jobs" / "standby" / "standby.ready"
+    os.kill(int(ready_file.read_text()), signal.SIGKILL)
+    cluster.wait(
+        lambda: not (cluster.node("node-5").get("standby") or {}).get("ready"),
+        timeout_s=30,
+        what="node-5 to report its standby gone",
+    )
+    t2 = now()
+    cluster.inject("node-3", "dbe", gpu=0)
+    restart = restart_of(cluster, t2)
+    why = "in-process recovery fell back to a full restart (spare node-5"
+    assert restart["result"].startswith(why), restart["result"]
+    assert "attempt 3 trains past checkpoint" in restart["result"], restart["result"]
+    timeline = cluster.incident(restart["incident_id"])["timeline"]
+    assert any(why in e["message"] for e in timeline if e["kind"] == "action_progress")
+
+    final = cluster.wait_job(
+        JOB,
+        lambda j: j["state"] in ("completed", "failed"),
+        timeout_s=180,
+        what="the job to finish",
+    )
+    assert final["state"] == "completed", final
+    assert final["nodes"] == ["node-1", "node-4", "node-5"], final
+    cluster.wait(lambda: reference.poll() is not None, timeout_s=120, what="the reference run")
+    assert reference.returncode == 0
+    ref = {(r["rank"], r["step"]): r["loss"] for r in rows(ref_out)}
+    got = rows(out)
+    assert {r["step"] for r in got} == {r["step"] for r in rows(ref_out)}
+    wrong = [r for r in got if ref[(r["rank"], r["step"])] != r["loss"]]
+    assert not wrong, wrong[:5]
+    assert {r["epoch"] for r in got} >= {1, 2}
