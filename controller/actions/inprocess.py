@@ -193,6 +193,13 @@ class InProcessRecovery:
             "plan": plan.to_output(),
             "decided_at": ctx.now,
             "from_attempt": job.attempt,
+            # lost work: the newest step any rank reached (the lost one's included) against
+            # the newest a survivor holds (the state every rank continues from)
+            "last_step": max((r.step for _, r in self.jobs.ranks(job.name)), default=None),
+            "survivor_step": max(
+                (r.step for n, r in self.jobs.ranks(job.name) if n not in plan.lost),
+                default=None,
+            ),
         }
         log.info(
             "event=inprocess_decided job=%s epoch=%d lost=%s spares=%s key=%s",
@@ -364,25 +371,30 @@ class InProcessRecovery:
         timing = {**progress, "started_at": state["decided_at"], "stop_sent_at": state["sent_at"]}
         phases = recovery_phases(ctx, timing, now=ctx.now)
         phases["restart"] = ctx.now - float(state["decided_at"])
-        self.observe(phases, None)
+        last, kept = state.get("last_step"), state.get("survivor_step")
+        lost = max(0, last - kept) if isinstance(last, int) and isinstance(kept, int) else None
+        self.observe(phases, lost)
         state.update(phase="done", done_at=ctx.now)
         text = ", ".join(f"{k} {v:.1f} s" for k, v in phases.items())
         log.info(
-            "event=inprocess_recovered job=%s epoch=%d %s key=%s",
+            "event=inprocess_recovered job=%s epoch=%d %s lost_steps=%s key=%s",
             job.name,
             plan.epoch,
             text.replace(", ", " ").replace(" s", "_s"),
+            lost,
             ctx.action.idempotency_key,
         )
+        lost_text = f"; lost steps {lost}" if lost is not None else ""
         return Outcome(
             message=f"recovered in process: epoch {plan.epoch} trains past step {plan.step}"
-            f" with the standby on {', '.join(plan.assign)} (no relaunch); {text}",
+            f" with the standby on {', '.join(plan.assign)} (no relaunch); {text}{lost_text}",
             output={
                 **progress,
                 "mode": "in_process",
                 "attempt": plan.epoch,
                 "restarted_at": ctx.now,
                 "phases_s": phases,
+                "lost_steps": lost,
             },
         )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 from collections.abc import Iterator
@@ -128,6 +129,8 @@ def test_a_lost_node_is_recovered_in_process_then_a_missing_standby_falls_back(
     cluster.inject("node-2", "dbe", gpu=1)
     restart = restart_of(cluster, t1)
     assert restart["result"].startswith("recovered in process: epoch 2"), restart["result"]
+    # lost work: at most the step in flight (the state came from a survivor, not the disk)
+    assert re.search(r"; lost steps [01]$", restart["result"]), restart["result"]
     view = cluster.job(JOB)
     assert view["nodes"] == ["node-1", "node-4", "node-3"], view
     assert view["attempt"] == 2, view

@@ -34,6 +34,11 @@ def restart_output(sim: Sim) -> dict[str, Any]:
     return sim.c.store.actions.output(restart.id)
 
 
+def text_of_restart(sim: Sim) -> str:
+    (restart,) = [a for a in sim.incident("gpu_dbe").actions if a.kind == "restart"]
+    return restart.result
+
+
 def timeline(sim: Sim) -> str:
     return " | ".join(t.message for t in sim.incident("gpu_dbe").timeline)
 
@@ -73,6 +78,10 @@ def test_a_lost_node_is_recovered_in_process_with_the_spares_standby(sim: Sim) -
     out = restart_output(sim)
     assert out["mode"] == "in_process" and out["in_process"]["phase"] == "done"
     assert set(out["phases_s"]) >= {"detect", "restart", "mttr"}
+    # lost work: the newest step any rank reached, less the survivor's (its state goes on)
+    kept = out["in_process"]["survivor_step"]
+    assert out["lost_steps"] == out["in_process"]["last_step"] - kept >= 0
+    assert f"lost steps {out['lost_steps']}" in text_of_restart(sim)
     text = timeline(sim)
     assert "in-process recovery: n1's rank(s) go to the warm standby on n3" in text
     assert "recovered in process: epoch 2" in text
