@@ -41,7 +41,11 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-import torch
+# MKL's conditional numerical reproducibility: the same BLAS code path in every process,
+# whatever its memory alignment (read at MKL's first call, so before any)
+os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
+
+import torch  # noqa: E402 (after MKL_CBWR)
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
