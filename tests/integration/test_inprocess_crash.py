@@ -38,6 +38,7 @@ from trainguard.protocol import ReportResponse, StandbyState, decode_json, encod
 
 MODULE = "train"  # examples/train.py runs as module `train` in a standby
 EPOCH = 2  # the planned epoch: attempt 1 + 1
+REFUSED = "the warm standby is not ready"  # n3's answer to assign_standby in the fallback case
 # (point, how): "now", the kill follows the point at once; "delivered", the agents first get
 # what the parked controller queued (and carry it out); "late", the controller stays down
 # past the in-process deadline (the world trains meanwhile) before it starts again
@@ -192,7 +193,7 @@ def test_kill9_at_a_step_of_in_process_recovery_remediates_once(
     )
     fallback = point == "fallback-begun"
     if fallback:
-        fleet.agents["n3"].assign_fails = "the warm standby is not ready"
+        fleet.agents["n3"].assign_fails = REFUSED
     fleet.agents["n1"].gpus = (gpu(0, dbe=1),)
     fleet.until(marker.exists, timeout_s=60, what=f"the restart step at {point}")
     if how == "delivered":
@@ -239,7 +240,9 @@ def test_kill9_at_a_step_of_in_process_recovery_remediates_once(
     starts = {n: [c.args["attempt"] for c in fleet.cmds(n, "start_job")] for n in fleet.agents}
     if fallback:
         # one full restart, of an attempt newer than the epoch the rejoin went out under
-        assert timeline.count("in-process recovery fell back to a full restart") == 1, timeline
+        reasons = re.findall(r"fell back to a full restart \(([^)]*)\)", timeline)
+        assert set(reasons) == {"assign_standby on n3 failed: " + REFUSED}, timeline
+        assert f"attempt {EPOCH + 1} trains past" in restart["result"], restart
         assert (job["state"], job["attempt"]) == ("running", EPOCH + 1), job
         assert starts == {"n1": [1], "n2": [1, EPOCH + 1], "n3": [EPOCH + 1]}, starts
     else:
