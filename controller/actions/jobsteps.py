@@ -482,6 +482,14 @@ class RestartHandler(JobStep):
             and "stop_sent_at" not in progress
             and LOOP_KEY not in progress
         ):
+            # after a controller restart the fast path plans on what the job's nodes report
+            # (the survivors' ranks, the spare's standby), unknown until they report to this
+            # process: wait for them, as the full restart does (it waits for these and more)
+            wait = _await_unknown(
+                self.jobs, job.nodes, progress=progress, poll_after_s=self.poll_interval_s
+            )
+            if wait is not None:
+                return wait
             # the fast path first (a job with recovery.in_process); None: the full restart
             outcome = fast.run(ctx, job, progress)
             if outcome is not None:

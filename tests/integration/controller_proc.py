@@ -103,7 +103,8 @@ def write_config(
 
 class ControllerProcess:
     """One run of the real controller with its stdout and stderr in `log_path`. Starting does
-    not wait: call `wait_listening`, or use `start_controller`."""
+    not wait: call `wait_listening`, or use `start_controller`. `program`: what runs instead
+    of the trainguard-controller script (a wrapper that calls its main), before `--config`."""
 
     def __init__(
         self,
@@ -112,11 +113,12 @@ class ControllerProcess:
         log_path: Path,
         args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
+        program: Sequence[str] = (str(BIN / "trainguard-controller"),),
     ) -> None:
         self.log_path = log_path
         with log_path.open("w") as f:
             self.popen = subprocess.Popen(
-                [str(BIN / "trainguard-controller"), "--config", str(config), *args],
+                [*program, "--config", str(config), *args],
                 stdout=f,
                 stderr=subprocess.STDOUT,
                 env=None if env is None else dict(env),
@@ -162,9 +164,10 @@ def start_controller(
     env: Mapping[str, str] | None = None,
     timeout_s: float = 30.0,
     what: str = "the controller to listen",
+    program: Sequence[str] = (str(BIN / "trainguard-controller"),),
 ) -> ControllerProcess:
     """Start the controller and wait until it listens; a start that fails is killed."""
-    proc = ControllerProcess(config, log_path=log_path, args=args, env=env)
+    proc = ControllerProcess(config, log_path=log_path, args=args, env=env, program=program)
     try:
         proc.wait_listening(timeout_s=timeout_s, what=what)
     except BaseException:

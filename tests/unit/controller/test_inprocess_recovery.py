@@ -183,13 +183,15 @@ def _crash_once(
 
 @pytest.mark.parametrize(
     "where",
-    ["before-send", "mid-send", "after-send", "attempt-begun", "before-done"],
+    ["before-decide", "before-send", "mid-send", "after-send", "attempt-begun", "before-done"],
 )
 def test_a_controller_killed_at_any_step_neither_repeats_nor_loses_one(
     sim: Sim, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
     start(sim)
-    if where == "before-send":  # the decision is stored, no command sent
+    if where == "before-decide":  # the replace step done, the restart step just begun
+        _crash_once(monkeypatch, InProcessRecovery, "_decide", after=False)
+    elif where == "before-send":  # the decision is stored, no command sent
         _crash_once(monkeypatch, InProcessRecovery, "_send", after=False)
     elif where == "mid-send":  # the lost node's stop_job is queued, the rest not
         _crash_once(
@@ -215,6 +217,7 @@ def test_a_controller_killed_at_any_step_neither_repeats_nor_loses_one(
             sim.c.stop()
             sim.c = sim.new_controller()
             monkeypatch.undo()
+            sim.c.tick()  # a restarted controller resumes its steps before any node reports
             break
     assert crashed, f"the controller never reached {where}"
     sim.until(running(sim, attempt=2), max_s=40, what="recovered in process after the crash")
