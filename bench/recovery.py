@@ -3,6 +3,14 @@
 
     .venv/bin/python bench/recovery.py [--runs 3] [--faults dbe,xid79,kill_rank,...]
     .venv/bin/python bench/recovery.py --backend slurm [--faults dbe,node_death]   (root)
+    .venv/bin/python bench/recovery.py --job rejoin [--in-process] [--faults dbe,kill_rank]
+
+`--job rejoin` runs examples/trainer_ddp_rejoin.py (a loop that can rejoin in process) instead
+of examples/train.py; `--in-process` also gives it `recovery: {in_process: true}` and the
+spare a warm standby of it (agents' `standby:`), so the restart step takes the fast path
+(docs/controller.md "In-process recovery"); without it the same job takes the full restart.
+Every run waits until the spare passed its warm preflight (and, in process, until its
+standby is ready) before the fault: a spare is warm in steady state.
 
 Per fault class: median and max of detection (fault -> incident opened), MTTR (fault ->
 the restart step confirmed a step past the checkpoint) and lost steps (the controller's
@@ -40,6 +48,9 @@ FAULTS = ("dbe", "xid79", "kill_rank", "node_death", "straggler")
 SLURM_FAULTS = ("dbe", "node_death")
 _PHASES = ("requeue", "allocation", "launch")
 TRAIN = ["--steps", "400", "--checkpoint-every", "10", "--step-time-s", "0.2", "--seed", "0"]
+# the rejoin job's; a standby runs the module with the same arguments (a rank checkpointing at
+# other steps than its peers would meet them in mismatched collectives)
+REJOIN = ["--steps", "400", "--checkpoint-every", "10", "--step-time-s", "0.2", "--timeout-s", "10"]
 
 
 def inject(cluster: DevCluster, fault: str, job: str) -> None:
@@ -48,7 +59,10 @@ def inject(cluster: DevCluster, fault: str, job: str) -> None:
     elif fault == "xid79":
         cluster.inject("node-2", "xid", gpu=0, code=79)
     elif fault == "kill_rank":
-        cluster.signal_rank(job, 1, signal.SIGKILL)
+        # a rank off node-1: that node's torchrun hosts the attempt's c10d store, and its
+        # exit takes every rank with it (docs/controller.md "In-process recovery")
+        rank = next(r.rank for r in cluster.rank_procs(job) if r.node != "node-1")
+        cluster.signal_rank(job, rank, signal.SIGKILL)
     elif fault == "node_death":
         cluster.kill_node("node-2")
     elif fault == "straggler":
@@ -57,18 +71,43 @@ def inject(cluster: DevCluster, fault: str, job: str) -> None:
         raise ValueError(fault)
 
 
-def one_run(fault: str, *, fault_step: int, root: Path) -> dict[str, Any]:
+def spare_warm(cluster: DevCluster, *, standby: bool) -> dict[str, Any] | None:
+    view = cluster.node("node-4")
+    passed = (view.get("last_preflight") or {}).get("passed")
+    ready = (view.get("standby") or {}).get("ready") or not standby
+    return view if passed and ready else None
+
+
+def one_run(
+    fault: str, *, fault_step: int, root: Path, job_kind: str = "train", in_process: bool = False
+) -> dict[str, Any]:
+    standby = (
+        {
+            "enabled": True,
+            "module": "trainer_ddp_rejoin",
+            "cwd": str(REPO_ROOT / "examples"),
+            "args": REJOIN,
+        }
+        if in_process
+        else {}
+    )
     config = ClusterConfig(
         safety={"drain_budget": 10},
         jobs={"checkpoint_timeout_s": 10, "stop_grace_s": 10, "stop_timeout_s": 10},
+        standby=standby,
     )
     with DevCluster(root / f"{fault}-{time.monotonic_ns()}", config) as c:
         c.start()
         job = "bench"
+        command = (
+            ["examples/trainer_ddp_rejoin.py", *REJOIN]
+            if job_kind == "rejoin"
+            else ["examples/train.py", *TRAIN]
+        )
         c.submit_job(
             {
                 "name": job,
-                "command": ["examples/train.py", *TRAIN],
+                "command": command,
                 "nodes": ["node-1", "node-2", "node-3"],
                 "ckpt_dir": str(c.run_dir / "ckpt"),
                 "cwd": str(REPO_ROOT),
@@ -77,6 +116,7 @@ def one_run(fault: str, *, fault_step: int, root: Path) -> dict[str, Any]:
                     if fault == "straggler"
                     else {}
                 ),
+                **({"recovery": {"in_process": True}} if in_process else {}),
             }
         )
         c.wait_job(
@@ -84,6 +124,11 @@ def one_run(fault: str, *, fault_step: int, root: Path) -> dict[str, Any]:
             lambda j: j["state"] == "running" and (j.get("last_step") or 0) >= fault_step,
             timeout_s=120,
             what="the job to train",
+        )
+        c.wait(
+            lambda: spare_warm(c, standby=in_process),
+            timeout_s=120,
+            what="the spare's warm preflight (and standby)",
         )
         t_fault = time.time()
         inject(c, fault, job)
@@ -97,6 +142,16 @@ def one_run(fault: str, *, fault_step: int, root: Path) -> dict[str, Any]:
         inc = detail["incident"]
         restarted_at, lost = restart_result(detail)
         incidents = [i for i in c.incidents() if i["opened_at"] >= t_fault - 1]
+        restart = next(a for a in detail["actions"] if a["kind"] == "restart")
+        result = restart["result"] or ""
+        phases = dict(re.findall(r"(\w+) ([\d.]+) s\b", result))
+        path = (
+            "in_process"
+            if result.startswith("recovered in process")
+            else "fallback"
+            if "fell back" in result
+            else "full"
+        )
         return {
             "fault": fault,
             "rule": inc["rule"],
@@ -104,6 +159,8 @@ def one_run(fault: str, *, fault_step: int, root: Path) -> dict[str, Any]:
             "detect_s": inc["opened_at"] - t_fault,
             "mttr_s": restarted_at - t_fault,
             "lost_steps": lost,
+            "path": path,
+            **{f"{k}_s": float(v) for k, v in phases.items() if k != "mttr"},
         }
 
 
@@ -156,7 +213,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--fault-step", type=int, default=15)
     p.add_argument("--json", help="also write every run's figures here")
+    p.add_argument("--job", choices=("train", "rejoin"), default="train",
+                   help="examples/train.py, or examples/trainer_ddp_rejoin.py")  # fmt: skip
+    p.add_argument("--in-process", action="store_true",
+                   help="the rejoin job with recovery.in_process and a warm standby")  # fmt: skip
     args = p.parse_args(argv)
+    if args.in_process:
+        args.job = "rejoin"
+    if args.job == "rejoin" and args.backend == "slurm":
+        p.error("--job rejoin / --in-process: the torchrun backend only")
     known = SLURM_FAULTS if args.backend == "slurm" else FAULTS
     faults = [f for f in (args.faults or ",".join(known)).split(",") if f]
     unknown = set(faults) - set(known)
@@ -164,7 +229,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown fault(s) {sorted(unknown)}; known: {', '.join(known)}")
     if args.backend == "slurm" and (why := missing_reason()) is not None:
         p.error(why)
-    run_one = one_slurm_run if args.backend == "slurm" else one_run
+
+    def run_one(fault: str, *, fault_step: int, root: Path) -> dict[str, Any]:
+        if args.backend == "slurm":
+            return one_slurm_run(fault, fault_step=fault_step, root=root)
+        return one_run(
+            fault, fault_step=fault_step, root=root, job_kind=args.job, in_process=args.in_process
+        )
+
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="tgbench") as tmp:
         for fault in faults:
@@ -198,6 +270,21 @@ def main(argv: list[str] | None = None) -> int:
                 vals = [r[f"{k}_s"] for r in rs if f"{k}_s" in r]
                 cells.append(f"{statistics.median(vals):.1f} / {max(vals):.1f}" if vals else "n/a")
             print(f"| {fault} | " + " | ".join(cells) + " |")
+    if args.backend == "torchrun":
+        # where the time goes: the restart step's phases (docs/controller.md, "Actions")
+        keys = ("detect", "checkpoint", "drain", "restart")
+        print("\n| fault | path (runs) | " + " | ".join(f"{k} median (s)" for k in keys) + " |")
+        print("|---|---|" + "---|" * len(keys))
+        for fault in faults:
+            rs = [r for r in runs if r["fault"] == fault]
+            paths = ", ".join(
+                f"{p} ({sum(r['path'] == p for r in rs)})" for p in sorted({r["path"] for r in rs})
+            )
+            cells = []
+            for k in keys:
+                vals = [r[f"{k}_s"] for r in rs if f"{k}_s" in r]
+                cells.append(f"{statistics.median(vals):.1f}" if vals else "n/a")
+            print(f"| {fault} | {paths} | " + " | ".join(cells) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps(runs, indent=2) + "\n")
     return 0
