@@ -1,7 +1,8 @@
 """In-process recovery, the restart step's fast path (docs/controller.md, "In-process
 recovery"): for a job whose spec says `recovery.in_process`, after the replace step swapped a
-lost node for a spare, the healthy ranks stay in their processes and re-form the world under
-the next attempt epoch with the spare's warm standby, instead of a full restart.
+lost node for a spare (or a killed rank's healthy node for a spare's standby:
+controller.actions.standbyswap), the healthy ranks stay in their processes and re-form the
+world under the next attempt epoch with the spare's warm standby, instead of a full restart.
 
     decided -> sent -> done            (or -> fallback, from any of them)
 
