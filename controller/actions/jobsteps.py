@@ -379,8 +379,6 @@ class ReplaceHandler(JobStep):
         sick = ctx.params.get("node")
         bad = [n for n in job.nodes if n == sick or not self._usable(n)]
         base = {"job": job.name, "started_at": started_at}
-        if PROGRESS_KEY in progress:
-            base[PROGRESS_KEY] = progress[PROGRESS_KEY]
         if not bad:
             if self.standby_swap is not None:
                 # a killed rank of an in-process job: a spare's warm standby takes its slot
@@ -396,6 +394,8 @@ class ReplaceHandler(JobStep):
         if job.state in (JobState.RUNNING, JobState.STARTING, JobState.CRASHED):
             self.jobs.set_state(job.name, JobState.RESTARTING, reason=f"replacing {', '.join(bad)}")
         open_nodes = self.open_incident_nodes()
+        if PROGRESS_KEY in progress:
+            base[PROGRESS_KEY] = progress[PROGRESS_KEY]
         spares, checking = gate_spares(
             self.spare_check,
             self.jobs.spares(

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainguard.controller.actions.base import ActionContext, Outcome
 from trainguard.controller.actions.inprocess import SWAP_SKIPPED_KEY, job_module
+from trainguard.controller.actions.sparecheck import PROGRESS_KEY as SPARES_KEY
 from trainguard.controller.actions.sparecheck import SparePreflight
 from trainguard.controller.jobstate import JobState
 
@@ -63,6 +64,8 @@ class StandbySwap:
         base: dict[str, Any],
         open_nodes: set[str],
     ) -> Outcome | None:
+        if SPARES_KEY in progress:  # the spares' preflights under way
+            base[SPARES_KEY] = progress[SPARES_KEY]
         decided = progress.get(DECISION_KEY)
         if isinstance(decided, dict):
             return self._apply(ctx, job, decided, base=base, open_nodes=open_nodes)
@@ -139,9 +142,12 @@ class StandbySwap:
             return "", f"{job.nproc_per_node} ranks per node: a spare's standby is one rank"
         if not self.jobs.healthy(node, open_incident_nodes=open_nodes):
             return "", f"{node}, where a rank exited, is not healthy (an open incident)"
-        gone = [n for n in job.nodes if n != node and not self.jobs.runs_on(job.name, n)]
+        # the others must be trained ranks waiting for a new world (a start that failed has
+        # none reporting yet: it restarts in full, its node staying in the job)
+        live = {n for n, r in self.jobs.ranks(job.name) if r.phase != "exit"}
+        gone = [n for n in job.nodes if n != node and n not in live]
         if gone:
-            return "", f"{', '.join(gone)} run(s) no rank of the job: no survivor to rejoin"
+            return "", f"{', '.join(gone)} report(s) no rank of the job: no survivor to rejoin"
         return node, ""
 
     def _standby_spares(

@@ -100,7 +100,7 @@ def test_a_killed_rank_is_recovered_in_process_and_its_node_becomes_a_spare(sim:
         (lambda s: s.agents["n2"].crash("job"), "ranks exited on 2 nodes (n1, n2)"),
         (
             lambda s: s.agents["n2"].crash("job", code=0),
-            "n2 run(s) no rank of the job: no survivor to rejoin",
+            "n2 report(s) no rank of the job: no survivor to rejoin",
         ),
     ],
     ids=["no-standby", "not-ready", "other-module", "no-spare", "two-nodes", "no-survivor"],
