@@ -439,9 +439,17 @@ class JobManager:
         nproc_per_node: int,
         assign: Sequence[str],
         release: Sequence[str],
+        to_spares: Sequence[str] = (),
     ) -> JobRecord:
+        """Move the job to `nodes` (controller.store.jobs.set_placement): `assign` join it,
+        `release` leave it, those of them in `to_spares` joining the spare pool."""
         rec = self.store.jobs.set_placement(
-            name, nodes=nodes, nproc_per_node=nproc_per_node, assign=assign, release=release
+            name,
+            nodes=nodes,
+            nproc_per_node=nproc_per_node,
+            assign=assign,
+            release=release,
+            to_spares=to_spares,
         )
         for n in (*assign, *release):
             self.nodes.refresh_node(n)

@@ -1,7 +1,8 @@
 """In-process recovery, the restart step's fast path (docs/controller.md, "In-process
 recovery"): for a job whose spec says `recovery.in_process`, after the replace step swapped a
-lost node for a spare, the healthy ranks stay in their processes and re-form the world under
-the next attempt epoch with the spare's warm standby, instead of a full restart.
+lost node for a spare (or a killed rank's healthy node for a spare's standby:
+controller.actions.standbyswap), the healthy ranks stay in their processes and re-form the
+world under the next attempt epoch with the spare's warm standby, instead of a full restart.
 
     decided -> sent -> done            (or -> fallback, from any of them)
 
@@ -34,12 +35,22 @@ if TYPE_CHECKING:  # types only: the job manager imports the store and the live 
     from trainguard.controller.records import JobRecord
     from trainguard.protocol import RankState
 
-__all__ = ["PROGRESS_KEY", "InProcessRecovery", "WorldPlan", "job_module", "plan_world"]
+__all__ = [
+    "PROGRESS_KEY",
+    "SWAP_SKIPPED_KEY",
+    "InProcessRecovery",
+    "WorldPlan",
+    "job_module",
+    "plan_world",
+]
 
 log = logging.getLogger("trainguard.controller.inprocess")
 
 # The restart step's progress keeps the in-process path's state under this key.
 PROGRESS_KEY = "in_process"
+# The replace step's output says under this key why a killed rank's node was not swapped for
+# a spare's standby (controller.actions.standbyswap): the reason this path falls back on.
+SWAP_SKIPPED_KEY = "standby_swap_skipped"
 
 
 @dataclass(frozen=True)
@@ -222,6 +233,9 @@ class InProcessRecovery:
         replace = ctx.previous.get("replace", {})
         swapped = replace.get("replaced")
         if replace.get("mode") != "spare" or not isinstance(swapped, dict) or not swapped:
+            skipped = replace.get(SWAP_SKIPPED_KEY)  # a killed rank's swap did not apply: why
+            if isinstance(skipped, str) and skipped:
+                return skipped
             return "no spare was swapped in for a lost node (the replace step did not)"
         if job.nproc_per_node != 1:
             return f"{job.nproc_per_node} ranks per node: a spare's standby is one rank"

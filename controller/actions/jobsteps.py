@@ -38,6 +38,7 @@ from trainguard.controller.actions.recovery import (
 from trainguard.controller.actions.restartloop import LOOP_KEY, RestartLoop, restart_loop
 from trainguard.controller.actions.restartphase import RestartPhase, advance
 from trainguard.controller.actions.sparecheck import PROGRESS_KEY, SparePreflight
+from trainguard.controller.actions.standbyswap import StandbySwap
 from trainguard.controller.ckptspec import checkpoint_env
 from trainguard.controller.jobs import RESUME_SKIP_ENV, JobManager, JobSpec, shrink_plan
 from trainguard.controller.jobstate import TRANSITIONS, JobState
@@ -353,7 +354,9 @@ class ReplaceHandler(JobStep):
     """`replace`: give the job a healthy node set. Unusable nodes (the incident's node,
     drained, not reporting) are swapped for hot spares; with too few spares the job shrinks
     to fewer nodes when it can keep its world size (min_nodes, max_nproc_per_node), else the
-    step waits (bounded) for a spare and then pages (fails)."""
+    step waits (bounded) for a spare and then pages (fails). With every node usable, a job
+    recovered in process whose rank exited has that node swapped for a spare's warm standby
+    (controller.actions.standbyswap)."""
 
     open_incident_nodes: Callable[[], set[str]]
     poll_interval_s: float = 5.0
@@ -361,6 +364,9 @@ class ReplaceHandler(JobStep):
     remediation: bool = True
     # Given: a spare joins only after a passing preflight (controller.actions.sparecheck)
     spare_check: SparePreflight | None = None
+    # Given: a crashed job with recovery.in_process whose rank exited on a healthy node has
+    # that node's slot taken by a spare's ready warm standby (the node becomes a spare)
+    standby_swap: StandbySwap | None = None
 
     def run_job(self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]) -> Outcome:
         wait = _await_unknown(
@@ -374,6 +380,13 @@ class ReplaceHandler(JobStep):
         bad = [n for n in job.nodes if n == sick or not self._usable(n)]
         base = {"job": job.name, "started_at": started_at}
         if not bad:
+            if self.standby_swap is not None:
+                # a killed rank of an in-process job: a spare's warm standby takes its slot
+                swapped = self.standby_swap.run(
+                    ctx, job, progress, base=base, open_nodes=self.open_incident_nodes()
+                )
+                if swapped is not None:
+                    return swapped
             return Outcome(
                 message=f"job {job.name} needs no replacement: {', '.join(job.nodes)}",
                 output={**base, "nodes": list(job.nodes), "mode": "none"},

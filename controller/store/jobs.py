@@ -175,9 +175,11 @@ class JobRepository:
         nproc_per_node: int,
         assign: Sequence[str],
         release: Sequence[str],
+        to_spares: Sequence[str] = (),
     ) -> JobRecord:
         """Move a job to a new node set in one transaction: `assign` nodes become active
-        members of the job (a spare leaves the pool), `release` nodes leave it."""
+        members of the job (a spare leaves the pool), `release` nodes leave it, and those of
+        them in `to_spares` (healthy, leaving for the job's recovery) join the spare pool."""
         now = self._db.now()
         with self._db.transaction() as c:
             c.execute(
@@ -188,6 +190,12 @@ class JobRepository:
                 c.execute(
                     "UPDATE nodes SET job = NULL, updated_at = ? WHERE name = ? AND job = ?",
                     (now, node, name),
+                )
+            for node in to_spares:
+                c.execute(
+                    "UPDATE nodes SET role = 'spare', updated_at = ?"
+                    " WHERE name = ? AND job IS NULL",
+                    (now, node),
                 )
             for node in assign:
                 c.execute(

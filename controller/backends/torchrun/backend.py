@@ -21,6 +21,7 @@ from trainguard.controller.actions.jobsteps import (
 )
 from trainguard.controller.actions.recovery import PhaseObserver
 from trainguard.controller.actions.sparecheck import SparePreflight
+from trainguard.controller.actions.standbyswap import StandbySwap
 from trainguard.controller.backends.base import BackendDeps, Capability
 from trainguard.controller.jobs import JobManager
 from trainguard.controller.views import JobView
@@ -54,7 +55,12 @@ class TorchrunBackend:
     ) -> None:
         self._drain = drain
         self._checkpoint = CheckpointHandler(jobs)
-        self._replace = ReplaceHandler(jobs, open_incident_nodes, spare_check=spare_check)
+        self._replace = ReplaceHandler(
+            jobs,
+            open_incident_nodes,
+            spare_check=spare_check,
+            standby_swap=StandbySwap(jobs, spare_check),
+        )
         self._restart = RestartHandler(
             jobs,
             observe,
