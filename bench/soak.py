@@ -1,7 +1,11 @@
 """Soak: one long job on a local cluster, a fault at a fixed interval, the job's ETTR at the
 end (not run in CI).
 
-    .venv/bin/python bench/soak.py [--duration-s 1800] [--interval-s 300]
+    .venv/bin/python bench/soak.py [--duration-s 1800] [--interval-s 300] [--in-process]
+
+`--in-process`: the job is examples/trainer_ddp_rejoin.py with `recovery: {in_process: true}`
+and every spare keeps a warm standby of it, so recoveries take the fast path (a killed rank's
+healthy node joins the spares and keeps a standby in turn); each line says the path taken.
 
 Faults rotate over the classes that leave the cluster able to take the next one: a rank
 killed (`kill -9`, restarted on the same nodes) and, while a hot spare is free, a DBE on a
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import tempfile
@@ -31,14 +36,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval-s", type=float, default=300.0)
     p.add_argument("--spares", type=int, default=2)
     p.add_argument("--step-time-s", type=float, default=0.2)
+    p.add_argument("--in-process", action="store_true")
     args = p.parse_args(argv)
+    steps = int(args.duration_s / args.step_time_s) * 4  # never finishes within the soak
+    # the job's and its standbys' arguments alike (they checkpoint at the same steps)
+    rejoin_args = ["--steps", str(steps), "--checkpoint-every", "20", "--step-time-s",
+                   str(args.step_time_s), "--timeout-s", "10"]  # fmt: skip
     spares = tuple(f"spare-{i + 1}" for i in range(args.spares))
     config = ClusterConfig(
         spares=spares,
         safety={"drain_budget": 100, "breaker_threshold": 100},
         jobs={"checkpoint_timeout_s": 10, "stop_grace_s": 10, "stop_timeout_s": 10},
+        standby=(
+            {
+                "enabled": True,
+                "module": "trainer_ddp_rejoin",
+                "cwd": str(REPO_ROOT / "examples"),
+                "args": rejoin_args,
+            }
+            if args.in_process
+            else {}
+        ),
     )
-    steps = int(args.duration_s / args.step_time_s) * 4  # never finishes within the soak
     with (
         tempfile.TemporaryDirectory(prefix="tgsoak") as tmp,
         DevCluster(Path(tmp) / "cluster", config) as c,
@@ -48,8 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         c.submit_job(
             {
                 "name": job,
-                "command": ["examples/train.py", "--steps", str(steps), "--checkpoint-every",
-                            "20", "--step-time-s", str(args.step_time_s)],
+                "command": (
+                    ["examples/trainer_ddp_rejoin.py", *rejoin_args] if args.in_process else
+                    ["examples/train.py", "--steps", str(steps), "--checkpoint-every", "20",
+                     "--step-time-s", str(args.step_time_s)]
+                ),
+                **({"recovery": {"in_process": True}} if args.in_process else {}),
                 "nodes": ["node-1", "node-2", "node-3"],
                 "ckpt_dir": str(c.run_dir / "ckpt"),
                 "cwd": str(REPO_ROOT),
@@ -71,9 +94,22 @@ def main(argv: list[str] | None = None) -> int:
                 free.pop()
             else:
                 kind = "kill_rank"
-                c.signal_rank(job, 1, signal.SIGKILL)
+                # a torchrun worker off the job's first node (whose torchrun hosts the
+                # rendezvous: docs/controller.md "In-process recovery"); in process, the
+                # standbys that joined are no torchrun workers
+                procs = [r for r in c.rank_procs(job) if r.node != nodes[0]]
+                if procs:
+                    os.kill(procs[0].pid, signal.SIGKILL)
+                else:
+                    c.signal_rank(job, 1, signal.SIGKILL)
             detail = c.wait(lambda t=t_fault: c.restarted_since(t), timeout_s=180, what="recovery")
             restarted_at, lost = restart_result(detail)
+            restart = next(a for a in detail["actions"] if a["kind"] == "restart")
+            result = restart["result"] or ""
+            path = (
+                "in_process" if result.startswith("recovered in process")
+                else "fallback" if "fell back" in result else "full"
+            )  # fmt: skip
             print(
                 json.dumps(
                     {
@@ -83,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                         "detect_s": round(detail["incident"]["opened_at"] - t_fault, 2),
                         "mttr_s": round(restarted_at - t_fault, 2),
                         "lost_steps": lost,
+                        "path": path,
                     }
                 ),
                 flush=True,

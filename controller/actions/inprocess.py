@@ -174,7 +174,9 @@ class InProcessRecovery:
 
     jobs: JobManager
     observe: PhaseObserver = field(default=lambda phases, lost: None)
-    poll_interval_s: float = 0.5
+    # the step re-reads memory only (commands acknowledged, ranks' epochs): polled often, since
+    # each poll it waits out adds to the recovery
+    poll_interval_s: float = 0.1
 
     def run(self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]) -> Outcome | None:
         state = progress.get(PROGRESS_KEY)

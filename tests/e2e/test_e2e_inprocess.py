@@ -1,9 +1,10 @@
 """In-process recovery on a real local cluster (docs/controller.md "In-process recovery"): a
 job of examples/trainer_ddp_rejoin.py with `recovery.in_process`, spares that keep a warm
 standby of its module. A DBE on a node of the job: the healthy ranks stay in their processes
-and re-form the world under the next epoch with the spare's standby (no relaunch). Then a
-DBE while the next spare's standby is down: the fast path falls back to the full restart
-from the checkpoint, and the incident says why. Every loss the job logged, before, between
+and re-form the world under the next epoch with the spare's standby (no relaunch). A rank
+killed with kill -9 on a healthy node: the same, and that node becomes a spare. Then a DBE
+while the next spare's standby is down: the fast path falls back to the full restart from the
+checkpoint, and the incident says why. Every loss the job logged, before, between
 and after both recoveries, equals the uninterrupted run's at the same rank and step."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from tests.e2e.chaos import now
 from trainguard.devkit.devcluster import REPO_ROOT, ClusterConfig, DevCluster
 
 pytestmark = pytest.mark.slow
-STEPS = 70
+STEPS = 120
 JOB = "rejoin"
 
 
@@ -144,21 +145,47 @@ def test_a_lost_node_is_recovered_in_process_then_a_missing_standby_falls_back(
     pids = cluster.wait(epoch_2_pids, timeout_s=30, what="every rank at a step of epoch 2")
     assert len(pids & set(before.values())) == 2 and standby_pid in pids, (pids, before)
 
-    # 2. node-5's standby is down: the next DBE falls back to the full restart
+    # 2. kill -9 of the rank on node-3 (a torchrun worker off node-1, whose torchrun hosts the
+    # attempt's rendezvous): node-3 is healthy, so it joins the spares and node-5's standby
+    # takes its slot; the survivors rejoin in their processes under epoch 3
     warm(cluster, "node-5")
-    ready_file = cluster.run_dir / "node-5" / "jobs" / "standby" / "standby.ready"
+    standby_5 = int((cluster.run_dir / "node-5" / "jobs" / "standby" / "standby.ready").read_text())
+    (victim,) = [r for r in cluster.rank_procs(JOB) if r.node == "node-3"]
+    t2 = now()
+    os.kill(victim.pid, signal.SIGKILL)
+    restart = restart_of(cluster, t2)
+    assert restart["result"].startswith("recovered in process: epoch 3"), restart["result"]
+    detail = cluster.incident(restart["incident_id"])
+    assert detail["incident"]["rule"] == "job_process_failed"
+    assert any("replaced node-3 -> node-5" in e["message"] for e in detail["timeline"])
+    view = cluster.job(JOB)
+    assert (view["nodes"], view["attempt"]) == (["node-1", "node-4", "node-5"], 3), view
+    node_3 = cluster.node("node-3")
+    assert (node_3["role"], node_3["state"], node_3.get("job")) == ("spare", "active", None)
+
+    def epoch_3_pids() -> set[int] | None:
+        pids = {r["pid"] for r in rows(out) if r["epoch"] == 3}
+        return pids if len(pids) == 3 else None
+
+    survivors = pids - {victim.pid}
+    assert cluster.wait(epoch_3_pids, timeout_s=30, what="epoch 3") == survivors | {standby_5}
+
+    # 3. node-3, a spare now, keeps a standby; with it down, the next DBE falls back to the
+    # full restart (and node-3, first of the spares by name, takes the lost node's place)
+    warm(cluster, "node-3")
+    ready_file = cluster.run_dir / "node-3" / "jobs" / "standby" / "standby.ready"
     os.kill(int(ready_file.read_text()), signal.SIGKILL)
     cluster.wait(
-        lambda: not (cluster.node("node-5").get("standby") or {}).get("ready"),
+        lambda: not (cluster.node("node-3").get("standby") or {}).get("ready"),
         timeout_s=30,
-        what="node-5 to report its standby gone",
+        what="node-3 to report its standby gone",
     )
-    t2 = now()
-    cluster.inject("node-3", "dbe", gpu=0)
-    restart = restart_of(cluster, t2)
-    why = "in-process recovery fell back to a full restart (spare node-5"
+    t3 = now()
+    cluster.inject("node-4", "dbe", gpu=0)
+    restart = restart_of(cluster, t3)
+    why = "in-process recovery fell back to a full restart (spare node-3"
     assert restart["result"].startswith(why), restart["result"]
-    assert "attempt 3 trains past checkpoint" in restart["result"], restart["result"]
+    assert "attempt 4 trains past checkpoint" in restart["result"], restart["result"]
     timeline = cluster.incident(restart["incident_id"])["timeline"]
     assert any(why in e["message"] for e in timeline if e["kind"] == "action_progress")
 
@@ -169,7 +196,7 @@ def test_a_lost_node_is_recovered_in_process_then_a_missing_standby_falls_back(
         what="the job to finish",
     )
     assert final["state"] == "completed", final
-    assert final["nodes"] == ["node-1", "node-4", "node-5"], final
+    assert final["nodes"] == ["node-1", "node-3", "node-5"], final
     cluster.wait(lambda: reference.poll() is not None, timeout_s=120, what="the reference run")
     assert reference.returncode == 0
     ref = {(r["rank"], r["step"]): r["loss"] for r in rows(ref_out)}
@@ -177,4 +204,4 @@ def test_a_lost_node_is_recovered_in_process_then_a_missing_standby_falls_back(
     assert {r["step"] for r in got} == {r["step"] for r in rows(ref_out)}
     wrong = [r for r in got if ref[(r["rank"], r["step"])] != r["loss"]]
     assert not wrong, wrong[:5]
-    assert {r["epoch"] for r in got} >= {1, 2}
+    assert {r["epoch"] for r in got} == {1, 2, 3, 4}
