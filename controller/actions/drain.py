@@ -94,7 +94,9 @@ class LocalDrainBackend:
         self._ops = ops
         self._grace_s = stop_grace_s
         # Given: a job's own stop grace on a drained node (None: stop_grace_s); a job
-        # recovered in process is killed at once (controller.jobs.JobManager.drain_grace_s)
+        # recovered in process is killed at once (controller.jobs.JobManager.drain_grace_s),
+        # and not awaited: its ranks there are fenced by the next attempt epoch (a rank of an
+        # older epoch can never commit), and its survivors go on only once they are gone
         self._grace_of = grace_of
         # A node silent for longer than this cannot answer stop_job: it is drained at once
         # (the command stays queued for when its agent returns). None: always wait.
@@ -136,6 +138,9 @@ class LocalDrainBackend:
         if self._silent(node):
             self._ops.set_node_state(node, "drained", reason=reason)
             return "drained", {"command_id": command_id, "job": job, "silent": True}
+        if own == 0.0:  # killed at once and fenced (above): the replacement need not wait
+            self._ops.set_node_state(node, "drained", reason=reason)
+            return "drained", {"command_id": command_id, "job": job, "fenced": True}
         return "draining", {"command_id": command_id, "job": job, "reason": reason}
 
     def _silent(self, node: str) -> bool:

@@ -24,7 +24,7 @@ from tests.e2e.chaos import now
 from trainguard.devkit.devcluster import REPO_ROOT, ClusterConfig, DevCluster
 
 pytestmark = pytest.mark.slow
-STEPS = 120
+STEPS = 160
 JOB = "rejoin"
 
 
@@ -172,6 +172,9 @@ def test_a_lost_node_is_recovered_in_process_then_a_missing_standby_falls_back(
 
     # 3. node-3, a spare now, keeps a standby; with it down, the next DBE falls back to the
     # full restart (and node-3, first of the spares by name, takes the lost node's place)
+    # node-2, repaired after its DBE, is back as a spare too: an operator keeps it out of
+    # the spares, so node-3 is the only one
+    cluster.api("PUT", "/v1/nodes/node-2/role", json={"role": "active"})
     warm(cluster, "node-3")
     ready_file = cluster.run_dir / "node-3" / "jobs" / "standby" / "standby.ready"
     os.kill(int(ready_file.read_text()), signal.SIGKILL)

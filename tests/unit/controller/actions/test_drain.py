@@ -30,6 +30,17 @@ def test_busy_node_gets_one_stop_job_command_per_key(make_core, core_clock):
     assert backend.poll("n1", key="k", progress=progress) == "draining"
 
 
+def test_a_job_killed_at_once_is_drained_without_waiting_for_the_stop(make_core, core_clock):
+    # a job recovered in process: its ranks on the node are fenced by the next epoch
+    c = make_core()
+    c.ingest_report(Reporter("n1").report(now=core_clock.now(), job="job-a"), actor="a")
+    backend = LocalDrainBackend(c, stop_grace_s=12.0, grace_of=lambda job: 0.0)
+    state, progress = backend.drain("n1", reason="r", key="k")
+    assert (state, c.node_state("n1"), progress["fenced"]) == ("drained", "drained", True)
+    (cmd,) = c.pending_commands("n1")
+    assert cmd.kind == "stop_job" and cmd.args == {"job": "job-a", "grace_s": 0.0}
+
+
 def test_undrain_returns_node_to_active(make_core, core_clock):
     c = make_core()
     c.ingest_report(Reporter("n1").report(now=core_clock.now()), actor="a")
