@@ -45,7 +45,7 @@ from pathlib import Path
 # whatever its memory alignment (read at MKL's first call, so before any)
 os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
 
-import torch  # noqa: E402 (after MKL_CBWR)
+import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
