@@ -88,20 +88,19 @@ def main(argv: list[str] | None = None) -> int:
             n += 1
             nodes = c.job(job)["nodes"]
             t_fault = time.time()
-            if n % 2 == 0 and free:
+            # in process, killed ranks' nodes and repaired ones come back as spares
+            workers = sorted(c.rank_procs(job), key=lambda r: r.node == nodes[0])
+            if (n % 2 == 0 and (free or args.in_process)) or not workers:
                 kind = "dbe"
                 c.inject(nodes[1], "dbe", gpu=0)
-                free.pop()
+                if free:
+                    free.pop()
             else:
                 kind = "kill_rank"
-                # a torchrun worker off the job's first node (whose torchrun hosts the
-                # rendezvous: docs/controller.md "In-process recovery"); in process, the
-                # standbys that joined are no torchrun workers
-                procs = [r for r in c.rank_procs(job) if r.node != nodes[0]]
-                if procs:
-                    os.kill(procs[0].pid, signal.SIGKILL)
-                else:
-                    c.signal_rank(job, 1, signal.SIGKILL)
+                # a torchrun worker off the job's first node if there is one (that node's
+                # torchrun hosts the rendezvous: docs/controller.md "In-process recovery");
+                # standbys that joined the job are no torchrun workers
+                os.kill(workers[0].pid, signal.SIGKILL)
             detail = c.wait(lambda t=t_fault: c.restarted_since(t), timeout_s=180, what="recovery")
             restarted_at, lost = restart_result(detail)
             restart = next(a for a in detail["actions"] if a["kind"] == "restart")

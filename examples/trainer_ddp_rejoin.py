@@ -23,7 +23,8 @@ replace. After a rank is lost, whoever watches the job names every process's nex
 
   `--rejoin-via control` makes such a rank wait on its control socket instead.
 
-With --out, every completed step appends {"step", "loss" (float.hex), "pid", "rank",
+With --digest-out, each rank appends its model's digest at the end. With
+--out, every completed step appends {"step", "loss" (float.hex), "pid", "rank",
 "epoch", "time"}. --pause-at K (a test's fault): after step K this rank stops training and
 sleeps, so that a kill -9 finds it at a known point. --full-restart: no rejoin, a lost peer
 ends the process (exit 3), as a job without the fast path; relaunched, it resumes from the
@@ -33,6 +34,7 @@ checkpoint.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -61,6 +63,14 @@ BATCH = 4
 EXIT_PEER_LOST = 3
 
 
+def state_digest(module: torch.nn.Module) -> str:
+    """sha256 of the model's tensors, in order: equal digests, the bitwise same weights."""
+    h = hashlib.sha256()
+    for t in module.state_dict().values():
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--store", help="host:port of a harness's TCPStore (tests, bench)")
@@ -71,6 +81,7 @@ def parse() -> argparse.Namespace:
                    "--store, else the control socket")  # fmt: skip
     p.add_argument("--ckpt-dir", type=Path, default=os.environ.get("TRAINGUARD_CKPT_DIR"))
     p.add_argument("--out", type=Path)
+    p.add_argument("--digest-out", type=Path, help="at the end, append the rank's state digest")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--checkpoint-every", type=int, default=5)
     p.add_argument("--timeout-s", type=float, default=30.0, help="collectives (torchrun)")
@@ -178,6 +189,10 @@ def main() -> int:
         step += 1
     if out is not None:
         out.close()
+    if args.digest_out is not None:
+        with open(args.digest_out, "a") as f:
+            row = {"rank": tg.rank, "step": step, "digest": state_digest(module)}
+            f.write(json.dumps(row) + "\n")
     tg.close()
     dist.destroy_process_group()
     return 0

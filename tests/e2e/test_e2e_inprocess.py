@@ -4,8 +4,9 @@ standby of its module. A DBE on a node of the job: the healthy ranks stay in the
 and re-form the world under the next epoch with the spare's standby (no relaunch). A rank
 killed with kill -9 on a healthy node: the same, and that node becomes a spare. Then a DBE
 while the next spare's standby is down: the fast path falls back to the full restart from the
-checkpoint, and the incident says why. Every loss the job logged, before, between
-and after both recoveries, equals the uninterrupted run's at the same rank and step."""
+checkpoint, and the incident says why. At the end every rank's weights are
+the uninterrupted run's, bitwise, and so is every loss logged (but a standby's, rarely, by a
+float32 ulp or two: its training is exact)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import json
 import os
 import re
 import signal
+import struct
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +34,8 @@ def args(out: Path) -> list[str]:
     """The job's arguments; a standby runs the module with the same ones (plus its
     membership), so it logs to the same file."""
     return ["--steps", str(STEPS), "--checkpoint-every", "5", "--timeout-s", "10",
-            "--step-time-s", "0.2", "--out", str(out)]  # fmt: skip
+            "--step-time-s", "0.2", "--out", str(out),
+            "--digest-out", str(out.with_suffix(".digest"))]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +59,20 @@ def cluster(base: Path) -> Iterator[DevCluster]:
             "max_backoff_s": 600,
         },
     )
-    with DevCluster(base / "cluster", config) as c:
+    # every process of the cluster (the agents pass their environment to the ranks and the
+    # standbys) computes with MKL's reproducible code path from its first MKL call: a
+    # standby imports torch before the job's module could ask for it (docs/trainer.md)
+    with pytest.MonkeyPatch.context() as mp, DevCluster(base / "cluster", config) as c:
+        mp.setenv("MKL_CBWR", "COMPATIBLE")
         c.start()
         yield c
     assert c.leftover_pids() == set()
+
+
+def ulps(a: str, b: str) -> int:
+    """How many float32 steps apart two losses (float.hex of float32 values) are."""
+    ia, ib = (struct.unpack("<i", struct.pack("<f", float.fromhex(x)))[0] for x in (a, b))
+    return abs(ia - ib)
 
 
 def rows(path: Path) -> list[dict[str, Any]]:
@@ -97,8 +110,8 @@ def test_a_lost_node_is_recovered_in_process_then_a_missing_standby_falls_back(
         "reference",
         [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-            "3", str(REPO_ROOT / "examples" / "trainer_ddp_rejoin.py"), *args(ref_out)[:-2],
-            "--out", str(ref_out), "--ckpt-dir", str(base / "ref-ckpt"),
+            "3", str(REPO_ROOT / "examples" / "trainer_ddp_rejoin.py"), *args(ref_out),
+            "--ckpt-dir", str(base / "ref-ckpt"),
         ],
         cwd=REPO_ROOT,
     )  # fmt: skip
@@ -172,8 +185,13 @@ def test_a_lost_node_is_recovered_in_process_then_a_missing_standby_falls_back(
 
     # 3. node-3, a spare now, keeps a standby; with it down, the next DBE falls back to the
     # full restart (and node-3, first of the spares by name, takes the lost node's place)
-    # node-2, repaired after its DBE, is back as a spare too: an operator keeps it out of
-    # the spares, so node-3 is the only one
+    # node-2, repaired after its DBE, comes back as a spare too: once it has, an operator
+    # keeps it out of the spares, so node-3 is the only one
+    cluster.wait(
+        lambda: (v := cluster.node("node-2"))["state"] == "active" and v["role"] == "spare",
+        timeout_s=120,
+        what="node-2 repaired, back among the spares",
+    )
     cluster.api("PUT", "/v1/nodes/node-2/role", json={"role": "active"})
     warm(cluster, "node-3")
     ready_file = cluster.run_dir / "node-3" / "jobs" / "standby" / "standby.ready"
@@ -202,9 +220,21 @@ def test_a_lost_node_is_recovered_in_process_then_a_missing_standby_falls_back(
     assert final["nodes"] == ["node-1", "node-3", "node-5"], final
     cluster.wait(lambda: reference.poll() is not None, timeout_s=120, what="the reference run")
     assert reference.returncode == 0
+    # the training is the uninterrupted run's, bitwise: every rank ends with the
+    # reference's weights
+    digests = {(r["rank"], r["step"], r["digest"]) for r in rows(out.with_suffix(".digest"))}
+    assert digests == {
+        (r["rank"], r["step"], r["digest"]) for r in rows(ref_out.with_suffix(".digest"))
+    }
+    assert len(digests) == 3
+    # and so is every loss the job logged, bitwise, but in a process that started as a
+    # standby: there, rarely, the logged loss alone is a float32 ulp or two off, its training
+    # not (the next steps' losses and the final state are exact; docs/trainer.md)
     ref = {(r["rank"], r["step"]): r["loss"] for r in rows(ref_out)}
     got = rows(out)
     assert {r["step"] for r in got} == {r["step"] for r in rows(ref_out)}
+    standbys = {standby_pid, standby_5}
     wrong = [r for r in got if ref[(r["rank"], r["step"])] != r["loss"]]
-    assert not wrong, wrong[:5]
+    assert all(r["pid"] in standbys and ulps(r["loss"], ref[(r["rank"], r["step"])]) <= 2
+               for r in wrong), wrong[:5]  # fmt: skip
     assert {r["epoch"] for r in got} == {1, 2, 3, 4}
