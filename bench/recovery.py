@@ -160,7 +160,7 @@ def one_run(
             "mttr_s": restarted_at - t_fault,
             "lost_steps": lost,
             "path": path,
-            **{f"{k}_s": float(v) for k, v in phases.items() if k != "mttr"},
+            **{f"{k}_s": float(v) for k, v in phases.items() if k not in ("mttr", "detect")},
         }
 
 
