@@ -42,6 +42,7 @@ __all__ = [
     "WorldPlan",
     "job_module",
     "plan_world",
+    "standby_unready",
 ]
 
 log = logging.getLogger("trainguard.controller.inprocess")
@@ -102,6 +103,19 @@ def job_module(spec: JobSpec) -> str:
         return spec.command[1]
     name = spec.command[0].rsplit("/", 1)[-1]
     return name[:-3] if name.endswith(".py") else name
+
+
+def standby_unready(jobs: JobManager, node: str, *, module: str) -> str | None:
+    """Why `node` cannot give the job a rank now (no standby, another module's, not ready);
+    None: its warm standby is ready for `module`."""
+    standby = jobs.standby(node)
+    if standby is None:
+        return f"spare {node} reports no warm standby"
+    if standby.module != module:
+        return f"spare {node}'s standby runs module {standby.module!r}, not {module!r}"
+    if not standby.ready:
+        return f"spare {node}'s warm standby is not ready"
+    return None
 
 
 def plan_world(
@@ -243,13 +257,9 @@ class InProcessRecovery:
             return f"{job.nproc_per_node} ranks per node: a spare's standby is one rank"
         module = job_module(spec)
         for spare in swapped.values():
-            standby = self.jobs.standby(spare)
-            if standby is None:
-                return f"spare {spare} reports no warm standby"
-            if standby.module != module:
-                return f"spare {spare}'s standby runs module {standby.module!r}, not {module!r}"
-            if not standby.ready:
-                return f"spare {spare}'s warm standby is not ready"
+            why = standby_unready(self.jobs, spare, module=module)
+            if why is not None:
+                return why
         cfg = self.jobs.config
         epoch = job.attempt + 1
         return plan_world(

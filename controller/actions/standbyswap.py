@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from trainguard.controller.actions.base import ActionContext, Outcome
-from trainguard.controller.actions.inprocess import SWAP_SKIPPED_KEY, job_module
+from trainguard.controller.actions.inprocess import SWAP_SKIPPED_KEY, job_module, standby_unready
 from trainguard.controller.actions.sparecheck import PROGRESS_KEY as SPARES_KEY
 from trainguard.controller.actions.sparecheck import SparePreflight
 from trainguard.controller.jobstate import JobState
@@ -164,15 +164,11 @@ class StandbySwap:
         ready: list[str] = []
         why: list[str] = []
         for node in free:
-            standby = self.jobs.standby(node)
-            if standby is None:
-                why.append(f"spare {node} reports no warm standby")
-            elif standby.module != module:
-                why.append(f"spare {node}'s standby runs module {standby.module!r}, not {module!r}")
-            elif not standby.ready:
-                why.append(f"spare {node}'s warm standby is not ready")
-            else:
+            unready = standby_unready(self.jobs, node, module=module)
+            if unready is None:
                 ready.append(node)
+            else:
+                why.append(unready)
         return ready, "; ".join(why)
 
     def _apply(
