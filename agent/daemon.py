@@ -467,10 +467,15 @@ class Agent:
     def _add_side_events(self, events: tuple[HardwareEvent, ...]) -> None:
         with self._side_lock:
             self._side_events.extend(events)
+        self._wake_loop()
+
+    def _wake_loop(self) -> None:
+        """From any thread: the loop spools fresh events (sources', side events, the ranks')
+        now instead of at its next tick; never blocks."""
         try:
-            self._commands.put_nowait(None)  # wake the loop to spool them
+            self._commands.put_nowait(None)
         except queue.Full:
-            pass  # taken at the next tick
+            pass  # the loop is busy with commands and takes the events at its next tick
 
     def _busy_jobs(self) -> list[str]:
         """Jobs with a process on this node: launched here and running, or heartbeating."""
@@ -502,6 +507,7 @@ class Agent:
             # runner exists (it is opened after the socket it hands to its jobs)
             "origin_of": self._senders.origin,
             "claims": JobClaims(launched=self._running_jobs),
+            "on_event": self._wake_loop,  # a rank's event is spooled and reported now
         }
         try:
             return HeartbeatServer(path=hb.socket_path, **kwargs)
@@ -687,6 +693,8 @@ class Agent:
         the sockets and backends. Jobs are left running for the next agent instance."""
         self._notifier.stopping()
         self._stop.set()
+        if self.reporter is not None:
+            self.reporter.nudge()  # its wait ends now
         if self._reporter_thread is not None:
             self._reporter_thread.join(timeout=10.0)
         self._stop_sources()
@@ -743,8 +751,9 @@ class Agent:
                 cmd = self._commands.get(timeout=min(0.5, next_mono - now))
             except queue.Empty:
                 continue
-            if cmd is None:  # a source finished with events: spool them now, not next tick
+            if cmd is None:  # fresh events (a source's, a rank's): spool them now, not next tick
                 self._take_sources()
+                self._spool_trainer_events()
                 continue
             self.execute(cmd)
 
@@ -910,10 +919,7 @@ class Agent:
         not wait for the next tick to reach the spool)."""
         v = outcome.value
         if (isinstance(v, GpuCollection) and v.events) or (isinstance(v, list) and v):
-            try:
-                self._commands.put_nowait(None)
-            except queue.Full:
-                pass  # the loop is busy with commands and takes the events at its next tick
+            self._wake_loop()
 
     def _take_sources(self) -> None:
         """Feed every source's finished results to its handler and note stale/recovered
@@ -1018,7 +1024,10 @@ class Agent:
             self._events_total[kind] = self._events_total.get(kind, 0) + 1
         if not self.config.controller.resolved_urls():
             return None
-        return self.spool.add(kind=kind, ts=ts, **kwargs)
+        event = self.spool.add(kind=kind, ts=ts, **kwargs)
+        if self.reporter is not None:
+            self.reporter.nudge()  # an event reaches the controller now, not next interval
+        return event
 
     # -- commands, faults, reports ---------------------------------------------------------
 

@@ -168,8 +168,12 @@ class HeartbeatServer:
         proc_root: str | None = None,
         origin_of: Callable[[int, int], Origin] | None = None,
         claims: JobClaims | None = None,
+        on_event: Callable[[], None] | None = None,
     ) -> None:
         self.path = Path(path)
+        # called (outside the lock, never blocking) after a datagram carrying an event was
+        # accepted: the agent spools it now, not at its next tick
+        self._on_event = on_event
         # Who sent a datagram (pid, uid from the kernel) -> what it belongs to; without a
         # resolver every sender is a plain user process known by its uid.
         self._origin_of = origin_of or (lambda pid, uid: Origin("user", uid))
@@ -367,6 +371,10 @@ class HeartbeatServer:
                 return
             if self._accept(hb, now_mono, sender_pid=pid, sender_uid=uid):
                 self._claims.bind(origin, hb.job)
+            else:
+                return
+        if hb.event and self._on_event is not None:
+            self._on_event()
 
     def _sender_allows(self, pid: int, now_mono: float) -> bool:
         bucket = self._senders.get(pid)

@@ -57,6 +57,12 @@ ReportResult = Literal["ok", "error", "rejected"]
 REPORT_RESULTS: tuple[ReportResult, ...] = ("ok", "error", "rejected")
 SEEN_COMMANDS_MAX = 4096  # command ids remembered for dedupe (the controller resends a few)
 FULL_REPORT_EVERY = 30  # a full snapshot at least this often (reports), deltas in between
+# The least time between the starts of two reports when an event or the controller's
+# `report_in_s` asks for one sooner than the interval: a node in an event storm reports at
+# most 10 times a second, and a controller cannot ask for more.
+MIN_REPORT_GAP_S = 0.1
+# The longest single wait of the loop: a stop is seen within it even without a nudge.
+_WAIT_SLICE_S = 0.5
 # Why the reporter moved to another controller (a label of the agent's switch counter).
 SwitchReason = Literal["leader_redirect", "unreachable", "unavailable", "leader_not_listed"]
 SWITCH_REASONS: tuple[SwitchReason, ...] = get_args(SwitchReason)
@@ -326,6 +332,7 @@ class Reporter:
         self._down_logged = False
         self._unlisted_leader: str | None = None  # last leader outside `urls` that was logged
         self._stop: threading.Event | None = None  # set by run(): no new try once stopping
+        self._nudged = threading.Event()  # nudge(): report soon
         self.results_total: dict[str, int] = dict.fromkeys(REPORT_RESULTS, 0)
         self.switches_total: dict[str, int] = dict.fromkeys(SWITCH_REASONS, 0)
         self.last_ok_mono: float | None = None
@@ -341,6 +348,12 @@ class Reporter:
 
     def close(self) -> None:
         self._client.close()
+
+    def nudge(self) -> None:
+        """Report soon (an event was spooled, or the agent stops): `run` sends the next
+        report MIN_REPORT_GAP_S after the last one started at the latest instead of at the
+        interval; no effect while backing off from a failing controller. Any thread."""
+        self._nudged.set()
 
     def report_once(
         self, *, timeout_s: float | None = None, deadline_mono: float | None = None
@@ -494,6 +507,9 @@ class Reporter:
         self._failures = 0
         self._unlisted_leader = None
         acked = self._spool.ack(answer.ack_event_id)
+        retry_in_s = self._interval_s
+        if answer.report_in_s is not None:  # the controller is acting on this node
+            retry_in_s = min(retry_in_s, max(MIN_REPORT_GAP_S, answer.report_in_s))
         fresh = []
         for cmd in answer.commands:
             if cmd.id in self._seen:
@@ -504,7 +520,7 @@ class Reporter:
             fresh.append(cmd)
         return ReportOutcome(
             result="ok",
-            retry_in_s=self._interval_s,
+            retry_in_s=retry_in_s,
             status=200,
             commands=tuple(fresh),
             acked=acked,
@@ -586,8 +602,20 @@ class Reporter:
         `job_attempts` to `on_job_attempts` (neither may block)."""
         self._stop = stop
         next_mono = self._clock.monotonic()
-        while not stop.wait(max(0.0, next_mono - self._clock.monotonic())):
-            started = self._clock.monotonic()
+        last_start: float | None = None
+        backing_off = False
+        while not stop.is_set():
+            now = self._clock.monotonic()
+            if self._nudged.is_set():
+                self._nudged.clear()
+                if not backing_off:  # a failing controller is not retried sooner
+                    soon = now if last_start is None else max(now, last_start + MIN_REPORT_GAP_S)
+                    next_mono = min(next_mono, soon)
+            if now < next_mono:
+                self._nudged.wait(min(next_mono - now, _WAIT_SLICE_S))
+                continue
+            started = now
+            last_start = started
             try:
                 outcome = self.report_once()
             except Exception:  # a bug here must not end reporting for good
@@ -600,9 +628,10 @@ class Reporter:
                     log.exception("event=job_attempts_error")
             if outcome.commands:
                 on_commands(outcome.commands)
+            backing_off = outcome.result != "ok"
             if outcome.result == "ok":
-                # keep the cadence (interval from the previous start) unless we fell behind
-                next_mono = max(next_mono + self._interval_s, started)
+                # keep the cadence (from the previous start) unless we fell behind
+                next_mono = max(next_mono + outcome.retry_in_s, started)
             else:
                 next_mono = self._clock.monotonic() + outcome.retry_in_s
 

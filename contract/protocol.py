@@ -423,6 +423,11 @@ class ReportResponse:
     # standby while its node is a spare (agent.standby); None (an older controller): the
     # agent's own node.role_hint decides.
     spare: bool | None = None
+    # Send the next report within this many seconds, not at the agent's own interval: the
+    # controller is acting on this node (a remediation's commands and results), so each
+    # round trip costs this instead of a report interval. Bounded by the agent (never
+    # below 0.05 s, never later than its own interval); None: the agent's interval.
+    report_in_s: FiniteFloat | None = None
     v: int = PROTOCOL_VERSION
 
 

@@ -275,6 +275,9 @@ class Controller:
             wake=wake,
             max_nodes=config.api.max_nodes,
             scheduler=self.backend,
+            fast_reports_s=config.actions.fast_reports_s,
+            fast_reports_window_s=config.actions.fast_reports_window_s,
+            remediating=lambda: self.runner.remediating,
             job_names=JobNames(
                 max_per_node=config.api.max_unknown_jobs_per_node,
                 max_total=config.api.max_unknown_jobs,

@@ -462,8 +462,24 @@ class ActionsConfig:
     command_timeout_s: float = 300.0
     # Drain: seconds the agent gives job processes between SIGTERM and SIGKILL.
     drain_stop_grace_s: float = 30.0
+    # While a remediation acts on a node, its agent reports this often instead of at its own
+    # interval (the report's answer says `report_in_s`), so each command and its result cost
+    # a fraction of a report interval, not one each: a node with a command queued or in
+    # flight, and for fast_reports_window_s after; every spare while a remediation step is
+    # open (a warm standby may be assigned). 0 = off (every node at its own interval).
+    fast_reports_s: float = 0.1
+    fast_reports_window_s: float = 5.0
 
     def __post_init__(self) -> None:
+        if not (self.fast_reports_s == 0 or 0.05 <= self.fast_reports_s <= 10):
+            raise Invalid(
+                "fast_reports_s", f"must be 0 (off) or within 0.05..10, got {self.fast_reports_s}"
+            )
+        if not 0 <= self.fast_reports_window_s <= 600:
+            raise Invalid(
+                "fast_reports_window_s",
+                f"must be within 0..600, got {self.fast_reports_window_s}",
+            )
         if self.max_attempts < 1:
             raise Invalid("max_attempts", f"must be >= 1, got {self.max_attempts}")
         _positive("backoff_initial_s", self.backoff_initial_s)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from trainguard.clock import Clock
@@ -70,6 +70,9 @@ class ReportService:
         max_nodes: int = 10_000,
         scheduler: SchedulerScope | None = None,
         job_names: JobNames | None = None,
+        fast_reports_s: float = 0.0,
+        fast_reports_window_s: float = 5.0,
+        remediating: Callable[[], bool] = lambda: False,
     ) -> None:
         # the budget of job names the job table does not hold (controller.jobnames)
         self.job_names = job_names or JobNames(
@@ -110,6 +113,11 @@ class ReportService:
         self._scope = JobScope(job_record=jobs.get, scheduler=scheduler)
         # (node, job, reason) -> when a refused item was last audited
         self._scope_audited: dict[tuple[str, str, str], float] = {}
+        # fast reports (`report_in_s`): node -> until when it reports every fast_reports_s
+        self._fast_s = fast_reports_s
+        self._fast_window_s = fast_reports_window_s
+        self._remediating = remediating
+        self._fast_until: dict[str, float] = {}
 
     def refuse_report(self, *, actor: str, node: str, bound_node: str) -> None:
         """Record a report for `node` refused because `actor`'s credential speaks for
@@ -214,6 +222,8 @@ class ReportService:
                     new_events = [e for e in new_events if e.job not in refused_names]
             self._change_signals(self._signals.ingest, report, now=now, new_events=new_events)
             commands = self._commands_for(name, now)
+            spare = self._live.node_role(name) == "spare"
+            report_in_s = self._report_in(name, now, commands=bool(commands), spare=spare)
         if refused:
             self._refuse_items(refused, actor=actor, now=now)
         self._metrics.reports_total.inc()
@@ -223,8 +233,28 @@ class ReportService:
             server_time=now,
             want_full=want_full,
             job_attempts=stale,
-            spare=self._live.node_role(name) == "spare",
+            spare=spare,
+            report_in_s=report_in_s,
         )
+
+    def _report_in(self, node: str, now: float, *, commands: bool, spare: bool) -> float | None:
+        """`report_in_s` for this answer: fast while the controller acts on the node (a
+        command rides on the answer, or did within the window), and for a spare while a
+        remediation step is open; None (the agent's own interval) otherwise. Caller holds
+        the lock."""
+        if not self._fast_s:
+            return None
+        if commands:
+            self._fast_until[node] = now + self._fast_window_s
+            return self._fast_s
+        until = self._fast_until.get(node)
+        if until is not None:
+            if now < until:
+                return self._fast_s
+            del self._fast_until[node]
+        if spare and self._remediating():
+            return self._fast_s
+        return None
 
     def _refuse_items(self, refused: list[Refusal], *, actor: str, now: float) -> None:
         """Count the items the scope check refused; audit and log each (node, job, reason)

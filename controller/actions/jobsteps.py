@@ -25,7 +25,11 @@ from trainguard.command_args import CheckpointArgs, CollectStacksArgs, StartJobA
 from trainguard.controller.actionkinds import ActionKind
 from trainguard.controller.actions.base import ActionContext, Outcome, PermanentError
 from trainguard.controller.actions.inprocess import PROGRESS_KEY as INPROCESS_KEY
-from trainguard.controller.actions.inprocess import InProcessRecovery
+from trainguard.controller.actions.inprocess import (
+    InProcessRecovery,
+    job_module,
+    standby_unready,
+)
 from trainguard.controller.actions.recovery import (
     PhaseObserver,
     ckpt_floor,
@@ -396,14 +400,16 @@ class ReplaceHandler(JobStep):
         open_nodes = self.open_incident_nodes()
         if PROGRESS_KEY in progress:
             base[PROGRESS_KEY] = progress[PROGRESS_KEY]
+        free = self.jobs.spares(
+            spec.spare_selector, open_incident_nodes=open_nodes, exclude=job.nodes
+        )
+        if spec.recovery.in_process:
+            # spares whose warm standby of the job is ready first (by name within each):
+            # the restart step heals the job in process with them, a full restart without
+            module = job_module(spec)
+            free.sort(key=lambda n: standby_unready(self.jobs, n, module=module) is not None)
         spares, checking = gate_spares(
-            self.spare_check,
-            self.jobs.spares(
-                spec.spare_selector, open_incident_nodes=open_nodes, exclude=job.nodes
-            ),
-            need=len(bad),
-            ctx=ctx,
-            progress=base,
+            self.spare_check, free, need=len(bad), ctx=ctx, progress=base
         )
         if checking is not None:
             if "wait_since" in progress:

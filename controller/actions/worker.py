@@ -84,6 +84,9 @@ class ActionRunner:
         self._claimed: set[int] = set()
         self._claim_lock = threading.Lock()
         self._pass_lock = threading.Lock()
+        # whether an incident's remediation step was open at the last pass (the report
+        # service answers spares `report_in_s` meanwhile: a warm standby may be assigned)
+        self.remediating = False
 
     # --- recovery ---------------------------------------------------------------------------
 
@@ -145,6 +148,10 @@ class ActionRunner:
             due_at = {a.id: at for a, at in open_rows}
             by_incident: dict[int, list[ActionView]] = defaultdict(list)
             ran = 0
+            self.remediating = any(
+                a.incident_id is not None and self._registry.get(a.kind).remediation
+                for a, _ in open_rows
+            )
             for action, at in open_rows:
                 if action.incident_id is None:
                     if at <= now and self._run_claimed(action, now=now):

@@ -201,15 +201,24 @@ def encode_report_response(resp: ReportResponse) -> bytes:
     """The response as `to_wire` + compact JSON write it; the usual answer (no commands, a
     finite server time) is formatted directly, which is most of the encoding's cost saved
     on a path taken 2,048 times a second."""
-    if resp.commands or resp.job_attempts or not math.isfinite(resp.server_time):
+    if (
+        resp.commands
+        or resp.job_attempts
+        or resp.report_in_s is not None
+        or not math.isfinite(resp.server_time)
+    ):
         return json_bytes(to_wire(resp))
     want = b',"want_full":true' if resp.want_full else b""
     if resp.want_full is False:
         want = b',"want_full":false'
-    return b'{"ack_event_id":%d,"commands":[],"server_time":%s%s,"v":%d}' % (
+    spare = b""
+    if resp.spare is not None:
+        spare = b',"spare":true' if resp.spare else b',"spare":false'
+    return b'{"ack_event_id":%d,"commands":[],"server_time":%s%s%s,"v":%d}' % (
         resp.ack_event_id,
         repr(resp.server_time).encode(),
         want,
+        spare,
         resp.v,
     )
 

@@ -68,6 +68,8 @@ class FakeService:
         self.reload_error: str | None = None
         # fencing: node -> {job: current attempt}, sent as ReportResponse.job_attempts
         self.job_attempts: dict[str, dict[str, int]] = {}
+        # node -> ReportResponse.report_in_s of every answer to it
+        self.report_in_s: dict[str, float] = {}
         # `node return`: the next read of a validating node finds its preflight done, with
         # this failure (None: it passes)
         self.preflight_failure: str | None = None
@@ -203,6 +205,7 @@ class FakeService:
                 job_attempts=dict(self.job_attempts[report.node])
                 if self.job_attempts.get(report.node)
                 else None,
+                report_in_s=self.report_in_s.get(report.node),
             )
 
     def list_nodes(self) -> list[NodeView]:

@@ -124,6 +124,25 @@ def test_heartbeat_events_become_trainer_events(
     assert server.drain_events() == []
 
 
+def test_an_accepted_event_wakes_the_agent_a_plain_or_refused_heartbeat_does_not(
+    sockdir: Path, clock: FakeClock
+) -> None:
+    woken: list[int] = []
+    srv = HeartbeatServer(
+        path=sockdir / "hb.sock", clock=clock, on_event=lambda: woken.append(1), max_ranks=1
+    )
+    try:
+        srv.handle_datagram(hb(rank=0, step=3), pid=1)
+        assert woken == []
+        srv.handle_datagram(hb(rank=0, step=4, event="checkpoint_committed"), pid=1)
+        assert woken == [1]
+        srv.handle_datagram(hb(rank=1, step=4, event="checkpoint_committed"), pid=2)
+        assert woken == [1]  # a second rank is over max_ranks: refused, nothing to spool
+        assert len(srv.drain_events()) == 1
+    finally:
+        srv.close()
+
+
 @pytest.mark.parametrize(
     ("raw", "reason"),
     [

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from tests.fakes.controller_service import AGENT_TOKEN, FakeController
+from tests.helpers import wait_for
 from trainguard.agent.reporter import (
     EventSpool,
     Reporter,
@@ -22,7 +23,7 @@ from trainguard.agent.reporter import (
     read_token,
 )
 from trainguard.agent.sim import SimHardware
-from trainguard.clock import FakeClock
+from trainguard.clock import FakeClock, SystemClock
 from trainguard.protocol import (
     Command,
     Event,
@@ -246,4 +247,101 @@ def test_job_attempts_in_the_answer_reach_the_callback_before_its_commands(
     assert seen == [("attempts", {"llm": 4}), ("commands", ["c1"])]
     fake_controller.service.job_attempts.clear()
     assert rep.report_once().job_attempts is None
+    rep.close()
+
+
+def _run_in_thread(rep: Reporter) -> tuple[threading.Event, threading.Thread]:
+    stop = threading.Event()
+    t = threading.Thread(target=rep.run, args=(stop, lambda cmds: None), daemon=True)
+    t.start()
+    return stop, t
+
+
+def _real_clock_reporter(url: str, spool: EventSpool, **kw: Any) -> Reporter:
+    def build(seq: int, events: tuple[Event, ...]) -> Report:
+        return Report(node="node-1", instance="inst-1", seq=seq, sent_at=1.0, events=events)
+
+    return Reporter(
+        urls=[url], token=TOKEN, spool=spool, build_report=build, clock=SystemClock(),
+        rng=random.Random(1), timeout_s=2.0, **kw,
+    )  # fmt: skip
+
+
+def test_report_in_s_from_the_controller_brings_the_next_reports_forward(
+    fake_controller: FakeController,
+) -> None:
+    """An interval of an hour: reports after the first come only because the answers ask
+    for them (`report_in_s`); without it, one report in all."""
+    spool = EventSpool(max_events=10)
+    rep = _real_clock_reporter(fake_controller.url, spool, interval_s=3600.0, backoff_max_s=3600.0)
+    assert rep.report_once().retry_in_s == 3600.0
+    fake_controller.service.report_in_s["node-1"] = 0.01  # below the floor: kept 0.1 s apart
+    assert rep.report_once().retry_in_s == pytest.approx(0.1)
+    fake_controller.service.report_in_s["node-1"] = 7200.0  # never later than the interval
+    assert rep.report_once().retry_in_s == 3600.0
+    fake_controller.service.report_in_s["node-1"] = 0.2
+    before = len(fake_controller.service.reports)
+    stop, t = _run_in_thread(rep)
+    try:
+        wait_for(
+            lambda: len(fake_controller.service.reports) >= before + 4 or None,
+            timeout_s=30.0,
+            what="reports the controller asked for sooner than the interval",
+        )
+    finally:
+        stop.set()
+        rep.nudge()
+        t.join(5.0)
+    assert not t.is_alive()
+    rep.close()
+
+
+def test_a_spooled_event_is_reported_at_once_not_at_the_interval(
+    fake_controller: FakeController,
+) -> None:
+    spool = EventSpool(max_events=10)
+    rep = _real_clock_reporter(fake_controller.url, spool, interval_s=3600.0, backoff_max_s=3600.0)
+    stop, t = _run_in_thread(rep)
+    try:
+        wait_for(lambda: len(fake_controller.service.reports) == 1 or None, timeout_s=30.0,
+                 what="the first report")  # fmt: skip
+        spool.add(kind="xid", ts=1.0, gpu=0, code=48)
+        rep.nudge()
+        got = wait_for(
+            lambda: [e for r in fake_controller.service.reports for e in r.events] or None,
+            timeout_s=30.0,
+            what="the XID reported long before the hour's interval",
+        )
+        assert [(e.kind, e.code) for e in got] == [("xid", 48)]
+        wait_for(lambda: len(spool) == 0 or None, timeout_s=30.0, what="the XID acknowledged")
+    finally:
+        stop.set()
+        rep.nudge()  # the stop is seen at once, not at the end of the wait
+        t.join(5.0)
+    assert not t.is_alive()
+    rep.close()
+
+
+def test_a_nudge_does_not_cut_the_back_off_from_a_failing_controller(
+    fake_controller: FakeController,
+) -> None:
+    spool = EventSpool(max_events=10)
+    # the first report goes at once; its failure backs off ~30 s (the interval is the base)
+    rep = _real_clock_reporter(fake_controller.url, spool, interval_s=30.0, backoff_max_s=3600.0)
+    fake_controller.forced_status = 500
+    stop, t = _run_in_thread(rep)
+    try:
+        wait_for(lambda: fake_controller.statuses(500) >= 1 or None, timeout_s=30.0,
+                 what="a failed report")  # fmt: skip
+        failed = fake_controller.statuses(500)
+        for _ in range(20):
+            spool.add(kind="xid", ts=1.0, gpu=0, code=48)
+            rep.nudge()
+        # the loop saw the nudges (it took the event flag) and sent nothing more meanwhile
+        wait_for(lambda: not rep._nudged.is_set() or None, timeout_s=30.0, what="nudges taken")
+        assert fake_controller.statuses(500) == failed
+    finally:
+        stop.set()
+        rep.nudge()
+        t.join(5.0)
     rep.close()

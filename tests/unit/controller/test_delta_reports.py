@@ -279,6 +279,15 @@ def test_reports_arriving_during_evaluation_are_applied_whole_after_it(
             ReportResponse(ack_event_id=2, server_time=2.0, job_attempts={"llm": 4}),
             id="job-attempts",
         ),
+        pytest.param(ReportResponse(ack_event_id=2, server_time=2.0, spare=True), id="spare"),
+        pytest.param(
+            ReportResponse(ack_event_id=2, server_time=2.0, want_full=True, spare=False),
+            id="not-spare-want-full",
+        ),
+        pytest.param(
+            ReportResponse(ack_event_id=2, server_time=2.0, spare=True, report_in_s=0.1),
+            id="report-in",
+        ),
     ],
 )
 def test_report_response_fast_encoding_matches_the_wire_encoder(resp):

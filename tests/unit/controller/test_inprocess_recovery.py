@@ -89,6 +89,20 @@ def test_a_lost_node_is_recovered_in_process_with_the_spares_standby(sim: Sim) -
     assert (job.nodes, job.attempt, job.recovery) == (("n3", "n2"), 2, "in_process")
 
 
+def test_the_replace_step_takes_a_spare_with_a_ready_standby_before_one_earlier_by_name(
+    sim: Sim,
+) -> None:
+    """n0 sorts before n3 but its standby is not ready: n3 takes the job and heals it in
+    process (by name, n0 would have forced a full restart)."""
+    sim.add("n0", role="spare").standby = StandbyState(module=MODULE, ready=False)
+    start(sim)
+    sim.agents["n1"].gpus = (gpu(0, dbe=1),)
+    sim.until(running(sim, attempt=2), max_s=30, what="recovered under epoch 2")
+    assert sim.c.get_job("job").nodes == ("n3", "n2")
+    assert restart_output(sim)["mode"] == "in_process"
+    assert sim.cmds("n0", "assign_standby") == [] and sim.cmds("n0", "start_job") == []
+
+
 @pytest.mark.parametrize(
     ("setup", "reason"),
     [
