@@ -39,6 +39,7 @@ from transformers import (
     set_seed,
 )
 
+from trainguard.trainer import exit_finished
 from trainguard.trainer.integrations.hf import TrainguardCallback, newest_verified_checkpoint
 
 
@@ -162,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     resume = newest_verified_checkpoint(args.output_dir)
     trainer.train(resume_from_checkpoint=resume)
+    if torch.distributed.is_initialized():
+        # trained, saved, callback closed: end without the interpreter's teardown, where a
+        # gloo thread still releasing the framework's last collective aborts the process
+        # (SIGABRT) and torchrun reports the job failed (trainguard.trainer.exit_finished)
+        exit_finished(0)
     return 0
 
 

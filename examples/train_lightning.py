@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from trainguard.trainer import ResumableSampler
+from trainguard.trainer import ResumableSampler, exit_finished
 from trainguard.trainer.integrations.lightning import TrainguardCallback
 
 
@@ -131,6 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     model = Classifier(seed=args.seed, step_time_s=args.step_time_s)
     trainer.fit(model, loader, ckpt_path=guard.resume_path())
+    if torch.distributed.is_initialized():
+        # trained, saved, callback closed: end without the interpreter's teardown, where a
+        # gloo thread still releasing the framework's last collective aborts the process
+        # (SIGABRT) and torchrun reports the job failed (trainguard.trainer.exit_finished)
+        exit_finished(0)
     return 0
 
 

@@ -20,6 +20,7 @@ from trainguard.membership import Membership
 from trainguard.trainer.chaos import ChaosError, ChaosSpecError
 from trainguard.trainer.checkpoint_manager import CheckpointMismatch, Stateful
 from trainguard.trainer.core import StepAction, Trainguard
+from trainguard.trainer.exiting import exit_finished
 from trainguard.trainer.fence import LaunchLocked, StaleAttempt
 from trainguard.trainer.launch import LaunchMismatch
 from trainguard.trainer.loader import resumable_loader
@@ -60,6 +61,7 @@ __all__ = [
     "StepAction",
     "Trainguard",
     "WorkerInit",
+    "exit_finished",
     "find_latest_good",
     "guard_workers",
     "resumable_loader",

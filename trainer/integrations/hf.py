@@ -310,12 +310,15 @@ class TrainguardCallback(TrainerCallback):
         self.close(step=state.global_step)
 
     def close(self, *, step: int) -> None:
-        """Stop the parts: the last heartbeat (exit), the control socket, SIGTERM's handler."""
+        """Stop the parts: the library's private gloo groups, the last heartbeat (exit), the
+        control socket, SIGTERM's handler."""
         if not self._started:
             return
         self._started = False
         self._flush_heartbeat()
         self.agreement.drain()
+        # the two private gloo groups go now, not in the interpreter's teardown (SIGABRT)
+        self.coord.close()
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []

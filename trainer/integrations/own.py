@@ -243,11 +243,14 @@ class OwnCheckpointer:
         return result.ok
 
     def close(self) -> None:
-        """Report the exit and remove the control socket."""
+        """Destroy the library's private gloo groups, report the exit and remove the control
+        socket."""
         if self._closed:
             return
         self._closed = True
         self.agreement.drain()
+        # the two private gloo groups go now, not in the interpreter's teardown (SIGABRT)
+        self.coord.close()
         self.telemetry.event(TrainerEdge.EXIT, {})
         self.telemetry.send(step=self._last_step, phase="exit")
         self.channel.close()
