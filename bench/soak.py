@@ -119,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                         "mttr_s": round(restarted_at - t_fault, 2),
                         "lost_steps": lost,
                         "path": path,
+                        # why the fast path fell back (the restart step's result says it)
+                        **({"result": result[:300]} if path == "fallback" else {}),
                     }
                 ),
                 flush=True,

@@ -277,6 +277,7 @@ class Controller:
             scheduler=self.backend,
             fast_reports_s=config.actions.fast_reports_s,
             fast_reports_window_s=config.actions.fast_reports_window_s,
+            fast_reports_max_nodes=config.actions.fast_reports_max_nodes,
             remediating=lambda: self.runner.remediating,
             job_names=JobNames(
                 max_per_node=config.api.max_unknown_jobs_per_node,

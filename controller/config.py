@@ -467,13 +467,22 @@ class ActionsConfig:
     # a fraction of a report interval, not one each: a node with a command queued or in
     # flight, and for fast_reports_window_s after; every spare while a remediation step is
     # open (a warm standby may be assigned). 0 = off (every node at its own interval).
+    # At most fast_reports_max_nodes nodes report fast at once (the others keep their own
+    # interval): 128 at 0.1 s is at most ~1,300 extra reports a second, within what one
+    # controller ingests (BENCHMARKS.md "Controller scale").
     fast_reports_s: float = 0.1
     fast_reports_window_s: float = 5.0
+    fast_reports_max_nodes: int = 128
 
     def __post_init__(self) -> None:
         if not (self.fast_reports_s == 0 or 0.05 <= self.fast_reports_s <= 10):
             raise Invalid(
                 "fast_reports_s", f"must be 0 (off) or within 0.05..10, got {self.fast_reports_s}"
+            )
+        if not 0 <= self.fast_reports_max_nodes <= 100_000:
+            raise Invalid(
+                "fast_reports_max_nodes",
+                f"must be within 0..100000, got {self.fast_reports_max_nodes}",
             )
         if not 0 <= self.fast_reports_window_s <= 600:
             raise Invalid(

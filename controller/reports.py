@@ -72,6 +72,7 @@ class ReportService:
         job_names: JobNames | None = None,
         fast_reports_s: float = 0.0,
         fast_reports_window_s: float = 5.0,
+        fast_reports_max_nodes: int = 128,
         remediating: Callable[[], bool] = lambda: False,
     ) -> None:
         # the budget of job names the job table does not hold (controller.jobnames)
@@ -116,6 +117,7 @@ class ReportService:
         # fast reports (`report_in_s`): node -> until when it reports every fast_reports_s
         self._fast_s = fast_reports_s
         self._fast_window_s = fast_reports_window_s
+        self._fast_max_nodes = fast_reports_max_nodes
         self._remediating = remediating
         self._fast_until: dict[str, float] = {}
 
@@ -240,21 +242,29 @@ class ReportService:
     def _report_in(self, node: str, now: float, *, commands: bool, spare: bool) -> float | None:
         """`report_in_s` for this answer: fast while the controller acts on the node (a
         command rides on the answer, or did within the window), and for a spare while a
-        remediation step is open; None (the agent's own interval) otherwise. Caller holds
-        the lock."""
+        remediation step is open; None (the agent's own interval) otherwise, and for a node
+        beyond `fast_reports_max_nodes` fast at once. Caller holds the lock."""
         if not self._fast_s:
             return None
-        if commands:
-            self._fast_until[node] = now + self._fast_window_s
-            return self._fast_s
         until = self._fast_until.get(node)
-        if until is not None:
-            if now < until:
-                return self._fast_s
+        if until is not None and now >= until and not commands:
             del self._fast_until[node]
-        if spare and self._remediating():
-            return self._fast_s
-        return None
+            until = None
+        if not commands and until is None and not (spare and self._remediating()):
+            return None
+        if until is None and not self._fast_place(now):
+            return None  # the budget of fast nodes is spent: the agent's own interval
+        if commands or until is None:
+            self._fast_until[node] = now + self._fast_window_s
+        return self._fast_s
+
+    def _fast_place(self, now: float) -> bool:
+        """Whether one more node may report fast; forgets expired ones when at the cap."""
+        if len(self._fast_until) < self._fast_max_nodes:
+            return True
+        for name in [n for n, until in self._fast_until.items() if until <= now]:
+            del self._fast_until[name]
+        return len(self._fast_until) < self._fast_max_nodes
 
     def _refuse_items(self, refused: list[Refusal], *, actor: str, now: float) -> None:
         """Count the items the scope check refused; audit and log each (node, job, reason)

@@ -13,6 +13,7 @@ import pytest
 from tests.builders import gpu
 from tests.unit.controller.job_sim import Sim, running
 from trainguard.clock import FakeClock
+from trainguard.command_args import CheckpointArgs
 from trainguard.controller.composition import Controller
 from trainguard.controller.config import ActionsConfig, ControllerConfig
 from trainguard.strict import ConfigError
@@ -63,6 +64,26 @@ def test_off_when_fast_reports_s_is_zero(
     sim.submit(nodes=["n1"])
     sim.c.tick()
     assert _answer(sim, "n1") == (None, 1)
+
+
+def test_no_more_nodes_report_fast_than_the_budget(
+    make_core: Callable[..., Controller], core_clock: FakeClock, tmp_path: Path
+) -> None:
+    """One fast place: n1 takes it with its start_job; n2's start_job rides on answers at
+    its own interval; once n1's window passed, the place is free again."""
+    sim = Sim(
+        lambda **kw: make_core(**kw, actions={"fast_reports_max_nodes": 1}), core_clock, tmp_path
+    )
+    sim.add("n1")
+    sim.add("n2")
+    sim.submit(nodes=["n1", "n2"])
+    sim.c.tick()
+    assert _answer(sim, "n1") == (FAST_S, 1)
+    assert _answer(sim, "n2") == (None, 1)
+    sim.until(running(sim, attempt=1), max_s=5, what="job running")
+    sim.second(int(WINDOW_S) + 1)
+    sim.c.queue_command("n2", CheckpointArgs(job="job", request_id="r1"), command_id="ckpt-1")
+    assert _answer(sim, "n2") == (FAST_S, 1)
 
 
 def test_config_refuses_a_fast_interval_out_of_bounds(
