@@ -127,7 +127,7 @@ def torchrun_argv(spec: StartJobArgs, *, python: str) -> list[str]:
         "--nproc-per-node",
         str(spec.nproc_per_node),
         "--rdzv-backend",
-        "c10d",
+        spec.rdzv_backend,
         "--rdzv-endpoint",
         spec.rdzv_endpoint,
         "--rdzv-id",
@@ -137,7 +137,10 @@ def torchrun_argv(spec: StartJobArgs, *, python: str) -> list[str]:
     ]
     conf = dict(spec.rdzv_conf)
     is_host = spec.is_host()
-    if is_host is not None:
+    if spec.rdzv_backend == "static":
+        # the node with node rank 0 serves the store; every rank is fixed by the node rank
+        argv += ["--node-rank", str(spec.node_rank)]
+    elif is_host is not None:
         # Explicit, so two nodes on one host never both try to serve the store, and a client
         # that starts first waits for the host instead of serving the store itself.
         conf["is_host"] = "true" if is_host else "false"

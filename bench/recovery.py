@@ -59,8 +59,9 @@ def inject(cluster: DevCluster, fault: str, job: str) -> None:
     elif fault == "xid79":
         cluster.inject("node-2", "xid", gpu=0, code=79)
     elif fault == "kill_rank":
-        # a rank off node-1: that node's torchrun hosts the attempt's c10d store, and its
-        # exit takes every rank with it (docs/controller.md "In-process recovery")
+        # a rank off node-1, the runs measured before in-process jobs used static
+        # rendezvous kept comparable (under c10d, node-1's torchrun serves the store every
+        # torchrun polls: docs/controller.md "In-process recovery")
         rank = next(r.rank for r in cluster.rank_procs(job) if r.node != "node-1")
         cluster.signal_rank(job, rank, signal.SIGKILL)
     elif fault == "node_death":

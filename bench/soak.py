@@ -97,9 +97,10 @@ def main(argv: list[str] | None = None) -> int:
                     free.pop()
             else:
                 kind = "kill_rank"
-                # a torchrun worker off the job's first node if there is one (that node's
-                # torchrun hosts the rendezvous: docs/controller.md "In-process recovery");
-                # standbys that joined the job are no torchrun workers
+                # a torchrun worker off the job's first node if there is one (comparable
+                # with the runs before in-process jobs used static rendezvous: under c10d,
+                # that node's torchrun serves the store every torchrun polls); standbys that
+                # joined the job are no torchrun workers
                 os.kill(workers[0].pid, signal.SIGKILL)
             detail = c.wait(lambda t=t_fault: c.restarted_since(t), timeout_s=180, what="recovery")
             restarted_at, lost = restart_result(detail)

@@ -153,7 +153,7 @@ class SetCheckpointIntervalArgs:
 
 @dataclass(frozen=True)
 class StartJobArgs:
-    """`start_job`: this node's share of a job, run by torchrun with c10d rendezvous.
+    """`start_job`: this node's share of a job, run by torchrun (c10d or static rendezvous).
 
     `command` is the training program and its arguments, run as
     `python -m torch.distributed.run <launcher options> *command`, or `["-m", "pkg.module",
@@ -181,8 +181,17 @@ class StartJobArgs:
     local_addr: str | None = None
     # Extra `--rdzv-conf` keys, e.g. {"join_timeout": "120"}; `is_host` is set by rdzv_host.
     rdzv_conf: dict[str, str] = field(default_factory=dict)
+    # torchrun's rendezvous: "c10d" (every torchrun keeps polling the store the first node's
+    # torchrun serves, so losing that torchrun ends every node's ranks), or "static" (ranks
+    # fixed by node_rank, which is required; a torchrun reads the store only at the start
+    # and the end: the ranks of a job recovered in process outlive the first node's).
+    rdzv_backend: str = "c10d"
 
     def __post_init__(self) -> None:
+        if self.rdzv_backend not in ("c10d", "static"):
+            raise Invalid("rdzv_backend", f"must be 'c10d' or 'static', got {self.rdzv_backend!r}")
+        if self.rdzv_backend == "static" and self.node_rank is None:
+            raise Invalid("node_rank", "is required with rdzv_backend 'static'")
         # names end up in file names (`<job>-<attempt>.log`) and metric labels: the one
         # name pattern of trainguard.bounds
         bad = bad_name_reason(self.job)

@@ -840,6 +840,8 @@ class RestartHandler(JobStep):
                     cwd=spec.cwd,
                     python=spec.python,
                     rdzv_conf=dict(spec.rdzv_conf),
+                    # a job recovered in process must outlive its first node's torchrun
+                    rdzv_backend="static" if spec.recovery.in_process else "c10d",
                 )
             except ValueError as e:  # args the agent would refuse: fail as its refusal does
                 self.jobs.set_state(

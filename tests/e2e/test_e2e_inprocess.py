@@ -2,7 +2,8 @@
 job of examples/trainer_ddp_rejoin.py with `recovery.in_process`, spares that keep a warm
 standby of its module. A DBE on a node of the job: the healthy ranks stay in their processes
 and re-form the world under the next epoch with the spare's standby (no relaunch). A rank
-killed with kill -9 on a healthy node: the same, and that node becomes a spare. Then a DBE
+killed with kill -9 on a healthy node (rank 0, on the first node, whose torchrun serves the
+attempt's store): the same, and that node becomes a spare. Then a DBE
 while the next spare's standby is down: the fast path falls back to the full restart from the
 checkpoint, and the incident says why. The losses are the uninterrupted run's (bitwise
 before the first recovery; after it, within a float32 ulp or two: see below)."""
@@ -151,23 +152,24 @@ def test_a_lost_node_is_recovered_in_process_then_a_missing_standby_falls_back(
     pids = cluster.wait(epoch_2_pids, timeout_s=30, what="every rank at a step of epoch 2")
     assert len(pids & set(before.values())) == 2 and standby_pid in pids, (pids, before)
 
-    # 2. kill -9 of the rank on node-3 (a torchrun worker off node-1, whose torchrun hosts the
-    # attempt's rendezvous): node-3 is healthy, so it joins the spares and node-5's standby
-    # takes its slot; the survivors rejoin in their processes under epoch 3
+    # 2. kill -9 of the rank on node-1, rank 0, whose torchrun serves the attempt's store
+    # (static rendezvous: the other torchruns do not need it once started): node-1 is
+    # healthy, so it joins the spares and node-5's standby takes its slot; the survivors
+    # rejoin in their processes under epoch 3
     warm(cluster, "node-5")
     standby_5 = int((cluster.run_dir / "node-5" / "jobs" / "standby" / "standby.ready").read_text())
-    (victim,) = [r for r in cluster.rank_procs(JOB) if r.node == "node-3"]
+    (victim,) = [r for r in cluster.rank_procs(JOB) if r.node == "node-1"]
     t2 = now()
     os.kill(victim.pid, signal.SIGKILL)
     restart = restart_of(cluster, t2)
     assert restart["result"].startswith("recovered in process: epoch 3"), restart["result"]
     detail = cluster.incident(restart["incident_id"])
     assert detail["incident"]["rule"] == "job_process_failed"
-    assert any("replaced node-3 -> node-5" in e["message"] for e in detail["timeline"])
+    assert any("replaced node-1 -> node-5" in e["message"] for e in detail["timeline"])
     view = cluster.job(JOB)
-    assert (view["nodes"], view["attempt"]) == (["node-1", "node-4", "node-5"], 3), view
-    node_3 = cluster.node("node-3")
-    assert (node_3["role"], node_3["state"], node_3.get("job")) == ("spare", "active", None)
+    assert (view["nodes"], view["attempt"]) == (["node-5", "node-4", "node-3"], 3), view
+    node_1 = cluster.node("node-1")
+    assert (node_1["role"], node_1["state"], node_1.get("job")) == ("spare", "active", None)
 
     def epoch_3_pids() -> set[int] | None:
         pids = {r["pid"] for r in rows(out) if r["epoch"] == 3}
@@ -176,28 +178,28 @@ def test_a_lost_node_is_recovered_in_process_then_a_missing_standby_falls_back(
     survivors = pids - {victim.pid}
     assert cluster.wait(epoch_3_pids, timeout_s=30, what="epoch 3") == survivors | {standby_5}
 
-    # 3. node-3, a spare now, keeps a standby; with it down, the next DBE falls back to the
-    # full restart (and node-3, first of the spares by name, takes the lost node's place)
+    # 3. node-1, a spare now, keeps a standby; with it down, the next DBE falls back to the
+    # full restart (and node-1, the only spare, takes the lost node's place)
     # node-2, repaired after its DBE, comes back as a spare too: once it has, an operator
-    # keeps it out of the spares, so node-3 is the only one
+    # keeps it out of the spares, so node-1 is the only one
     cluster.wait(
         lambda: (v := cluster.node("node-2"))["state"] == "active" and v["role"] == "spare",
         timeout_s=120,
         what="node-2 repaired, back among the spares",
     )
     cluster.api("PUT", "/v1/nodes/node-2/role", json={"role": "active"})
-    warm(cluster, "node-3")
-    ready_file = cluster.run_dir / "node-3" / "jobs" / "standby" / "standby.ready"
+    warm(cluster, "node-1")
+    ready_file = cluster.run_dir / "node-1" / "jobs" / "standby" / "standby.ready"
     os.kill(int(ready_file.read_text()), signal.SIGKILL)
     cluster.wait(
-        lambda: not (cluster.node("node-3").get("standby") or {}).get("ready"),
+        lambda: not (cluster.node("node-1").get("standby") or {}).get("ready"),
         timeout_s=30,
-        what="node-3 to report its standby gone",
+        what="node-1 to report its standby gone",
     )
     t3 = now()
     cluster.inject("node-4", "dbe", gpu=0)
     restart = restart_of(cluster, t3)
-    why = "in-process recovery fell back to a full restart (spare node-3"
+    why = "in-process recovery fell back to a full restart (spare node-1"
     assert restart["result"].startswith(why), restart["result"]
     assert "attempt 4 trains past checkpoint" in restart["result"], restart["result"]
     timeline = cluster.incident(restart["incident_id"])["timeline"]
@@ -210,7 +212,7 @@ def test_a_lost_node_is_recovered_in_process_then_a_missing_standby_falls_back(
         what="the job to finish",
     )
     assert final["state"] == "completed", final
-    assert final["nodes"] == ["node-1", "node-3", "node-5"], final
+    assert final["nodes"] == ["node-5", "node-1", "node-3"], final
     cluster.wait(lambda: reference.poll() is not None, timeout_s=120, what="the reference run")
     assert reference.returncode == 0
     # every rank of the healed job ends with the same weights (the standbys' are the

@@ -216,6 +216,27 @@ def test_torchrun_argv(changes: dict[str, Any], tail: list[str]) -> None:
     assert argv == [*head, *tail, "examples/train.py", "--steps", "100"]
 
 
+def test_static_rendezvous_fixes_ranks_by_node_rank_and_sets_no_host_flag() -> None:
+    spec = parse_start_job(args(node_rank=2, rdzv_backend="static"))
+    argv = torchrun_argv(spec, python="/py")
+    assert argv[argv.index("--rdzv-backend") + 1] == "static"
+    assert argv[argv.index("--node-rank") + 1] == "2"
+    assert "--rdzv-conf" not in argv  # the node rank decides who serves the store
+    assert argv[-3:] == ["examples/train.py", "--steps", "100"]
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [({"rdzv_backend": "etcd"}, "rdzv_backend"), ({"rdzv_backend": "static"}, "node_rank")],
+    ids=["unknown-backend", "static-without-node-rank"],
+)
+def test_a_rendezvous_the_agent_cannot_run_is_refused_naming_the_field(
+    changes: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(JobError, match=rf"args\.{field}: "):
+        parse_start_job(args(**changes))
+
+
 def test_a_module_command_runs_as_torchruns_module_form() -> None:
     spec = parse_start_job(args(command=["-m", "torchtitan.train", "--job.config_file", "x.toml"]))
     argv = torchrun_argv(spec, python="/py")

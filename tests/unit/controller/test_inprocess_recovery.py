@@ -62,6 +62,10 @@ def test_a_lost_node_is_recovered_in_process_with_the_spares_standby(sim: Sim) -
     )
     # no relaunch: the survivor kept its process, the spare's standby became the rank
     assert [a["attempt"] for a in sim.cmds("n2", "start_job")] == [1]
+    # launched with static rendezvous: no torchrun polls the first node's store meanwhile
+    assert [(a["rdzv_backend"], a["node_rank"]) for a in sim.cmds("n2", "start_job")] == [
+        ("static", 1)
+    ]
     assert sim.cmds("n3", "start_job") == []
     assert sim.agents["n2"].launches["job"].pids[0] == survivor_pid
     # rank 0 (n1) was lost: the survivor becomes rank 0 and runs the store, the standby rank 1
