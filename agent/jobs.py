@@ -118,10 +118,12 @@ def _parse(cls: type[A], args: Mapping[str, Any], kind: str) -> A:
 
 def torchrun_argv(spec: StartJobArgs, *, python: str) -> list[str]:
     """The argument list that launches this node's share of the job (never a shell string)."""
+    # a job recovered in process: torchrun with a short exit barrier (trainer/torchrun.py)
+    launcher = "trainguard.trainer.torchrun" if spec.rdzv_backend == "static" else None
     argv = [
         python,
         "-m",
-        "torch.distributed.run",
+        launcher or "torch.distributed.run",
         "--nnodes",
         str(spec.nnodes),
         "--nproc-per-node",

@@ -219,6 +219,8 @@ def test_torchrun_argv(changes: dict[str, Any], tail: list[str]) -> None:
 def test_static_rendezvous_fixes_ranks_by_node_rank_and_sets_no_host_flag() -> None:
     spec = parse_start_job(args(node_rank=2, rdzv_backend="static"))
     argv = torchrun_argv(spec, python="/py")
+    # torchrun with a short exit barrier (trainer/torchrun.py), the same arguments
+    assert argv[:3] == ["/py", "-m", "trainguard.trainer.torchrun"]
     assert argv[argv.index("--rdzv-backend") + 1] == "static"
     assert argv[argv.index("--node-rank") + 1] == "2"
     assert "--rdzv-conf" not in argv  # the node rank decides who serves the store
