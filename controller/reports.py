@@ -224,7 +224,7 @@ class ReportService:
                     new_events = [e for e in new_events if e.job not in refused_names]
             self._change_signals(self._signals.ingest, report, now=now, new_events=new_events)
             commands = self._commands_for(name, now)
-            spare = self._live.node_role(name) == "spare"
+            spare = self._keeps_standby(name, report)
             report_in_s = self._report_in(name, now, commands=bool(commands), spare=spare)
         if refused:
             self._refuse_items(refused, actor=actor, now=now)
@@ -237,6 +237,31 @@ class ReportService:
             job_attempts=stale,
             spare=spare,
             report_in_s=report_in_s,
+        )
+
+    def _keeps_standby(self, name: str, report: Report) -> bool:
+        """`ReportResponse.spare`: the node is a spare, or it replaces a lost node of a job
+        recovered in process and runs none of the job's ranks yet (placed by the replace
+        step, its standby about to be assigned: an answer saying "not a spare" then would
+        stop the very standby the restart step assigns). Caller holds the lock."""
+        rec = self._nodes.get(name)
+        if rec is None:
+            return False
+        if rec.role == "spare":
+            return True
+        if rec.job is None:
+            return False
+        job = self._jobs.get(rec.job)
+        if (
+            job is None
+            or not job.attempt_nodes
+            or name in job.attempt_nodes
+            or name not in job.nodes
+            or not (job.spec.get("recovery") or {}).get("in_process")
+        ):
+            return False
+        return not any(r.job == job.name for r in report.ranks) and not any(
+            p.job == job.name and p.state != "exited" for p in report.jobs
         )
 
     def _report_in(self, node: str, now: float, *, commands: bool, spare: bool) -> float | None:

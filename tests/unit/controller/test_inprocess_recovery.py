@@ -93,6 +93,26 @@ def test_a_lost_node_is_recovered_in_process_with_the_spares_standby(sim: Sim) -
     assert (job.nodes, job.attempt, job.recovery) == (("n3", "n2"), 2, "in_process")
 
 
+def test_the_spare_placed_in_the_job_is_still_told_to_keep_its_standby_until_it_runs_a_rank(
+    sim: Sim,
+) -> None:
+    """The replace step makes n3 an active node of the job before the restart step assigns
+    its standby; an answer saying "not a spare" in between would make its agent stop the
+    standby it is about to assign (seen in the soak: "the warm standby is not ready")."""
+    start(sim)
+    sim.agents["n1"].gpus = (gpu(0, dbe=1),)
+    sim.until(lambda: "n3" in sim.c.get_job("job").nodes, max_s=30, what="n3 placed")
+    assert sim.c.live.node_role("n3") == "active" and "job" not in sim.agents["n3"].launches
+    resp = sim.c.ingest_report(sim.agents["n3"].report(now=sim.clock.now()), actor="t")
+    assert resp.spare is True
+    sim.until(running(sim, attempt=2), max_s=30, what="recovered under epoch 2")
+    resp = sim.c.ingest_report(sim.agents["n3"].report(now=sim.clock.now()), actor="t")
+    assert resp.spare is False  # its standby is the job's rank now
+    # a node of a job that never ran in process is never told to keep one
+    resp = sim.c.ingest_report(sim.agents["n2"].report(now=sim.clock.now()), actor="t")
+    assert resp.spare is False
+
+
 def test_the_replace_step_takes_a_spare_with_a_ready_standby_before_one_earlier_by_name(
     sim: Sim,
 ) -> None:
