@@ -34,6 +34,7 @@ checkpoint.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import logging
@@ -55,7 +56,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from trainguard.membership import Membership
 from trainguard.trainer import ResumableSampler, Trainguard
-from trainguard.trainer.rejoin import PeerLost, join_world, wait_membership
+from trainguard.trainer.rejoin import PeerLost, join_world, settle_ddp_buckets, wait_membership
 from trainguard.trainer.standby_child import MEMBERSHIP_ENV
 
 SAMPLES = 512
@@ -69,6 +70,10 @@ def state_digest(module: torch.nn.Module) -> str:
     for t in module.state_dict().values():
         h.update(t.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def batch_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(model(x), y)
 
 
 def parse() -> argparse.Namespace:
@@ -151,6 +156,9 @@ def main() -> int:
 
     step = tg.join_from_peer() if replacement else tg.resume()
     model = DistributedDataParallel(module)
+    # a DDP built past step 0 first rebuilds its buckets as the uninterrupted run's did
+    # (3+ ranks stay bitwise: trainguard.trainer.settle_ddp_buckets)
+    settle = step > 0
     batches = sampler.batches(loader)
     out = open(args.out, "a") if args.out else None
     while step < args.steps:
@@ -160,6 +168,9 @@ def main() -> int:
                 x, y = next(batches)
                 if args.step_time_s > 0:
                     time.sleep(args.step_time_s)  # a bigger model's compute
+                if settle:
+                    settle_ddp_buckets(model, functools.partial(batch_loss, model, x, y))
+                    settle = False
                 opt.zero_grad()
                 loss = F.mse_loss(model(x), y)
                 loss.backward()
@@ -175,6 +186,7 @@ def main() -> int:
             del model  # its reducer belongs to the old process group
             step = tg.rejoin(next_membership())
             model = DistributedDataParallel(module)
+            settle = step > 0
             batches = sampler.batches(loader)  # the data position may have moved
             continue
         if out is not None:

@@ -32,7 +32,7 @@ from trainguard.trainer.manifest import (
     verify_dir,
 )
 from trainguard.trainer.nan_guard import NanPolicy
-from trainguard.trainer.rejoin import PeerLost, RejoinFailed
+from trainguard.trainer.rejoin import PeerLost, RejoinFailed, settle_ddp_buckets
 from trainguard.trainer.replica import ReplicaConfig
 from trainguard.trainer.retention import RetentionPolicy
 from trainguard.trainer.s3 import S3Config
@@ -65,6 +65,7 @@ __all__ = [
     "find_latest_good",
     "guard_workers",
     "resumable_loader",
+    "settle_ddp_buckets",
     "verify_dir",
     "worker_init_fn",
 ]

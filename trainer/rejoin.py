@@ -257,3 +257,33 @@ def join_world(m: Membership) -> None:
         m.store_host,
         m.store_port,
     )
+
+
+def settle_ddp_buckets(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor]) -> None:
+    """Make a DDP wrapper built at a step > 0 (after `rejoin()`, in a replacement after
+    `join_from_peer()`, after a resume) reduce its gradients the way the long-running one
+    does, so the steps after a recovery are bitwise the uninterrupted run's.
+
+    A new DistributedDataParallel all-reduces its first backward as one bucket in parameter
+    order and only then rebuilds its buckets in the order gradients become ready; gloo's ring
+    all-reduce adds an element's contributions in an order set by its offset in the bucket, so
+    with 3 or more ranks that first step's sums differ from the uninterrupted run's in the
+    last bit (with 2 ranks a + b == b + a and nothing shows). One discarded forward and
+    backward, on every rank (it is a collective), lets DDP rebuild first: `loss_fn` computes
+    the loss of the next batch through `model`. The CPU (and CUDA) RNG state and the module's
+    buffers are restored afterwards and the gradients are left for the caller's
+    `zero_grad()`. Call it inside `peer_loss_guard()`: a peer lost during it is a `PeerLost`.
+    Assumes the gradient-ready order is the same every step (no `find_unused_parameters`, no
+    dynamic graph), as the bitwise claim does anyway.
+    """
+    module = getattr(model, "module", model)
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    buffers = [b.detach().clone() for b in module.buffers()]
+    loss_fn().backward()
+    torch.set_rng_state(cpu_rng)
+    if cuda_rng is not None:
+        torch.cuda.set_rng_state_all(cuda_rng)
+    with torch.no_grad():
+        for b, saved in zip(module.buffers(), buffers, strict=True):
+            b.copy_(saved)
