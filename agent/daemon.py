@@ -508,6 +508,8 @@ class Agent:
             "origin_of": self._senders.origin,
             "claims": JobClaims(launched=self._running_jobs),
             "on_event": self._wake_loop,  # a rank's event is spooled and reported now
+            # a rank that exited is reported once more, with its last steps, then forgotten
+            "keep_exited_until_reported": bool(self.config.controller.resolved_urls()),
         }
         try:
             return HeartbeatServer(path=hb.socket_path, **kwargs)
@@ -1154,7 +1156,7 @@ class Agent:
             labels=self.config.node.report_labels(),
             gpus=snap.gpus if snap else (),
             ib_ports=snap.ib_ports if snap else (),
-            ranks=self.heartbeat.ranks() if self.heartbeat else (),
+            ranks=self.heartbeat.ranks(report=True) if self.heartbeat else (),
             jobs=(*self.jobs.processes(), *self.standby_ranks.processes()) if self.jobs else (),
             events=events,
             standby=(

@@ -104,6 +104,8 @@ class _Track:
     step_changed_mono: float
     sender_pid: int = -1  # from the kernel's credentials, in the agent's pid namespace
     sender_uid: int = -1  # likewise; the control socket it names must be this user's
+    # whether a report took this rank's state since its last heartbeat (`ranks(report=True)`)
+    reported: bool = False
 
 
 def _process_gone(pid: int, proc_root: str = "/proc") -> bool:
@@ -169,11 +171,15 @@ class HeartbeatServer:
         origin_of: Callable[[int, int], Origin] | None = None,
         claims: JobClaims | None = None,
         on_event: Callable[[], None] | None = None,
+        keep_exited_until_reported: bool = False,
     ) -> None:
         self.path = Path(path)
         # called (outside the lock, never blocking) after a datagram carrying an event was
         # accepted: the agent spools it now, not at its next tick
         self._on_event = on_event
+        # a rank whose process exited stays until a report took its last state (its last
+        # steps and its `exit`), not forgotten before the controller saw them
+        self._keep_until_reported = keep_exited_until_reported
         # Who sent a datagram (pid, uid from the kernel) -> what it belongs to; without a
         # resolver every sender is a plain user process known by its uid.
         self._origin_of = origin_of or (lambda pid, uid: Origin("user", uid))
@@ -436,6 +442,7 @@ class HeartbeatServer:
             track.step_changed_mono = now_mono
         track.hb = hb
         track.seen_mono = now_mono
+        track.reported = False
         track.sender_pid = sender_pid
         track.sender_uid = sender_uid
         self.received_total += 1
@@ -473,22 +480,27 @@ class HeartbeatServer:
         for key in [
             k
             for k, t in self._ranks.items()
-            if t.sender_pid > 0 and _process_gone(t.sender_pid, self._proc_root)
+            if t.sender_pid > 0
+            and (t.reported or not self._keep_until_reported)
+            and _process_gone(t.sender_pid, self._proc_root)
         ]:
             del self._ranks[key]
             log.info("event=rank_forgotten job=%s rank=%d reason=process_exited", key[0], key[1])
 
     # -- reading state ---------------------------------------------------------------------
 
-    def ranks(self) -> tuple[RankState, ...]:
-        """Every tracked rank with ages at the clock's current time; forgets silent ranks."""
+    def ranks(self, *, report: bool = False) -> tuple[RankState, ...]:
+        """Every tracked rank with ages at the clock's current time; forgets silent ranks.
+        `report`: the states go into a report (a rank whose process exited is forgotten once
+        one did, with keep_exited_until_reported)."""
         now_mono = self._clock.monotonic()
         with self._lock:
             self._expire(now_mono)
-            return tuple(
-                _rank_state(t, now_mono)
-                for _, t in sorted(self._ranks.items(), key=lambda kv: kv[0])
-            )
+            tracks = [t for _, t in sorted(self._ranks.items(), key=lambda kv: kv[0])]
+            if report:
+                for t in tracks:
+                    t.reported = True
+            return tuple(_rank_state(t, now_mono) for t in tracks)
 
     def drain_events(self) -> list[TrainerEvent]:
         with self._lock:

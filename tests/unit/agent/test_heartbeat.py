@@ -388,3 +388,28 @@ def test_rank_whose_process_exited_is_forgotten_but_a_live_one_stays(
         assert [r.rank for r in srv.ranks()] == [0, 3]
     finally:
         srv.close()
+
+
+def test_with_a_controller_an_exited_rank_is_reported_once_with_its_last_step_then_forgotten(
+    sockdir: Path, clock: FakeClock, tmp_path: Path
+) -> None:
+    """A rank that sends its last steps and exits between two reports: the next report
+    still carries them (the job's last step, its `exit`), then the rank is forgotten."""
+    (tmp_path / "300").mkdir()
+    (tmp_path / "300" / "stat").write_text("300 (python) S 1 2 3\n")
+    srv = HeartbeatServer(
+        path=sockdir / "hb.sock",
+        clock=clock,
+        proc_root=str(tmp_path),
+        keep_exited_until_reported=True,
+    )
+    try:
+        srv.handle_datagram(hb(rank=0, step=29), pid=300)
+        assert [r.step for r in srv.ranks(report=True)] == [29]
+        srv.handle_datagram(hb(rank=0, step=30, phase="exit"), pid=300)
+        (tmp_path / "300" / "stat").unlink()  # the process is gone
+        assert [r.step for r in srv.ranks()] == [30]  # a loop tick: kept, not reported yet
+        assert [(r.step, r.phase) for r in srv.ranks(report=True)] == [(30, "exit")]
+        assert srv.ranks() == () and srv.ranks(report=True) == ()
+    finally:
+        srv.close()
