@@ -252,13 +252,11 @@ class ReportService:
         if rec.job is None:
             return False
         job = self._jobs.get(rec.job)
-        if (
-            job is None
-            or not job.attempt_nodes
-            or name in job.attempt_nodes
-            or name not in job.nodes
-            or not (job.spec.get("recovery") or {}).get("in_process")
-        ):
+        # the cheap test first: most jobs are not recovered in process, and the node lists
+        # of a large job are long
+        if job is None or not (job.spec.get("recovery") or {}).get("in_process"):
+            return False
+        if not job.attempt_nodes or name in job.attempt_nodes or name not in job.nodes:
             return False
         return not any(r.job == job.name for r in report.ranks) and not any(
             p.job == job.name and p.state != "exited" for p in report.jobs

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import math
 import random
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -250,11 +252,21 @@ def test_job_attempts_in_the_answer_reach_the_callback_before_its_commands(
     rep.close()
 
 
-def _run_in_thread(rep: Reporter) -> tuple[threading.Event, threading.Thread]:
+@contextlib.contextmanager
+def _running(rep: Reporter) -> Iterator[None]:
+    """`rep.run` on a thread for the block; stopped (a nudge ends its wait at once), joined and
+    closed after it."""
     stop = threading.Event()
     t = threading.Thread(target=rep.run, args=(stop, lambda cmds: None), daemon=True)
     t.start()
-    return stop, t
+    try:
+        yield
+    finally:
+        stop.set()
+        rep.nudge()
+        t.join(5.0)
+        rep.close()
+    assert not t.is_alive()
 
 
 def _real_clock_reporter(url: str, spool: EventSpool, **kw: Any) -> Reporter:
@@ -281,19 +293,12 @@ def test_report_in_s_from_the_controller_brings_the_next_reports_forward(
     assert rep.report_once().retry_in_s == 3600.0
     fake_controller.service.report_in_s["node-1"] = 0.2
     before = len(fake_controller.service.reports)
-    stop, t = _run_in_thread(rep)
-    try:
+    with _running(rep):
         wait_for(
             lambda: len(fake_controller.service.reports) >= before + 4 or None,
             timeout_s=30.0,
             what="reports the controller asked for sooner than the interval",
         )
-    finally:
-        stop.set()
-        rep.nudge()
-        t.join(5.0)
-    assert not t.is_alive()
-    rep.close()
 
 
 def test_a_spooled_event_is_reported_at_once_not_at_the_interval(
@@ -301,8 +306,7 @@ def test_a_spooled_event_is_reported_at_once_not_at_the_interval(
 ) -> None:
     spool = EventSpool(max_events=10)
     rep = _real_clock_reporter(fake_controller.url, spool, interval_s=3600.0, backoff_max_s=3600.0)
-    stop, t = _run_in_thread(rep)
-    try:
+    with _running(rep):
         wait_for(lambda: len(fake_controller.service.reports) == 1 or None, timeout_s=30.0,
                  what="the first report")  # fmt: skip
         spool.add(kind="xid", ts=1.0, gpu=0, code=48)
@@ -314,12 +318,6 @@ def test_a_spooled_event_is_reported_at_once_not_at_the_interval(
         )
         assert [(e.kind, e.code) for e in got] == [("xid", 48)]
         wait_for(lambda: len(spool) == 0 or None, timeout_s=30.0, what="the XID acknowledged")
-    finally:
-        stop.set()
-        rep.nudge()  # the stop is seen at once, not at the end of the wait
-        t.join(5.0)
-    assert not t.is_alive()
-    rep.close()
 
 
 def test_a_nudge_does_not_cut_the_back_off_from_a_failing_controller(
@@ -329,8 +327,7 @@ def test_a_nudge_does_not_cut_the_back_off_from_a_failing_controller(
     # the first report goes at once; its failure backs off ~30 s (the interval is the base)
     rep = _real_clock_reporter(fake_controller.url, spool, interval_s=30.0, backoff_max_s=3600.0)
     fake_controller.forced_status = 500
-    stop, t = _run_in_thread(rep)
-    try:
+    with _running(rep):
         wait_for(lambda: fake_controller.statuses(500) >= 1 or None, timeout_s=30.0,
                  what="a failed report")  # fmt: skip
         failed = fake_controller.statuses(500)
@@ -340,8 +337,3 @@ def test_a_nudge_does_not_cut_the_back_off_from_a_failing_controller(
         # the loop saw the nudges (it took the event flag) and sent nothing more meanwhile
         wait_for(lambda: not rep._nudged.is_set() or None, timeout_s=30.0, what="nudges taken")
         assert fake_controller.statuses(500) == failed
-    finally:
-        stop.set()
-        rep.nudge()
-        t.join(5.0)
-    rep.close()
