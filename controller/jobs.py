@@ -390,6 +390,13 @@ class JobManager:
         changes: dict[str, Any] = {"state": wanted.value, "state_reason": reason}
         if wanted.finished:
             changes["ended_at"] = now
+            # the ranks' last steps, which the tick (only for live jobs) would never store:
+            # a job that ends between two ticks keeps where it ended, not where it was
+            step, ckpt = self.latest_steps(name)
+            if step is not None and step != current.last_step:
+                changes["last_step"] = step
+            if ckpt is not None and ckpt != current.ckpt_step:
+                changes["ckpt_step"] = ckpt
         if wanted is JobState.RUNNING and current.started_at is None:
             # the restart step can see the first attempt train before the tick does
             changes["started_at"] = now

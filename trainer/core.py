@@ -314,6 +314,9 @@ class Trainguard:
             return first_step
         step, manifest = found
         self._completed_step = step
+        # the rank stands at the checkpoint's step until it trains further: a run that
+        # resumes at its end and exits reports that step, not 0
+        self._last_step = step
         self.telemetry.checkpoint_loaded(step=step, request_id=manifest.request_id)
         source = self.checkpoints.restore_source
         if source is not None and source != "local":

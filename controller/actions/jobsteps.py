@@ -54,6 +54,10 @@ log = logging.getLogger("trainguard.controller.jobsteps")
 _UNKNOWN_POLL_S = 1.0
 
 
+# a job in one of these ended without the incident's help: a rule's job step skips it
+_DONE_BY_ITSELF = frozenset({JobState.COMPLETED.value, JobState.STOPPED.value})
+
+
 def _no_job(ctx: ActionContext) -> Outcome:
     where = ctx.params.get("node") or ctx.params.get("job") or ctx.action.target
     return Outcome(message=f"skipped: no job runs on {where}", skipped=True)
@@ -110,6 +114,16 @@ class JobStep:
         job = _job_of(self.jobs, ctx)
         if job is None:
             return _no_job(ctx)
+        if ctx.incident is not None and not ctx.progress and job.state in _DONE_BY_ITSELF:
+            # the job ended on its own (or an operator stopped it) while its incident's plan
+            # ran: nothing is left to save, replace or restart. A step already under way goes
+            # on (its attempt may be the one that completed); an operator's step always runs.
+            return Outcome(
+                message=f"skipped: job {job.name} is {job.state}"
+                f" ({job.state_reason or 'no reason given'}): nothing to"
+                f" {getattr(self, 'kind', 'do')}",
+                skipped=True,
+            )
         return self.run_job(ctx, job, dict(ctx.progress))
 
     def run_job(self, ctx: ActionContext, job: JobRecord, progress: dict[str, Any]) -> Outcome:

@@ -50,6 +50,8 @@ class _Launch:
     world: int = 1
     # set by a rejoin / a standby assignment: the global rank of each local process
     ranks: list[int] | None = None
+    # exited, its ranks' last state not reported yet (the agent keeps them for one report)
+    last_words: bool = False
 
     def rank(self, i: int) -> int:
         return self.ranks[i] if self.ranks is not None else self.node_rank * self.nproc + i
@@ -117,8 +119,9 @@ class FakeJobAgent:
             jobs.append(
                 JobProcess(job=job, attempt=launch.attempt, state=launch.state, pid=launch.pids[0])  # type: ignore[arg-type]
             )
-            if launch.state != "running":
+            if launch.state != "running" and not launch.last_words:
                 continue
+            launch.last_words = False
             ckpt = self.ckpts.committed.get(job)
             for i, pid in enumerate(launch.pids):
                 ranks.append(
@@ -220,6 +223,20 @@ class FakeJobAgent:
             self.ckpts.live[job] = max(self.ckpts.live.get(job, 0), launch.step)
             if launch.step % self.ckpts.every_steps == 0:
                 self.ckpts.committed[job] = max(self.ckpts.committed.get(job, 0), launch.step)
+
+    def finish(self, job: str) -> None:
+        """The job's ranks end their run: torchrun exits 0. The next report carries the ranks'
+        last state with the exit, as the agent's does."""
+        launch = self.launches[job]
+        launch.state = "exited"
+        launch.last_words = True
+        self.event(
+            "job_exit",
+            job=job,
+            code=0,
+            message="exited with code 0",
+            data={"attempt": launch.attempt, "stopped": False, "output_tail": ""},
+        )
 
     def crash(self, job: str, *, code: int = 1) -> None:
         """A rank dies (kill -9): torchrun exits non-zero, not asked to."""

@@ -150,6 +150,7 @@ class OwnCheckpointer:
     def resumed(self, step: int) -> None:
         """The job loaded its own checkpoint of `step`: it is the newest one (heartbeat)."""
         self.agreement.drain()
+        self._last_step = step  # the rank stands there until it trains further
         self.telemetry.checkpoint_loaded(step=step, request_id=None)
         log.info("event=resumed job=%s rank=%d step=%d", self.job, self.rank, step)
 

@@ -197,6 +197,43 @@ def test_crashed_process_restarts_on_the_same_nodes_at_once(sim):
     ]
 
 
+def test_a_job_that_ends_between_two_ticks_keeps_the_step_it_ended_at(sim):
+    sim.submit(nodes=["n1", "n2"])
+    sim.until(running(sim, attempt=1), max_s=5, what="job running")
+    sim.second(5)
+    ticked = sim.c.get_job("job").last_step
+    for agent in (sim.agents["n1"], sim.agents["n2"]):
+        agent.train()  # a last step and the exit within one report, no tick between
+        agent.finish("job")
+        sim._report(agent)
+    for agent in (sim.agents["n1"], sim.agents["n2"]):
+        sim._report(agent)  # the exited ranks are gone from the live view
+    job = sim.c.get_job("job")
+    assert (job.state, job.ranks) == ("completed", 0), job
+    assert job.last_step == ticked + 1
+
+
+def test_a_job_that_completes_while_its_incident_acts_is_not_restarted(sim):
+    sim.submit(nodes=["n1", "n2"])
+    sim.until(running(sim, attempt=1), max_s=5, what="job running")
+    sim.second(5)
+    sim.agents["n1"].gpus = (gpu(0, dbe=1),)
+    sim._report(sim.agents["n1"])
+    sim.c.tick()  # the incident opens, its plan begins
+    for agent in (sim.agents["n1"], sim.agents["n2"]):
+        agent.finish("job")  # the run reaches its end before the plan stops it
+        sim._report(agent)
+    sim.until(
+        lambda: sim.incident("gpu_dbe").incident.state != "acting", max_s=60, what="the plan to end"
+    )
+    job = sim.c.get_job("job")
+    assert (job.state, job.attempt, job.restarts) == ("completed", 1, 0), job
+    steps = {a.kind: a.state for a in sim.incident("gpu_dbe").actions}
+    assert steps["drain"] == "succeeded"  # the sick node still leaves service
+    assert (steps["replace"], steps["restart"]) == ("skipped", "skipped"), steps
+    assert not sim.cmds("n3", "start_job")
+
+
 def test_stopped_exit_is_not_a_crash(sim):
     sim.submit(nodes=["n1", "n2"])
     sim.until(running(sim, attempt=1), max_s=5, what="job running")

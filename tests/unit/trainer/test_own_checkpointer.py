@@ -135,3 +135,11 @@ def test_resumed_reports_the_jobs_checkpoint_as_the_newest(agent: FakeAgent) -> 
     own.step(41, loss=1.0)
     own.close()
     assert agent.drain()[-1].ckpt_step == 40
+
+
+def test_a_run_resumed_at_its_end_reports_the_resumed_step(agent: FakeAgent) -> None:
+    own = guard(Saves())
+    own.resumed(40)
+    own.close()
+    last = agent.drain()[-1]
+    assert (last.phase, last.step, last.ckpt_step) == ("exit", 40, 40)

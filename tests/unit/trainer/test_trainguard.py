@@ -120,6 +120,22 @@ def test_heartbeats_carry_steps_events_and_committed_checkpoint(
     assert not Path(str(tg.channel.control_socket)).exists()
 
 
+def test_a_run_resumed_at_its_end_reports_the_checkpoints_step_not_0(
+    tmp_path: Path, agent: FakeAgent
+) -> None:
+    # a restart that finds the job done (its last checkpoint at its last step) trains no
+    # step: its exit heartbeat still names where the job stands (the controller's last_step)
+    job = TinyJob()
+    tg = job.guard(tmp_path, checkpoint_every=8)
+    job.run(tg, 1, 8)
+    tg.close()
+    again = TinyJob().guard(tmp_path, checkpoint_every=8)
+    assert again.resume() == 9
+    again.close()
+    last = agent.drain()[-1]
+    assert (last.event, last.step, last.ckpt_step) == ("exit", 8, 8)
+
+
 def test_requested_checkpoint_commits_at_this_step_and_reports_its_id(
     tmp_path: Path, agent: FakeAgent
 ) -> None:
