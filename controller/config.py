@@ -34,6 +34,16 @@ def _positive(key: str, value: float) -> None:
         raise Invalid(key, f"must be > 0, got {value}")
 
 
+def _within(key: str, value: float, lo: float, hi: float) -> None:
+    """Invalid(key) unless lo <= value <= hi, naming the bounds."""
+    if not lo <= value <= hi:
+        raise Invalid(key, f"must be within {_bound(lo)}..{_bound(hi)}, got {value}")
+
+
+def _bound(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
 CREDENTIALS_VAR = "CREDENTIALS_DIRECTORY"
 _CREDENTIALS_REF = "${" + CREDENTIALS_VAR + "}"
 
@@ -146,12 +156,8 @@ class StoreConfig:
             object.__setattr__(
                 self, "password_file", expand_credentials(self.password_file, key="password_file")
             )
-        if not 1 <= self.connect_timeout_s <= 300:
-            raise Invalid(
-                "connect_timeout_s", f"must be within 1..300, got {self.connect_timeout_s}"
-            )
-        if not 0 <= self.page_after_s <= 3600:
-            raise Invalid("page_after_s", f"must be within 0..3600, got {self.page_after_s}")
+        _within("connect_timeout_s", self.connect_timeout_s, 1, 300)
+        _within("page_after_s", self.page_after_s, 0, 3600)
 
     @property
     def location(self) -> str:
@@ -195,8 +201,7 @@ class ConnectionsConfig:
     total_body_bytes: int = 256 * 1024 * 1024
 
     def __post_init__(self) -> None:
-        if not 0 <= self.max_open <= 1_000_000:
-            raise Invalid("max_open", f"must be within 0..1000000, got {self.max_open}")
+        _within("max_open", self.max_open, 0, 1_000_000)
         for name in ("header_timeout_s", "body_timeout_s", "idle_timeout_s"):
             _positive(name, getattr(self, name))
         if self.per_credential_requests < 1:
@@ -264,29 +269,18 @@ class ApiConfig:
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, expand_credentials(value, key=name))
-        if not 0 <= self.ingest_workers <= 64:
-            raise Invalid("ingest_workers", f"must be within 0..64, got {self.ingest_workers}")
-        if not 0 <= self.port <= 65535:
-            raise Invalid("port", f"must be within 0..65535, got {self.port}")
+        _within("ingest_workers", self.ingest_workers, 0, 64)
+        _within("port", self.port, 0, 65535)
         _positive("max_body_bytes", self.max_body_bytes)
         if self.connections.per_credential_body_bytes < self.max_body_bytes:
             raise Invalid(
                 "connections.per_credential_body_bytes",
                 f"must be >= max_body_bytes ({self.max_body_bytes}): one full body must pass",
             )
-        if not 1 <= self.max_nodes <= 1_000_000:
-            raise Invalid("max_nodes", f"must be within 1..1000000, got {self.max_nodes}")
-        if not 1 <= self.max_silences <= 100_000:
-            raise Invalid("max_silences", f"must be within 1..100000, got {self.max_silences}")
-        if not 0 <= self.max_unknown_jobs_per_node <= 100_000:
-            raise Invalid(
-                "max_unknown_jobs_per_node",
-                f"must be within 0..100000, got {self.max_unknown_jobs_per_node}",
-            )
-        if not 0 <= self.max_unknown_jobs <= 1_000_000:
-            raise Invalid(
-                "max_unknown_jobs", f"must be within 0..1000000, got {self.max_unknown_jobs}"
-            )
+        _within("max_nodes", self.max_nodes, 1, 1_000_000)
+        _within("max_silences", self.max_silences, 1, 100_000)
+        _within("max_unknown_jobs_per_node", self.max_unknown_jobs_per_node, 0, 100_000)
+        _within("max_unknown_jobs", self.max_unknown_jobs, 0, 1_000_000)
         _positive("unknown_job_expire_s", self.unknown_job_expire_s)
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise Invalid("tls_key_file", "tls_cert_file and tls_key_file go together")
@@ -479,16 +473,8 @@ class ActionsConfig:
             raise Invalid(
                 "fast_reports_s", f"must be 0 (off) or within 0.05..10, got {self.fast_reports_s}"
             )
-        if not 0 <= self.fast_reports_max_nodes <= 100_000:
-            raise Invalid(
-                "fast_reports_max_nodes",
-                f"must be within 0..100000, got {self.fast_reports_max_nodes}",
-            )
-        if not 0 <= self.fast_reports_window_s <= 600:
-            raise Invalid(
-                "fast_reports_window_s",
-                f"must be within 0..600, got {self.fast_reports_window_s}",
-            )
+        _within("fast_reports_max_nodes", self.fast_reports_max_nodes, 0, 100_000)
+        _within("fast_reports_window_s", self.fast_reports_window_s, 0, 600)
         if self.max_attempts < 1:
             raise Invalid("max_attempts", f"must be >= 1, got {self.max_attempts}")
         _positive("backoff_initial_s", self.backoff_initial_s)
@@ -806,8 +792,7 @@ class RetentionConfig:
         ):
             if getattr(self, name) < 0:
                 raise Invalid(name, f"must be >= 0 (0 keeps forever), got {getattr(self, name)}")
-        if not 1 <= self.batch_rows <= 100_000:
-            raise Invalid("batch_rows", f"must be within 1..100000, got {self.batch_rows}")
+        _within("batch_rows", self.batch_rows, 1, 100_000)
 
     def max_age_s(self, table: str) -> float | None:
         """Seconds rows of `table` (events, commands, incidents, operator_actions, audit) are
@@ -860,8 +845,7 @@ class HaConfig:
     renew_interval_s: float | None = None
 
     def __post_init__(self) -> None:
-        if not 2.0 <= self.lease_s <= 300.0:
-            raise Invalid("lease_s", f"must be within 2..300, got {self.lease_s}")
+        _within("lease_s", self.lease_s, 2.0, 300.0)
         if self.renew_interval_s is None:
             object.__setattr__(self, "renew_interval_s", self.lease_s / 3)
         elif not 0.1 <= self.renew_interval_s <= self.lease_s / 2:
@@ -921,17 +905,11 @@ class RuleBudgetConfig:
     tick_budget_s: float = 3.0
 
     def __post_init__(self) -> None:
-        if not 1 <= self.nodes <= 1_000_000:
-            raise Invalid("nodes", f"must be within 1..1000000, got {self.nodes}")
-        if not 0 <= self.moving_counters_percent <= 100:
-            raise Invalid(
-                "moving_counters_percent",
-                f"must be within 0..100, got {self.moving_counters_percent}",
-            )
+        _within("nodes", self.nodes, 1, 1_000_000)
+        _within("moving_counters_percent", self.moving_counters_percent, 0, 100)
         for name in ("gpus_per_node", "nvlinks_per_gpu", "ib_ports_per_node", "ranks_per_node"):
             value = getattr(self, name)
-            if not 1 <= value <= 1024:
-                raise Invalid(name, f"must be within 1..1024, got {value}")
+            _within(name, value, 1, 1024)
         _positive("max_cost_per_rule", self.max_cost_per_rule)
         if self.max_cost_total < self.max_cost_per_rule:
             raise Invalid(
